@@ -1,0 +1,1 @@
+"""flagella: the operator CLI."""

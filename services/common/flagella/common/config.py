@@ -1,0 +1,171 @@
+"""Typed configuration from flags and environment, failing fast.
+
+A service's configuration is a frozen dataclass. Each field is an option:
+flag ``--field-name``, environment ``FLAGELLA_<SVC>_FIELD_NAME``, then the
+cluster-wide ``FLAGELLA_FIELD_NAME``, then the default; flags win. Types are
+str, int, float, bool and tuple[str, ...] (repeat the flag or separate by
+commas). A field's ``parse`` checks and converts one value; ``validate()``
+checks the whole. Any problem raises ConfigError, which the bootstrap prints as
+one line before exiting with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import ipaddress
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NoReturn, TypeVar
+
+from flagella.common.errors import ConfigError
+
+T = TypeVar("T", bound="ServiceConfig")
+Parser = Callable[[str], Any]
+
+
+def option(
+    default: Any,
+    help: str,
+    *,
+    parse: Parser | None = None,
+    choices: Sequence[str] | None = None,
+) -> Any:
+    """A config field: its default, help text and optional per-value parser."""
+    return field(default=default, metadata={"help": help, "parse": parse, "choices": choices})
+
+
+def parse_host_port(value: str) -> str:
+    """host:port with a port in 1..65535, or unix:PATH."""
+    if value.startswith("unix:"):
+        if len(value) <= len("unix:"):
+            raise ValueError("unix: needs a socket path")
+        return value
+    host, sep, port = value.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"{value!r} is not host:port")
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{value!r} has no valid port (0-65535)")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not host:
+        raise ValueError(f"{value!r} has an empty host")
+    return value
+
+
+def parse_cidr(value: str) -> str:
+    """A network in CIDR notation, host bits zero (10.0.0.0/8, fd00::/104)."""
+    try:
+        net = ipaddress.ip_network(value, strict=True)
+    except ValueError as exc:
+        raise ValueError(f"{value!r} is not a valid CIDR ({exc})") from None
+    return str(net)
+
+
+def parse_ip(value: str) -> str:
+    try:
+        return str(ipaddress.ip_address(value))
+    except ValueError:
+        raise ValueError(f"{value!r} is not a valid IP address") from None
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Options every service has."""
+
+    listen: str = option("127.0.0.1:50050", "gRPC address to serve on", parse=parse_host_port)
+    etcd_endpoints: tuple[str, ...] = option(
+        ("127.0.0.1:2379",),
+        "etcd client endpoints (host:port, comma-separated)",
+        parse=parse_host_port,
+    )
+    etcd_timeout: float = option(5.0, "timeout of one etcd request, seconds")
+    log_level: str = option("info", "log level", choices=("debug", "info", "warning", "error"))
+    shutdown_grace: float = option(5.0, "seconds in-flight calls get to finish on SIGTERM")
+
+    def validate(self) -> None:
+        """Cross-field checks; raise ConfigError."""
+        if self.etcd_timeout <= 0:
+            raise ConfigError("--etcd-timeout", "must be positive")
+        if self.shutdown_grace < 0:
+            raise ConfigError("--shutdown-grace", "must not be negative")
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError("arguments", message)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _convert(opt: str, raw: str, typ: Any, meta: Mapping[str, Any]) -> Any:
+    parse: Parser | None = meta.get("parse")
+    choices: Sequence[str] | None = meta.get("choices")
+    try:
+        if typ is bool:
+            low = raw.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off", ""):
+                return False
+            raise ValueError(f"{raw!r} is not a boolean")
+        if typ is int:
+            return int(raw)
+        if typ is float:
+            return float(raw)
+        if choices is not None and raw not in choices:
+            raise ValueError(f"{raw!r} is not one of {', '.join(choices)}")
+        return parse(raw) if parse else raw
+    except ValueError as exc:
+        raise ConfigError(opt, str(exc)) from None
+
+
+def load_config(
+    cls: type[T],
+    *,
+    prog: str,
+    env_prefix: str,
+    argv: Sequence[str],
+    environ: Mapping[str, str],
+    description: str = "",
+) -> T:
+    """Build and validate ``cls`` from argv and environ. Raises ConfigError."""
+    hints = typing.get_type_hints(cls)
+    parser = _OneLineParser(prog=prog, description=description)
+    fields = [f for f in dataclasses.fields(cls) if f.init]
+    for f in fields:
+        typ = hints[f.name]
+        kwargs: dict[str, Any] = {"dest": f.name, "help": f.metadata.get("help", "")}
+        if typ is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(typ) is tuple:
+            kwargs["action"] = "append"
+        parser.add_argument(_flag(f.name), default=None, **kwargs)
+    ns = parser.parse_args(list(argv))
+
+    values: dict[str, Any] = {}
+    for f in fields:
+        typ = hints[f.name]
+        flag_value = getattr(ns, f.name)
+        env_names = (f"{env_prefix}{f.name.upper()}", f"FLAGELLA_{f.name.upper()}")
+        env_value = next((environ[n] for n in env_names if n in environ), None)
+        if flag_value is None and env_value is None:
+            continue
+        opt = (
+            _flag(f.name) if flag_value is not None else next(n for n in env_names if n in environ)
+        )
+        if typing.get_origin(typ) is tuple:
+            raw_items = flag_value if flag_value is not None else [env_value]
+            items = [p.strip() for raw in raw_items for p in str(raw).split(",") if p.strip()]
+            values[f.name] = tuple(_convert(opt, item, str, f.metadata) for item in items)
+        elif typ is bool and isinstance(flag_value, bool):
+            values[f.name] = flag_value
+        else:
+            raw = flag_value if flag_value is not None else env_value
+            values[f.name] = _convert(opt, str(raw), typ, f.metadata)
+    cfg = cls(**values)
+    cfg.validate()
+    return cfg

@@ -1,0 +1,467 @@
+"""A typed asyncio etcd v3 client over aetcd: key-value and transactions,
+leases kept alive (and replaced, with a callback, when lost), and prefix
+watches that start with a snapshot and survive etcd restarts.
+
+Every etcd failure surfaces as flagella.common.errors.Unavailable, so callers
+answer UNAVAILABLE and nothing is half-written (writes that must be atomic go
+through one transaction).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aetcd
+import aetcd.exceptions
+import aetcd.rpc as etcd_rpc
+import grpc
+
+from flagella.common.errors import Unavailable
+
+log = logging.getLogger(__name__)
+
+
+class Compacted(Exception):
+    """A watch asked for a revision etcd has compacted away."""
+
+    def __init__(self, compacted_revision: int) -> None:
+        super().__init__(f"revision compacted below {compacted_revision}")
+        self.compacted_revision = compacted_revision
+
+
+@dataclass(frozen=True, slots=True)
+class KeyValue:
+    key: str
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    version: int
+    lease: int
+
+    @classmethod
+    def from_proto(cls, kv: Any) -> KeyValue:
+        return cls(
+            key=kv.key.decode(),
+            value=kv.value,
+            create_revision=kv.create_revision,
+            mod_revision=kv.mod_revision,
+            version=kv.version,
+            lease=kv.lease,
+        )
+
+
+class EventType(enum.Enum):
+    PUT = "put"
+    DELETE = "delete"
+
+
+@dataclass(frozen=True, slots=True)
+class WatchEvent:
+    type: EventType
+    # For DELETE, value is empty and mod_revision is the deletion's revision.
+    kv: KeyValue
+
+    @property
+    def revision(self) -> int:
+        return self.kv.mod_revision
+
+
+class StreamKind(enum.Enum):
+    """What a snapshot-then-watch stream yields, as the watch RPCs do."""
+
+    RESET = "reset"
+    UPSERT = "upsert"
+    DELETE = "delete"
+    SYNCED = "synced"
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEvent:
+    kind: StreamKind
+    revision: int
+    kv: KeyValue | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TxnResult:
+    succeeded: bool
+    revision: int
+    # One entry per operation that ran; range operations give their kvs.
+    ranges: list[list[KeyValue]]
+
+
+# --- transaction building blocks (etcd's own protos) ---
+
+
+def _b(key: str | bytes) -> bytes:
+    return key if isinstance(key, bytes) else key.encode()
+
+
+def prefix_end(prefix: str | bytes) -> bytes:
+    """The range end covering every key that starts with prefix."""
+    raw = bytearray(_b(prefix))
+    for i in reversed(range(len(raw))):
+        if raw[i] < 0xFF:
+            raw[i] += 1
+            return bytes(raw[: i + 1])
+    return b"\0"
+
+
+def absent(key: str) -> Any:
+    """Compare: key does not exist."""
+    return etcd_rpc.Compare(
+        key=_b(key),
+        result=etcd_rpc.Compare.EQUAL,
+        target=etcd_rpc.Compare.CREATE,
+        create_revision=0,
+    )
+
+
+def mod_revision_is(key: str, revision: int) -> Any:
+    """Compare: key was last modified at revision (0: key absent)."""
+    return etcd_rpc.Compare(
+        key=_b(key),
+        result=etcd_rpc.Compare.EQUAL,
+        target=etcd_rpc.Compare.MOD,
+        mod_revision=revision,
+    )
+
+
+def value_is(key: str, value: bytes) -> Any:
+    return etcd_rpc.Compare(
+        key=_b(key), result=etcd_rpc.Compare.EQUAL, target=etcd_rpc.Compare.VALUE, value=value
+    )
+
+
+def put_op(key: str, value: bytes, lease: int = 0) -> Any:
+    return etcd_rpc.RequestOp(
+        request_put=etcd_rpc.PutRequest(key=_b(key), value=value, lease=lease)
+    )
+
+
+def delete_op(key: str) -> Any:
+    return etcd_rpc.RequestOp(request_delete_range=etcd_rpc.DeleteRangeRequest(key=_b(key)))
+
+
+def delete_prefix_op(prefix: str) -> Any:
+    return etcd_rpc.RequestOp(
+        request_delete_range=etcd_rpc.DeleteRangeRequest(
+            key=_b(prefix), range_end=prefix_end(prefix)
+        )
+    )
+
+
+def get_op(key: str) -> Any:
+    return etcd_rpc.RequestOp(request_range=etcd_rpc.RangeRequest(key=_b(key)))
+
+
+def get_prefix_op(prefix: str) -> Any:
+    return etcd_rpc.RequestOp(
+        request_range=etcd_rpc.RangeRequest(key=_b(prefix), range_end=prefix_end(prefix))
+    )
+
+
+class Etcd:
+    """One connection to an etcd cluster (the first endpoint that answers)."""
+
+    def __init__(self, endpoints: Sequence[str], *, timeout: float = 5.0) -> None:
+        if not endpoints:
+            raise ValueError("no etcd endpoints")
+        self.endpoints = list(endpoints)
+        self.timeout = timeout
+        self._client: aetcd.Client | None = None
+        self._endpoint_index = 0
+
+    @property
+    def endpoint(self) -> str:
+        return self.endpoints[self._endpoint_index]
+
+    def _new_client(self) -> aetcd.Client:
+        host, _, port = self.endpoint.rpartition(":")
+        return aetcd.Client(
+            host=host.strip("[]"),
+            port=int(port),
+            timeout=self.timeout,
+            options={
+                "grpc.keepalive_time_ms": 10_000,
+                "grpc.keepalive_timeout_ms": 5_000,
+                # Reconnect quickly when etcd comes back (gRPC's default
+                # backoff grows to two minutes).
+                "grpc.initial_reconnect_backoff_ms": 100,
+                "grpc.min_reconnect_backoff_ms": 100,
+                "grpc.max_reconnect_backoff_ms": 2_000,
+            },
+        )
+
+    @property
+    def client(self) -> aetcd.Client:
+        if self._client is None:
+            self._client = self._new_client()
+        return self._client
+
+    async def connect(self) -> int:
+        """Check that etcd answers, trying each endpoint once. Returns the
+        current revision. Raises Unavailable."""
+        errors = []
+        for _ in self.endpoints:
+            try:
+                return await self.current_revision()
+            except Unavailable as exc:
+                errors.append(f"{self.endpoint}: {exc.message}")
+                await self._rotate()
+        raise Unavailable("etcd unreachable: " + "; ".join(errors))
+
+    async def wait_connected(self, *, max_delay: float = 5.0) -> int:
+        """Retry connect() with backoff until etcd answers."""
+        delay = 0.1
+        while True:
+            try:
+                return await self.connect()
+            except Unavailable as exc:
+                log.warning("waiting for etcd", extra={"reason": exc.message, "retry_in_s": delay})
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, max_delay)
+
+    async def _rotate(self) -> None:
+        if len(self.endpoints) > 1:
+            await self.close()
+            self._endpoint_index = (self._endpoint_index + 1) % len(self.endpoints)
+
+    async def close(self) -> None:
+        if self._client is not None:
+            client, self._client = self._client, None
+            with contextlib.suppress(Exception):
+                await client.close()
+
+    # --- key-value ---
+
+    async def _call(self, fn: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await fn(*args, **kwargs)
+        except (
+            aetcd.exceptions.ConnectionFailedError,
+            aetcd.exceptions.ConnectionTimeoutError,
+        ) as exc:
+            raise Unavailable(f"etcd unavailable at {self.endpoint}: {exc}") from exc
+        except grpc.aio.AioRpcError as exc:
+            raise Unavailable(
+                f"etcd error at {self.endpoint}: {exc.code().name} {exc.details()}"
+            ) from exc
+        except (TimeoutError, aetcd.exceptions.InternalError) as exc:
+            raise Unavailable(f"etcd unavailable at {self.endpoint}: {exc!r}") from exc
+
+    async def current_revision(self) -> int:
+        client = self.client
+        await self._call(client.connect)
+        req = etcd_rpc.RangeRequest(key=b"\0", limit=1, count_only=True)
+        resp = await self._call(
+            client.kvstub.Range, req, timeout=self.timeout, metadata=client.metadata
+        )
+        return int(resp.header.revision)
+
+    async def get(self, key: str) -> KeyValue | None:
+        result = await self._call(self.client.get, _b(key))
+        return None if result is None else KeyValue.from_proto(result)
+
+    async def get_prefix(
+        self, prefix: str, *, keys_only: bool = False
+    ) -> tuple[list[KeyValue], int]:
+        """Every key under prefix, sorted by key, and the store revision."""
+        client = self.client
+        await self._call(client.connect)
+        req = etcd_rpc.RangeRequest(
+            key=_b(prefix),
+            range_end=prefix_end(prefix),
+            keys_only=keys_only,
+            sort_order=etcd_rpc.RangeRequest.ASCEND,
+            sort_target=etcd_rpc.RangeRequest.KEY,
+        )
+        resp = await self._call(
+            client.kvstub.Range, req, timeout=self.timeout, metadata=client.metadata
+        )
+        return [KeyValue.from_proto(kv) for kv in resp.kvs], int(resp.header.revision)
+
+    async def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
+        """Returns the revision of the write."""
+        client = self.client
+        await self._call(client.connect)
+        req = etcd_rpc.PutRequest(key=_b(key), value=value, lease=lease)
+        resp = await self._call(
+            client.kvstub.Put, req, timeout=self.timeout, metadata=client.metadata
+        )
+        return int(resp.header.revision)
+
+    async def delete(self, key: str) -> int:
+        """Returns how many keys were deleted (0 or 1)."""
+        client = self.client
+        await self._call(client.connect)
+        req = etcd_rpc.DeleteRangeRequest(key=_b(key))
+        resp = await self._call(
+            client.kvstub.DeleteRange, req, timeout=self.timeout, metadata=client.metadata
+        )
+        return int(resp.deleted)
+
+    async def delete_prefix(self, prefix: str) -> int:
+        client = self.client
+        await self._call(client.connect)
+        req = etcd_rpc.DeleteRangeRequest(key=_b(prefix), range_end=prefix_end(prefix))
+        resp = await self._call(
+            client.kvstub.DeleteRange, req, timeout=self.timeout, metadata=client.metadata
+        )
+        return int(resp.deleted)
+
+    async def txn(
+        self, compare: Sequence[Any], success: Sequence[Any], failure: Sequence[Any] = ()
+    ) -> TxnResult:
+        """One atomic transaction of compares and operations (see absent(),
+        put_op() ...)."""
+        client = self.client
+        await self._call(client.connect)
+        req = etcd_rpc.TxnRequest(
+            compare=list(compare), success=list(success), failure=list(failure)
+        )
+        resp = await self._call(
+            client.kvstub.Txn, req, timeout=self.timeout, metadata=client.metadata
+        )
+        ranges = [
+            [KeyValue.from_proto(kv) for kv in r.response_range.kvs]
+            for r in resp.responses
+            if r.WhichOneof("response") == "response_range"
+        ]
+        return TxnResult(bool(resp.succeeded), int(resp.header.revision), ranges)
+
+    # --- leases ---
+
+    async def grant_lease(self, ttl: int) -> int:
+        lease = await self._call(self.client.lease, ttl)
+        return int(lease.id)
+
+    async def keepalive_once(self, lease_id: int) -> int:
+        """Refreshes a lease; returns its TTL, 0 when it no longer exists."""
+        reply = await self._call(self.client.refresh_lease, lease_id)
+        return 0 if reply is None else max(int(reply.TTL), 0)
+
+    async def revoke_lease(self, lease_id: int) -> None:
+        with contextlib.suppress(aetcd.exceptions.ClientError):
+            await self._call(self.client.revoke_lease, lease_id)
+
+    # --- watches ---
+
+    async def watch_prefix(self, prefix: str, start_revision: int) -> AsyncIterator[WatchEvent]:
+        """Events under prefix from start_revision on. Raises Unavailable when
+        the stream breaks and Compacted when start_revision is gone."""
+        try:
+            watch = await self._call(
+                self.client.watch_prefix, _b(prefix), start_revision=start_revision
+            )
+        except aetcd.exceptions.RevisionCompactedError as exc:
+            raise Compacted(exc.compacted_revision) from exc
+        try:
+            async for event in watch:
+                kind = EventType.PUT if event.kind == "PUT" else EventType.DELETE
+                yield WatchEvent(kind, KeyValue.from_proto(event.kv))
+        except aetcd.exceptions.RevisionCompactedError as exc:
+            raise Compacted(exc.compacted_revision) from exc
+        except (aetcd.exceptions.ClientError, grpc.aio.AioRpcError) as exc:
+            raise Unavailable(f"etcd watch broke: {exc!r}") from exc
+        finally:
+            with contextlib.suppress(Exception):
+                await watch.cancel()
+
+    async def snapshot_then_watch(
+        self, prefix: str, since_revision: int = 0, *, max_delay: float = 5.0
+    ) -> AsyncIterator[StreamEvent]:
+        """The watch-stream contract of flagella's Watch* RPCs over one prefix.
+
+        since_revision 0 (or compacted): RESET, UPSERT of every key, SYNCED at
+        the snapshot's revision, then deltas. Otherwise SYNCED at
+        since_revision and the deltas after it. etcd outages are ridden out
+        by re-watching from the last revision seen.
+        """
+        last = since_revision
+        if last > 0:
+            yield StreamEvent(StreamKind.SYNCED, last)
+        delay = 0.1
+        while True:
+            try:
+                if last <= 0:
+                    kvs, revision = await self.get_prefix(prefix)
+                    yield StreamEvent(StreamKind.RESET, revision)
+                    for kv in kvs:
+                        yield StreamEvent(StreamKind.UPSERT, kv.mod_revision, kv)
+                    yield StreamEvent(StreamKind.SYNCED, revision)
+                    last = revision
+                async for event in self.watch_prefix(prefix, last + 1):
+                    delay = 0.1
+                    last = event.revision
+                    kind = StreamKind.UPSERT if event.type is EventType.PUT else StreamKind.DELETE
+                    yield StreamEvent(kind, event.revision, event.kv)
+            except Compacted:
+                log.info("watch revision compacted, resyncing", extra={"prefix": prefix})
+                last = 0
+            except Unavailable as exc:
+                log.warning(
+                    "etcd watch interrupted", extra={"prefix": prefix, "reason": exc.message}
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, max_delay)
+
+
+class LeaseKeeper:
+    """Holds one etcd lease alive. When the lease is lost (etcd was down for
+    longer than its TTL), grants a new one and calls on_new_lease(lease_id) so
+    the owner can put its keys again."""
+
+    def __init__(
+        self,
+        etcd: Etcd,
+        ttl: int,
+        on_new_lease: Callable[[int], Awaitable[None]] | None = None,
+    ) -> None:
+        self.etcd = etcd
+        self.ttl = ttl
+        self.on_new_lease = on_new_lease
+        self.lease_id = 0
+        self._task: asyncio.Task[None] | None = None
+        self.healthy = asyncio.Event()
+
+    async def start(self) -> int:
+        self.lease_id = await self.etcd.grant_lease(self.ttl)
+        self.healthy.set()
+        self._task = asyncio.create_task(self._keep(), name=f"lease-{self.lease_id:x}")
+        return self.lease_id
+
+    async def _keep(self) -> None:
+        interval = max(self.ttl / 3, 0.2)
+        while True:
+            await asyncio.sleep(interval if self.healthy.is_set() else min(interval, 0.5))
+            try:
+                remaining = await self.etcd.keepalive_once(self.lease_id)
+                if remaining == 0:
+                    log.warning(
+                        "etcd lease lost, granting a new one", extra={"lease": self.lease_id}
+                    )
+                    self.lease_id = await self.etcd.grant_lease(self.ttl)
+                    if self.on_new_lease is not None:
+                        await self.on_new_lease(self.lease_id)
+                self.healthy.set()
+            except Unavailable as exc:
+                if self.healthy.is_set():
+                    log.warning("lease keep-alive failed", extra={"reason": exc.message})
+                self.healthy.clear()
+
+    async def stop(self, *, revoke: bool = True) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if revoke and self.lease_id:
+            with contextlib.suppress(Unavailable):
+                await self.etcd.revoke_lease(self.lease_id)

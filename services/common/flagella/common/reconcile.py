@@ -1,0 +1,281 @@
+"""Desired state pushed to a target by a reconciler, as Cilium's statedb
+reconcilers do for BPF maps.
+
+A Reconciler holds a desired table (key -> value) with a revision per change.
+A background task applies pending changes through Operations: updates and
+deletes are idempotent (deleting a missing key counts as success), failures
+are retried per key with exponential backoff, and after a full sync from the
+source of truth a prune deletes whatever the target holds that is not
+desired. Callers wait for their change with wait_until_reconciled(revision).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import time
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+log = logging.getLogger(__name__)
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+K_contra = TypeVar("K_contra", bound=Hashable, contravariant=True)
+V_contra = TypeVar("V_contra", contravariant=True)
+
+
+class Operations(Protocol[K_contra, V_contra]):
+    """How to write one key to the target (a BPF map, a route table ...)."""
+
+    async def update(self, key: K_contra, value: V_contra) -> None:
+        """Create or replace; must be idempotent."""
+
+    async def delete(self, key: K_contra) -> None:
+        """Remove; a missing key is success."""
+
+    async def list_actual(self) -> Iterable[Any]:
+        """Every key the target holds now, for pruning."""
+
+
+class Status(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    ERROR = "error"
+
+
+@dataclass
+class _Entry(Generic[V]):
+    value: V | None  # None: to be deleted
+    revision: int
+    status: Status = Status.PENDING
+    attempts: int = 0
+    retry_at: float = 0.0
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class ReconcilerStatus:
+    name: str
+    desired_revision: int
+    realized_revision: int
+    desired: int
+    pending: int
+    errors: int
+    last_error: str
+    pruned: int
+
+
+class Reconciler(Generic[K, V]):
+    def __init__(
+        self,
+        name: str,
+        ops: Operations[K, V],
+        *,
+        min_backoff: float = 0.05,
+        max_backoff: float = 5.0,
+    ) -> None:
+        self.name = name
+        self.ops = ops
+        self.min_backoff = min_backoff
+        self.max_backoff = max_backoff
+        self._entries: dict[K, _Entry[V]] = {}
+        self._revision = 0
+        self._wake = asyncio.Event()
+        self._progress = asyncio.Condition()
+        self._prune_requested = False
+        self._prune_retry_at = 0.0
+        self._prune_attempts = 0
+        self._pruned = 0
+        self._last_error = ""
+        self._task: asyncio.Task[None] | None = None
+
+    # --- desired state ---
+
+    @property
+    def revision(self) -> int:
+        return self._revision
+
+    def upsert(self, key: K, value: V) -> int:
+        """Desire key=value. Returns the change's revision. An unchanged value
+        that is already realized is not applied again."""
+        entry = self._entries.get(key)
+        if entry is not None and entry.value == value and entry.status is Status.DONE:
+            return entry.revision
+        self._revision += 1
+        self._entries[key] = _Entry(value, self._revision)
+        self._wake.set()
+        return self._revision
+
+    def delete(self, key: K) -> int:
+        """Desire the key gone. Returns the change's revision."""
+        entry = self._entries.get(key)
+        if entry is not None and entry.value is None:
+            return entry.revision
+        self._revision += 1
+        self._entries[key] = _Entry(None, self._revision)
+        self._wake.set()
+        return self._revision
+
+    def get(self, key: K) -> V | None:
+        entry = self._entries.get(key)
+        return None if entry is None else entry.value
+
+    def desired(self) -> dict[K, V]:
+        return {k: e.value for k, e in self._entries.items() if e.value is not None}
+
+    def keys(self) -> list[K]:
+        return [k for k, e in self._entries.items() if e.value is not None]
+
+    def replace_all(self, items: dict[K, V]) -> int:
+        """A full sync: desire exactly items, then prune the target."""
+        for key in [k for k, e in self._entries.items() if e.value is not None and k not in items]:
+            self.delete(key)
+        for key, value in items.items():
+            self.upsert(key, value)
+        self.request_prune()
+        return self._revision
+
+    def request_prune(self) -> None:
+        """After a full sync: delete from the target what is not desired."""
+        self._prune_requested = True
+        self._wake.set()
+
+    # --- realization ---
+
+    @property
+    def realized_revision(self) -> int:
+        """Every change up to this revision has been applied."""
+        pending = [e.revision for e in self._entries.values() if e.status is not Status.DONE]
+        return min(pending) - 1 if pending else self._revision
+
+    async def wait_until_reconciled(
+        self, revision: int | None = None, timeout: float | None = None
+    ) -> int:
+        """Wait until every change up to revision (default: now) is applied.
+        Raises TimeoutError. Returns the realized revision."""
+        target = self._revision if revision is None else revision
+
+        async def wait() -> int:
+            async with self._progress:
+                await self._progress.wait_for(lambda: self.realized_revision >= target)
+                return self.realized_revision
+
+        return await asyncio.wait_for(wait(), timeout)
+
+    def status(self) -> ReconcilerStatus:
+        entries = self._entries.values()
+        return ReconcilerStatus(
+            name=self.name,
+            desired_revision=self._revision,
+            realized_revision=self.realized_revision,
+            desired=sum(1 for e in entries if e.value is not None),
+            pending=sum(1 for e in entries if e.status is Status.PENDING),
+            errors=sum(1 for e in entries if e.status is Status.ERROR),
+            last_error=self._last_error,
+            pruned=self._pruned,
+        )
+
+    async def reconcile_once(self) -> float | None:
+        """Apply what is due. Returns seconds until the next retry, or None
+        when nothing is left to do."""
+        now = time.monotonic()
+        due = [
+            (k, e)
+            for k, e in self._entries.items()
+            if e.status is not Status.DONE and e.retry_at <= now
+        ]
+        for key, entry in due:
+            revision = entry.revision
+            try:
+                if entry.value is None:
+                    await self.ops.delete(key)
+                else:
+                    await self.ops.update(key, entry.value)
+            except Exception as exc:
+                current = self._entries.get(key)
+                if current is not None and current.revision == revision:
+                    current.status = Status.ERROR
+                    current.attempts += 1
+                    backoff = min(self.min_backoff * 2 ** (current.attempts - 1), self.max_backoff)
+                    current.retry_at = time.monotonic() + backoff
+                    current.error = repr(exc)
+                    self._last_error = f"{key!r}: {exc!r}"
+                    log.warning(
+                        "reconcile failed",
+                        extra={
+                            "reconciler": self.name,
+                            "key": repr(key),
+                            "error": repr(exc),
+                            "attempt": current.attempts,
+                        },
+                    )
+                continue
+            current = self._entries.get(key)
+            # A newer change to the key arrived meanwhile: leave it pending.
+            if current is not None and current.revision == revision:
+                if current.value is None:
+                    del self._entries[key]
+                else:
+                    current.status = Status.DONE
+                    current.attempts = 0
+                    current.error = ""
+        waiting = [e.retry_at for e in self._entries.values() if e.status is not Status.DONE]
+        if self._prune_requested and not waiting and self._prune_retry_at <= time.monotonic():
+            await self._prune()
+        async with self._progress:
+            self._progress.notify_all()
+        if self._prune_requested and not waiting:
+            waiting = [self._prune_retry_at]
+        return max(min(waiting) - time.monotonic(), 0.0) if waiting else None
+
+    async def _prune(self) -> None:
+        """Delete every target key that is not desired. Runs only once all
+        desired changes are applied, so nothing just written is removed."""
+        self._prune_requested = False
+        failed = False
+        try:
+            actual = list(await self.ops.list_actual())
+        except Exception as exc:
+            self._last_error = f"prune: {exc!r}"
+            actual, failed = [], True
+        for key in actual:
+            if key in self._entries:
+                continue
+            try:
+                await self.ops.delete(key)
+                self._pruned += 1
+            except Exception as exc:
+                self._last_error = f"prune {key!r}: {exc!r}"
+                failed = True
+        if failed:
+            self._prune_attempts += 1
+            self._prune_requested = True
+            self._prune_retry_at = time.monotonic() + min(
+                self.min_backoff * 2 ** (self._prune_attempts - 1), self.max_backoff
+            )
+        else:
+            self._prune_attempts = 0
+
+    async def run(self) -> None:
+        while True:
+            self._wake.clear()
+            delay = await self.reconcile_once()
+            if delay == 0.0:
+                continue
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), delay)
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self.run(), name=f"reconciler-{self.name}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None

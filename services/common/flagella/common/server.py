@@ -1,0 +1,370 @@
+"""The one bootstrap every flagella service runs on.
+
+It parses the typed config (exit 2 with a one-line reason when it is bad),
+sets up JSON logs and tracing, and serves grpc.aio with the standard health
+service (NOT_SERVING until the service is ready, and again on SIGTERM before a
+graceful stop), server reflection, OpenTelemetry interceptors and the error
+interceptor that maps domain errors to gRPC status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from flagella.common.config import ServiceConfig, load_config
+from flagella.common.errors import ConfigError, FlagellaError
+from flagella.common.logs import setup_logging
+from flagella.common.tracing import Tracing, setup_tracing
+
+log = logging.getLogger(__name__)
+
+C = TypeVar("C", bound=ServiceConfig)
+
+
+class FatalError(Exception):
+    """Raised by a service's start() when it cannot ever become ready."""
+
+
+# --- error mapping ---
+
+
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status a handler exception answers with."""
+    if isinstance(exc, FlagellaError):
+        return getattr(grpc.StatusCode, exc.code, grpc.StatusCode.UNKNOWN), exc.details
+    if isinstance(exc, grpc.aio.AioRpcError):
+        # A peer's error passes through with its code; a peer that is down
+        # or slow is UNAVAILABLE to our caller, who may retry.
+        code = exc.code()
+        if code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+            code = grpc.StatusCode.UNAVAILABLE
+        return code, f"peer: {exc.details()}"
+    if isinstance(exc, NotImplementedError):
+        return grpc.StatusCode.UNIMPLEMENTED, "method not implemented"
+    return grpc.StatusCode.INTERNAL, "internal error"
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Turns exceptions escaping a handler into a status: domain errors into
+    their code with their message, anything else into INTERNAL with a generic
+    message and a logged traceback."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> Any:
+        handler: Any = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+
+        async def fail(exc: BaseException, context: Any) -> None:
+            code, details = status_of(exc)
+            if code == grpc.StatusCode.INTERNAL:
+                log.error("unhandled error", exc_info=exc, extra={"method": method})
+            elif code != grpc.StatusCode.UNIMPLEMENTED:
+                log.info(
+                    "call failed", extra={"method": method, "code": code.name, "details": details}
+                )
+            await context.abort(code, details)
+
+        if handler.unary_unary is not None:
+            inner_uu = handler.unary_unary
+
+            async def unary_unary(request: Any, context: Any) -> Any:
+                try:
+                    return await inner_uu(request, context)
+                except grpc.aio.AbortError:
+                    raise
+                except Exception as exc:
+                    await fail(exc, context)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary_unary,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            inner_us = handler.unary_stream
+
+            async def unary_stream(request: Any, context: Any) -> AsyncIterator[Any]:
+                try:
+                    result = inner_us(request, context)
+                    if hasattr(result, "__aiter__"):
+                        async for item in result:
+                            yield item
+                    else:
+                        await result
+                except grpc.aio.AbortError:
+                    raise
+                except Exception as exc:
+                    await fail(exc, context)
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+
+# --- readiness ---
+
+
+class Readiness:
+    """SERVING once the service has started and every named condition holds
+    (e.g. "etcd"); NOT_SERVING otherwise, and for good once stopping."""
+
+    def __init__(self, servicer: health.aio.HealthServicer) -> None:
+        self.servicer = servicer
+        self._names = [""]
+        self._started = False
+        self._stopping = False
+        self._failing: dict[str, str] = {}
+        self._lock = asyncio.Lock()
+
+    def add_services(self, service_names: Sequence[str]) -> None:
+        self._names.extend(service_names)
+
+    @property
+    def serving(self) -> bool:
+        return self._started and not self._stopping and not self._failing
+
+    @property
+    def reasons(self) -> dict[str, str]:
+        return dict(self._failing)
+
+    async def publish(self) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if self.serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in self._names:
+            await self.servicer.set(name, status)
+
+    async def set_condition(self, name: str, ok: bool, reason: str = "") -> None:
+        async with self._lock:
+            before = self.serving
+            if ok:
+                self._failing.pop(name, None)
+            else:
+                self._failing[name] = reason or "failing"
+            if self.serving != before:
+                log.info(
+                    "readiness changed",
+                    extra={"serving": self.serving, "condition": name, "reason": reason},
+                )
+            await self.publish()
+
+    async def set_started(self) -> None:
+        async with self._lock:
+            self._started = True
+            await self.publish()
+        log.info("ready", extra={"serving": self.serving, "failing": self._failing})
+
+    async def set_stopping(self) -> None:
+        async with self._lock:
+            self._stopping = True
+            await self.servicer.enter_graceful_shutdown()
+
+
+class Probes:
+    """Background checks of dependencies that gate readiness: a dependency
+    that goes away makes the service NOT_SERVING until it is back."""
+
+    def __init__(self, readiness: Readiness) -> None:
+        self.readiness = readiness
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def add(
+        self, name: str, check: Callable[[], Awaitable[object]], *, interval: float = 2.0
+    ) -> None:
+        """Run check() every interval as readiness condition `name`; a
+        FlagellaError (e.g. Unavailable) marks it failing."""
+        self._tasks.append(
+            asyncio.create_task(self._run(name, check, interval), name=f"probe-{name}")
+        )
+
+    async def _run(
+        self, name: str, check: Callable[[], Awaitable[object]], interval: float
+    ) -> None:
+        while True:
+            try:
+                await check()
+            except FlagellaError as exc:
+                await self.readiness.set_condition(name, False, exc.details)
+            else:
+                await self.readiness.set_condition(name, True)
+            await asyncio.sleep(interval)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+
+
+# --- the service plug ---
+
+
+@dataclass
+class Runtime(Generic[C]):
+    """What the bootstrap hands to a service."""
+
+    name: str
+    config: C
+    tracing: Tracing
+    readiness: Readiness
+    environ: Mapping[str, str]
+    _channels: list[grpc.aio.Channel] = field(default_factory=list)
+
+    def channel(self, target: str) -> grpc.aio.Channel:
+        """A client channel to a peer service, traced; closed on shutdown."""
+        ch = grpc.aio.insecure_channel(
+            target,
+            interceptors=self.tracing.client_interceptors(),
+            options=[
+                ("grpc.keepalive_time_ms", 20_000),
+                ("grpc.keepalive_timeout_ms", 10_000),
+                ("grpc.enable_retries", 1),
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 2_000),
+            ],
+        )
+        self._channels.append(ch)
+        return ch
+
+    async def close_channels(self) -> None:
+        for ch in self._channels:
+            with contextlib.suppress(Exception):
+                await ch.close()
+        self._channels.clear()
+
+
+class App(Protocol):
+    """A flagella service as the bootstrap runs it."""
+
+    @property
+    def service_names(self) -> Sequence[str]:
+        """Full names of the gRPC services it serves (health, reflection)."""
+
+    def register(self, server: grpc.aio.Server) -> None:
+        """Add the servicers to the server."""
+
+    async def start(self) -> None:
+        """Connect to dependencies and restore state; return when ready to
+        serve. May wait (e.g. for etcd); raise FatalError to give up."""
+
+    async def stop(self) -> None:
+        """Release what start() acquired (after the server stopped)."""
+
+
+async def serve(runtime: Runtime[C], service: App) -> None:
+    cfg = runtime.config
+    server = grpc.aio.server(
+        interceptors=[*runtime.tracing.server_interceptors(), ErrorInterceptor()],
+        options=[("grpc.so_reuseport", 0)],
+    )
+    runtime.readiness.add_services(service.service_names)
+    health_pb2_grpc.add_HealthServicer_to_server(runtime.readiness.servicer, server)
+    service.register(server)
+    reflection.enable_server_reflection(
+        [*service.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+    )
+    await runtime.readiness.publish()
+    try:
+        server.add_insecure_port(cfg.listen)
+    except RuntimeError as exc:
+        raise FatalError(f"cannot listen on {cfg.listen}: {exc}") from exc
+    await server.start()
+    log.info("listening", extra={"address": cfg.listen, "pid": os.getpid()})
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    start_task = asyncio.create_task(service.start(), name="service-start")
+    stop_task = asyncio.create_task(stop.wait(), name="stop-signal")
+    try:
+        await asyncio.wait({start_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+        if start_task.done():
+            start_task.result()  # raises FatalError
+            await runtime.readiness.set_started()
+            await stop_task
+        log.info("stopping", extra={"grace_s": cfg.shutdown_grace})
+    finally:
+        for task in (start_task, stop_task):
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        await runtime.readiness.set_stopping()
+        await server.stop(cfg.shutdown_grace)
+        with contextlib.suppress(Exception):
+            await service.stop()
+        await runtime.close_channels()
+        runtime.tracing.shutdown()
+        log.info("stopped")
+
+
+def main(
+    name: str,
+    config_cls: type[C],
+    make_service: Callable[[Runtime[C]], App],
+    *,
+    argv: Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> int:
+    """Entry point of `python -m flagella.<name>`. Returns the exit status:
+    0 after a clean stop, 2 for bad configuration, 1 when start-up failed."""
+    env = dict(os.environ if environ is None else environ)
+    prog = f"flagella-{name}"
+    try:
+        cfg = load_config(
+            config_cls,
+            prog=prog,
+            env_prefix=f"FLAGELLA_{name.upper()}_",
+            argv=sys.argv[1:] if argv is None else argv,
+            environ=env,
+            description=(config_cls.__doc__ or "").strip(),
+        )
+    except ConfigError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(prog, cfg.log_level)
+
+    async def run() -> None:
+        runtime = Runtime(
+            name=name,
+            config=cfg,
+            tracing=setup_tracing(prog, env),
+            readiness=Readiness(health.aio.HealthServicer()),
+            environ=env,
+        )
+        await serve(runtime, make_service(runtime))
+
+    try:
+        asyncio.run(run())
+    except FatalError as exc:
+        log.error("start-up failed", extra={"reason": str(exc)})
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 1
+    return 0

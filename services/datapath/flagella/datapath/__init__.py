@@ -1,0 +1,1 @@
+"""flagella datapath service: the privileged eBPF datapath of one node."""

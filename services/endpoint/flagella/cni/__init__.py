@@ -1,0 +1,1 @@
+"""flagella-cni: the CNI plugin, a client of the endpoint service."""

@@ -1,0 +1,2 @@
+"""flagella endpoint service: endpoint lifecycle; orchestrates ipam, policy and
+the node's datapath for CNI."""

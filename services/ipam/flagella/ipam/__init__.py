@@ -1,0 +1,1 @@
+"""flagella ipam service: node registry, per-node pod CIDRs and IP allocations."""

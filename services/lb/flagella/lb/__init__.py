@@ -1,0 +1,1 @@
+"""flagella lb service: services, backends, stable ids and Maglev tables."""

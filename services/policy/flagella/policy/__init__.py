@@ -1,0 +1,2 @@
+"""flagella policy service: security identities, the ipcache, network policy
+rules and their resolution."""

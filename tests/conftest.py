@@ -1,0 +1,57 @@
+"""Fixtures shared by every test suite, and the CI rule for privileged tests."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from harness.etcd import EtcdServer
+from harness.procs import ServiceProcess
+
+IN_CI = os.environ.get("CI", "").lower() == "true"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """In CI a skipped privileged test is a failure: they must always run there."""
+    outcome = yield
+    report = outcome.get_result()
+    if IN_CI and report.skipped and item.get_closest_marker("privileged") is not None:
+        report.outcome = "failed"
+        report.longrepr = f"privileged test skipped in CI: {report.longrepr}"
+
+
+@pytest.fixture
+def require_root() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root (netns, veth, BPF)")
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
+    """A fresh real etcd for one test."""
+    server = EtcdServer(tmp_path / "etcd").start()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator[Callable[..., ServiceProcess]]:
+    """Start flagella service processes; all are stopped at the end of the test."""
+    started: list[ServiceProcess] = []
+
+    def _spawn(svc: str, *args: str, wait: bool = True, **kwargs: object) -> ServiceProcess:
+        proc = ServiceProcess(svc, args, log_dir=tmp_path, **kwargs)  # type: ignore[arg-type]
+        started.append(proc)
+        proc.start()
+        if wait:
+            proc.wait_serving()
+        return proc
+
+    yield _spawn
+    for proc in reversed(started):
+        proc.stop()

@@ -1,0 +1,2 @@
+"""Test harness: real etcd servers, service processes and helpers shared by
+the integration, privileged and e2e tests (importable as `harness`)."""

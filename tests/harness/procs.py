@@ -1,0 +1,122 @@
+"""flagella services as real processes: `python -m flagella.<svc>` with
+flags, waited on through the gRPC health service, stopped by PID."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from harness.net import free_port
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+def health_status(address: str, service: str = "", timeout: float = 1.0) -> int | None:
+    """The health status of address, or None if it does not answer."""
+    with grpc.insecure_channel(address) as ch:
+        try:
+            resp = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout
+            )
+        except grpc.RpcError:
+            return None
+        return int(resp.status)
+
+
+class ServiceProcess:
+    """One flagella service process on a free loopback port."""
+
+    def __init__(
+        self,
+        svc: str,
+        args: Sequence[str] = (),
+        *,
+        env: Mapping[str, str] | None = None,
+        port: int | None = None,
+        log_dir: Path | None = None,
+        prefix: Sequence[str] = (),
+    ) -> None:
+        self.svc = svc
+        self.port = port or free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.args = list(args)
+        self.env = {**os.environ, **(env or {})}
+        self.prefix = list(prefix)
+        log_dir = log_dir or Path(tempfile.gettempdir())
+        self.log_path = log_dir / f"flagella-{svc}-{self.port}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self) -> ServiceProcess:
+        cmd = [
+            *self.prefix,
+            sys.executable,
+            "-m",
+            f"flagella.{self.svc}",
+            "--listen",
+            self.address,
+            *self.args,
+        ]
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        return self
+
+    def wait_serving(self, timeout: float = 30.0) -> ServiceProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.svc} exited with {self.proc.returncode}:\n{self.logs()[-3000:]}"
+                )
+            if health_status(self.address, timeout=0.5) == SERVING:
+                return self
+            time.sleep(0.05)
+        raise RuntimeError(f"{self.svc} not SERVING after {timeout}s:\n{self.logs()[-3000:]}")
+
+    def logs(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def kill9(self) -> None:
+        """SIGKILL and reap: a crash."""
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM, wait, SIGKILL if needed. Returns the exit status."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+    def cleanup(self) -> None:
+        self.stop()
+        self.log_path.unlink(missing_ok=True)
