@@ -1,0 +1,151 @@
+"""The reconciler primitive against a fake target (pure logic)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+
+import pytest
+
+from flagella.common.reconcile import Reconciler
+
+
+class FakeTarget:
+    """A dict standing in for a BPF map, failing the keys it is told to."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, int] = {}
+        self.fail: dict[str, int] = {}  # key -> failures left
+        self.calls: list[tuple[str, str]] = []
+
+    def _maybe_fail(self, key: str) -> None:
+        left = self.fail.get(key, 0)
+        if left:
+            self.fail[key] = left - 1
+            raise OSError(f"cannot write {key}")
+
+    async def update(self, key: str, value: int) -> None:
+        self.calls.append(("update", key))
+        self._maybe_fail(key)
+        self.data[key] = value
+
+    async def delete(self, key: str) -> None:
+        self.calls.append(("delete", key))
+        self._maybe_fail(key)
+        self.data.pop(key, None)
+
+    async def list_actual(self) -> Iterable[str]:
+        return list(self.data)
+
+
+@pytest.fixture
+async def rec() -> tuple[Reconciler[str, int], FakeTarget]:
+    target = FakeTarget()
+    return Reconciler("test", target, min_backoff=0.01, max_backoff=0.05), target
+
+
+async def test_applies_updates_and_deletes_and_waits(
+    rec: tuple[Reconciler[str, int], FakeTarget],
+) -> None:
+    r, target = rec
+    r.start()
+    try:
+        r.upsert("a", 1)
+        rev = r.upsert("b", 2)
+        assert await r.wait_until_reconciled(rev, timeout=5) >= rev
+        assert target.data == {"a": 1, "b": 2}
+        rev = r.delete("a")
+        await r.wait_until_reconciled(rev, timeout=5)
+        assert target.data == {"b": 2}
+        assert r.status().desired == 1
+        assert r.status().pending == 0
+    finally:
+        await r.stop()
+
+
+async def test_failures_are_retried_with_backoff(
+    rec: tuple[Reconciler[str, int], FakeTarget],
+) -> None:
+    r, target = rec
+    target.fail["x"] = 3
+    r.start()
+    try:
+        rev = r.upsert("x", 7)
+        await asyncio.sleep(0)
+        await r.wait_until_reconciled(rev, timeout=5)
+        assert target.data == {"x": 7}
+        assert target.calls.count(("update", "x")) == 4
+        assert "cannot write x" in r.status().last_error
+        assert r.status().errors == 0
+    finally:
+        await r.stop()
+
+
+async def test_wait_times_out_while_a_key_keeps_failing(
+    rec: tuple[Reconciler[str, int], FakeTarget],
+) -> None:
+    r, target = rec
+    target.fail["bad"] = 10_000
+    r.start()
+    try:
+        r.upsert("good", 1)
+        rev = r.upsert("bad", 2)
+        with pytest.raises(TimeoutError):
+            await r.wait_until_reconciled(rev, timeout=0.3)
+        assert target.data == {"good": 1}
+        assert r.status().errors == 1
+        assert r.realized_revision < rev
+    finally:
+        await r.stop()
+
+
+async def test_newer_change_during_apply_is_not_lost(
+    rec: tuple[Reconciler[str, int], FakeTarget],
+) -> None:
+    r, target = rec
+    r.upsert("k", 1)
+    r.upsert("k", 2)
+    await r.reconcile_once()
+    assert target.data == {"k": 2}
+    r.delete("k")
+    r.upsert("k", 3)
+    await r.reconcile_once()
+    assert target.data == {"k": 3}
+
+
+async def test_full_sync_prunes_stale_target_entries(
+    rec: tuple[Reconciler[str, int], FakeTarget],
+) -> None:
+    r, target = rec
+    target.data = {"stale1": 9, "keep": 0, "stale2": 9}
+    r.replace_all({"keep": 1, "new": 2})
+    while await r.reconcile_once() is not None:
+        pass
+    assert target.data == {"keep": 1, "new": 2}
+    assert r.status().pruned == 2
+
+
+async def test_prune_waits_for_pending_updates(
+    rec: tuple[Reconciler[str, int], FakeTarget],
+) -> None:
+    r, target = rec
+    target.fail["new"] = 1
+    target.data = {"old": 1}
+    r.replace_all({"new": 2})
+    await r.reconcile_once()  # "new" fails: no prune yet
+    assert "old" in target.data
+    await asyncio.sleep(0.02)
+    await r.reconcile_once()
+    await r.reconcile_once()
+    assert target.data == {"new": 2}
+
+
+async def test_unchanged_realized_value_is_not_rewritten(
+    rec: tuple[Reconciler[str, int], FakeTarget],
+) -> None:
+    r, target = rec
+    rev = r.upsert("a", 1)
+    await r.reconcile_once()
+    assert r.upsert("a", 1) == rev
+    await r.reconcile_once()
+    assert target.calls == [("update", "a")]
