@@ -12,6 +12,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -34,8 +35,10 @@ STATUS_NAMES = {
 def check_health(address: str, timeout: float) -> tuple[str, str]:
     """(status, detail) of one service's gRPC health."""
     with grpc.insecure_channel(address) as channel:
+        # The health stub's type stubs lack its methods.
+        stub: Any = health_pb2_grpc.HealthStub(channel)
         try:
-            resp = health_pb2_grpc.HealthStub(channel).Check(
+            resp = stub.Check(
                 health_pb2.HealthCheckRequest(), timeout=timeout
             )
         except grpc.RpcError as exc:
