@@ -38,9 +38,7 @@ def check_health(address: str, timeout: float) -> tuple[str, str]:
         # The health stub's type stubs lack its methods.
         stub: Any = health_pb2_grpc.HealthStub(channel)
         try:
-            resp = stub.Check(
-                health_pb2.HealthCheckRequest(), timeout=timeout
-            )
+            resp = stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
         except grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else None
             return "DOWN", f"{code.name if code else 'error'}: unreachable at {address}"
