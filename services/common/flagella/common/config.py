@@ -75,6 +75,11 @@ class ServiceConfig:
     """Options every service has."""
 
     listen: str = option("127.0.0.1:50050", "gRPC address to serve on", parse=parse_host_port)
+    extra_listen: tuple[str, ...] = option(
+        (),
+        "more addresses to serve on, e.g. unix:/run/flagella/endpoint.sock",
+        parse=parse_host_port,
+    )
     etcd_endpoints: tuple[str, ...] = option(
         ("127.0.0.1:2379",),
         "etcd client endpoints (host:port, comma-separated)",

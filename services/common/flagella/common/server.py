@@ -289,12 +289,18 @@ async def serve(runtime: Runtime[C], service: App) -> None:
         [*service.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
     await runtime.readiness.publish()
-    try:
-        server.add_insecure_port(cfg.listen)
-    except RuntimeError as exc:
-        raise FatalError(f"cannot listen on {cfg.listen}: {exc}") from exc
+    for address in (cfg.listen, *cfg.extra_listen):
+        if address.startswith("unix:"):
+            # A stale socket from a crashed run would make the bind fail.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(address[len("unix:") :])
+            os.makedirs(os.path.dirname(address[len("unix:") :]) or ".", exist_ok=True)
+        try:
+            server.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise FatalError(f"cannot listen on {address}: {exc}") from exc
     await server.start()
-    log.info("listening", extra={"address": cfg.listen, "pid": os.getpid()})
+    log.info("listening", extra={"address": [cfg.listen, *cfg.extra_listen], "pid": os.getpid()})
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

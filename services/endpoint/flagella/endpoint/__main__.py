@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import sys
+from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from flagella.api.endpoint.v1 import endpoint_pb2, endpoint_pb2_grpc
+from flagella.common.errors import FlagellaError
 from flagella.common.etcd import Etcd
 from flagella.common.server import Probes, Runtime
 from flagella.common.server import main as serve_main
 from flagella.endpoint.config import EndpointConfig
-from flagella.endpoint.service import EndpointService
+from flagella.endpoint.peers import DatapathPeers, IpamPeer, KubernetesPodLabels, PolicyPeer
+from flagella.endpoint.service import EndpointService, Settings
 from flagella.endpoint.servicer import EndpointServicer
 from flagella.endpoint.store import EndpointStore
+
+log = logging.getLogger(__name__)
 
 
 class EndpointApp:
@@ -21,21 +30,70 @@ class EndpointApp:
 
     def __init__(self, runtime: Runtime[EndpointConfig]) -> None:
         cfg = runtime.config
+        self.runtime = runtime
         self.etcd = Etcd(cfg.etcd_endpoints, timeout=cfg.etcd_timeout)
         self.probes = Probes(runtime.readiness)
-        self.service = EndpointService(EndpointStore(self.etcd))
+        self.ipam_channel = runtime.channel(cfg.ipam_address)
+        self.policy_channel = runtime.channel(cfg.policy_address)
+        self.service = EndpointService(
+            EndpointStore(self.etcd),
+            IpamPeer(self.ipam_channel),
+            PolicyPeer(self.policy_channel),
+            DatapathPeers(runtime.channel),
+            pod_labels=KubernetesPodLabels(cfg.kubeconfig) if cfg.kubeconfig else None,
+            settings=Settings(
+                reservation_s=cfg.reservation_seconds,
+                policy_wait_s=cfg.policy_wait_seconds,
+                dns_nameservers=cfg.dns_nameserver,
+                dns_search=cfg.dns_search,
+            ),
+        )
+        self._sweeper: asyncio.Task[None] | None = None
 
     def register(self, server: grpc.aio.Server) -> None:
         endpoint_pb2_grpc.add_EndpointServiceServicer_to_server(
-            EndpointServicer(self.service),  # type: ignore[abstract]  # RPCs land with their issue
-            server,
+            EndpointServicer(self.service, self.status), server
         )
+
+    async def status(self) -> tuple[bool, dict[str, str]]:
+        """CNI STATUS: can an ADD succeed now?"""
+        deps: dict[str, str] = dict(self.runtime.readiness.reasons)
+        for name, channel in (("ipam", self.ipam_channel), ("policy", self.policy_channel)):
+            stub: Any = health_pb2_grpc.HealthStub(channel)
+            try:
+                resp = await stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
+            except grpc.aio.AioRpcError as exc:
+                deps[name] = f"unreachable: {exc.code().name}"
+                continue
+            if resp.status != health_pb2.HealthCheckResponse.SERVING:
+                deps[name] = "not serving"
+        return (self.runtime.readiness.serving and not deps), deps
 
     async def start(self) -> None:
         await self.etcd.wait_connected()
         self.probes.add("etcd", self.etcd.current_revision)
+        await self.service.restore()
+        interval = self.runtime.config.gc_interval_seconds
+        if interval > 0:
+            self._sweeper = asyncio.create_task(self._sweep(interval), name="endpoint-sweep")
+
+    async def _sweep(self, interval: float) -> None:
+        missing: dict[int, int] = {}
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                removed = await self.service.sweep(missing)
+            except FlagellaError as exc:
+                log.warning("endpoint sweep failed", extra={"reason": exc.details})
+                continue
+            if removed:
+                log.info("sweep removed endpoints", extra={"ids": [ep.id for ep in removed]})
 
     async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
         await self.probes.stop()
         await self.etcd.close()
 

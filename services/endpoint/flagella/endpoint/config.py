@@ -4,12 +4,38 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flagella.common.config import ServiceConfig, option, parse_host_port
+from flagella.common.config import ServiceConfig, option, parse_host_port, parse_ip
+from flagella.common.errors import ConfigError
 
 
 @dataclass(frozen=True)
 class EndpointConfig(ServiceConfig):
-    """flagella endpoint service: endpoint lifecycle; orchestrates ipam, policy and the node's
-    datapath for CNI."""
+    """flagella endpoint service: endpoint lifecycle; orchestrates ipam, policy
+    and the node's datapath for CNI."""
 
     listen: str = option("127.0.0.1:50053", "gRPC address to serve on", parse=parse_host_port)
+    ipam_address: str = option("127.0.0.1:50051", "ipam service", parse=parse_host_port)
+    policy_address: str = option("127.0.0.1:50052", "policy service", parse=parse_host_port)
+    kubeconfig: str = option(
+        "", "read pod labels from Kubernetes with this kubeconfig ('in-cluster' inside a pod)"
+    )
+    reservation_seconds: float = option(
+        120.0, "an IP reserved for an ADD that never completes is freed after this"
+    )
+    policy_wait_seconds: float = option(
+        20.0, "how long an ADD waits for the node's datapath to realize the pod's policy"
+    )
+    gc_interval_seconds: float = option(
+        60.0, "sweep for endpoints whose container is gone this often (0: never)"
+    )
+    dns_nameserver: tuple[str, ...] = option((), "DNS servers in CNI results", parse=parse_ip)
+    dns_search: tuple[str, ...] = option((), "DNS search domains in CNI results")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.reservation_seconds <= 0:
+            raise ConfigError("--reservation-seconds", "must be positive")
+        if self.policy_wait_seconds <= 0:
+            raise ConfigError("--policy-wait-seconds", "must be positive")
+        if self.gc_interval_seconds < 0:
+            raise ConfigError("--gc-interval-seconds", "must not be negative")

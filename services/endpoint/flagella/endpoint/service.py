@@ -1,10 +1,541 @@
-"""Logic of the endpoint service (no gRPC here)."""
+"""Logic of the endpoint service (no gRPC here): CreateEndpoint's
+orchestration across ipam, policy and the node's datapath, with rollback;
+delete, labels, restore and garbage collection.
+
+Crash safety: before each step with a side effect, the step is recorded in
+the endpoint's etcd record ("intent"); undoing a step is idempotent. So after
+a crash at any point, rolling back the recorded steps releases exactly what
+may have been acquired, and nothing leaks.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import ipaddress
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from flagella.common.errors import (
+    Aborted,
+    FailedPrecondition,
+    FlagellaError,
+    InvalidArgument,
+    NotFound,
+)
+from flagella.endpoint.model import Endpoint, State
 from flagella.endpoint.store import EndpointStore
+
+log = logging.getLogger(__name__)
+
+# Steps of a create, in order; rollback undoes them in reverse.
+STEP_IPAM = "ipam"
+STEP_IDENTITY = "identity"
+STEP_DATAPATH = "datapath"
+STEP_IPCACHE = "ipcache"
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    name: str
+    datapath_address: str
+    host_ip: str
+    pod_cidrs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Allocated:
+    ip: str
+    cidr: str
+
+
+@dataclass(frozen=True)
+class SetupResult:
+    host_ifname: str
+    host_mac: str
+    container_mac: str
+    mtu: int
+    addresses: tuple[str, ...]
+    gateways: tuple[str, ...]
+    routes: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class RealizedEndpoint:
+    """What a node's datapath holds for one endpoint."""
+
+    endpoint_id: int
+    container_id: str
+    ifname: str
+    netns_path: str
+    identity: int
+
+
+class Ipam(Protocol):
+    async def node(self, name: str) -> NodeInfo: ...
+
+    async def allocate(
+        self, node: str, container_id: str, ifname: str, pod: str, expiration_s: float
+    ) -> list[Allocated]: ...
+
+    async def commit(self, node: str, container_id: str, ifname: str) -> None: ...
+
+    async def release(self, node: str, container_id: str, ifname: str) -> None: ...
+
+    async def reconcile(self, node: str, valid: Sequence[tuple[str, str]]) -> list[str]: ...
+
+
+class Policy(Protocol):
+    async def allocate_identity(self, labels: dict[str, str], node: str, owner: str) -> int: ...
+
+    async def release_identity(self, identity: int, node: str, owner: str) -> None: ...
+
+    async def upsert_ipcache(self, prefix: str, identity: int, node: str, host_ip: str) -> None: ...
+
+    async def delete_ipcache(self, prefix: str, identity: int) -> None: ...
+
+    async def policy_revision(self, identity: int) -> int: ...
+
+
+class Datapath(Protocol):
+    async def setup(self, address: str, ep: Endpoint, pod_cidrs: Sequence[str]) -> SetupResult: ...
+
+    async def teardown(self, address: str, ep: Endpoint) -> None: ...
+
+    async def update_identity(self, address: str, endpoint_id: int, identity: int) -> None: ...
+
+    async def wait_policy(
+        self, address: str, endpoint_id: int, min_revision: int, timeout: float
+    ) -> int: ...
+
+    async def list_endpoints(self, address: str) -> list[RealizedEndpoint]: ...
+
+
+class PodLabels(Protocol):
+    async def labels(self, namespace: str, name: str) -> dict[str, str]: ...
+
+
+@dataclass(frozen=True)
+class CreateRequest:
+    container_id: str
+    netns_path: str
+    ifname: str
+    node: str
+    pod_name: str = ""
+    pod_namespace: str = ""
+    labels: dict[str, str] = field(default_factory=dict)
+    resolve_labels_from_kubernetes: bool = False
+    mtu: int = 1500
+
+
+@dataclass(frozen=True)
+class Settings:
+    # An IP reserved for an ADD that never completes is freed after this.
+    reservation_s: float = 120.0
+    policy_wait_s: float = 20.0
+    dns_nameservers: tuple[str, ...] = ()
+    dns_search: tuple[str, ...] = ()
+
+
+def owner_of(ep: Endpoint) -> str:
+    """The identity-reference owner of an endpoint: its attachment."""
+    return f"{ep.container_id}/{ep.ifname}"
+
+
+def pod_of(ep: Endpoint) -> str:
+    return f"{ep.pod_namespace}/{ep.pod_name}" if ep.pod_name else ""
+
+
+def identity_labels(ep: Endpoint) -> dict[str, str]:
+    """Pod labels plus the namespace label Kubernetes policies select on."""
+    labels = dict(ep.labels)
+    if ep.pod_namespace:
+        labels.setdefault("io.kubernetes.pod.namespace", ep.pod_namespace)
+    return labels
 
 
 class EndpointService:
-    def __init__(self, store: EndpointStore) -> None:
+    def __init__(
+        self,
+        store: EndpointStore,
+        ipam: Ipam,
+        policy: Policy,
+        datapath: Datapath,
+        *,
+        pod_labels: PodLabels | None = None,
+        settings: Settings | None = None,
+    ) -> None:
         self.store = store
+        self.ipam = ipam
+        self.policy = policy
+        self.datapath = datapath
+        self.pod_labels = pod_labels
+        self.settings = settings or Settings()
+        # One operation at a time per attachment within this replica.
+        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+
+    def _lock(self, container_id: str, ifname: str) -> asyncio.Lock:
+        return self._locks.setdefault((container_id, ifname), asyncio.Lock())
+
+    # --- create ---
+
+    async def create(self, req: CreateRequest) -> Endpoint:
+        async with self._lock(req.container_id, req.ifname):
+            found = await self.store.get(req.container_id, req.ifname)
+            if found is not None:
+                existing, _ = found
+                if existing.state is State.READY and existing.netns_path == req.netns_path:
+                    return existing  # a repeated ADD: same answer
+                # A crashed or superseded ADD: undo it before starting over.
+                await self._remove(existing, "superseded by a new ADD")
+            return await self._create(req)
+
+    async def _labels_for(self, req: CreateRequest) -> dict[str, str]:
+        if req.labels or not req.resolve_labels_from_kubernetes:
+            return dict(req.labels)
+        if self.pod_labels is None:
+            raise FailedPrecondition(
+                "labels must be given: the endpoint service has no Kubernetes access",
+                field="labels",
+            )
+        return await self.pod_labels.labels(req.pod_namespace, req.pod_name)
+
+    async def _create(self, req: CreateRequest) -> Endpoint:
+        ep = Endpoint(
+            id=0,
+            container_id=req.container_id,
+            ifname=req.ifname,
+            netns_path=req.netns_path,
+            node=req.node,
+            pod_name=req.pod_name,
+            pod_namespace=req.pod_namespace,
+            labels=dict(req.labels),
+            mtu=req.mtu,
+        )
+        ep.transition(State.WAITING_FOR_IDENTITY, "CNI ADD")
+        created = await self.store.create(ep)
+        if created is None:
+            raise Aborted("another ADD of this attachment is in progress; try again")
+        found = await self.store.get(ep.container_id, ep.ifname)
+        assert found is not None
+        ep, revision = found
+        try:
+            node = await self.ipam.node(req.node)
+            revision = await self._step(ep, revision, STEP_IPAM)
+            allocated = await self.ipam.allocate(
+                ep.node, ep.container_id, ep.ifname, pod_of(ep), self.settings.reservation_s
+            )
+            ep.addresses = [
+                f"{a.ip}/{32 if ipaddress.ip_address(a.ip).version == 4 else 128}"
+                for a in allocated
+            ]
+            ep.labels = await self._labels_for(req)
+            revision = await self._step(ep, revision, STEP_IDENTITY)
+            ep.identity = await self.policy.allocate_identity(
+                identity_labels(ep), ep.node, owner_of(ep)
+            )
+            ep.transition(State.REGENERATING, f"identity {ep.identity}")
+            revision = await self._step(ep, revision, STEP_DATAPATH)
+            setup = await self.datapath.setup(node.datapath_address, ep, node.pod_cidrs)
+            ep.host_ifname, ep.mac = setup.host_ifname, setup.container_mac
+            revision = await self._step(ep, revision, STEP_IPCACHE)
+            for address in ep.addresses:
+                await self.policy.upsert_ipcache(address, ep.identity, ep.node, node.host_ip)
+            wanted = await self.policy.policy_revision(ep.identity)
+            ep.policy_revision = await self.datapath.wait_policy(
+                node.datapath_address, ep.id, wanted, self.settings.policy_wait_s
+            )
+            await self.ipam.commit(ep.node, ep.container_id, ep.ifname)
+            ep.result = self._cni_result(ep, setup)
+            ep.transition(State.READY, f"policy revision {ep.policy_revision} realized")
+            await self.store.update(ep, revision)
+        except BaseException as exc:
+            reason = exc.details if isinstance(exc, FlagellaError) else repr(exc)
+            log.warning(
+                "endpoint create failed, rolling back",
+                extra={"endpoint": ep.id, "container": ep.container_id, "reason": reason},
+            )
+            await asyncio.shield(self._remove(ep, f"create failed: {reason}"))
+            raise
+        log.info(
+            "endpoint ready",
+            extra={
+                "endpoint": ep.id,
+                "container": ep.container_id,
+                "identity": ep.identity,
+                "addresses": ep.addresses,
+            },
+        )
+        return ep
+
+    async def _step(self, ep: Endpoint, revision: int, step: str) -> int:
+        """Record the intent of a step before doing it."""
+        if step not in ep.steps:
+            ep.steps.append(step)
+        return await self.store.update(ep, revision)
+
+    def _cni_result(self, ep: Endpoint, setup: SetupResult) -> dict[str, object]:
+        interfaces = [
+            {"name": setup.host_ifname, "mac": setup.host_mac, "mtu": setup.mtu},
+            {
+                "name": ep.ifname,
+                "mac": setup.container_mac,
+                "mtu": setup.mtu,
+                "sandbox": ep.netns_path,
+            },
+        ]
+        ips = []
+        for address in setup.addresses:
+            version = ipaddress.ip_interface(address).version
+            gateway = next(
+                (g for g in setup.gateways if ipaddress.ip_address(g).version == version), ""
+            )
+            ips.append({"address": address, "gateway": gateway, "interface": 1})
+        return {
+            "interfaces": interfaces,
+            "ips": ips,
+            "routes": [{"dst": dst, "gw": gw} for dst, gw in setup.routes],
+            "dns": {
+                "nameservers": list(self.settings.dns_nameservers),
+                "search": list(self.settings.dns_search),
+            },
+        }
+
+    # --- delete ---
+
+    async def delete(self, container_id: str, ifname: str) -> bool:
+        async with self._lock(container_id, ifname):
+            found = await self.store.get(container_id, ifname)
+            if found is None:
+                return False
+            await self._remove(found[0], "CNI DEL")
+            return True
+
+    async def delete_by_id(self, endpoint_id: int) -> bool:
+        found = await self.store.get_by_id(endpoint_id)
+        if found is None:
+            return False
+        return await self.delete(found[0].container_id, found[0].ifname)
+
+    async def _remove(self, ep: Endpoint, reason: str) -> None:
+        """Undo every recorded step (each undo is idempotent), then forget the
+        endpoint. Raises Unavailable if a peer is down: the record stays and
+        a retry (or GC) finishes the job."""
+        if ep.state is not State.DISCONNECTING:
+            ep.transition(State.DISCONNECTING, reason)
+        steps = set(ep.steps)
+        node: NodeInfo | None = None
+        if STEP_DATAPATH in steps or STEP_IPCACHE in steps:
+            try:
+                node = await self.ipam.node(ep.node)
+            except NotFound:
+                node = None  # the node is gone, and its datapath with it
+        if STEP_IPCACHE in steps:
+            for address in ep.addresses:
+                await self.policy.delete_ipcache(address, ep.identity)
+        if STEP_DATAPATH in steps and node is not None:
+            await self.datapath.teardown(node.datapath_address, ep)
+        if STEP_IDENTITY in steps and ep.identity:
+            await self.policy.release_identity(ep.identity, ep.node, owner_of(ep))
+        if STEP_IPAM in steps:
+            await self.ipam.release(ep.node, ep.container_id, ep.ifname)
+        ep.transition(State.DISCONNECTED, reason)
+        await self.store.delete(ep)
+        log.info("endpoint removed", extra={"endpoint": ep.id, "reason": reason})
+
+    # --- queries ---
+
+    async def get(self, container_id: str, ifname: str) -> Endpoint:
+        found = await self.store.get(container_id, ifname)
+        if found is None:
+            raise NotFound(f"no endpoint for {container_id}/{ifname}", field="attachment")
+        return found[0]
+
+    async def get_by_id(self, endpoint_id: int) -> Endpoint:
+        found = await self.store.get_by_id(endpoint_id)
+        if found is None:
+            raise NotFound(f"no endpoint {endpoint_id}", field="id")
+        return found[0]
+
+    async def list_endpoints(
+        self, node: str = "", namespace: str = "", state: State | None = None
+    ) -> list[Endpoint]:
+        return [
+            ep
+            for ep in await self.store.list_all()
+            if (not node or ep.node == node)
+            and (not namespace or ep.pod_namespace == namespace)
+            and (state is None or ep.state is state)
+        ]
+
+    # --- labels ---
+
+    async def patch_labels(self, endpoint_id: int, labels: dict[str, str]) -> Endpoint:
+        found = await self.store.get_by_id(endpoint_id)
+        if found is None:
+            raise NotFound(f"no endpoint {endpoint_id}", field="id")
+        async with self._lock(found[0].container_id, found[0].ifname):
+            ep, revision = await self._fresh(found[0])
+            if ep.state is not State.READY:
+                raise FailedPrecondition(f"endpoint {ep.id} is {ep.state.value}, not ready")
+            old_identity, old_labels = ep.identity, dict(ep.labels)
+            ep.labels = dict(labels)
+            new_identity = await self.policy.allocate_identity(
+                identity_labels(ep), ep.node, owner_of(ep)
+            )
+            if new_identity == old_identity:
+                return await self._save(ep, revision)
+            node = await self.ipam.node(ep.node)
+            ep.identity = new_identity
+            ep.transition(State.REGENERATING, f"labels changed: identity {new_identity}")
+            revision = await self.store.update(ep, revision)
+            try:
+                await self.datapath.update_identity(node.datapath_address, ep.id, new_identity)
+                for address in ep.addresses:
+                    await self.policy.upsert_ipcache(address, new_identity, ep.node, node.host_ip)
+                wanted = await self.policy.policy_revision(new_identity)
+                ep.policy_revision = await self.datapath.wait_policy(
+                    node.datapath_address, ep.id, wanted, self.settings.policy_wait_s
+                )
+            except FlagellaError:
+                # Back to the old identity: never leave the pod half-switched.
+                ep.labels, ep.identity = old_labels, old_identity
+                await self.datapath.update_identity(node.datapath_address, ep.id, old_identity)
+                for address in ep.addresses:
+                    await self.policy.upsert_ipcache(address, old_identity, ep.node, node.host_ip)
+                await self.policy.release_identity(new_identity, ep.node, owner_of(ep))
+                ep.transition(State.READY, "label change rolled back")
+                await self.store.update(ep, revision)
+                raise
+            await self.policy.release_identity(old_identity, ep.node, owner_of(ep))
+            ep.transition(State.READY, f"identity {new_identity} realized")
+            return await self._save(ep, revision)
+
+    async def _fresh(self, ep: Endpoint) -> tuple[Endpoint, int]:
+        found = await self.store.get(ep.container_id, ep.ifname)
+        if found is None:
+            raise NotFound(f"no endpoint {ep.id}", field="id")
+        return found
+
+    async def _save(self, ep: Endpoint, revision: int) -> Endpoint:
+        await self.store.update(ep, revision)
+        return ep
+
+    # --- check ---
+
+    async def check(self, container_id: str, ifname: str, netns_path: str) -> None:
+        ep = await self.get(container_id, ifname)
+        if ep.state is not State.READY:
+            raise FailedPrecondition(f"endpoint {ep.id} is {ep.state.value}", field="attachment")
+        if netns_path and netns_path != ep.netns_path:
+            raise InvalidArgument(
+                f"endpoint is in {ep.netns_path}, not {netns_path}", field="netns_path"
+            )
+        node = await self.ipam.node(ep.node)
+        realized = {
+            r.endpoint_id: r for r in await self.datapath.list_endpoints(node.datapath_address)
+        }
+        got = realized.get(ep.id)
+        if got is None:
+            raise FailedPrecondition(f"datapath of {ep.node} has no endpoint {ep.id}")
+        if got.identity != ep.identity:
+            raise FailedPrecondition(
+                f"datapath has identity {got.identity} for endpoint {ep.id}, want {ep.identity}"
+            )
+
+    # --- health ---
+
+    async def health(self, ep: Endpoint) -> dict[str, str]:
+        """Per component: "ok" or what is wrong."""
+        out = {
+            "ipam": "ok" if ep.addresses else "no address",
+            "identity": "ok" if ep.identity else "no identity",
+            "policy": "ok" if ep.policy_revision else "policy not realized",
+        }
+        try:
+            node = await self.ipam.node(ep.node)
+            realized = {
+                r.endpoint_id: r for r in await self.datapath.list_endpoints(node.datapath_address)
+            }
+        except FlagellaError as exc:
+            out["datapath"] = f"unreachable: {exc.details}"
+            return out
+        got = realized.get(ep.id)
+        if got is None:
+            out["datapath"] = f"endpoint missing on {ep.node}"
+        elif got.identity != ep.identity:
+            out["datapath"] = f"identity {got.identity} on the datapath, want {ep.identity}"
+        else:
+            out["datapath"] = "ok"
+        return out
+
+    # --- garbage collection and restore ---
+
+    async def sweep(self, missing_since: dict[int, int]) -> list[Endpoint]:
+        """Periodic GC: a ready endpoint whose node's datapath no longer has
+        it (its netns, and with it the veth, is gone) in two sweeps in a row
+        is removed with its IPs. missing_since carries the sweep count
+        between calls."""
+        removed: list[Endpoint] = []
+        by_node: dict[str, list[Endpoint]] = {}
+        for ep in await self.list_endpoints(state=State.READY):
+            by_node.setdefault(ep.node, []).append(ep)
+        seen_missing: set[int] = set()
+        for node_name, eps in by_node.items():
+            try:
+                node = await self.ipam.node(node_name)
+                present = {
+                    r.endpoint_id for r in await self.datapath.list_endpoints(node.datapath_address)
+                }
+            except FlagellaError as exc:
+                log.info("sweep skipped a node", extra={"node": node_name, "reason": exc.details})
+                continue
+            for ep in eps:
+                if ep.id in present:
+                    continue
+                seen_missing.add(ep.id)
+                if missing_since.get(ep.id, 0) >= 1:
+                    async with self._lock(*ep.key):
+                        await self._remove(ep, "sweep: container gone")
+                    removed.append(ep)
+                    seen_missing.discard(ep.id)
+        for endpoint_id in list(missing_since):
+            if endpoint_id not in seen_missing:
+                del missing_since[endpoint_id]
+        for endpoint_id in seen_missing:
+            missing_since[endpoint_id] = missing_since.get(endpoint_id, 0) + 1
+        return removed
+
+    async def garbage_collect(self, node: str, valid: Sequence[tuple[str, str]]) -> list[Endpoint]:
+        """CNI GC: remove the node's endpoints not in valid, then release any
+        IP of the node whose owner is not valid (an ADD that crashed before
+        its record was written)."""
+        keep = set(valid)
+        removed = []
+        for ep in await self.list_endpoints(node=node):
+            if ep.key in keep:
+                continue
+            async with self._lock(*ep.key):
+                await self._remove(ep, "CNI GC")
+            removed.append(ep)
+        await self.ipam.reconcile(
+            node, [*keep, *(ep.key for ep in await self.list_endpoints(node=node))]
+        )
+        return removed
+
+    async def restore(self) -> None:
+        """After a restart: finish or roll back every endpoint that was
+        mid-operation. Ready endpoints keep their IPs, identity and datapath
+        state untouched."""
+        for ep in await self.store.list_all():
+            if ep.state is State.READY:
+                continue
+            async with self._lock(*ep.key):
+                try:
+                    await self._remove(ep, f"restore: interrupted while {ep.state.value}")
+                except FlagellaError as exc:
+                    log.warning(
+                        "restore could not roll back yet",
+                        extra={"endpoint": ep.id, "reason": exc.details},
+                    )

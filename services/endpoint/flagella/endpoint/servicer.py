@@ -1,15 +1,249 @@
-"""gRPC handlers of flagella.endpoint.v1: proto <-> domain and validation.
-
-The RPCs are implemented by issue #6; until then the generated base class
-answers UNIMPLEMENTED.
-"""
+"""gRPC handlers of flagella.endpoint.v1: proto <-> domain and validation."""
 
 from __future__ import annotations
 
-from flagella.api.endpoint.v1 import endpoint_pb2_grpc
-from flagella.endpoint.service import EndpointService
+import re
+from typing import Any
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from flagella.api.endpoint.v1 import endpoint_pb2, endpoint_pb2_grpc
+from flagella.common.errors import InvalidArgument
+from flagella.endpoint.model import Endpoint, State
+from flagella.endpoint.service import CreateRequest, EndpointService
+
+STATES = {
+    State.WAITING_FOR_IDENTITY: endpoint_pb2.ENDPOINT_STATE_WAITING_FOR_IDENTITY,
+    State.REGENERATING: endpoint_pb2.ENDPOINT_STATE_REGENERATING,
+    State.READY: endpoint_pb2.ENDPOINT_STATE_READY,
+    State.DISCONNECTING: endpoint_pb2.ENDPOINT_STATE_DISCONNECTING,
+    State.DISCONNECTED: endpoint_pb2.ENDPOINT_STATE_DISCONNECTED,
+    State.NOT_READY: endpoint_pb2.ENDPOINT_STATE_NOT_READY,
+    State.RESTORING: endpoint_pb2.ENDPOINT_STATE_RESTORING,
+}
+STATE_OF = {v: k for k, v in STATES.items()}
+
+IFNAME = re.compile(r"^[^/\s:]{1,15}$")
+# Kubernetes label keys: optional DNS prefix, then a name of up to 63 chars.
+LABEL_NAME = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
+LABEL_PREFIX = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+
+
+def _ts(seconds: float) -> Timestamp:
+    ts = Timestamp()
+    ts.FromNanoseconds(int(seconds * 1e9))
+    return ts
+
+
+def validate_labels(labels: dict[str, str], field: str) -> dict[str, str]:
+    for key, value in labels.items():
+        prefix, _, name = key.rpartition("/")
+        if not name or not LABEL_NAME.match(name) or (prefix and not LABEL_PREFIX.match(prefix)):
+            raise InvalidArgument(f"{key!r} is not a valid label key", field=f"{field}[{key!r}]")
+        if not LABEL_NAME.match(value):
+            raise InvalidArgument(
+                f"{value!r} is not a valid label value", field=f"{field}[{key!r}]"
+            )
+    return dict(labels)
+
+
+def attachment_of(msg: endpoint_pb2.Attachment, field: str = "attachment") -> tuple[str, str]:
+    if not msg.container_id:
+        raise InvalidArgument("container_id is required", field=f"{field}.container_id")
+    if not IFNAME.match(msg.ifname):
+        raise InvalidArgument(f"{msg.ifname!r} is not an interface name", field=f"{field}.ifname")
+    return msg.container_id, msg.ifname
+
+
+def endpoint_to_proto(ep: Endpoint) -> endpoint_pb2.Endpoint:
+    return endpoint_pb2.Endpoint(
+        id=ep.id,
+        container_id=ep.container_id,
+        ifname=ep.ifname,
+        netns_path=ep.netns_path,
+        pod_name=ep.pod_name,
+        pod_namespace=ep.pod_namespace,
+        node=ep.node,
+        labels=ep.labels,
+        identity=ep.identity,
+        addresses=ep.addresses,
+        host_ifname=ep.host_ifname,
+        mac=ep.mac,
+        state=STATES[ep.state],
+        policy_revision=ep.policy_revision,
+        created_at=_ts(ep.created_at),
+        updated_at=_ts(ep.updated_at),
+    )
+
+
+def result_to_proto(result: dict[str, Any]) -> endpoint_pb2.CniResult:
+    dns = result.get("dns", {})
+    return endpoint_pb2.CniResult(
+        cni_version="1.1.0",
+        interfaces=[
+            endpoint_pb2.CniInterface(
+                name=i["name"],
+                mac=i.get("mac", ""),
+                sandbox=i.get("sandbox", ""),
+                mtu=i.get("mtu", 0),
+            )
+            for i in result.get("interfaces", [])
+        ],
+        ips=[
+            endpoint_pb2.CniIPConfig(
+                address=ip["address"], gateway=ip.get("gateway", ""), interface=ip["interface"]
+            )
+            for ip in result.get("ips", [])
+        ],
+        routes=[
+            endpoint_pb2.CniRoute(dst=r["dst"], gw=r.get("gw", ""))
+            for r in result.get("routes", [])
+        ],
+        dns=endpoint_pb2.CniDNS(
+            nameservers=dns.get("nameservers", []), search=dns.get("search", [])
+        ),
+    )
 
 
 class EndpointServicer(endpoint_pb2_grpc.EndpointServiceServicer):
-    def __init__(self, service: EndpointService) -> None:
+    def __init__(self, service: EndpointService, status: Any) -> None:
         self.service = service
+        self.status = status
+
+    async def CreateEndpoint(
+        self, request: endpoint_pb2.CreateEndpointRequest, context: Any
+    ) -> endpoint_pb2.CreateEndpointResponse:
+        cid, ifname = (
+            attachment_of(
+                endpoint_pb2.Attachment(container_id=request.container_id, ifname=request.ifname),
+                "",
+            )
+            if request.container_id
+            else ("", "")
+        )
+        if not cid:
+            raise InvalidArgument("container_id is required", field="container_id")
+        if not request.netns_path.startswith("/"):
+            raise InvalidArgument(
+                f"{request.netns_path!r} is not an absolute netns path", field="netns_path"
+            )
+        if not request.node:
+            raise InvalidArgument("node is required", field="node")
+        mtu = request.mtu or 1500
+        if not 576 <= mtu <= 65535:
+            raise InvalidArgument(f"mtu {mtu} is not in 576..65535", field="mtu")
+        if request.pod_name and not request.pod_namespace:
+            raise InvalidArgument("pod_namespace is required with pod_name", field="pod_namespace")
+        if request.resolve_labels_from_kubernetes and not request.labels and not request.pod_name:
+            raise InvalidArgument(
+                "pod_name is required to read labels from Kubernetes", field="pod_name"
+            )
+        ep = await self.service.create(
+            CreateRequest(
+                container_id=cid,
+                netns_path=request.netns_path,
+                ifname=ifname,
+                node=request.node,
+                pod_name=request.pod_name,
+                pod_namespace=request.pod_namespace,
+                labels=validate_labels(dict(request.labels), "labels"),
+                resolve_labels_from_kubernetes=request.resolve_labels_from_kubernetes,
+                mtu=mtu,
+            )
+        )
+        return endpoint_pb2.CreateEndpointResponse(
+            endpoint=endpoint_to_proto(ep), result=result_to_proto(ep.result)
+        )
+
+    async def _resolve(self, request: Any) -> Endpoint:
+        which = request.WhichOneof("by")
+        if which == "id":
+            return await self.service.get_by_id(request.id)
+        if which == "attachment":
+            return await self.service.get(*attachment_of(request.attachment))
+        raise InvalidArgument("give id or attachment", field="by")
+
+    async def GetEndpoint(
+        self, request: endpoint_pb2.GetEndpointRequest, context: Any
+    ) -> endpoint_pb2.Endpoint:
+        return endpoint_to_proto(await self._resolve(request))
+
+    async def ListEndpoints(
+        self, request: endpoint_pb2.ListEndpointsRequest, context: Any
+    ) -> endpoint_pb2.ListEndpointsResponse:
+        state = STATE_OF.get(request.state) if request.state else None
+        eps = await self.service.list_endpoints(request.node, request.pod_namespace, state)
+        return endpoint_pb2.ListEndpointsResponse(
+            endpoints=[endpoint_to_proto(ep) for ep in sorted(eps, key=lambda e: e.id)]
+        )
+
+    async def DeleteEndpoint(
+        self, request: endpoint_pb2.DeleteEndpointRequest, context: Any
+    ) -> endpoint_pb2.DeleteEndpointResponse:
+        which = request.WhichOneof("by")
+        if which == "id":
+            deleted = await self.service.delete_by_id(request.id)
+        elif which == "attachment":
+            deleted = await self.service.delete(*attachment_of(request.attachment))
+        else:
+            raise InvalidArgument("give id or attachment", field="by")
+        return endpoint_pb2.DeleteEndpointResponse(deleted=deleted)
+
+    async def PatchEndpointLabels(
+        self, request: endpoint_pb2.PatchEndpointLabelsRequest, context: Any
+    ) -> endpoint_pb2.Endpoint:
+        labels = validate_labels(dict(request.labels), "labels")
+        return endpoint_to_proto(await self.service.patch_labels(request.id, labels))
+
+    async def GetEndpointLog(
+        self, request: endpoint_pb2.GetEndpointLogRequest, context: Any
+    ) -> endpoint_pb2.GetEndpointLogResponse:
+        ep = await self.service.get_by_id(request.id)
+        return endpoint_pb2.GetEndpointLogResponse(
+            entries=[
+                endpoint_pb2.EndpointLogEntry(
+                    time=_ts(e.time),
+                    from_state=STATES[State(e.from_state)],
+                    to_state=STATES[State(e.to_state)],
+                    reason=e.reason,
+                )
+                for e in ep.log
+            ]
+        )
+
+    async def GetEndpointHealth(
+        self, request: endpoint_pb2.GetEndpointHealthRequest, context: Any
+    ) -> endpoint_pb2.EndpointHealth:
+        ep = await self.service.get_by_id(request.id)
+        health = await self.service.health(ep)
+        overall = (
+            endpoint_pb2.EndpointHealth.STATUS_OK
+            if all(v == "ok" for v in health.values())
+            else endpoint_pb2.EndpointHealth.STATUS_FAILURE
+        )
+        return endpoint_pb2.EndpointHealth(overall=overall, components=health)
+
+    async def CheckEndpoint(
+        self, request: endpoint_pb2.CheckEndpointRequest, context: Any
+    ) -> endpoint_pb2.CheckEndpointResponse:
+        cid, ifname = attachment_of(request.attachment)
+        await self.service.check(cid, ifname, request.netns_path)
+        return endpoint_pb2.CheckEndpointResponse()
+
+    async def GarbageCollect(
+        self, request: endpoint_pb2.GarbageCollectRequest, context: Any
+    ) -> endpoint_pb2.GarbageCollectResponse:
+        if not request.node:
+            raise InvalidArgument("node is required", field="node")
+        valid = [
+            attachment_of(a, f"valid_attachments[{i}]")
+            for i, a in enumerate(request.valid_attachments)
+        ]
+        removed = await self.service.garbage_collect(request.node, valid)
+        return endpoint_pb2.GarbageCollectResponse(removed=[endpoint_to_proto(e) for e in removed])
+
+    async def GetStatus(
+        self, request: endpoint_pb2.GetStatusRequest, context: Any
+    ) -> endpoint_pb2.EndpointServiceStatus:
+        ready, deps = await self.status()
+        return endpoint_pb2.EndpointServiceStatus(ready=ready, dependencies=deps)

@@ -202,8 +202,15 @@ class AllocateIdentityRequest(_message.Message):
 
     LABELS_FIELD_NUMBER: _builtins.int
     NODE_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
     node: _builtins.str
     """The node taking the reference."""
+    owner: _builtins.str
+    """Who on that node holds the reference (e.g. the endpoint's
+    "container-id/ifname"). References are per (identity, node, owner), so a
+    retried call takes no second reference. Empty: one anonymous reference
+    per node.
+    """
     @_builtins.property
     def labels(self) -> _containers.RepeatedCompositeFieldContainer[Global___Label]:
         """Labels not relevant to identity (per the label filter) are dropped."""
@@ -213,10 +220,11 @@ class AllocateIdentityRequest(_message.Message):
         *,
         labels: _abc.Iterable[Global___Label] | None = ...,
         node: _builtins.str = ...,
+        owner: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["labels", b"labels", "node", b"node"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["labels", b"labels", "node", b"node", "owner", b"owner"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -252,17 +260,21 @@ class ReleaseIdentityRequest(_message.Message):
 
     ID_FIELD_NUMBER: _builtins.int
     NODE_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     node: _builtins.str
+    owner: _builtins.str
+    """The owner given at allocation; releasing an unknown owner is a no-op."""
     def __init__(
         self,
         *,
         id: _builtins.int = ...,
         node: _builtins.str = ...,
+        owner: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "node", b"node"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "node", b"node", "owner", b"owner"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

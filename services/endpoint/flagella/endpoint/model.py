@@ -1,0 +1,109 @@
+"""The endpoint as the endpoint service keeps it: one per CNI attachment
+(container id, ifname), persisted in etcd as JSON, with its state machine and
+a log of transitions (as Cilium's endpoint states)."""
+
+from __future__ import annotations
+
+import enum
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# Transitions kept per endpoint for GetEndpointLog.
+LOG_LIMIT = 64
+
+
+class State(enum.Enum):
+    WAITING_FOR_IDENTITY = "waiting-for-identity"
+    REGENERATING = "regenerating"
+    READY = "ready"
+    DISCONNECTING = "disconnecting"
+    DISCONNECTED = "disconnected"
+    NOT_READY = "not-ready"
+    RESTORING = "restoring"
+
+
+# Which transitions the state machine allows (Cilium's, plus restore).
+ALLOWED: dict[State, frozenset[State]] = {
+    State.WAITING_FOR_IDENTITY: frozenset(
+        {State.REGENERATING, State.DISCONNECTING, State.NOT_READY}
+    ),
+    State.REGENERATING: frozenset(
+        {State.READY, State.WAITING_FOR_IDENTITY, State.DISCONNECTING, State.NOT_READY}
+    ),
+    State.READY: frozenset(
+        {State.REGENERATING, State.WAITING_FOR_IDENTITY, State.DISCONNECTING, State.NOT_READY}
+    ),
+    State.NOT_READY: frozenset(
+        {State.REGENERATING, State.WAITING_FOR_IDENTITY, State.DISCONNECTING, State.READY}
+    ),
+    State.RESTORING: frozenset(
+        {State.REGENERATING, State.READY, State.DISCONNECTING, State.NOT_READY}
+    ),
+    State.DISCONNECTING: frozenset({State.DISCONNECTED}),
+    State.DISCONNECTED: frozenset(),
+}
+
+
+class InvalidTransition(Exception):
+    pass
+
+
+@dataclass
+class LogEntry:
+    time: float
+    from_state: str
+    to_state: str
+    reason: str
+
+
+@dataclass
+class Endpoint:
+    id: int
+    container_id: str
+    ifname: str
+    netns_path: str
+    node: str
+    pod_name: str = ""
+    pod_namespace: str = ""
+    labels: dict[str, str] = field(default_factory=dict)
+    identity: int = 0
+    # CIDR notation (host routes: /32, /128).
+    addresses: list[str] = field(default_factory=list)
+    host_ifname: str = ""
+    mac: str = ""
+    mtu: int = 1500
+    state: State = State.WAITING_FOR_IDENTITY
+    policy_revision: int = 0
+    # The CNI result returned by ADD, replayed for a repeated ADD.
+    result: dict[str, Any] = field(default_factory=dict)
+    created_at: float = field(default_factory=time.time)
+    updated_at: float = field(default_factory=time.time)
+    log: list[LogEntry] = field(default_factory=list)
+    # Steps done so far, so a crash mid-create can be rolled back exactly.
+    steps: list[str] = field(default_factory=list)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.container_id, self.ifname)
+
+    def transition(self, to: State, reason: str) -> None:
+        if to is not self.state and to not in ALLOWED[self.state]:
+            raise InvalidTransition(f"{self.state.value} -> {to.value}")
+        self.log.append(LogEntry(time.time(), self.state.value, to.value, reason))
+        del self.log[:-LOG_LIMIT]
+        self.state = to
+        self.updated_at = time.time()
+
+    def to_json(self) -> bytes:
+        data = asdict(self)
+        data["state"] = self.state.value
+        return json.dumps(data, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Endpoint:
+        data = json.loads(raw)
+        data["state"] = State(data["state"])
+        data["log"] = [LogEntry(**e) for e in data.get("log", [])]
+        return cls(**data)

@@ -1,0 +1,254 @@
+"""The endpoint service's peers over gRPC: ipam, policy, the datapath of each
+node, and (optionally) the Kubernetes API for pod labels. Adapters from the
+service's protocols (service.py) to the generated stubs."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+from google.protobuf.duration_pb2 import Duration
+
+from flagella.api.datapath.v1 import datapath_pb2, datapath_pb2_grpc
+from flagella.api.ipam.v1 import ipam_pb2, ipam_pb2_grpc
+from flagella.api.policy.v1 import policy_pb2, policy_pb2_grpc
+from flagella.common.errors import NotFound, Unavailable
+from flagella.common.peers import calling
+from flagella.endpoint.model import Endpoint
+from flagella.endpoint.service import Allocated, NodeInfo, RealizedEndpoint, SetupResult
+
+CALL_TIMEOUT = 10.0
+
+
+def _duration(seconds: float) -> Duration:
+    d = Duration()
+    d.FromNanoseconds(int(seconds * 1e9))
+    return d
+
+
+class IpamPeer:
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self.stub = ipam_pb2_grpc.IpamServiceStub(channel)
+
+    async def node(self, name: str) -> NodeInfo:
+        with calling("ipam"):
+            node = await self.stub.GetNode(ipam_pb2.GetNodeRequest(name=name), timeout=CALL_TIMEOUT)
+        if not node.datapath_address:
+            raise Unavailable(f"node {name} has no datapath registered")
+        internal = [a.ip for a in node.addresses if a.type == ipam_pb2.NodeAddress.TYPE_INTERNAL_IP]
+        return NodeInfo(
+            name=node.name,
+            datapath_address=node.datapath_address,
+            host_ip=internal[0] if internal else "",
+            pod_cidrs=tuple(node.pod_cidrs),
+        )
+
+    async def allocate(
+        self, node: str, container_id: str, ifname: str, pod: str, expiration_s: float
+    ) -> list[Allocated]:
+        with calling("ipam"):
+            resp = await self.stub.Allocate(
+                ipam_pb2.AllocateRequest(
+                    node=node,
+                    owner=ipam_pb2.Owner(container_id=container_id, ifname=ifname, pod=pod),
+                    expiration=_duration(expiration_s),
+                ),
+                timeout=CALL_TIMEOUT,
+            )
+        return [Allocated(a.ip, a.cidr) for a in resp.allocations]
+
+    async def commit(self, node: str, container_id: str, ifname: str) -> None:
+        with calling("ipam"):
+            await self.stub.CommitAllocation(
+                ipam_pb2.CommitAllocationRequest(
+                    node=node, owner=ipam_pb2.Owner(container_id=container_id, ifname=ifname)
+                ),
+                timeout=CALL_TIMEOUT,
+            )
+
+    async def release(self, node: str, container_id: str, ifname: str) -> None:
+        with calling("ipam"):
+            await self.stub.Release(
+                ipam_pb2.ReleaseRequest(
+                    node=node, owner=ipam_pb2.Owner(container_id=container_id, ifname=ifname)
+                ),
+                timeout=CALL_TIMEOUT,
+            )
+
+    async def reconcile(self, node: str, valid: Sequence[tuple[str, str]]) -> list[str]:
+        with calling("ipam"):
+            resp = await self.stub.Reconcile(
+                ipam_pb2.ReconcileRequest(
+                    node=node,
+                    valid_owners=[
+                        ipam_pb2.Owner(container_id=cid, ifname=ifname) for cid, ifname in valid
+                    ],
+                ),
+                timeout=CALL_TIMEOUT,
+            )
+        return [a.ip for a in resp.released]
+
+
+def k8s_labels(labels: dict[str, str]) -> list[policy_pb2.Label]:
+    return [policy_pb2.Label(source="k8s", key=k, value=v) for k, v in sorted(labels.items())]
+
+
+class PolicyPeer:
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self.stub = policy_pb2_grpc.PolicyServiceStub(channel)
+
+    async def allocate_identity(self, labels: dict[str, str], node: str, owner: str) -> int:
+        with calling("policy"):
+            resp = await self.stub.AllocateIdentity(
+                policy_pb2.AllocateIdentityRequest(
+                    labels=k8s_labels(labels), node=node, owner=owner
+                ),
+                timeout=CALL_TIMEOUT,
+            )
+        return int(resp.identity.id)
+
+    async def release_identity(self, identity: int, node: str, owner: str) -> None:
+        with calling("policy"):
+            await self.stub.ReleaseIdentity(
+                policy_pb2.ReleaseIdentityRequest(id=identity, node=node, owner=owner),
+                timeout=CALL_TIMEOUT,
+            )
+
+    async def upsert_ipcache(self, prefix: str, identity: int, node: str, host_ip: str) -> None:
+        with calling("policy"):
+            await self.stub.UpsertIPCache(
+                policy_pb2.UpsertIPCacheRequest(
+                    entry=policy_pb2.IPCacheEntry(
+                        prefix=prefix,
+                        identity=identity,
+                        node=node,
+                        host_ip=host_ip,
+                        source="endpoint",
+                    )
+                ),
+                timeout=CALL_TIMEOUT,
+            )
+
+    async def delete_ipcache(self, prefix: str, identity: int) -> None:
+        with calling("policy"):
+            await self.stub.DeleteIPCache(
+                policy_pb2.DeleteIPCacheRequest(prefix=prefix, expected_identity=identity),
+                timeout=CALL_TIMEOUT,
+            )
+
+    async def policy_revision(self, identity: int) -> int:
+        with calling("policy"):
+            resolved = await self.stub.ResolvePolicy(
+                policy_pb2.ResolvePolicyRequest(identity=identity), timeout=CALL_TIMEOUT
+            )
+        return int(resolved.revision)
+
+
+class DatapathPeers:
+    """The datapath of whichever node an endpoint is on, one channel each."""
+
+    def __init__(self, open_channel: Callable[[str], grpc.aio.Channel]) -> None:
+        self.open_channel = open_channel
+        self._stubs: dict[str, Any] = {}
+
+    def _stub(self, address: str) -> datapath_pb2_grpc.DatapathServiceAsyncStub:
+        if address not in self._stubs:
+            self._stubs[address] = datapath_pb2_grpc.DatapathServiceStub(self.open_channel(address))
+        stub: datapath_pb2_grpc.DatapathServiceAsyncStub = self._stubs[address]
+        return stub
+
+    async def setup(self, address: str, ep: Endpoint, pod_cidrs: Sequence[str]) -> SetupResult:
+        with calling("datapath"):
+            resp = await self._stub(address).SetupEndpoint(
+                datapath_pb2.SetupEndpointRequest(
+                    endpoint_id=ep.id,
+                    container_id=ep.container_id,
+                    netns_path=ep.netns_path,
+                    ifname=ep.ifname,
+                    addresses=ep.addresses,
+                    mtu=ep.mtu,
+                    identity=ep.identity,
+                    pod_cidrs=list(pod_cidrs),
+                ),
+                timeout=CALL_TIMEOUT,
+            )
+        return SetupResult(
+            host_ifname=resp.host_interface.name,
+            host_mac=resp.host_interface.mac,
+            container_mac=resp.container_interface.mac,
+            mtu=resp.container_interface.mtu,
+            addresses=tuple(resp.addresses),
+            gateways=tuple(resp.gateways),
+            routes=tuple((r.dst, r.gw) for r in resp.routes),
+        )
+
+    async def teardown(self, address: str, ep: Endpoint) -> None:
+        with calling("datapath"):
+            await self._stub(address).TeardownEndpoint(
+                datapath_pb2.TeardownEndpointRequest(
+                    endpoint_id=ep.id, netns_path=ep.netns_path, ifname=ep.ifname
+                ),
+                timeout=CALL_TIMEOUT,
+            )
+
+    async def update_identity(self, address: str, endpoint_id: int, identity: int) -> None:
+        with calling("datapath"):
+            await self._stub(address).UpdateEndpoint(
+                datapath_pb2.UpdateEndpointRequest(endpoint_id=endpoint_id, identity=identity),
+                timeout=CALL_TIMEOUT,
+            )
+
+    async def wait_policy(
+        self, address: str, endpoint_id: int, min_revision: int, timeout: float
+    ) -> int:
+        with calling("datapath"):
+            resp = await self._stub(address).WaitForPolicy(
+                datapath_pb2.WaitForPolicyRequest(
+                    endpoint_id=endpoint_id, min_revision=min_revision, timeout=_duration(timeout)
+                ),
+                timeout=timeout + CALL_TIMEOUT,
+            )
+        return int(resp.realized_revision)
+
+    async def list_endpoints(self, address: str) -> list[RealizedEndpoint]:
+        with calling("datapath"):
+            resp = await self._stub(address).ListEndpoints(
+                datapath_pb2.ListEndpointsRequest(), timeout=CALL_TIMEOUT
+            )
+        return [
+            RealizedEndpoint(e.endpoint_id, e.container_id, e.ifname, e.netns_path, e.identity)
+            for e in resp.endpoints
+        ]
+
+
+class KubernetesPodLabels:
+    """Pod labels from the Kubernetes API (kubeconfig path or 'in-cluster')."""
+
+    def __init__(self, kubeconfig: str) -> None:
+        from kubernetes import client, config
+
+        if kubeconfig == "in-cluster":
+            config.load_incluster_config()  # type: ignore[no-untyped-call]
+        else:
+            config.load_kube_config(config_file=kubeconfig)  # type: ignore[no-untyped-call]
+        self.api = client.CoreV1Api()
+
+    async def labels(self, namespace: str, name: str) -> dict[str, str]:
+        from kubernetes.client.exceptions import ApiException
+
+        def read() -> dict[str, str]:
+            pod = self.api.read_namespaced_pod(name=name, namespace=namespace)
+            return dict((pod.metadata and pod.metadata.labels) or {})
+
+        try:
+            return await asyncio.to_thread(read)
+        except ApiException as exc:
+            if exc.status == 404:
+                raise NotFound(
+                    f"pod {namespace}/{name} not found in Kubernetes", field="pod_name"
+                ) from exc
+            raise Unavailable(f"kubernetes: {exc.status} {exc.reason}") from exc
+        except OSError as exc:
+            raise Unavailable(f"kubernetes: {exc}") from exc

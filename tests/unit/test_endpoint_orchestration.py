@@ -1,0 +1,263 @@
+"""CreateEndpoint's orchestration against fake peers (pure logic): every
+failure point rolls back exactly what was acquired, a repeated ADD answers
+the same, restore rolls back interrupted creates."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import pytest
+
+from flagella.common.errors import Unavailable
+from flagella.endpoint.model import Endpoint, State
+from flagella.endpoint.service import (
+    Allocated,
+    CreateRequest,
+    EndpointService,
+    NodeInfo,
+    RealizedEndpoint,
+    SetupResult,
+)
+
+
+class MemoryEtcdStore:
+    """The EndpointStore interface over a dict (the real one is tested
+    against etcd in the integration tests)."""
+
+    def __init__(self) -> None:
+        self.data: dict[tuple[str, str], tuple[bytes, int]] = {}
+        self.rev = 0
+        self.next_id = 1
+
+    async def get(self, cid: str, ifname: str) -> tuple[Endpoint, int] | None:
+        got = self.data.get((cid, ifname))
+        return None if got is None else (Endpoint.from_json(got[0]), got[1])
+
+    async def get_by_id(self, endpoint_id: int) -> tuple[Endpoint, int] | None:
+        for raw, rev in self.data.values():
+            ep = Endpoint.from_json(raw)
+            if ep.id == endpoint_id:
+                return ep, rev
+        return None
+
+    async def list_all(self) -> list[Endpoint]:
+        return [Endpoint.from_json(raw) for raw, _ in self.data.values()]
+
+    async def create(self, ep: Endpoint) -> Endpoint | None:
+        if ep.key in self.data:
+            return None
+        ep.id = self.next_id
+        self.next_id += 1
+        self.rev += 1
+        self.data[ep.key] = (ep.to_json(), self.rev)
+        return ep
+
+    async def update(self, ep: Endpoint, revision: int) -> int:
+        assert self.data[ep.key][1] == revision
+        self.rev += 1
+        self.data[ep.key] = (ep.to_json(), self.rev)
+        return self.rev
+
+    async def delete(self, ep: Endpoint) -> None:
+        self.data.pop(ep.key, None)
+
+
+@dataclass
+class World:
+    """Fake peers recording what is held, failing where told."""
+
+    fail_at: str = ""
+    ips: dict[tuple[str, str], str] = field(default_factory=dict)
+    committed: set[tuple[str, str]] = field(default_factory=set)
+    refs: dict[tuple[str, int], int] = field(default_factory=dict)  # (owner, identity) -> 1
+    ipcache: dict[str, int] = field(default_factory=dict)
+    veths: dict[int, int] = field(default_factory=dict)  # endpoint id -> identity
+    next_ip: int = 5
+
+    def maybe_fail(self, step: str) -> None:
+        if self.fail_at == step:
+            raise Unavailable(f"{step} down")
+
+    # Ipam
+    async def node(self, name: str) -> NodeInfo:
+        self.maybe_fail("node")
+        return NodeInfo(name, "dp:1", "192.0.2.1", ("10.0.0.0/24",))
+
+    async def allocate(
+        self, node: str, cid: str, ifname: str, pod: str, exp: float
+    ) -> list[Allocated]:
+        self.maybe_fail("allocate")
+        if (cid, ifname) not in self.ips:
+            self.ips[(cid, ifname)] = f"10.0.0.{self.next_ip}"
+            self.next_ip += 1
+        return [Allocated(self.ips[(cid, ifname)], "10.0.0.0/24")]
+
+    async def commit(self, node: str, cid: str, ifname: str) -> None:
+        self.maybe_fail("commit")
+        self.committed.add((cid, ifname))
+
+    async def release(self, node: str, cid: str, ifname: str) -> None:
+        self.ips.pop((cid, ifname), None)
+        self.committed.discard((cid, ifname))
+
+    async def reconcile(self, node: str, valid: Sequence[tuple[str, str]]) -> list[str]:
+        gone = [k for k in self.ips if k not in set(valid)]
+        for k in gone:
+            del self.ips[k]
+        return [str(k) for k in gone]
+
+    # Policy
+    async def allocate_identity(self, labels: dict[str, str], node: str, owner: str) -> int:
+        self.maybe_fail("identity")
+        identity = 256 + len(labels)
+        self.refs[(owner, identity)] = 1
+        return identity
+
+    async def release_identity(self, identity: int, node: str, owner: str) -> None:
+        self.refs.pop((owner, identity), None)
+
+    async def upsert_ipcache(self, prefix: str, identity: int, node: str, host_ip: str) -> None:
+        self.maybe_fail("ipcache")
+        self.ipcache[prefix] = identity
+
+    async def delete_ipcache(self, prefix: str, identity: int) -> None:
+        if self.ipcache.get(prefix) == identity:
+            del self.ipcache[prefix]
+
+    async def policy_revision(self, identity: int) -> int:
+        self.maybe_fail("revision")
+        return 7
+
+    # Datapath
+    async def setup(self, address: str, ep: Endpoint, pod_cidrs: Sequence[str]) -> SetupResult:
+        self.maybe_fail("setup")
+        self.veths[ep.id] = ep.identity
+        return SetupResult(
+            f"lxc{ep.id:x}",
+            "aa:aa",
+            "bb:bb",
+            1500,
+            tuple(ep.addresses),
+            ("169.254.1.1",),
+            (("0.0.0.0/0", "169.254.1.1"),),
+        )
+
+    async def teardown(self, address: str, ep: Endpoint) -> None:
+        self.veths.pop(ep.id, None)
+
+    async def update_identity(self, address: str, endpoint_id: int, identity: int) -> None:
+        self.veths[endpoint_id] = identity
+
+    async def wait_policy(
+        self, address: str, endpoint_id: int, min_revision: int, timeout: float
+    ) -> int:
+        self.maybe_fail("wait")
+        return min_revision
+
+    async def list_endpoints(self, address: str) -> list[RealizedEndpoint]:
+        return [RealizedEndpoint(i, "", "", "", ident) for i, ident in self.veths.items()]
+
+    def held(self) -> tuple[object, ...]:
+        return (self.ips, self.refs, self.ipcache, self.veths)
+
+
+def make(world: World) -> tuple[EndpointService, MemoryEtcdStore]:
+    store = MemoryEtcdStore()
+    return EndpointService(store, world, world, world), store  # type: ignore[arg-type]
+
+
+REQ = CreateRequest("c1", "/proc/self/ns/net", "eth0", "n1", "web-1", "shop", {"app": "web"})
+
+
+async def test_create_acquires_everything_and_repeat_is_identical() -> None:
+    world = World()
+    svc, store = make(world)
+    ep = await svc.create(REQ)
+    assert ep.state is State.READY
+    assert ep.addresses == ["10.0.0.5/32"]
+    assert world.committed == {("c1", "eth0")}
+    assert world.ipcache == {"10.0.0.5/32": ep.identity}
+    assert world.veths == {ep.id: ep.identity}
+    again = await svc.create(REQ)
+    assert again.id == ep.id
+    assert again.result == ep.result
+    assert len(store.data) == 1
+    assert [e.to_state for e in ep.log] == ["waiting-for-identity", "regenerating", "ready"]
+
+
+@pytest.mark.parametrize(
+    "step", ["node", "allocate", "identity", "setup", "ipcache", "revision", "wait", "commit"]
+)
+async def test_failure_at_each_step_leaks_nothing(step: str) -> None:
+    world = World(fail_at=step)
+    svc, store = make(world)
+    with pytest.raises(Unavailable):
+        await svc.create(REQ)
+    assert world.held() == ({}, {}, {}, {})
+    assert store.data == {}
+    world.fail_at = ""
+    assert (await svc.create(REQ)).state is State.READY
+
+
+async def test_delete_releases_everything_and_is_idempotent() -> None:
+    world = World()
+    svc, store = make(world)
+    await svc.create(REQ)
+    assert await svc.delete("c1", "eth0") is True
+    assert world.held() == ({}, {}, {}, {})
+    assert await svc.delete("c1", "eth0") is False
+    assert store.data == {}
+
+
+async def test_restore_rolls_back_an_interrupted_create() -> None:
+    world = World()
+    svc, store = make(world)
+    ready = await svc.create(REQ)
+    # A create that crashed after its IP and identity, before the datapath.
+    ep = Endpoint(id=0, container_id="c2", ifname="eth0", netns_path="/x", node="n1")
+    await store.create(ep)
+    found = await store.get("c2", "eth0")
+    assert found is not None
+    ep, rev = found
+    ep.steps = ["ipam", "identity"]
+    ep.identity = 300
+    await world.allocate("n1", "c2", "eth0", "", 60)
+    world.refs[("c2/eth0", 300)] = 1
+    await store.update(ep, rev)
+
+    restarted = EndpointService(store, world, world, world)  # type: ignore[arg-type]
+    await restarted.restore()
+    assert list(world.ips) == [("c1", "eth0")]
+    assert [owner for owner, _ in world.refs] == ["c1/eth0"]
+    assert [e.id for e in await store.list_all()] == [ready.id]
+
+
+async def test_gc_removes_endpoints_and_ips_not_in_the_valid_set() -> None:
+    world = World()
+    svc, _ = make(world)
+    await svc.create(REQ)
+    await svc.create(CreateRequest("c2", "/proc/self/ns/net", "eth0", "n1"))
+    await world.allocate("n1", "orphan", "eth0", "", 60)  # an IP with no endpoint
+    removed = await svc.garbage_collect("n1", [("c1", "eth0")])
+    assert [ep.container_id for ep in removed] == ["c2"]
+    assert list(world.ips) == [("c1", "eth0")]
+
+
+async def test_patch_labels_switches_identity_and_rolls_back_on_failure() -> None:
+    world = World()
+    svc, _ = make(world)
+    ep = await svc.create(REQ)
+    patched = await svc.patch_labels(ep.id, {"app": "web", "tier": "front"})
+    assert patched.identity != ep.identity
+    assert world.veths[ep.id] == patched.identity
+    assert world.ipcache["10.0.0.5/32"] == patched.identity
+    assert list(world.refs) == [("c1/eth0", patched.identity)]
+    world.fail_at = "wait"
+    with pytest.raises(Unavailable):
+        await svc.patch_labels(ep.id, {"app": "other", "x": "1", "y": "2"})
+    current = await svc.get_by_id(ep.id)
+    assert current.identity == patched.identity
+    assert current.state is State.READY
+    assert world.veths[ep.id] == patched.identity
+    assert list(world.refs) == [("c1/eth0", patched.identity)]
