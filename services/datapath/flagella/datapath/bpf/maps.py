@@ -69,8 +69,12 @@ class BpfMap(Generic[K, V]):
         done = 0
         for start in range(0, len(pairs), _BATCH):
             chunk = pairs[start : start + _BATCH]
-            keys = (self.key_type * len(chunk))(*(k for k, _ in chunk))
-            values = (self.value_type * len(chunk))(*(v for _, v in chunk))
+            keys = (self.key_type * len(chunk)).from_buffer_copy(
+                b"".join([bytes(k) for k, _ in chunk])
+            )
+            values = (self.value_type * len(chunk)).from_buffer_copy(
+                b"".join([bytes(v) for _, v in chunk])
+            )
             try:
                 done += syscall.map_update_batch(self.fd, keys, values, len(chunk))
             except syscall.BpfError as e:
