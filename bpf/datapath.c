@@ -74,7 +74,8 @@ struct pkt {
 	__u8 icmp_type;
 	__u8 echo;       /* ICMP echo: the id sits at l4_off + 4 */
 	__u8 csum_flags; /* extra bpf_l4_csum_replace flags (UDP: mangled 0) */
-	__u8 pad[2];
+	__u8 icmp_error; /* ICMP error: an inner packet follows at l4_off + 8 */
+	__u8 pad;
 };
 
 static __always_inline void set_v4mapped(union v6addr *a, __be32 ip)
@@ -159,6 +160,9 @@ static __always_inline int parse_l4(struct __sk_buff *skb, struct pkt *p)
 		p->icmp_type = type;
 		p->csum_off = off + 2;
 		if (p->proto == IPPROTO_ICMP) {
+			if (type == ICMP_DEST_UNREACH || type == ICMP_TIME_EXCEEDED ||
+			    type == ICMP_PARAMETERPROB)
+				p->icmp_error = 1;
 			if (type == ICMP_ECHO) {
 				p->sport = id;
 				p->echo = 1;
@@ -167,6 +171,8 @@ static __always_inline int parse_l4(struct __sk_buff *skb, struct pkt *p)
 				p->echo = 1;
 			}
 		} else {
+			if (type >= ICMPV6_DEST_UNREACH && type <= ICMPV6_PARAMPROB)
+				p->icmp_error = 1;
 			if (type == ICMPV6_ECHO_REQUEST) {
 				p->sport = id;
 				p->echo = 1;
@@ -520,6 +526,66 @@ static __always_inline int ct_create(struct pkt *p, __u8 scope, __u32 rev_nat_id
 	return ct.update(&k, &e);
 }
 
+/* The packet quoted by an ICMP error (its IP header and first 8 bytes). */
+static __always_inline int parse_inner(struct __sk_buff *skb, struct pkt *p, struct pkt *in)
+{
+	__u32 off = p->l4_off + 8;
+
+	in->family = p->family;
+	if (p->family == 4) {
+		struct iphdr ip;
+		if (bpf_skb_load_bytes(skb, off, &ip, sizeof(ip)) < 0)
+			return -1;
+		in->proto = ip.protocol;
+		set_v4mapped(&in->saddr, ip.saddr);
+		set_v4mapped(&in->daddr, ip.daddr);
+		off += (ip.ihl & 0xf) * 4;
+	} else {
+		struct ipv6hdr ip6;
+		if (bpf_skb_load_bytes(skb, off, &ip6, sizeof(ip6)) < 0)
+			return -1;
+		in->proto = ip6.nexthdr;
+		__builtin_memcpy(in->saddr.u8, ip6.saddr.in6_u.u6_addr8, 16);
+		__builtin_memcpy(in->daddr.u8, ip6.daddr.in6_u.u6_addr8, 16);
+		off += sizeof(struct ipv6hdr);
+	}
+	__u8 l4[8];
+	if (bpf_skb_load_bytes(skb, off, l4, 8) < 0)
+		return -1;
+	if (in->proto == IPPROTO_TCP || in->proto == IPPROTO_UDP || in->proto == IPPROTO_SCTP) {
+		in->sport = *(__be16 *)l4;
+		in->dport = *(__be16 *)(l4 + 2);
+	} else if (in->proto == IPPROTO_ICMP || in->proto == IPPROTO_ICMPV6) {
+		__be16 id = *(__be16 *)(l4 + 4);
+		if (l4[0] == ICMP_ECHO || l4[0] == ICMPV6_ECHO_REQUEST)
+			in->sport = id;
+		else if (l4[0] == ICMP_ECHOREPLY || l4[0] == ICMPV6_ECHO_REPLY)
+			in->dport = id;
+	}
+	return 0;
+}
+
+/* An ICMP error about a tracked connection (Cilium's CT_RELATED): the
+ * quoted packet travelled the other way, so it is looked up as the forward
+ * direction of fwd_scope or a reply of rev_scope. Entries are not touched. */
+static __always_inline int icmp_related(struct __sk_buff *skb, struct pkt *p, __u8 fwd_scope,
+					__u8 rev_scope, __u64 now)
+{
+	struct pkt in = {};
+	struct ct_key k = {};
+	struct ct_entry *e;
+
+	if (!p->icmp_error || parse_inner(skb, p, &in) < 0)
+		return 0;
+	ct_fill(&k, &in, fwd_scope, 0);
+	e = ct.lookup(&k);
+	if (e && e->expires > now)
+		return 1;
+	ct_fill(&k, &in, rev_scope, 1);
+	e = ct.lookup(&k);
+	return e && e->expires > now;
+}
+
 /* --- load balancing --- */
 
 static __always_inline __u32 mix32(__u32 h)
@@ -705,9 +771,13 @@ int from_container(struct __sk_buff *skb)
 
 	__u64 now = bpf_ktime_get_ns();
 	__u32 rev_nat_id = 0;
-	ret = lb_service(skb, &p, &rev_nat_id, now);
-	if (ret)
-		return drop(skb, &p, ret, DIR_EGRESS, ep_id, my_id, 0);
+	/* An ICMP error about a connection of this pod passes like its replies. */
+	int related = icmp_related(skb, &p, CT_SCOPE_INGRESS, CT_SCOPE_EGRESS, now);
+	if (!related) {
+		ret = lb_service(skb, &p, &rev_nat_id, now);
+		if (ret)
+			return drop(skb, &p, ret, DIR_EGRESS, ep_id, my_id, 0);
+	}
 
 	struct endpoint_key dk = {};
 	addr_copy(&dk.addr, &p.daddr);
@@ -715,7 +785,7 @@ int from_container(struct __sk_buff *skb)
 	struct dp_config *cfg = get_config();
 
 	struct ct_entry *ce = NULL;
-	int st = ct_lookup(&p, CT_SCOPE_EGRESS, CT_SCOPE_INGRESS, &ce, now);
+	int st = related ? CT_REPLY : ct_lookup(&p, CT_SCOPE_EGRESS, CT_SCOPE_INGRESS, &ce, now);
 	if (st == CT_ESTABLISHED && ce) {
 		if (ce->policy_gen != ep->policy_gen) {
 			__u32 peer = peer_identity(cfg, &p.daddr, p.family, dst);
@@ -775,9 +845,12 @@ int to_container(struct __sk_buff *skb)
 	__u64 now = bpf_ktime_get_ns();
 	struct dp_config *cfg = get_config();
 	struct ct_entry *ce = NULL;
-	int st = ct_lookup(&p, CT_SCOPE_INGRESS, CT_SCOPE_EGRESS, &ce, now);
+	int related = icmp_related(skb, &p, CT_SCOPE_EGRESS, CT_SCOPE_INGRESS, now);
+	int st = related ? CT_REPLY : ct_lookup(&p, CT_SCOPE_INGRESS, CT_SCOPE_EGRESS, &ce, now);
 
-	if (st == CT_REPLY && ce) {
+	if (related) {
+		/* passes; not translated (see docs: ICMP errors of services) */
+	} else if (st == CT_REPLY && ce) {
 		__u32 rn = ce->rev_nat_id;
 		if (rn) {
 			ret = rev_nat(skb, &p, rn);

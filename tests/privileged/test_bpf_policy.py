@@ -298,3 +298,21 @@ def test_spoofed_source_and_fragments_are_dropped(dp: Datapath) -> None:
     other = bytes(12) + b"\x88\xcc" + bytes(40)  # LLDP
     assert egress(dp, other) == L.TC_ACT_SHOT
     assert dp.metrics.drops(DropReason.UNSUPPORTED_L3, EGRESS) == 1
+
+
+def test_icmp_errors_of_tracked_connections_pass(dp: Datapath) -> None:
+    # A may only talk to the world on UDP 53 and accepts nothing.
+    POD_A.add(dp)
+    dp.policy.apply(
+        POD_A.endpoint_id, [PolicyEntry(int(Identity.WORLD), EGRESS, protocol=17, port=53)], 1
+    )
+    query = P.build(POD_A.ip, WORLD_IP, proto=17, sport=5300, dport=53)
+    assert egress(dp, query) == L.TC_ACT_OK
+
+    def unreachable(sport: int) -> bytes:
+        quoted = P.build(POD_A.ip, WORLD_IP, proto=17, sport=sport, dport=53)[14 : 14 + 28]
+        return P.build(WORLD_IP, POD_A.ip, proto=1, icmp_type=3, icmp_id=0, payload=quoted)
+
+    assert ingress(dp, unreachable(5300)) == L.TC_ACT_OK  # related to A's query
+    assert ingress(dp, unreachable(5301)) == L.TC_ACT_SHOT  # about nothing A sent
+    assert dp.metrics.drops(DropReason.POLICY_L3, INGRESS) == 1
