@@ -19,7 +19,7 @@ import pytest
 from harness.bpf import new_pin_root
 from pyroute2.netns import popns, pushns
 
-from flagella.datapath.bpf import Datapath, Direction, DropReason, PolicyEntry, Programs
+from flagella.datapath.bpf import Datapath, Direction, DropReason, PolicyEntry, Programs, tc
 
 pytestmark = pytest.mark.privileged
 
@@ -259,6 +259,22 @@ def test_traffic_between_pods_policy_changes_and_reload(pods: Pods, bpf_programs
         dp.policy.apply(ep_b, [PolicyEntry(id_a, Direction.INGRESS)], 4, egress_enforced=False)
         assert ping(p, p.a, p.ip_b)
         assert ping(p, p.b, p.ip_a)
+
+        # Replacing kept one filter per hook; detach removes them.
+        pushns(p.node)
+        try:
+            assert len(tc.filters(ifa, tc.INGRESS)) == 1
+            assert len(tc.filters(ifa, tc.EGRESS)) == 1
+            dp.attach(ifa)  # atomic replace by this instance
+            assert dp.attachment(ifa).current
+            assert len(tc.filters(ifa, tc.INGRESS)) == 1
+            assert dp.detach(ifa)
+            assert dp.attachment(ifa).ingress is None
+            assert dp.attachment(ifa).egress is None
+            assert not dp.detach(ifa)
+        finally:
+            popns()
+        assert not ping(p, p.a, p.ip_b)
     finally:
         server.kill()
         server.wait()

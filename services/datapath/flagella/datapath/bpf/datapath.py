@@ -256,7 +256,8 @@ class Datapath:
         tc.attach(ifindex, self._prog_fds["to_netdev"], "to_netdev", tc.EGRESS)
 
     def detach(self, ifindex: int) -> bool:
-        """Removes both hooks (the clsact qdisc); False if none was there."""
+        """Removes the programs from both hooks (works for attach and
+        attach_netdev); False if none was there."""
         return tc.detach(ifindex)
 
     def attachment(self, ifindex: int) -> Attachment:

@@ -61,15 +61,26 @@ def attach(ifindex: int, prog_fd: int, name: str, parent: int) -> None:
 
 
 def detach(ifindex: int) -> bool:
-    """Removes the clsact qdisc (both hooks) if present."""
+    """Removes our filters (fixed prio and handle) from both hooks; other
+    filters and the clsact qdisc stay. False if none was there."""
+    removed = False
     with IPRoute() as ipr:
-        try:
-            ipr.tc("del", "clsact", ifindex)
-        except NetlinkError as e:
-            if e.code in (errno.ENOENT, errno.EINVAL, errno.ENODEV):
-                return False
-            raise
-    return True
+        for parent in (INGRESS, EGRESS):
+            try:
+                ipr.tc(
+                    "del-filter",
+                    "bpf",
+                    ifindex,
+                    HANDLE,
+                    parent=parent,
+                    prio=PRIO,
+                    protocol=ETH_P_ALL,
+                )
+                removed = True
+            except NetlinkError as e:
+                if e.code not in (errno.ENOENT, errno.EINVAL, errno.ENODEV):
+                    raise
+    return removed
 
 
 def filters(ifindex: int, parent: int) -> list[Filter]:
@@ -93,18 +104,17 @@ def filters(ifindex: int, parent: int) -> list[Filter]:
 
 
 def _prog_id(opts: Any) -> int:
-    """TCA_BPF_ID, which pyroute2's cls_bpf table does not name."""
+    """TCA_BPF_ID, which pyroute2's cls_bpf table does not name: read from
+    the raw attribute (4-byte header, then the u32)."""
     for attr in opts.get("attrs", []):
         key, value = attr[0], attr[1]
         if key == "TCA_BPF_ID" and isinstance(value, int):
             return value
-        if key.startswith("UNKNOWN"):
-            header = value.get("header", {}) if isinstance(value, dict) else {}
-            if header.get("type") == _TCA_BPF_ID:
-                data = value.get("value")
-                if isinstance(data, (bytes, bytearray)) and len(data) >= 4:
-                    return int(struct.unpack_from("<I", data)[0])
-                if isinstance(data, str):
-                    raw = bytes.fromhex(data.replace(":", ""))
-                    return int(struct.unpack_from("<I", raw)[0])
+        if key != "UNKNOWN" or not hasattr(value, "data"):
+            continue
+        if value.get("header", {}).get("type") != _TCA_BPF_ID:
+            continue
+        raw = bytes(value.data[value.offset + 4 : value.offset + value.length])
+        if len(raw) >= 4:
+            return int(struct.unpack_from("=I", raw)[0])
     return 0
