@@ -4,9 +4,10 @@ maps, typed map access, tc attachment, conntrack GC and flow events.
 No gRPC here. The datapath service builds on::
 
     dp = Datapath.load("/sys/fs/bpf/flagella")      # maps pinned, programs loaded
-    dp.endpoints.upsert(ep_id, ["10.0.1.5"], ifindex, identity, mac, node_mac)
-    dp.policy.apply(ep_id, entries, revision)         # traffic flows from here on
+    dp.endpoints.upsert(ep_id, ["10.0.1.5"], ifindex=ifindex, identity=identity,
+                        mac=pod_mac, node_mac=host_veth_mac)   # dropped: not ready
     dp.attach(ifindex)
+    dp.policy.apply(ep_id, entries, revision)         # traffic flows from here on
 
 Layouts and behaviour: docs/datapath-bpf.md.
 """

@@ -185,7 +185,9 @@ class Policy(BpfMap[L.PolicyKey, L.PolicyValue]):
         """Replaces the endpoint's entries, then marks its policy realized
         at revision (traffic flows from then on). Entries are written
         before stale ones are removed, denies first. Returns the number of
-        map keys the endpoint now has."""
+        map keys the endpoint now has. Only addresses already in the
+        endpoints map are marked ready: call it after endpoints.upsert()
+        (a new address of an endpoint inherits the state of its others)."""
         desired = expand(entries)
         if len(desired) > self.budget:
             raise PolicyBudgetExceeded(
