@@ -85,6 +85,10 @@ class _DropReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DropReason
     DROP_REASON_UNKNOWN_ENDPOINT: _DropReason.ValueType  # 162
     DROP_REASON_FIB_LOOKUP_FAILED: _DropReason.ValueType  # 163
     DROP_REASON_REDIRECT_FAILED: _DropReason.ValueType  # 164
+    DROP_REASON_FRAG_NOT_SUPPORTED: _DropReason.ValueType  # 165
+    """A non-first IP fragment (no L4 header to judge; fragments are not
+    tracked).
+    """
 
 class DropReason(_DropReason, metaclass=_DropReasonEnumTypeWrapper):
     """Drop reasons; the numbers are the datapath's own codes."""
@@ -108,6 +112,10 @@ DROP_REASON_UNSUPPORTED_L3: DropReason.ValueType  # 161
 DROP_REASON_UNKNOWN_ENDPOINT: DropReason.ValueType  # 162
 DROP_REASON_FIB_LOOKUP_FAILED: DropReason.ValueType  # 163
 DROP_REASON_REDIRECT_FAILED: DropReason.ValueType  # 164
+DROP_REASON_FRAG_NOT_SUPPORTED: DropReason.ValueType  # 165
+"""A non-first IP fragment (no L4 header to judge; fragments are not
+tracked).
+"""
 Global___DropReason: _TypeAlias = DropReason  # noqa: Y015
 
 class _FlowDirection:

@@ -1,0 +1,1035 @@
+/* flagella datapath: tc programs, compiled once by bcc and shared by every
+ * endpoint (per-endpoint data lives in maps only).
+ *
+ *   from_container  tc ingress of a pod's host-side veth (traffic leaving the pod)
+ *   to_container    tc egress of a pod's host-side veth (traffic entering the pod)
+ *   to_netdev       tc egress of the node's uplink: masquerade (SNAT)
+ *   from_netdev     tc ingress of the node's uplink: reverse SNAT
+ *
+ * Layouts and constants: layout.h. Behaviour: docs/datapath-bpf.md.
+ */
+#include <uapi/linux/bpf.h>
+#include <uapi/linux/pkt_cls.h>
+#include <uapi/linux/if_ether.h>
+#include <uapi/linux/if_packet.h>
+#include <uapi/linux/in.h>
+#include <uapi/linux/ip.h>
+#include <uapi/linux/ipv6.h>
+#include <uapi/linux/tcp.h>
+#include <uapi/linux/udp.h>
+#include <uapi/linux/icmp.h>
+#include <uapi/linux/icmpv6.h>
+
+#include "layout.h"
+
+/* Maps. Sizes are placeholders: the loader creates (or reuses) the pinned
+ * maps with their real sizes and points the programs at them. */
+BPF_TABLE("hash", struct endpoint_key, struct endpoint_info, endpoints, COMPILE_MAX);
+BPF_F_TABLE("lpm_trie", struct ipcache_key, struct ipcache_value, ipcache, COMPILE_MAX, BPF_F_NO_PREALLOC);
+BPF_F_TABLE("lpm_trie", struct policy_key, struct policy_value, policy, COMPILE_MAX, BPF_F_NO_PREALLOC);
+BPF_TABLE("hash", struct svc_key, struct svc_value, services, COMPILE_MAX);
+BPF_TABLE("hash", __u32, struct backend_value, backends, COMPILE_MAX);
+BPF_TABLE("hash", __u32, struct revnat_value, revnat, COMPILE_MAX);
+BPF_F_TABLE("hash", struct maglev_key, __u32, maglev, COMPILE_MAX, BPF_F_NO_PREALLOC);
+BPF_TABLE("lru_hash", struct affinity_key, struct affinity_value, affinity, COMPILE_MAX);
+BPF_F_TABLE("lpm_trie", struct srcrange_key, __u32, srcrange, COMPILE_MAX, BPF_F_NO_PREALLOC);
+BPF_TABLE("lru_hash", struct ct_key, struct ct_entry, ct, COMPILE_MAX);
+BPF_TABLE("lru_hash", struct ct_key, struct nat_value, snat, COMPILE_MAX);
+BPF_TABLE("array", __u32, struct dp_config, config, 1);
+BPF_TABLE("percpu_array", __u32, struct metrics_value, metrics, 768);
+BPF_RINGBUF_OUTPUT(events, 1);
+/* Never used by a program: lets the loader check struct flow_event. */
+BPF_TABLE("array", __u32, struct flow_event, event_layout, 1);
+
+#define NSEC 1000000000ULL
+#define CT_LIFETIME_TCP (21600ULL * NSEC)
+#define CT_LIFETIME_SYN (60ULL * NSEC)
+#define CT_LIFETIME_CLOSE (10ULL * NSEC)
+#define CT_LIFETIME_NONTCP (60ULL * NSEC)
+/* Lifetimes are extended at most once per this interval (fewer writes). */
+#define CT_UPDATE_GRANULARITY (1ULL * NSEC)
+#define NAT_PORT_TRIES 16
+
+#define TCP_FIN 0x01
+#define TCP_SYN 0x02
+#define TCP_RST 0x04
+#define TCP_ACK 0x10
+
+#define IP_MF 0x2000
+#define IP_OFFSET 0x1FFF
+
+#define PASS 1 /* parse result: let it through untouched (ARP, ND) */
+
+struct pkt {
+	union v6addr saddr;
+	union v6addr daddr;
+	__be16 sport;
+	__be16 dport;
+	__u32 len;
+	__u16 l4_off;
+	__u16 csum_off;  /* 0: no L4 checksum to fix */
+	__u8 proto;
+	__u8 family;     /* 4 / 6 */
+	__u8 tcp_flags;
+	__u8 icmp_type;
+	__u8 echo;       /* ICMP echo: the id sits at l4_off + 4 */
+	__u8 csum_flags; /* extra bpf_l4_csum_replace flags (UDP: mangled 0) */
+	__u8 icmp_error; /* ICMP error: an inner packet follows at l4_off + 8 */
+	__u8 pad;
+};
+
+static __always_inline void set_v4mapped(union v6addr *a, __be32 ip)
+{
+	a->u32[0] = 0;
+	a->u32[1] = 0;
+	a->u32[2] = bpf_htonl(0xffff);
+	a->u32[3] = ip;
+}
+
+static __always_inline int addr_is_v4(const union v6addr *a)
+{
+	return a->u32[0] == 0 && a->u32[1] == 0 && a->u32[2] == bpf_htonl(0xffff);
+}
+
+static __always_inline int addr_eq(const union v6addr *a, const union v6addr *b)
+{
+	return a->u32[0] == b->u32[0] && a->u32[1] == b->u32[1] &&
+	       a->u32[2] == b->u32[2] && a->u32[3] == b->u32[3];
+}
+
+static __always_inline int addr_is_zero(const union v6addr *a)
+{
+	return (a->u32[0] | a->u32[1] | a->u32[2] | a->u32[3]) == 0;
+}
+
+static __always_inline void addr_copy(union v6addr *dst, const union v6addr *src)
+{
+	dst->u32[0] = src->u32[0];
+	dst->u32[1] = src->u32[1];
+	dst->u32[2] = src->u32[2];
+	dst->u32[3] = src->u32[3];
+}
+
+/* Ports and ICMP of the L4 header at p->l4_off (direct packet access). */
+static __always_inline int parse_l4(struct __sk_buff *skb, struct pkt *p)
+{
+	void *data = (void *)(long)skb->data;
+	void *end = (void *)(long)skb->data_end;
+	__u32 off = p->l4_off;
+
+	if (off > 256)
+		return -DROP_INVALID_PACKET;
+	void *l4 = data + off;
+
+	switch (p->proto) {
+	case IPPROTO_TCP: {
+		struct tcphdr *th = l4;
+		if ((void *)(th + 1) > end)
+			return -DROP_INVALID_PACKET;
+		p->sport = th->source;
+		p->dport = th->dest;
+		p->tcp_flags = ((__u8 *)th)[13];
+		p->csum_off = off + offsetof(struct tcphdr, check);
+		break;
+	}
+	case IPPROTO_UDP: {
+		struct udphdr *uh = l4;
+		if ((void *)(uh + 1) > end)
+			return -DROP_INVALID_PACKET;
+		p->sport = uh->source;
+		p->dport = uh->dest;
+		p->csum_off = off + offsetof(struct udphdr, check);
+		p->csum_flags = BPF_F_MARK_MANGLED_0;
+		break;
+	}
+	case IPPROTO_SCTP: {
+		__be16 *ports = l4;
+		if ((void *)(ports + 2) > end)
+			return -DROP_INVALID_PACKET;
+		p->sport = ports[0];
+		p->dport = ports[1];
+		break;
+	}
+	case IPPROTO_ICMP:
+	case IPPROTO_ICMPV6: {
+		__u8 *ic = l4;
+		if ((void *)(ic + 8) > end)
+			return -DROP_INVALID_PACKET;
+		__u8 type = ic[0];
+		__be16 id = *(__be16 *)(ic + 4);
+		p->icmp_type = type;
+		p->csum_off = off + 2;
+		if (p->proto == IPPROTO_ICMP) {
+			if (type == ICMP_DEST_UNREACH || type == ICMP_TIME_EXCEEDED ||
+			    type == ICMP_PARAMETERPROB)
+				p->icmp_error = 1;
+			if (type == ICMP_ECHO) {
+				p->sport = id;
+				p->echo = 1;
+			} else if (type == ICMP_ECHOREPLY) {
+				p->dport = id;
+				p->echo = 1;
+			}
+		} else {
+			if (type >= ICMPV6_DEST_UNREACH && type <= ICMPV6_PARAMPROB)
+				p->icmp_error = 1;
+			if (type == ICMPV6_ECHO_REQUEST) {
+				p->sport = id;
+				p->echo = 1;
+			} else if (type == ICMPV6_ECHO_REPLY) {
+				p->dport = id;
+				p->echo = 1;
+			} else if (type == ICMPV6_MGM_QUERY || type == ICMPV6_MGM_REPORT ||
+				   type == ICMPV6_MGM_REDUCTION || type == 143 ||
+				   (type >= 133 && type <= 137)) {
+				/* neighbour discovery and MLD: not ours to police */
+				return PASS;
+			}
+		}
+		break;
+	}
+	default:
+		break;
+	}
+	return 0;
+}
+
+/* Fills p from the packet. Returns 0, PASS, or -reason. */
+static __always_inline int parse(struct __sk_buff *skb, struct pkt *p)
+{
+	void *data = (void *)(long)skb->data;
+	void *end = (void *)(long)skb->data_end;
+	struct ethhdr *eth = data;
+
+	if ((void *)(eth + 1) > end)
+		return -DROP_INVALID_PACKET;
+	p->len = skb->len;
+
+	if (eth->h_proto == bpf_htons(ETH_P_IP)) {
+		struct iphdr *ip = (void *)(eth + 1);
+		if ((void *)(ip + 1) > end)
+			return -DROP_INVALID_PACKET;
+		if (ip->ihl < 5 || ip->version != 4)
+			return -DROP_INVALID_PACKET;
+		if (ip->frag_off & bpf_htons(IP_OFFSET))
+			return -DROP_FRAG_NOT_SUPPORTED;
+		p->family = 4;
+		p->proto = ip->protocol;
+		set_v4mapped(&p->saddr, ip->saddr);
+		set_v4mapped(&p->daddr, ip->daddr);
+		p->l4_off = ETH_HLEN + ip->ihl * 4;
+		return parse_l4(skb, p);
+	}
+	if (eth->h_proto == bpf_htons(ETH_P_IPV6)) {
+		struct ipv6hdr *ip6 = (void *)(eth + 1);
+		if ((void *)(ip6 + 1) > end)
+			return -DROP_INVALID_PACKET;
+		p->family = 6;
+		__builtin_memcpy(p->saddr.u8, ip6->saddr.in6_u.u6_addr8, 16);
+		__builtin_memcpy(p->daddr.u8, ip6->daddr.in6_u.u6_addr8, 16);
+		__u8 nh = ip6->nexthdr;
+		__u32 off = ETH_HLEN + sizeof(struct ipv6hdr);
+#pragma unroll
+		for (int i = 0; i < 4; i++) {
+			__u8 ext[2];
+			if (nh == IPPROTO_FRAGMENT)
+				return -DROP_FRAG_NOT_SUPPORTED;
+			if (nh != IPPROTO_HOPOPTS && nh != IPPROTO_ROUTING &&
+			    nh != IPPROTO_DSTOPTS && nh != IPPROTO_AH)
+				break;
+			if (bpf_skb_load_bytes(skb, off, ext, 2) < 0)
+				return -DROP_INVALID_PACKET;
+			if (nh == IPPROTO_AH)
+				off += (ext[1] + 2) * 4;
+			else
+				off += (ext[1] + 1) * 8;
+			nh = ext[0];
+		}
+		p->proto = nh;
+		p->l4_off = off;
+		return parse_l4(skb, p);
+	}
+	if (eth->h_proto == bpf_htons(ETH_P_ARP))
+		return PASS;
+	return -DROP_UNSUPPORTED_L3;
+}
+
+static __always_inline struct dp_config *get_config(void)
+{
+	__u32 zero = 0;
+	return config.lookup(&zero);
+}
+
+static __always_inline void count(__u8 dir, __u8 reason, __u32 len)
+{
+	__u32 idx = ((__u32)dir << 8) | reason;
+	struct metrics_value *m = metrics.lookup(&idx);
+	if (m) {
+		m->packets += 1;
+		m->bytes += len;
+	}
+}
+
+static __always_inline void emit(struct __sk_buff *skb, struct pkt *p, __u8 type, __u8 verdict,
+				 __u8 reason, __u8 dir, __u64 ep_id, __u32 src_id, __u32 dst_id)
+{
+	struct flow_event *ev = events.ringbuf_reserve(sizeof(struct flow_event));
+	if (!ev) {
+		count(DIR_UNSPEC, METRIC_EVENTS_LOST, 0);
+		return;
+	}
+	ev->ts = bpf_ktime_get_ns();
+	ev->ep_id = ep_id;
+	ev->src_identity = src_id;
+	ev->dst_identity = dst_id;
+	ev->ifindex = skb->ifindex;
+	ev->type = type;
+	ev->verdict = verdict;
+	ev->reason = reason;
+	ev->direction = dir;
+	ev->proto = p->proto;
+	ev->family = p->family;
+	ev->sport = p->sport;
+	ev->dport = p->dport;
+	ev->pad = 0;
+	addr_copy(&ev->saddr, &p->saddr);
+	addr_copy(&ev->daddr, &p->daddr);
+	events.ringbuf_submit(ev, 0);
+}
+
+static __always_inline int drop(struct __sk_buff *skb, struct pkt *p, __u8 reason, __u8 dir,
+				__u64 ep_id, __u32 src_id, __u32 dst_id)
+{
+	struct dp_config *cfg = get_config();
+	count(dir, reason, p->len);
+	if (cfg && (cfg->flags & CFG_DROP_EVENTS))
+		emit(skb, p, EV_DROP, VERDICT_DROPPED, reason, dir, ep_id, src_id, dst_id);
+	return TC_ACT_SHOT;
+}
+
+/* --- address and port rewriting with checksum updates --- */
+
+static __always_inline int rewrite_addr(struct __sk_buff *skb, struct pkt *p, int is_src,
+					const union v6addr *nw)
+{
+	union v6addr *cur = is_src ? &p->saddr : &p->daddr;
+
+	if (p->family == 4) {
+		__be32 old = cur->u32[3];
+		__be32 new4 = nw->u32[3];
+		__u32 off = ETH_HLEN + (is_src ? offsetof(struct iphdr, saddr) : offsetof(struct iphdr, daddr));
+		if (p->csum_off && p->proto != IPPROTO_ICMP) {
+			if (bpf_l4_csum_replace(skb, p->csum_off, old, new4,
+						BPF_F_PSEUDO_HDR | p->csum_flags | 4) < 0)
+				return -1;
+		}
+		if (bpf_l3_csum_replace(skb, ETH_HLEN + offsetof(struct iphdr, check), old, new4, 4) < 0)
+			return -1;
+		if (bpf_skb_store_bytes(skb, off, &new4, 4, 0) < 0)
+			return -1;
+	} else {
+		__u32 off = ETH_HLEN + (is_src ? offsetof(struct ipv6hdr, saddr) : offsetof(struct ipv6hdr, daddr));
+		union v6addr old;
+		union v6addr new6;
+		addr_copy(&old, cur);
+		addr_copy(&new6, nw);
+		if (p->csum_off) {
+			__s64 diff = bpf_csum_diff(old.u32, 16, new6.u32, 16, 0);
+			if (diff < 0)
+				return -1;
+			if (bpf_l4_csum_replace(skb, p->csum_off, 0, diff,
+						BPF_F_PSEUDO_HDR | p->csum_flags) < 0)
+				return -1;
+		}
+		if (bpf_skb_store_bytes(skb, off, new6.u8, 16, 0) < 0)
+			return -1;
+	}
+	addr_copy(cur, nw);
+	return 0;
+}
+
+static __always_inline int rewrite_port(struct __sk_buff *skb, struct pkt *p, int is_src, __be16 nw)
+{
+	__be16 *cur = is_src ? &p->sport : &p->dport;
+	__be16 old = *cur;
+	__u32 off;
+
+	if (old == nw)
+		return 0;
+	if (p->proto == IPPROTO_TCP || p->proto == IPPROTO_UDP) {
+		off = p->l4_off + (is_src ? 0 : 2);
+	} else if (p->echo) {
+		off = p->l4_off + 4; /* the echo identifier */
+	} else {
+		return -1;
+	}
+	if (p->csum_off && bpf_l4_csum_replace(skb, p->csum_off, old, nw, p->csum_flags | 2) < 0)
+		return -1;
+	if (bpf_skb_store_bytes(skb, off, &nw, 2, 0) < 0)
+		return -1;
+	*cur = nw;
+	return 0;
+}
+
+/* --- lookups --- */
+
+static __always_inline __u32 ipcache_identity(const union v6addr *addr, __u8 family)
+{
+	struct ipcache_key k = {};
+	k.prefixlen = 8 + 128;
+	k.family = family;
+	__builtin_memcpy(k.addr, addr->u8, 16);
+	struct ipcache_value *v = ipcache.lookup(&k);
+	return v ? v->identity : ID_WORLD;
+}
+
+/* Identity of a peer address: local endpoint, ipcache, this node, else world. */
+static __always_inline __u32 peer_identity(struct dp_config *cfg, const union v6addr *addr,
+					   __u8 family, struct endpoint_info *local)
+{
+	if (local)
+		return local->identity;
+	__u32 id = ipcache_identity(addr, family);
+	if (id == ID_WORLD && cfg &&
+	    (addr_eq(addr, &cfg->node_ip4) || addr_eq(addr, &cfg->node_ip6)))
+		return ID_HOST;
+	return id;
+}
+
+/* 0: allowed, else the drop reason. */
+static __always_inline int policy_check(__u64 ep_id, __u32 peer, __u8 dir, struct pkt *p)
+{
+	struct policy_key k = {};
+	k.prefixlen = POLICY_PREFIX_FULL;
+	k.identity = peer;
+	k.ep_id = ep_id;
+	k.dir = dir;
+	k.proto = p->proto;
+	if (p->proto == IPPROTO_ICMP || p->proto == IPPROTO_ICMPV6)
+		k.dport = bpf_htons(p->icmp_type);
+	else
+		k.dport = p->dport;
+
+	struct policy_value *v = policy.lookup(&k);
+	__u8 a = v ? v->verdict : 0;
+	k.identity = 0;
+	v = policy.lookup(&k);
+	__u8 b = v ? v->verdict : 0;
+
+	if (a == POLICY_DENY || b == POLICY_DENY)
+		return DROP_POLICY_DENY;
+	if (a == POLICY_ALLOW || b == POLICY_ALLOW)
+		return 0;
+	if (a == POLICY_L4_ONLY || b == POLICY_L4_ONLY)
+		return DROP_POLICY_L4;
+	return DROP_POLICY_L3;
+}
+
+/* --- conntrack --- */
+
+#define CT_NEW 0
+#define CT_ESTABLISHED 1
+#define CT_REPLY 2
+
+static __always_inline void ct_fill(struct ct_key *k, struct pkt *p, __u8 scope, int reverse)
+{
+	if (reverse) {
+		addr_copy(&k->saddr, &p->daddr);
+		addr_copy(&k->daddr, &p->saddr);
+		k->sport = p->dport;
+		k->dport = p->sport;
+	} else {
+		addr_copy(&k->saddr, &p->saddr);
+		addr_copy(&k->daddr, &p->daddr);
+		k->sport = p->sport;
+		k->dport = p->dport;
+	}
+	k->proto = p->proto;
+	k->scope = scope;
+	k->pad = 0;
+}
+
+static __always_inline __u64 ct_lifetime(__u8 proto, __u16 flags)
+{
+	if (proto != IPPROTO_TCP)
+		return CT_LIFETIME_NONTCP;
+	if ((flags & CT_F_TX_CLOSING) && (flags & CT_F_RX_CLOSING))
+		return CT_LIFETIME_CLOSE;
+	if (!(flags & CT_F_REPLY_SEEN))
+		return CT_LIFETIME_SYN;
+	return CT_LIFETIME_TCP;
+}
+
+static __always_inline void ct_touch(struct ct_entry *e, struct pkt *p, int reply, __u64 now)
+{
+	__u16 f = e->flags;
+
+	if (p->proto == IPPROTO_TCP) {
+		if (p->tcp_flags & TCP_RST)
+			f |= CT_F_TX_CLOSING | CT_F_RX_CLOSING;
+		else if (p->tcp_flags & TCP_FIN)
+			f |= reply ? CT_F_RX_CLOSING : CT_F_TX_CLOSING;
+		if (!(p->tcp_flags & TCP_SYN))
+			f |= CT_F_SEEN_NON_SYN;
+	}
+	if (reply)
+		f |= CT_F_REPLY_SEEN;
+	if (f != e->flags)
+		e->flags = f;
+	__u64 exp = now + ct_lifetime(p->proto, f);
+	if (exp < e->expires || exp > e->expires + CT_UPDATE_GRANULARITY)
+		e->expires = exp;
+}
+
+/* Looks up the packet as the forward direction of fwd_scope, then as a reply
+ * of rev_scope. Expired entries count as absent. */
+static __always_inline int ct_lookup(struct pkt *p, __u8 fwd_scope, __u8 rev_scope,
+				     struct ct_entry **out, __u64 now)
+{
+	struct ct_key k = {};
+	struct ct_entry *e;
+
+	ct_fill(&k, p, fwd_scope, 0);
+	e = ct.lookup(&k);
+	if (e && e->expires > now) {
+		/* A SYN on a connection that closed opens a new one. */
+		if (p->proto == IPPROTO_TCP && (p->tcp_flags & (TCP_SYN | TCP_ACK)) == TCP_SYN &&
+		    (e->flags & (CT_F_TX_CLOSING | CT_F_RX_CLOSING)))
+			return CT_NEW;
+		ct_touch(e, p, 0, now);
+		*out = e;
+		return CT_ESTABLISHED;
+	}
+	ct_fill(&k, p, rev_scope, 1);
+	e = ct.lookup(&k);
+	if (e && e->expires > now) {
+		ct_touch(e, p, 1, now);
+		*out = e;
+		return CT_REPLY;
+	}
+	return CT_NEW;
+}
+
+static __always_inline int ct_create(struct pkt *p, __u8 scope, __u32 rev_nat_id, __u32 gen,
+				     __u32 identity, __u64 now)
+{
+	struct ct_key k = {};
+	struct ct_entry e = {};
+
+	ct_fill(&k, p, scope, 0);
+	if (p->proto == IPPROTO_TCP && !(p->tcp_flags & TCP_SYN))
+		e.flags = CT_F_SEEN_NON_SYN;
+	e.expires = now + ct_lifetime(p->proto, e.flags);
+	e.rev_nat_id = rev_nat_id;
+	e.policy_gen = gen;
+	e.identity = identity;
+	return ct.update(&k, &e);
+}
+
+/* The packet quoted by an ICMP error (its IP header and first 8 bytes). */
+static __always_inline int parse_inner(struct __sk_buff *skb, struct pkt *p, struct pkt *in)
+{
+	__u32 off = p->l4_off + 8;
+
+	in->family = p->family;
+	if (p->family == 4) {
+		struct iphdr ip;
+		if (bpf_skb_load_bytes(skb, off, &ip, sizeof(ip)) < 0)
+			return -1;
+		in->proto = ip.protocol;
+		set_v4mapped(&in->saddr, ip.saddr);
+		set_v4mapped(&in->daddr, ip.daddr);
+		off += (ip.ihl & 0xf) * 4;
+	} else {
+		struct ipv6hdr ip6;
+		if (bpf_skb_load_bytes(skb, off, &ip6, sizeof(ip6)) < 0)
+			return -1;
+		in->proto = ip6.nexthdr;
+		__builtin_memcpy(in->saddr.u8, ip6.saddr.in6_u.u6_addr8, 16);
+		__builtin_memcpy(in->daddr.u8, ip6.daddr.in6_u.u6_addr8, 16);
+		off += sizeof(struct ipv6hdr);
+	}
+	__u8 l4[8];
+	if (bpf_skb_load_bytes(skb, off, l4, 8) < 0)
+		return -1;
+	if (in->proto == IPPROTO_TCP || in->proto == IPPROTO_UDP || in->proto == IPPROTO_SCTP) {
+		in->sport = *(__be16 *)l4;
+		in->dport = *(__be16 *)(l4 + 2);
+	} else if (in->proto == IPPROTO_ICMP || in->proto == IPPROTO_ICMPV6) {
+		__be16 id = *(__be16 *)(l4 + 4);
+		if (l4[0] == ICMP_ECHO || l4[0] == ICMPV6_ECHO_REQUEST)
+			in->sport = id;
+		else if (l4[0] == ICMP_ECHOREPLY || l4[0] == ICMPV6_ECHO_REPLY)
+			in->dport = id;
+	}
+	return 0;
+}
+
+/* An ICMP error about a tracked connection (Cilium's CT_RELATED): the
+ * quoted packet travelled the other way, so it is looked up as the forward
+ * direction of fwd_scope or a reply of rev_scope. Entries are not touched. */
+static __always_inline int icmp_related(struct __sk_buff *skb, struct pkt *p, __u8 fwd_scope,
+					__u8 rev_scope, __u64 now)
+{
+	struct pkt in = {};
+	struct ct_key k = {};
+	struct ct_entry *e;
+
+	if (!p->icmp_error || parse_inner(skb, p, &in) < 0)
+		return 0;
+	ct_fill(&k, &in, fwd_scope, 0);
+	e = ct.lookup(&k);
+	if (e && e->expires > now)
+		return 1;
+	ct_fill(&k, &in, rev_scope, 1);
+	e = ct.lookup(&k);
+	return e && e->expires > now;
+}
+
+/* --- load balancing --- */
+
+static __always_inline __u32 mix32(__u32 h)
+{
+	h ^= h >> 16;
+	h *= 0x85ebca6b;
+	h ^= h >> 13;
+	h *= 0xc2b2ae35;
+	h ^= h >> 16;
+	return h;
+}
+
+/* The Maglev hash of a connection; flagella.datapath.bpf.layout.maglev_hash
+ * computes the same value. */
+static __always_inline __u32 tuple_hash(struct pkt *p)
+{
+	__u32 h = 0x9e3779b9;
+#pragma unroll
+	for (int i = 0; i < 4; i++)
+		h = mix32(h ^ p->saddr.u32[i]);
+#pragma unroll
+	for (int i = 0; i < 4; i++)
+		h = mix32(h ^ p->daddr.u32[i]);
+	h = mix32(h ^ (((__u32)p->sport << 16) | (__u32)p->dport));
+	h = mix32(h ^ (__u32)p->proto);
+	return h;
+}
+
+static __always_inline int source_range_ok(struct svc_value *svc, struct pkt *p)
+{
+	struct srcrange_key k = {};
+	k.prefixlen = 32 + 8 + 128;
+	k.service_id = svc->service_id;
+	k.family = p->family;
+	__builtin_memcpy(k.addr, p->saddr.u8, 16);
+	return srcrange.lookup(&k) != NULL;
+}
+
+static __always_inline __u32 select_backend(struct svc_value *svc, struct svc_key *sk, struct pkt *p)
+{
+	if (svc->flags & SVC_F_MAGLEV) {
+		if (!svc->maglev_size)
+			return 0;
+		struct maglev_key mk = {};
+		mk.service_id = svc->service_id;
+		mk.slot = tuple_hash(p) % svc->maglev_size;
+		__u32 *b = maglev.lookup(&mk);
+		return b ? *b : 0;
+	}
+	sk->slot = (bpf_get_prandom_u32() % svc->count) + 1;
+	struct svc_value *s = services.lookup(sk);
+	return s ? s->backend_id : 0;
+}
+
+/* Service DNAT. 0 when done or not a service, else a drop reason. */
+static __always_inline int lb_service(struct __sk_buff *skb, struct pkt *p, __u32 *rev_nat_id, __u64 now)
+{
+	struct svc_key sk = {};
+
+	if (p->proto != IPPROTO_TCP && p->proto != IPPROTO_UDP)
+		return 0;
+	addr_copy(&sk.addr, &p->daddr);
+	sk.dport = p->dport;
+	sk.proto = p->proto;
+	struct svc_value *svc = services.lookup(&sk);
+	if (!svc)
+		return 0;
+	if ((svc->flags & SVC_F_SOURCE_RANGE) && !source_range_ok(svc, p))
+		return DROP_SOURCE_RANGE;
+
+	struct ct_key ck = {};
+	struct backend_value *be = NULL;
+	__u32 bid = 0;
+
+	ct_fill(&ck, p, CT_SCOPE_SERVICE, 0);
+	struct ct_entry *ce = ct.lookup(&ck);
+	if (ce && ce->expires > now) {
+		bid = ce->backend_id;
+		be = backends.lookup(&bid);
+		if (be) {
+			/* Service entries see one direction only: the lifetime is
+			 * that of an established connection until FIN or RST. */
+			if (p->proto == IPPROTO_TCP && (p->tcp_flags & (TCP_FIN | TCP_RST)))
+				ce->flags |= CT_F_TX_CLOSING | CT_F_RX_CLOSING;
+			ct_touch(ce, p, 0, now);
+		}
+	}
+	if (!be) {
+		struct affinity_key ak = {};
+		if (svc->count == 0)
+			return DROP_NO_BACKEND;
+		bid = 0;
+		if (svc->flags & SVC_F_AFFINITY) {
+			addr_copy(&ak.client, &p->saddr);
+			ak.service_id = svc->service_id;
+			struct affinity_value *av = affinity.lookup(&ak);
+			if (av && now - av->last_used <= (__u64)svc->affinity_timeout * NSEC) {
+				bid = av->backend_id;
+				be = backends.lookup(&bid);
+			}
+		}
+		if (!be) {
+			bid = select_backend(svc, &sk, p);
+			if (!bid)
+				return DROP_NO_BACKEND;
+			be = backends.lookup(&bid);
+			if (!be)
+				return DROP_NO_BACKEND;
+		}
+		if (svc->flags & SVC_F_AFFINITY) {
+			struct affinity_value nv = {};
+			nv.last_used = now;
+			nv.backend_id = bid;
+			affinity.update(&ak, &nv);
+		}
+		struct ct_entry ne = {};
+		ne.flags = CT_F_REPLY_SEEN;
+		ne.expires = now + ct_lifetime(p->proto, ne.flags);
+		ne.backend_id = bid;
+		ne.rev_nat_id = svc->rev_nat_id;
+		if (ct.update(&ck, &ne) < 0)
+			return DROP_CT_INSERT_FAILED;
+	}
+	if (addr_is_v4(&be->addr) != (p->family == 4))
+		return DROP_NAT_FAILED;
+	union v6addr baddr;
+	addr_copy(&baddr, &be->addr);
+	__be16 bport = be->port;
+	if (rewrite_addr(skb, p, 0, &baddr) < 0)
+		return DROP_NAT_FAILED;
+	if (bport && rewrite_port(skb, p, 0, bport) < 0)
+		return DROP_NAT_FAILED;
+	*rev_nat_id = svc->rev_nat_id;
+	return 0;
+}
+
+static __always_inline int rev_nat(struct __sk_buff *skb, struct pkt *p, __u32 rev_nat_id)
+{
+	struct revnat_value *rn = revnat.lookup(&rev_nat_id);
+	if (!rn)
+		return DROP_NAT_FAILED;
+	union v6addr a;
+	addr_copy(&a, &rn->addr);
+	__be16 port = rn->port;
+	if (rewrite_addr(skb, p, 1, &a) < 0)
+		return DROP_NAT_FAILED;
+	if (port && rewrite_port(skb, p, 1, port) < 0)
+		return DROP_NAT_FAILED;
+	return 0;
+}
+
+/* Local delivery: Ethernet addresses of the destination pod, then its veth. */
+static __always_inline int redirect_local(struct __sk_buff *skb, struct endpoint_info *dst)
+{
+	__u8 macs[12];
+	__builtin_memcpy(macs, dst->mac, 6);
+	__builtin_memcpy(macs + 6, dst->node_mac, 6);
+	if (bpf_skb_store_bytes(skb, 0, macs, 12, 0) < 0)
+		return -1;
+	return bpf_redirect(dst->ifindex, 0);
+}
+
+/* ------------------------------------------------------------------ */
+
+int from_container(struct __sk_buff *skb)
+{
+	struct pkt p = {};
+	int ret = parse(skb, &p);
+	if (ret == PASS)
+		return TC_ACT_OK;
+	if (ret < 0)
+		return drop(skb, &p, -ret, DIR_EGRESS, 0, 0, 0);
+
+	struct endpoint_key ek = {};
+	addr_copy(&ek.addr, &p.saddr);
+	struct endpoint_info *ep = endpoints.lookup(&ek);
+	if (!ep || ep->ifindex != skb->ifindex)
+		return drop(skb, &p, DROP_UNKNOWN_ENDPOINT, DIR_EGRESS, 0, 0, 0);
+	__u64 ep_id = ep->ep_id;
+	__u32 my_id = ep->identity;
+	if (!(ep->flags & EP_F_POLICY_READY))
+		return drop(skb, &p, DROP_POLICY_NOT_READY, DIR_EGRESS, ep_id, my_id, 0);
+
+	__u64 now = bpf_ktime_get_ns();
+	__u32 rev_nat_id = 0;
+	/* An ICMP error about a connection of this pod passes like its replies. */
+	int related = icmp_related(skb, &p, CT_SCOPE_INGRESS, CT_SCOPE_EGRESS, now);
+	if (!related) {
+		ret = lb_service(skb, &p, &rev_nat_id, now);
+		if (ret)
+			return drop(skb, &p, ret, DIR_EGRESS, ep_id, my_id, 0);
+	}
+
+	struct endpoint_key dk = {};
+	addr_copy(&dk.addr, &p.daddr);
+	struct endpoint_info *dst = endpoints.lookup(&dk);
+	struct dp_config *cfg = get_config();
+
+	struct ct_entry *ce = NULL;
+	int st = related ? CT_REPLY : ct_lookup(&p, CT_SCOPE_EGRESS, CT_SCOPE_INGRESS, &ce, now);
+	if (st == CT_ESTABLISHED && ce) {
+		if (ce->policy_gen != ep->policy_gen) {
+			__u32 peer = peer_identity(cfg, &p.daddr, p.family, dst);
+			if (ep->flags & EP_F_EGRESS_ENFORCED) {
+				ret = policy_check(ep_id, peer, DIR_EGRESS, &p);
+				if (ret)
+					return drop(skb, &p, ret, DIR_EGRESS, ep_id, my_id, peer);
+			}
+			ce->policy_gen = ep->policy_gen;
+		}
+	} else if (st == CT_NEW) {
+		__u32 peer = peer_identity(cfg, &p.daddr, p.family, dst);
+		if (ep->flags & EP_F_EGRESS_ENFORCED) {
+			ret = policy_check(ep_id, peer, DIR_EGRESS, &p);
+			if (ret)
+				return drop(skb, &p, ret, DIR_EGRESS, ep_id, my_id, peer);
+		}
+		if (ct_create(&p, CT_SCOPE_EGRESS, rev_nat_id, ep->policy_gen, peer, now) < 0)
+			return drop(skb, &p, DROP_CT_INSERT_FAILED, DIR_EGRESS, ep_id, my_id, peer);
+		if (cfg && (cfg->flags & CFG_VERDICT_EVENTS))
+			emit(skb, &p, EV_POLICY_VERDICT, VERDICT_FORWARDED, 0, DIR_EGRESS, ep_id, my_id, peer);
+	}
+
+	count(DIR_EGRESS, REASON_FORWARDED, p.len);
+	if (dst) {
+		ret = redirect_local(skb, dst);
+		if (ret < 0)
+			return drop(skb, &p, DROP_REDIRECT_FAILED, DIR_EGRESS, ep_id, my_id, dst->identity);
+		return ret;
+	}
+	/* Up the host stack (other nodes, outside). The pod addressed its
+	 * gateway's MAC, which need not be this veth's. */
+	if (skb->pkt_type != PACKET_HOST)
+		bpf_skb_change_type(skb, PACKET_HOST);
+	return TC_ACT_OK;
+}
+
+int to_container(struct __sk_buff *skb)
+{
+	struct pkt p = {};
+	int ret = parse(skb, &p);
+	if (ret == PASS)
+		return TC_ACT_OK;
+	if (ret < 0)
+		return drop(skb, &p, -ret, DIR_INGRESS, 0, 0, 0);
+
+	struct endpoint_key ek = {};
+	addr_copy(&ek.addr, &p.daddr);
+	struct endpoint_info *ep = endpoints.lookup(&ek);
+	if (!ep || ep->ifindex != skb->ifindex)
+		return drop(skb, &p, DROP_UNKNOWN_ENDPOINT, DIR_INGRESS, 0, 0, 0);
+	__u64 ep_id = ep->ep_id;
+	__u32 my_id = ep->identity;
+	if (!(ep->flags & EP_F_POLICY_READY))
+		return drop(skb, &p, DROP_POLICY_NOT_READY, DIR_INGRESS, ep_id, 0, my_id);
+
+	__u64 now = bpf_ktime_get_ns();
+	struct dp_config *cfg = get_config();
+	struct ct_entry *ce = NULL;
+	int related = icmp_related(skb, &p, CT_SCOPE_EGRESS, CT_SCOPE_INGRESS, now);
+	int st = related ? CT_REPLY : ct_lookup(&p, CT_SCOPE_INGRESS, CT_SCOPE_EGRESS, &ce, now);
+
+	if (related) {
+		/* passes; not translated (see docs: ICMP errors of services) */
+	} else if (st == CT_REPLY && ce) {
+		__u32 rn = ce->rev_nat_id;
+		if (rn) {
+			ret = rev_nat(skb, &p, rn);
+			if (ret)
+				return drop(skb, &p, ret, DIR_INGRESS, ep_id, 0, my_id);
+		}
+	} else if (st == CT_ESTABLISHED && ce) {
+		if (ce->policy_gen != ep->policy_gen) {
+			struct endpoint_key sk = {};
+			addr_copy(&sk.addr, &p.saddr);
+			__u32 peer = peer_identity(cfg, &p.saddr, p.family, endpoints.lookup(&sk));
+			if ((ep->flags & EP_F_INGRESS_ENFORCED) &&
+			    !(peer == ID_HOST && cfg && (cfg->flags & CFG_ALLOW_HOST))) {
+				ret = policy_check(ep_id, peer, DIR_INGRESS, &p);
+				if (ret)
+					return drop(skb, &p, ret, DIR_INGRESS, ep_id, peer, my_id);
+			}
+			ce->policy_gen = ep->policy_gen;
+		}
+	} else {
+		struct endpoint_key sk = {};
+		addr_copy(&sk.addr, &p.saddr);
+		__u32 peer = peer_identity(cfg, &p.saddr, p.family, endpoints.lookup(&sk));
+		if ((ep->flags & EP_F_INGRESS_ENFORCED) &&
+		    !(peer == ID_HOST && cfg && (cfg->flags & CFG_ALLOW_HOST))) {
+			ret = policy_check(ep_id, peer, DIR_INGRESS, &p);
+			if (ret)
+				return drop(skb, &p, ret, DIR_INGRESS, ep_id, peer, my_id);
+		}
+		if (ct_create(&p, CT_SCOPE_INGRESS, 0, ep->policy_gen, peer, now) < 0)
+			return drop(skb, &p, DROP_CT_INSERT_FAILED, DIR_INGRESS, ep_id, peer, my_id);
+		if (cfg && (cfg->flags & CFG_VERDICT_EVENTS))
+			emit(skb, &p, EV_POLICY_VERDICT, VERDICT_FORWARDED, 0, DIR_INGRESS, ep_id, peer, my_id);
+	}
+	count(DIR_INGRESS, REASON_FORWARDED, p.len);
+	return TC_ACT_OK;
+}
+
+/* ------------------------------------------------------------------ */
+/* Masquerade on the node's uplink. */
+
+static __always_inline __u64 nat_lifetime(__u8 proto)
+{
+	return proto == IPPROTO_TCP ? CT_LIFETIME_TCP : CT_LIFETIME_NONTCP;
+}
+
+static __always_inline int natable(struct pkt *p)
+{
+	return p->proto == IPPROTO_TCP || p->proto == IPPROTO_UDP || p->echo;
+}
+
+int to_netdev(struct __sk_buff *skb)
+{
+	struct pkt p = {};
+	int ret = parse(skb, &p);
+	if (ret != 0)
+		return TC_ACT_OK; /* not ours to judge on the uplink */
+	if (!natable(&p))
+		return TC_ACT_OK;
+	struct dp_config *cfg = get_config();
+	if (!cfg)
+		return TC_ACT_OK;
+	union v6addr nat_ip;
+	if (p.family == 4) {
+		if (!(cfg->flags & CFG_MASQUERADE4))
+			return TC_ACT_OK;
+		addr_copy(&nat_ip, &cfg->node_ip4);
+	} else {
+		if (!(cfg->flags & CFG_MASQUERADE6))
+			return TC_ACT_OK;
+		addr_copy(&nat_ip, &cfg->node_ip6);
+	}
+	if (addr_is_zero(&nat_ip))
+		return TC_ACT_OK;
+
+	struct endpoint_key ek = {};
+	addr_copy(&ek.addr, &p.saddr);
+	struct endpoint_info *ep = endpoints.lookup(&ek);
+	if (!ep)
+		return TC_ACT_OK;
+	__u32 dst_id = ipcache_identity(&p.daddr, p.family);
+	if (dst_id != ID_WORLD && dst_id < ID_LOCAL_SCOPE)
+		return TC_ACT_OK; /* inside the cluster: no masquerade */
+
+	__u64 now = bpf_ktime_get_ns();
+	struct ct_key ok = {};
+	ct_fill(&ok, &p, NAT_OUT, 0);
+	__be16 nat_port = 0;
+	struct nat_value *nv = snat.lookup(&ok);
+	if (nv && nv->expires > now) {
+		nat_port = nv->port;
+		__u64 exp = now + nat_lifetime(p.proto);
+		if (exp > nv->expires + CT_UPDATE_GRANULARITY)
+			nv->expires = exp;
+	} else {
+		/* Reply tuple as it will arrive: remote -> node address. */
+		struct ct_key ik = {};
+		addr_copy(&ik.saddr, &p.daddr);
+		addr_copy(&ik.daddr, &nat_ip);
+		ik.proto = p.proto;
+		ik.scope = NAT_IN;
+		struct nat_value in = {};
+		addr_copy(&in.addr, &p.saddr);
+		in.port = p.sport;
+		in.expires = now + nat_lifetime(p.proto);
+		__u32 lo = cfg->nat_port_min;
+		__u32 range = (__u32)cfg->nat_port_max - lo + 1;
+		if (!lo || cfg->nat_port_max < lo)
+			return drop(skb, &p, DROP_NAT_FAILED, DIR_EGRESS, ep->ep_id, ep->identity, dst_id);
+		int done = 0;
+#pragma unroll
+		for (int i = 0; i < NAT_PORT_TRIES; i++) {
+			if (!done) {
+				__be16 cand = bpf_htons((__u16)(lo + bpf_get_prandom_u32() % range));
+				/* echo requests: sport = id, dport = 0; the reply
+				 * carries the id as dport, like a port */
+				ik.sport = p.dport;
+				ik.dport = cand;
+				if (snat.insert(&ik, &in) == 0) {
+					nat_port = cand;
+					done = 1;
+				}
+			}
+		}
+		if (!done)
+			return drop(skb, &p, DROP_NAT_FAILED, DIR_EGRESS, ep->ep_id, ep->identity, dst_id);
+		struct nat_value out = {};
+		addr_copy(&out.addr, &nat_ip);
+		out.port = nat_port;
+		out.expires = in.expires;
+		if (snat.update(&ok, &out) < 0) {
+			snat.delete(&ik);
+			return drop(skb, &p, DROP_NAT_FAILED, DIR_EGRESS, ep->ep_id, ep->identity, dst_id);
+		}
+	}
+	if (rewrite_addr(skb, &p, 1, &nat_ip) < 0 || rewrite_port(skb, &p, 1, nat_port) < 0)
+		return drop(skb, &p, DROP_NAT_FAILED, DIR_EGRESS, ep->ep_id, ep->identity, dst_id);
+	return TC_ACT_OK;
+}
+
+int from_netdev(struct __sk_buff *skb)
+{
+	struct pkt p = {};
+	int ret = parse(skb, &p);
+	if (ret != 0 || !natable(&p))
+		return TC_ACT_OK;
+	struct dp_config *cfg = get_config();
+	if (!cfg)
+		return TC_ACT_OK;
+	if (p.family == 4) {
+		if (!(cfg->flags & CFG_MASQUERADE4) || !addr_eq(&p.daddr, &cfg->node_ip4))
+			return TC_ACT_OK;
+	} else {
+		if (!(cfg->flags & CFG_MASQUERADE6) || !addr_eq(&p.daddr, &cfg->node_ip6))
+			return TC_ACT_OK;
+	}
+	__u64 now = bpf_ktime_get_ns();
+	struct ct_key ik = {};
+	ct_fill(&ik, &p, NAT_IN, 0);
+	struct nat_value *nv = snat.lookup(&ik);
+	if (!nv || nv->expires <= now)
+		return TC_ACT_OK; /* the node's own traffic */
+	union v6addr pod;
+	addr_copy(&pod, &nv->addr);
+	__be16 port = nv->port;
+	__u64 exp = now + nat_lifetime(p.proto);
+	if (exp > nv->expires + CT_UPDATE_GRANULARITY)
+		nv->expires = exp;
+	if (rewrite_addr(skb, &p, 0, &pod) < 0 || rewrite_port(skb, &p, 0, port) < 0)
+		return drop(skb, &p, DROP_NAT_FAILED, DIR_INGRESS, 0, 0, 0);
+
+	struct endpoint_key ek = {};
+	addr_copy(&ek.addr, &pod);
+	struct endpoint_info *dst = endpoints.lookup(&ek);
+	if (dst) {
+		ret = redirect_local(skb, dst);
+		if (ret < 0)
+			return drop(skb, &p, DROP_REDIRECT_FAILED, DIR_INGRESS, dst->ep_id, 0, dst->identity);
+		return ret;
+	}
+	return TC_ACT_OK;
+}

@@ -1,0 +1,289 @@
+/* flagella datapath: map layouts and constants shared by the programs.
+ *
+ * Mirrored byte for byte by flagella.datapath.bpf.layout (ctypes); the
+ * loader checks every size at load time. Any change here is a layout
+ * change: bump LAYOUT_VERSION in layout.py (the pin folder name also
+ * carries a hash of the ctypes layouts, so a forgotten bump still gets a
+ * fresh folder). See docs/datapath-bpf.md.
+ *
+ * Addresses are 16 bytes everywhere: IPv6 as is, IPv4 as v4-mapped
+ * (::ffff:a.b.c.d), so one map serves both families.
+ */
+#ifndef FLAGELLA_LAYOUT_H
+#define FLAGELLA_LAYOUT_H
+
+/* Map sizes are given at load time by the Python loader; the compile only
+ * needs a placeholder. */
+#define COMPILE_MAX 1
+
+union v6addr {
+	__u8 u8[16];
+	__u32 u32[4];
+};
+
+/* --- reserved identities (as Cilium) --- */
+#define ID_UNKNOWN 0
+#define ID_HOST 1
+#define ID_WORLD 2
+#define ID_UNMANAGED 3
+#define ID_HEALTH 4
+#define ID_INIT 5
+#define ID_REMOTE_NODE 6
+/* Identities at or above this are node-local CIDR identities (world-ish). */
+#define ID_LOCAL_SCOPE (1U << 24)
+
+/* --- drop reasons: the numbers of flagella.datapath.v1.DropReason --- */
+#define REASON_FORWARDED 0
+#define DROP_POLICY_L3 130
+#define DROP_POLICY_L4 131
+#define DROP_POLICY_DENY 132
+#define DROP_POLICY_NOT_READY 133
+#define DROP_NO_BACKEND 140
+#define DROP_SOURCE_RANGE 141
+#define DROP_CT_INSERT_FAILED 150
+#define DROP_CT_INVALID 151
+#define DROP_NAT_FAILED 152
+#define DROP_INVALID_PACKET 160
+#define DROP_UNSUPPORTED_L3 161
+#define DROP_UNKNOWN_ENDPOINT 162
+#define DROP_FIB_LOOKUP_FAILED 163
+#define DROP_REDIRECT_FAILED 164
+#define DROP_FRAG_NOT_SUPPORTED 165
+/* metrics only: events the ring buffer had no room for (direction 0) */
+#define METRIC_EVENTS_LOST 255
+
+/* FlowDirection */
+#define DIR_UNSPEC 0
+#define DIR_INGRESS 1 /* into the pod (to-container, from-netdev) */
+#define DIR_EGRESS 2  /* out of the pod (from-container, to-netdev) */
+
+/* FlowType / FlowVerdict */
+#define EV_DROP 1
+#define EV_POLICY_VERDICT 2
+#define EV_TRACE 3
+#define VERDICT_FORWARDED 1
+#define VERDICT_DROPPED 2
+
+/* --- endpoints (cilium_lxc): local endpoint by IP --- */
+#define EP_F_POLICY_READY (1U << 0)
+#define EP_F_INGRESS_ENFORCED (1U << 1)
+#define EP_F_EGRESS_ENFORCED (1U << 2)
+
+struct endpoint_key {
+	union v6addr addr;
+};
+
+struct endpoint_info {
+	__u64 ep_id;
+	__u64 policy_revision; /* control-plane revision realized (info) */
+	__u32 ifindex;         /* host-side veth */
+	__u32 identity;
+	__u32 flags;           /* EP_F_* */
+	__u32 policy_gen;      /* bumped on every policy write: CT revalidation */
+	__u8 mac[6];           /* the pod's interface */
+	__u8 node_mac[6];      /* the host-side veth */
+	__u32 pad;
+};
+
+/* --- ipcache (cilium_ipcache): LPM over (family, address) --- */
+struct ipcache_key {
+	__u32 prefixlen; /* 8 (family) + bits of addr; IPv4: 8 + 96 + plen */
+	__u8 family;     /* 4 or 6 */
+	__u8 addr[16];
+	__u8 pad[3];
+};
+
+struct ipcache_value {
+	__u32 identity;
+	__u32 flags;
+};
+
+/* --- policy: one LPM trie for every endpoint ---
+ * Data bits, in order: identity (32), ep_id (64), direction (8) are always
+ * full; then protocol (8) and dport (16, network order) may be cut:
+ *   104: every protocol and port of (identity, ep, dir)
+ *   112: every port of the protocol
+ *   112 + n: the ports sharing the first n bits of dport (ranges are
+ *            expanded into such prefixes by the loader)
+ * identity 0 means any peer; it is a second lookup, not a prefix. */
+#define POLICY_PREFIX_L3 104
+#define POLICY_PREFIX_PROTO 112
+#define POLICY_PREFIX_FULL 128
+
+#define POLICY_ALLOW 1
+#define POLICY_DENY 2
+/* (identity, ep, dir) has port-specific entries but no L3-wide one: a
+ * miss on the ports drops with POLICY_L4 instead of POLICY_L3. */
+#define POLICY_L4_ONLY 3
+
+struct policy_key {
+	__u32 prefixlen;
+	__u32 identity;
+	__u64 ep_id;
+	__u8 dir;     /* DIR_INGRESS / DIR_EGRESS */
+	__u8 proto;
+	__be16 dport; /* ICMP: the type */
+	__u32 pad;
+};
+
+struct policy_value {
+	__u8 verdict; /* POLICY_* */
+	__u8 pad[3];
+	__u32 cookie; /* free for the control plane (rule reference) */
+};
+
+/* --- services (cilium_lb4_services_v2): slot 0 is the service, slots
+ * 1..count list its active backends (random selection) --- */
+#define SVC_F_NODEPORT (1U << 0)
+#define SVC_F_MAGLEV (1U << 1)
+#define SVC_F_AFFINITY (1U << 2)
+#define SVC_F_SOURCE_RANGE (1U << 3)
+
+struct svc_key {
+	union v6addr addr;
+	__be16 dport;
+	__u16 slot;
+	__u8 proto;
+	__u8 scope;
+	__u16 pad;
+};
+
+struct svc_value {
+	__u32 backend_id;        /* slots > 0 */
+	__u32 count;             /* slot 0: active backends */
+	__u32 rev_nat_id;        /* this frontend's reverse NAT */
+	__u32 service_id;        /* the service: Maglev, affinity, source ranges */
+	__u32 flags;             /* SVC_F_* */
+	__u32 affinity_timeout;  /* seconds */
+	__u32 maglev_size;       /* slots of the Maglev table (M) */
+	__u32 pad;
+};
+
+/* --- backends (cilium_lb4_backends_v3) --- */
+struct backend_value {
+	union v6addr addr;
+	__be16 port;
+	__u8 proto;
+	__u8 state; /* lb.v1.BackendState: informational */
+	__u32 pad;
+};
+
+/* --- rev-NAT (cilium_lb4_reverse_nat) --- */
+struct revnat_value {
+	union v6addr addr;
+	__be16 port;
+	__u16 pad;
+};
+
+/* --- Maglev: flat table per service, keyed by (service_id, slot) --- */
+struct maglev_key {
+	__u32 service_id;
+	__u32 slot;
+};
+
+/* --- session affinity (cilium_lb4_affinity) --- */
+struct affinity_key {
+	union v6addr client;
+	__u32 service_id;
+};
+
+struct affinity_value {
+	__u64 last_used; /* bpf_ktime_get_ns() */
+	__u32 backend_id;
+	__u32 pad;
+};
+
+/* --- loadBalancerSourceRanges (cilium_lb4_source_range) --- */
+struct srcrange_key {
+	__u32 prefixlen; /* 32 (service_id) + 8 (family) + address bits */
+	__u32 service_id;
+	__u8 family;
+	__u8 addr[16];
+	__u8 pad[3];
+};
+
+/* --- conntrack (cilium_ct_any4_global) --- */
+#define CT_SCOPE_EGRESS 0  /* opened by a local pod (from-container) */
+#define CT_SCOPE_INGRESS 1 /* opened towards a local pod (to-container) */
+#define CT_SCOPE_SERVICE 2 /* client -> frontend: the chosen backend */
+
+#define CT_F_SEEN_NON_SYN (1U << 0)
+#define CT_F_TX_CLOSING (1U << 1)
+#define CT_F_RX_CLOSING (1U << 2)
+#define CT_F_REPLY_SEEN (1U << 3)
+
+struct ct_key {
+	union v6addr saddr; /* the connection's original direction */
+	union v6addr daddr;
+	__be16 sport;       /* ICMP echo: sport = id (request), dport = id (reply) */
+	__be16 dport;
+	__u8 proto;
+	__u8 scope;         /* CT_SCOPE_*; NAT map: NAT_OUT / NAT_IN */
+	__u16 pad;
+};
+
+struct ct_entry {
+	__u64 expires;     /* bpf_ktime_get_ns() deadline (CLOCK_MONOTONIC) */
+	__u32 backend_id;  /* SERVICE scope */
+	__u32 rev_nat_id;  /* EGRESS scope after DNAT: reverse NAT of replies */
+	__u32 policy_gen;  /* endpoint policy_gen the verdict was taken at */
+	__u32 identity;    /* peer identity at creation */
+	__u16 flags;       /* CT_F_* */
+	__u16 pad;
+	__u32 pad2;
+};
+
+/* --- masquerade (cilium_snat_v4_external): both directions in one map --- */
+#define NAT_OUT 0 /* key: pod tuple as sent; value: node address and port */
+#define NAT_IN 1  /* key: reply tuple as received; value: pod address and port */
+
+struct nat_value {
+	union v6addr addr;
+	__be16 port;
+	__u16 pad;
+	__u32 pad2;
+	__u64 expires;
+};
+
+/* --- node configuration: one entry --- */
+#define CFG_MASQUERADE4 (1U << 0)
+#define CFG_MASQUERADE6 (1U << 1)
+#define CFG_ALLOW_HOST (1U << 2)   /* host identity always reaches local pods */
+#define CFG_VERDICT_EVENTS (1U << 3) /* emit policy-verdict events */
+#define CFG_DROP_EVENTS (1U << 4)  /* emit drop events */
+
+struct dp_config {
+	union v6addr node_ip4; /* v4-mapped; zero: none */
+	union v6addr node_ip6;
+	__u32 flags;           /* CFG_* */
+	__u16 nat_port_min;    /* host order, inclusive */
+	__u16 nat_port_max;
+};
+
+/* --- metrics (cilium_metrics): index = direction * 256 + reason --- */
+struct metrics_value {
+	__u64 packets;
+	__u64 bytes;
+};
+
+/* --- flow events (ring buffer) --- */
+struct flow_event {
+	__u64 ts;           /* bpf_ktime_get_ns() */
+	__u64 ep_id;
+	__u32 src_identity;
+	__u32 dst_identity;
+	__u32 ifindex;
+	__u8 type;          /* EV_* */
+	__u8 verdict;       /* VERDICT_* */
+	__u8 reason;        /* DROP_* or 0 */
+	__u8 direction;     /* DIR_* */
+	__u8 proto;
+	__u8 family;
+	__be16 sport;
+	__be16 dport;
+	__u16 pad;
+	union v6addr saddr;
+	union v6addr daddr;
+};
+
+#endif

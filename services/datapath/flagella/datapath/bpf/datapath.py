@@ -1,0 +1,393 @@
+"""The datapath of one node: pinned maps, loaded programs, attachment."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from flagella.datapath.bpf import layout as L
+from flagella.datapath.bpf import syscall, tc
+from flagella.datapath.bpf.compiler import PROGRAMS, Programs, compile_programs
+from flagella.datapath.bpf.events import EventReader
+from flagella.datapath.bpf.lb import (
+    Affinity,
+    Backends,
+    Maglev,
+    RevNat,
+    Service,
+    Services,
+    SourceRanges,
+)
+from flagella.datapath.bpf.maps import BpfMap
+from flagella.datapath.bpf.policy import Policy
+from flagella.datapath.bpf.tables import (
+    Config,
+    Conntrack,
+    Endpoints,
+    IPCache,
+    Metrics,
+    Nat,
+    NodeConfig,
+)
+
+DEFAULT_PIN_ROOT = "/sys/fs/bpf/flagella"
+
+
+class LayoutMismatch(RuntimeError):
+    """A pinned map differs from the layout this code expects."""
+
+
+@dataclass(frozen=True)
+class MapStatus:
+    """What MapInfo of datapath.proto reports."""
+
+    name: str
+    pin_path: str
+    type: str
+    key_size: int
+    value_size: int
+    max_entries: int
+    entries: int
+
+
+@dataclass(frozen=True)
+class Attachment:
+    ifindex: int
+    ingress: tc.Filter | None
+    egress: tc.Filter | None
+    current: bool  # both hooks run the programs this Datapath loaded
+
+
+@dataclass(frozen=True)
+class GcStats:
+    conntrack: int
+    nat: int
+
+
+def _open_map(folder: Path, spec: L.MapSpec) -> tuple[int, bool]:
+    """(fd, created): the pinned map, checked against spec, or a new one."""
+    path = str(folder / spec.name)
+    for _ in range(3):
+        try:
+            fd = syscall.obj_get(path)
+        except syscall.BpfError as e:
+            if e.errno != errno.ENOENT:
+                raise
+        else:
+            info = syscall.map_info(fd)
+            want = (spec.map_type, spec.key_size, spec.value_size, spec.max_entries, spec.flags)
+            have = (info.type, info.key_size, info.value_size, info.max_entries, info.flags)
+            if want != have:
+                os.close(fd)
+                raise LayoutMismatch(
+                    f"pinned map {path}: (type, key, value, max_entries, flags) {have}, "
+                    f"expected {want}: use a new pin folder"
+                )
+            return fd, False
+        fd = syscall.map_create(
+            spec.map_type,
+            spec.key_size,
+            spec.value_size,
+            spec.max_entries,
+            flags=spec.flags,
+            name=spec.name,
+        )
+        try:
+            syscall.obj_pin(fd, path)
+        except syscall.BpfError as e:
+            os.close(fd)
+            if e.errno != errno.EEXIST:
+                raise
+            continue  # another process pinned it first: use theirs
+        return fd, True
+    raise LayoutMismatch(f"could not open or create {path}")
+
+
+class Datapath:
+    """The node's datapath. Build it with Datapath.load(); maps are pinned
+    under <pin_root>/<layout version>/ and reused by the next load, so
+    state (endpoints, policy, conntrack ...) survives a restart."""
+
+    def __init__(
+        self,
+        folder: Path,
+        sizes: L.MapSizes,
+        fds: Mapping[str, int],
+        created: bool,
+        prog_fds: Mapping[str, int],
+    ) -> None:
+        self.folder = folder
+        self.sizes = sizes
+        self.layout_version = folder.name
+        self.created = created  # the maps were new (nothing to restore)
+        self._fds = dict(fds)
+        self._prog_fds = dict(prog_fds)
+        specs = {s.name: s for s in L.map_specs(sizes)}
+
+        def pin(name: str) -> str:
+            return str(folder / name)
+
+        self.endpoints = Endpoints(specs["endpoints"], fds["endpoints"], pin("endpoints"))
+        self.ipcache = IPCache(specs["ipcache"], fds["ipcache"], pin("ipcache"))
+        self.policy = Policy(
+            specs["policy"], fds["policy"], pin("policy"), self.endpoints, sizes.policy_per_endpoint
+        )
+        self.services = Services(specs["services"], fds["services"], pin("services"))
+        self.backends = Backends(specs["backends"], fds["backends"], pin("backends"))
+        self.revnat = RevNat(specs["revnat"], fds["revnat"], pin("revnat"))
+        self.maglev = Maglev(specs["maglev"], fds["maglev"], pin("maglev"))
+        self.affinity = Affinity(specs["affinity"], fds["affinity"], pin("affinity"))
+        self.srcrange = SourceRanges(specs["srcrange"], fds["srcrange"], pin("srcrange"))
+        self.conntrack = Conntrack(specs["ct"], fds["ct"], pin("ct"))
+        self.nat = Nat(specs["snat"], fds["snat"], pin("snat"))
+        self.config = Config(specs["config"], fds["config"], pin("config"))
+        self.metrics = Metrics(specs["metrics"], fds["metrics"], pin("metrics"))
+        self.maps: dict[str, BpfMap] = {  # type: ignore[type-arg]
+            "endpoints": self.endpoints,
+            "ipcache": self.ipcache,
+            "policy": self.policy,
+            "services": self.services,
+            "backends": self.backends,
+            "revnat": self.revnat,
+            "maglev": self.maglev,
+            "affinity": self.affinity,
+            "srcrange": self.srcrange,
+            "ct": self.conntrack,
+            "snat": self.nat,
+            "config": self.config,
+            "metrics": self.metrics,
+        }
+
+    # --- lifecycle ---
+
+    @classmethod
+    def load(
+        cls,
+        pin_root: str | os.PathLike[str] = DEFAULT_PIN_ROOT,
+        *,
+        sizes: L.MapSizes | None = None,
+        programs: Programs | None = None,
+        load_programs: bool = True,
+    ) -> Datapath:
+        """Opens (or creates and pins) every map under
+        <pin_root>/<layout version>/ and loads the programs against them
+        (compiling bpf/ first unless programs is given). A new folder gets
+        the default NodeConfig. Nothing is attached here: call attach()
+        for each endpoint (replacing whatever an earlier process attached)."""
+        sizes = sizes or L.MapSizes()
+        folder = Path(pin_root) / L.layout_version(sizes)
+        if not Path(pin_root).exists():
+            os.makedirs(pin_root, exist_ok=True)
+        folder.mkdir(exist_ok=True)
+        fds: dict[str, int] = {}
+        created_any = False
+        prog_fds: dict[str, int] = {}
+        try:
+            for spec in L.map_specs(sizes):
+                fd, created = _open_map(folder, spec)
+                fds[spec.name] = fd
+                if spec.name == "config" and created:
+                    Config(spec, fd, str(folder / spec.name)).write(NodeConfig())
+                created_any = created_any or created
+            if load_programs:
+                progs = programs or compile_programs()
+                for name in PROGRAMS:
+                    prog_fds[name] = syscall.prog_load(name, progs[name].instantiate(fds))
+        except BaseException:
+            for fd in list(fds.values()) + list(prog_fds.values()):
+                os.close(fd)
+            raise
+        return cls(folder, sizes, fds, created_any, prog_fds)
+
+    def close(self) -> None:
+        """Closes this process's descriptors. Pinned maps and attached
+        programs stay."""
+        for fd in list(self._fds.values()) + list(self._prog_fds.values()):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._fds.clear()
+        self._prog_fds.clear()
+
+    def __enter__(self) -> Datapath:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def unpin(self) -> None:
+        """Removes this layout's pin folder (the maps go once no program
+        or process holds them). For tests and decommissioning."""
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    @staticmethod
+    def stale_layouts(
+        pin_root: str | os.PathLike[str], sizes: L.MapSizes | None = None
+    ) -> list[Path]:
+        """Pin folders of other layout versions under pin_root (remove them
+        once every endpoint runs programs of the current layout)."""
+        current = L.layout_version(sizes or L.MapSizes())
+        root = Path(pin_root)
+        if not root.is_dir():
+            return []
+        return sorted(p for p in root.iterdir() if p.is_dir() and p.name != current)
+
+    # --- programs ---
+
+    def prog_fd(self, name: str) -> int:
+        return self._prog_fds[name]
+
+    def prog_ids(self) -> dict[str, int]:
+        return {name: syscall.prog_id(fd) for name, fd in self._prog_fds.items()}
+
+    def attach(self, ifindex: int) -> None:
+        """from_container on the tc ingress and to_container on the tc egress
+        of a pod's host-side veth (current netns). Replaces atomically."""
+        tc.attach(ifindex, self._prog_fds["from_container"], "from_container", tc.INGRESS)
+        tc.attach(ifindex, self._prog_fds["to_container"], "to_container", tc.EGRESS)
+
+    def attach_netdev(self, ifindex: int) -> None:
+        """from_netdev / to_netdev on the node's uplink (masquerade)."""
+        tc.attach(ifindex, self._prog_fds["from_netdev"], "from_netdev", tc.INGRESS)
+        tc.attach(ifindex, self._prog_fds["to_netdev"], "to_netdev", tc.EGRESS)
+
+    def detach(self, ifindex: int) -> bool:
+        """Removes the programs from both hooks (works for attach and
+        attach_netdev); False if none was there."""
+        return tc.detach(ifindex)
+
+    def attachment(self, ifindex: int) -> Attachment:
+        ing = tc.filters(ifindex, tc.INGRESS)
+        eg = tc.filters(ifindex, tc.EGRESS)
+        ids = set(self.prog_ids().values()) if self._prog_fds else set()
+        i = ing[0] if ing else None
+        e = eg[0] if eg else None
+        current = bool(i and e and i.prog_id in ids and e.prog_id in ids)
+        return Attachment(ifindex, i, e, current)
+
+    def test_run(self, program: str, packet: bytes, repeat: int = 1) -> syscall.TestRunResult:
+        """BPF_PROG_TEST_RUN of one program on a packet (Ethernet frame)."""
+        return syscall.prog_test_run(self._prog_fds[program], packet, repeat)
+
+    # --- events ---
+
+    def events(self) -> EventReader:
+        """A reader of drop and policy-verdict events (close it when done)."""
+        return EventReader(self._fds["events"])
+
+    # --- maps ---
+
+    def map_status(self, entries: bool = True) -> list[MapStatus]:
+        out = []
+        for spec in L.map_specs(self.sizes):
+            m = self.maps.get(spec.name)
+            n = m.count() if (m is not None and entries) else 0
+            out.append(
+                MapStatus(
+                    spec.name,
+                    str(self.folder / spec.name),
+                    spec.type_name,
+                    spec.key_size,
+                    spec.value_size,
+                    spec.max_entries,
+                    n,
+                )
+            )
+        return out
+
+    def dump(self, name: str, limit: int = 0) -> list[tuple[dict[str, str], dict[str, str]]]:
+        """A map's entries decoded to named fields (DumpMap)."""
+        if name not in self.maps:
+            raise KeyError(f"no map {name!r}; maps: {', '.join(sorted(self.maps))}")
+        return self.maps[name].dump(limit)
+
+    # --- composite operations ---
+
+    def remove_endpoint(self, endpoint_id: int) -> int:
+        """Deletes the endpoint's addresses and its policy entries."""
+        n = self.endpoints.remove(endpoint_id)
+        self.policy.clear_endpoint(endpoint_id)
+        return n
+
+    def upsert_service(self, svc: Service) -> None:
+        """Writes a service: backends, rev-NAT, Maglev table, source ranges,
+        then every frontend (slots before the service entry); frontends of
+        the service that are no longer listed are removed."""
+        flags = 0
+        maglev_size = 0
+        if svc.maglev:
+            if not svc.maglev_table:
+                raise ValueError(f"service {svc.service_id}: Maglev without a table")
+            flags |= L.SVC_F_MAGLEV
+            maglev_size = len(svc.maglev_table)
+        if svc.affinity_timeout:
+            flags |= L.SVC_F_AFFINITY
+        if svc.source_ranges:
+            flags |= L.SVC_F_SOURCE_RANGE
+        for b in svc.backends:
+            self.backends.upsert(b)
+        for fe in svc.frontends:
+            self.revnat.upsert(fe.rev_nat_id, fe.address, fe.port)
+        old_maglev = 0
+        for addr, port, proto in self.services.frontends_of(svc.service_id):
+            v = self.services.frontend(addr, port, proto)
+            if v is not None:
+                old_maglev = max(old_maglev, v.maglev_size)
+        if svc.maglev:
+            self.maglev.set_table(svc.service_id, svc.maglev_table, old_maglev)
+        self.srcrange.set_ranges(svc.service_id, svc.source_ranges)
+        active = [b.id for b in svc.backends if b.state == 1]
+        wanted = set()
+        for fe in svc.frontends:
+            wanted.add((L.bytes_ip(L.ip_bytes(fe.address)), fe.port, fe.protocol))
+            self.services.write_frontend(
+                fe,
+                svc.service_id,
+                active,
+                flags=flags,
+                affinity_timeout=svc.affinity_timeout,
+                maglev_size=maglev_size,
+            )
+        for addr, port, proto in self.services.frontends_of(svc.service_id):
+            if (addr, port, proto) not in wanted:
+                self.services.remove_frontend(addr, port, proto)
+        if not svc.maglev and old_maglev:
+            self.maglev.remove_table(svc.service_id, old_maglev)
+
+    def delete_service(self, service_id: int, rev_nat_ids: Iterable[int] = ()) -> bool:
+        """Removes the service's frontends, Maglev table, source ranges,
+        affinity entries and the given rev-NAT ids (kept by default: replies
+        of live connections still need them until they expire). Backends are
+        removed with remove_backends() (they may serve other services)."""
+        fronts = self.services.frontends_of(service_id)
+        old_maglev = 0
+        for addr, port, proto in fronts:
+            v = self.services.frontend(addr, port, proto)
+            if v is not None:
+                old_maglev = max(old_maglev, v.maglev_size)
+            self.services.remove_frontend(addr, port, proto)
+        if old_maglev:
+            self.maglev.remove_table(service_id, old_maglev)
+        self.srcrange.set_ranges(service_id, ())
+        self.affinity.purge(service_ids=[service_id])
+        for rn in rev_nat_ids:
+            self.revnat.remove(rn)
+        return bool(fronts)
+
+    def remove_backends(self, backend_ids: Iterable[int]) -> int:
+        """Deletes backends, their service conntrack entries and affinity
+        entries (lb.v1.ServiceEvent.removed_backend_ids)."""
+        ids = list(backend_ids)
+        for bid in ids:
+            self.backends.remove(bid)
+        n = self.conntrack.purge_backends(ids)
+        self.affinity.purge(backend_ids=ids)
+        return n
+
+    def gc(self, now_ns: int | None = None) -> GcStats:
+        """Deletes expired conntrack and masquerade entries."""
+        return GcStats(self.conntrack.gc(now_ns), self.nat.gc(now_ns))

@@ -1,0 +1,782 @@
+"""Map layouts: ctypes mirrors of bpf/layout.h, constants, and the encoders
+and decoders between map entries and named fields.
+
+Every map entry decodes to ``dict[str, str]`` (what DumpMap returns). The
+loader checks the compiled key/value sizes and the field offsets against
+these classes; any change here is a layout change (see LAYOUT_VERSION).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import hashlib
+import ipaddress
+import socket
+import struct
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from flagella.datapath.bpf import syscall
+
+# Bump on any change of bpf/layout.h semantics. The pin folder name also
+# carries a hash of the ctypes layouts and map definitions, so a change of
+# sizes or fields always gets a new folder even if this is forgotten.
+LAYOUT_VERSION = 1
+
+
+class DropReason(enum.IntEnum):
+    """flagella.datapath.v1.DropReason (same numbers)."""
+
+    UNSPECIFIED = 0
+    POLICY_L3 = 130
+    POLICY_L4 = 131
+    POLICY_DENY = 132
+    POLICY_NOT_READY = 133
+    NO_BACKEND = 140
+    SOURCE_RANGE = 141
+    CT_INSERT_FAILED = 150
+    CT_INVALID = 151
+    NAT_FAILED = 152
+    INVALID_PACKET = 160
+    UNSUPPORTED_L3 = 161
+    UNKNOWN_ENDPOINT = 162
+    FIB_LOOKUP_FAILED = 163
+    REDIRECT_FAILED = 164
+    FRAG_NOT_SUPPORTED = 165
+
+
+# metrics: reason 0 counts forwarded packets; (direction 0, 255) counts
+# events the ring buffer had no room for.
+REASON_FORWARDED = 0
+METRIC_EVENTS_LOST = 255
+
+
+class Direction(enum.IntEnum):
+    """flagella.datapath.v1.FlowDirection / policy.v1.Direction."""
+
+    UNSPECIFIED = 0
+    INGRESS = 1  # into the pod
+    EGRESS = 2  # out of the pod
+
+
+class FlowType(enum.IntEnum):
+    UNSPECIFIED = 0
+    DROP = 1
+    POLICY_VERDICT = 2
+    TRACE = 3
+
+
+class FlowVerdict(enum.IntEnum):
+    UNSPECIFIED = 0
+    FORWARDED = 1
+    DROPPED = 2
+
+
+class Verdict(enum.IntEnum):
+    """Policy map verdicts (policy.v1.Verdict plus the L4 marker)."""
+
+    ALLOW = 1
+    DENY = 2
+    L4_ONLY = 3
+
+
+class Identity(enum.IntEnum):
+    """Reserved identities, as Cilium."""
+
+    UNKNOWN = 0
+    HOST = 1
+    WORLD = 2
+    UNMANAGED = 3
+    HEALTH = 4
+    INIT = 5
+    REMOTE_NODE = 6
+
+
+LOCAL_IDENTITY_SCOPE = 1 << 24  # node-local CIDR identities start here
+
+PROTO_ICMP = 1
+PROTO_TCP = 6
+PROTO_UDP = 17
+PROTO_ICMPV6 = 58
+PROTO_SCTP = 132
+
+TC_ACT_OK = 0
+TC_ACT_SHOT = 2
+TC_ACT_REDIRECT = 7
+
+# endpoint flags
+EP_F_POLICY_READY = 1 << 0
+EP_F_INGRESS_ENFORCED = 1 << 1
+EP_F_EGRESS_ENFORCED = 1 << 2
+
+# service flags
+SVC_F_NODEPORT = 1 << 0
+SVC_F_MAGLEV = 1 << 1
+SVC_F_AFFINITY = 1 << 2
+SVC_F_SOURCE_RANGE = 1 << 3
+
+# conntrack
+CT_SCOPE_EGRESS = 0
+CT_SCOPE_INGRESS = 1
+CT_SCOPE_SERVICE = 2
+CT_F_SEEN_NON_SYN = 1 << 0
+CT_F_TX_CLOSING = 1 << 1
+CT_F_RX_CLOSING = 1 << 2
+CT_F_REPLY_SEEN = 1 << 3
+NAT_OUT = 0
+NAT_IN = 1
+
+# config flags
+CFG_MASQUERADE4 = 1 << 0
+CFG_MASQUERADE6 = 1 << 1
+CFG_ALLOW_HOST = 1 << 2
+CFG_VERDICT_EVENTS = 1 << 3
+CFG_DROP_EVENTS = 1 << 4
+
+POLICY_PREFIX_L3 = 104
+POLICY_PREFIX_PROTO = 112
+POLICY_PREFIX_FULL = 128
+
+_SCOPE_NAMES = {CT_SCOPE_EGRESS: "egress", CT_SCOPE_INGRESS: "ingress", CT_SCOPE_SERVICE: "service"}
+_NAT_NAMES = {NAT_OUT: "out", NAT_IN: "in"}
+_PROTO_NAMES = {
+    0: "any",
+    PROTO_ICMP: "icmp",
+    PROTO_TCP: "tcp",
+    PROTO_UDP: "udp",
+    PROTO_ICMPV6: "icmpv6",
+    PROTO_SCTP: "sctp",
+}
+
+
+# --- addresses ---
+
+
+class V6Addr(ctypes.Union):
+    _fields_ = [("u8", ctypes.c_uint8 * 16), ("u32", ctypes.c_uint32 * 4)]
+
+
+_V4_MAPPED = b"\x00" * 10 + b"\xff\xff"
+
+
+def ip_bytes(ip: str | ipaddress.IPv4Address | ipaddress.IPv6Address) -> bytes:
+    """16 bytes: IPv6 as is, IPv4 v4-mapped."""
+    addr = ipaddress.ip_address(ip) if isinstance(ip, str) else ip
+    if isinstance(addr, ipaddress.IPv4Address):
+        return _V4_MAPPED + addr.packed
+    return addr.packed
+
+
+def ip_family(ip: str | ipaddress.IPv4Address | ipaddress.IPv6Address) -> int:
+    addr = ipaddress.ip_address(ip) if isinstance(ip, str) else ip
+    return 4 if isinstance(addr, ipaddress.IPv4Address) else 6
+
+
+def bytes_ip(raw: bytes) -> str:
+    """The address of 16 bytes (v4-mapped shown as IPv4)."""
+    if raw[:12] == _V4_MAPPED:
+        return str(ipaddress.IPv4Address(raw[12:16]))
+    return str(ipaddress.IPv6Address(raw))
+
+
+def set_addr(target: V6Addr, ip: str) -> None:
+    ctypes.memmove(ctypes.addressof(target), ip_bytes(ip), 16)
+
+
+def get_addr(source: V6Addr) -> str:
+    return bytes_ip(bytes(source.u8))
+
+
+def _set_bytes(target: ctypes.Array[ctypes.c_uint8], raw: bytes) -> None:
+    ctypes.memmove(ctypes.addressof(target), raw, len(raw))
+
+
+def mac_bytes(mac: str) -> bytes:
+    parts = mac.split(":") if mac else []
+    if len(parts) != 6:
+        raise ValueError(f"bad MAC address {mac!r}")
+    return bytes(int(p, 16) for p in parts)
+
+
+def mac_str(raw: bytes) -> str:
+    return ":".join(f"{b:02x}" for b in raw)
+
+
+def port_be(port: int) -> int:
+    """A host-order port as the u16 whose memory holds it in network order."""
+    return socket.htons(port)
+
+
+def port_host(raw: int) -> int:
+    return socket.ntohs(raw)
+
+
+def proto_name(proto: int) -> str:
+    return _PROTO_NAMES.get(proto, str(proto))
+
+
+# --- structs (mirrors of bpf/layout.h) ---
+
+
+class EndpointKey(ctypes.Structure):
+    _fields_ = [("addr", V6Addr)]
+
+
+class EndpointInfo(ctypes.Structure):
+    _fields_ = [
+        ("ep_id", ctypes.c_uint64),
+        ("policy_revision", ctypes.c_uint64),
+        ("ifindex", ctypes.c_uint32),
+        ("identity", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("policy_gen", ctypes.c_uint32),
+        ("mac", ctypes.c_uint8 * 6),
+        ("node_mac", ctypes.c_uint8 * 6),
+        ("pad", ctypes.c_uint32),
+    ]
+
+
+class IPCacheKey(ctypes.Structure):
+    _fields_ = [
+        ("prefixlen", ctypes.c_uint32),
+        ("family", ctypes.c_uint8),
+        ("addr", ctypes.c_uint8 * 16),
+        ("pad", ctypes.c_uint8 * 3),
+    ]
+
+
+class IPCacheValue(ctypes.Structure):
+    _fields_ = [("identity", ctypes.c_uint32), ("flags", ctypes.c_uint32)]
+
+
+class PolicyKey(ctypes.Structure):
+    _fields_ = [
+        ("prefixlen", ctypes.c_uint32),
+        ("identity", ctypes.c_uint32),
+        ("ep_id", ctypes.c_uint64),
+        ("dir", ctypes.c_uint8),
+        ("proto", ctypes.c_uint8),
+        ("dport", ctypes.c_uint16),
+        ("pad", ctypes.c_uint32),
+    ]
+
+
+class PolicyValue(ctypes.Structure):
+    _fields_ = [
+        ("verdict", ctypes.c_uint8),
+        ("pad", ctypes.c_uint8 * 3),
+        ("cookie", ctypes.c_uint32),
+    ]
+
+
+class SvcKey(ctypes.Structure):
+    _fields_ = [
+        ("addr", V6Addr),
+        ("dport", ctypes.c_uint16),
+        ("slot", ctypes.c_uint16),
+        ("proto", ctypes.c_uint8),
+        ("scope", ctypes.c_uint8),
+        ("pad", ctypes.c_uint16),
+    ]
+
+
+class SvcValue(ctypes.Structure):
+    _fields_ = [
+        ("backend_id", ctypes.c_uint32),
+        ("count", ctypes.c_uint32),
+        ("rev_nat_id", ctypes.c_uint32),
+        ("service_id", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("affinity_timeout", ctypes.c_uint32),
+        ("maglev_size", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32),
+    ]
+
+
+class U32(ctypes.Structure):
+    """A bare __u32 key or value, with a name for DumpMap."""
+
+    _fields_ = [("value", ctypes.c_uint32)]
+
+
+class BackendValue(ctypes.Structure):
+    _fields_ = [
+        ("addr", V6Addr),
+        ("port", ctypes.c_uint16),
+        ("proto", ctypes.c_uint8),
+        ("state", ctypes.c_uint8),
+        ("pad", ctypes.c_uint32),
+    ]
+
+
+class RevNatValue(ctypes.Structure):
+    _fields_ = [("addr", V6Addr), ("port", ctypes.c_uint16), ("pad", ctypes.c_uint16)]
+
+
+class MaglevKey(ctypes.Structure):
+    _fields_ = [("service_id", ctypes.c_uint32), ("slot", ctypes.c_uint32)]
+
+
+class AffinityKey(ctypes.Structure):
+    _fields_ = [("client", V6Addr), ("service_id", ctypes.c_uint32)]
+
+
+class AffinityValue(ctypes.Structure):
+    _fields_ = [
+        ("last_used", ctypes.c_uint64),
+        ("backend_id", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32),
+    ]
+
+
+class SrcRangeKey(ctypes.Structure):
+    _fields_ = [
+        ("prefixlen", ctypes.c_uint32),
+        ("service_id", ctypes.c_uint32),
+        ("family", ctypes.c_uint8),
+        ("addr", ctypes.c_uint8 * 16),
+        ("pad", ctypes.c_uint8 * 3),
+    ]
+
+
+class CtKey(ctypes.Structure):
+    _fields_ = [
+        ("saddr", V6Addr),
+        ("daddr", V6Addr),
+        ("sport", ctypes.c_uint16),
+        ("dport", ctypes.c_uint16),
+        ("proto", ctypes.c_uint8),
+        ("scope", ctypes.c_uint8),
+        ("pad", ctypes.c_uint16),
+    ]
+
+
+class CtEntry(ctypes.Structure):
+    _fields_ = [
+        ("expires", ctypes.c_uint64),
+        ("backend_id", ctypes.c_uint32),
+        ("rev_nat_id", ctypes.c_uint32),
+        ("policy_gen", ctypes.c_uint32),
+        ("identity", ctypes.c_uint32),
+        ("flags", ctypes.c_uint16),
+        ("pad", ctypes.c_uint16),
+        ("pad2", ctypes.c_uint32),
+    ]
+
+
+class NatValue(ctypes.Structure):
+    _fields_ = [
+        ("addr", V6Addr),
+        ("port", ctypes.c_uint16),
+        ("pad", ctypes.c_uint16),
+        ("pad2", ctypes.c_uint32),
+        ("expires", ctypes.c_uint64),
+    ]
+
+
+class DpConfig(ctypes.Structure):
+    _fields_ = [
+        ("node_ip4", V6Addr),
+        ("node_ip6", V6Addr),
+        ("flags", ctypes.c_uint32),
+        ("nat_port_min", ctypes.c_uint16),
+        ("nat_port_max", ctypes.c_uint16),
+    ]
+
+
+class MetricsValue(ctypes.Structure):
+    _fields_ = [("packets", ctypes.c_uint64), ("bytes", ctypes.c_uint64)]
+
+
+class FlowEvent(ctypes.Structure):
+    _fields_ = [
+        ("ts", ctypes.c_uint64),
+        ("ep_id", ctypes.c_uint64),
+        ("src_identity", ctypes.c_uint32),
+        ("dst_identity", ctypes.c_uint32),
+        ("ifindex", ctypes.c_uint32),
+        ("type", ctypes.c_uint8),
+        ("verdict", ctypes.c_uint8),
+        ("reason", ctypes.c_uint8),
+        ("direction", ctypes.c_uint8),
+        ("proto", ctypes.c_uint8),
+        ("family", ctypes.c_uint8),
+        ("sport", ctypes.c_uint16),
+        ("dport", ctypes.c_uint16),
+        ("pad", ctypes.c_uint16),
+        ("saddr", V6Addr),
+        ("daddr", V6Addr),
+    ]
+
+
+# --- decoders: one entry -> named fields ---
+
+Fields = dict[str, str]
+
+
+def _flags(value: int, names: Mapping[int, str]) -> str:
+    return ",".join(name for bit, name in names.items() if value & bit) or "-"
+
+
+_EP_FLAGS = {
+    EP_F_POLICY_READY: "policy-ready",
+    EP_F_INGRESS_ENFORCED: "ingress-enforced",
+    EP_F_EGRESS_ENFORCED: "egress-enforced",
+}
+_SVC_FLAGS = {
+    SVC_F_NODEPORT: "nodeport",
+    SVC_F_MAGLEV: "maglev",
+    SVC_F_AFFINITY: "affinity",
+    SVC_F_SOURCE_RANGE: "source-ranges",
+}
+_CT_FLAGS = {
+    CT_F_SEEN_NON_SYN: "seen-non-syn",
+    CT_F_TX_CLOSING: "tx-closing",
+    CT_F_RX_CLOSING: "rx-closing",
+    CT_F_REPLY_SEEN: "reply-seen",
+}
+_CFG_FLAGS = {
+    CFG_MASQUERADE4: "masquerade4",
+    CFG_MASQUERADE6: "masquerade6",
+    CFG_ALLOW_HOST: "allow-host",
+    CFG_VERDICT_EVENTS: "verdict-events",
+    CFG_DROP_EVENTS: "drop-events",
+}
+
+
+def prefix_of(family: int, raw: bytes, bits: int) -> str:
+    """CIDR text of an LPM (family, 16-byte address, address bits) entry."""
+    if family == 4:
+        plen = max(0, bits - 96)
+        net4 = ipaddress.IPv4Network((raw[12:16], plen), strict=False)
+        return str(net4)
+    net6 = ipaddress.IPv6Network((raw, bits), strict=False)
+    return str(net6)
+
+
+def prefix_bits(cidr: str) -> tuple[int, bytes, int]:
+    """(family, 16-byte address, bits over the 16 bytes) of a CIDR or IP."""
+    net = ipaddress.ip_network(cidr, strict=False)
+    if isinstance(net, ipaddress.IPv4Network):
+        return 4, _V4_MAPPED + net.network_address.packed, 96 + net.prefixlen
+    return 6, net.network_address.packed, net.prefixlen
+
+
+def decode_endpoint_key(k: EndpointKey) -> Fields:
+    return {"ip": get_addr(k.addr)}
+
+
+def decode_endpoint_info(v: EndpointInfo) -> Fields:
+    return {
+        "endpoint_id": str(v.ep_id),
+        "ifindex": str(v.ifindex),
+        "identity": str(v.identity),
+        "flags": _flags(v.flags, _EP_FLAGS),
+        "policy_revision": str(v.policy_revision),
+        "policy_gen": str(v.policy_gen),
+        "mac": mac_str(bytes(v.mac)),
+        "node_mac": mac_str(bytes(v.node_mac)),
+    }
+
+
+def decode_ipcache_key(k: IPCacheKey) -> Fields:
+    return {"prefix": prefix_of(k.family, bytes(k.addr), k.prefixlen - 8)}
+
+
+def decode_ipcache_value(v: IPCacheValue) -> Fields:
+    return {"identity": str(v.identity), "flags": str(v.flags)}
+
+
+def policy_port_range(k: PolicyKey) -> tuple[int, int]:
+    """(first, last) port covered by a policy key; (0, 0) for every port."""
+    if k.prefixlen <= POLICY_PREFIX_PROTO:
+        return 0, 0
+    bits = k.prefixlen - POLICY_PREFIX_PROTO
+    base = port_host(k.dport)
+    span = 1 << (16 - bits)
+    return base, base + span - 1
+
+
+def decode_policy_key(k: PolicyKey) -> Fields:
+    lo, hi = policy_port_range(k)
+    any_proto = k.prefixlen <= POLICY_PREFIX_L3
+    return {
+        "endpoint_id": str(k.ep_id),
+        "identity": str(k.identity),
+        "direction": Direction(k.dir).name.lower() if k.dir in (1, 2) else str(k.dir),
+        "protocol": "any" if any_proto else proto_name(k.proto),
+        "port": "any" if hi == 0 else (str(lo) if lo == hi else f"{lo}-{hi}"),
+        "prefixlen": str(k.prefixlen),
+    }
+
+
+def decode_policy_value(v: PolicyValue) -> Fields:
+    name = Verdict(v.verdict).name.lower() if v.verdict in (1, 2, 3) else str(v.verdict)
+    return {"verdict": name, "cookie": str(v.cookie)}
+
+
+def decode_svc_key(k: SvcKey) -> Fields:
+    return {
+        "address": get_addr(k.addr),
+        "port": str(port_host(k.dport)),
+        "protocol": proto_name(k.proto),
+        "slot": str(k.slot),
+    }
+
+
+def decode_svc_value(v: SvcValue) -> Fields:
+    return {
+        "backend_id": str(v.backend_id),
+        "count": str(v.count),
+        "rev_nat_id": str(v.rev_nat_id),
+        "service_id": str(v.service_id),
+        "flags": _flags(v.flags, _SVC_FLAGS),
+        "affinity_timeout": str(v.affinity_timeout),
+        "maglev_size": str(v.maglev_size),
+    }
+
+
+def _decode_u32(name: str) -> Callable[[U32], Fields]:
+    def dec(v: U32) -> Fields:
+        return {name: str(v.value)}
+
+    return dec
+
+
+def decode_backend_value(v: BackendValue) -> Fields:
+    return {
+        "address": get_addr(v.addr),
+        "port": str(port_host(v.port)),
+        "protocol": proto_name(v.proto),
+        "state": str(v.state),
+    }
+
+
+def decode_revnat_value(v: RevNatValue) -> Fields:
+    return {"address": get_addr(v.addr), "port": str(port_host(v.port))}
+
+
+def decode_maglev_key(k: MaglevKey) -> Fields:
+    return {"service_id": str(k.service_id), "slot": str(k.slot)}
+
+
+def decode_affinity_key(k: AffinityKey) -> Fields:
+    return {"client": get_addr(k.client), "service_id": str(k.service_id)}
+
+
+def decode_affinity_value(v: AffinityValue) -> Fields:
+    return {"backend_id": str(v.backend_id), "last_used_ns": str(v.last_used)}
+
+
+def decode_srcrange_key(k: SrcRangeKey) -> Fields:
+    return {
+        "service_id": str(k.service_id),
+        "cidr": prefix_of(k.family, bytes(k.addr), k.prefixlen - 40),
+    }
+
+
+def _tuple_fields(k: CtKey) -> Fields:
+    return {
+        "src": get_addr(k.saddr),
+        "dst": get_addr(k.daddr),
+        "sport": str(port_host(k.sport)),
+        "dport": str(port_host(k.dport)),
+        "protocol": proto_name(k.proto),
+    }
+
+
+def decode_ct_key(k: CtKey) -> Fields:
+    out = _tuple_fields(k)
+    out["scope"] = _SCOPE_NAMES.get(k.scope, str(k.scope))
+    return out
+
+
+def decode_ct_entry(v: CtEntry) -> Fields:
+    return {
+        "expires_ns": str(v.expires),
+        "backend_id": str(v.backend_id),
+        "rev_nat_id": str(v.rev_nat_id),
+        "policy_gen": str(v.policy_gen),
+        "identity": str(v.identity),
+        "flags": _flags(v.flags, _CT_FLAGS),
+    }
+
+
+def decode_nat_key(k: CtKey) -> Fields:
+    out = _tuple_fields(k)
+    out["direction"] = _NAT_NAMES.get(k.scope, str(k.scope))
+    return out
+
+
+def decode_nat_value(v: NatValue) -> Fields:
+    return {
+        "address": get_addr(v.addr),
+        "port": str(port_host(v.port)),
+        "expires_ns": str(v.expires),
+    }
+
+
+def decode_config(v: DpConfig) -> Fields:
+    return {
+        "node_ip4": get_addr(v.node_ip4) if any(v.node_ip4.u8) else "",
+        "node_ip6": get_addr(v.node_ip6) if any(v.node_ip6.u8) else "",
+        "flags": _flags(v.flags, _CFG_FLAGS),
+        "nat_port_min": str(v.nat_port_min),
+        "nat_port_max": str(v.nat_port_max),
+    }
+
+
+def decode_metrics_key(k: U32) -> Fields:
+    direction, reason = divmod(k.value, 256)
+    name = "forwarded" if reason == 0 else ("events-lost" if reason == METRIC_EVENTS_LOST else "")
+    if not name:
+        try:
+            name = DropReason(reason).name.lower()
+        except ValueError:
+            name = str(reason)
+    dname = Direction(direction).name.lower() if direction in (0, 1, 2) else str(direction)
+    return {"direction": dname, "reason": name, "code": str(reason)}
+
+
+def decode_metrics_value(v: MetricsValue) -> Fields:
+    return {"packets": str(v.packets), "bytes": str(v.bytes)}
+
+
+# --- map specifications ---
+
+
+@dataclass(frozen=True)
+class MapSizes:
+    """max_entries of the sized maps (the layout hash includes them)."""
+
+    endpoints: int = 4096
+    ipcache: int = 512 * 1024
+    policy: int = 256 * 1024
+    services: int = 64 * 1024
+    backends: int = 64 * 1024
+    revnat: int = 64 * 1024
+    maglev: int = 1 << 20
+    affinity: int = 64 * 1024
+    srcrange: int = 16 * 1024
+    ct: int = 256 * 1024
+    snat: int = 128 * 1024
+    events_bytes: int = 1 << 20
+    # Per-endpoint budget of policy entries after range expansion (Cilium:
+    # 16384 per endpoint policy map). Not part of the map layout.
+    policy_per_endpoint: int = field(default=16384, compare=False)
+
+
+@dataclass(frozen=True)
+class MapSpec:
+    name: str
+    map_type: int
+    key: type[ctypes.Structure] | None
+    value: type[ctypes.Structure] | None
+    max_entries: int
+    flags: int
+    decode_key: Callable[[ctypes.Structure], Fields] | None
+    decode_value: Callable[[ctypes.Structure], Fields] | None
+
+    @property
+    def key_size(self) -> int:
+        return ctypes.sizeof(self.key) if self.key is not None else 0
+
+    @property
+    def value_size(self) -> int:
+        return ctypes.sizeof(self.value) if self.value is not None else 0
+
+    @property
+    def type_name(self) -> str:
+        return syscall.MAP_TYPE_NAMES.get(self.map_type, str(self.map_type))
+
+
+def map_specs(sizes: MapSizes) -> tuple[MapSpec, ...]:
+    """Every map of the datapath, as the C declares them (names equal)."""
+    s = syscall
+    d = _decoder
+
+    return (
+        MapSpec("endpoints", s.MAP_TYPE_HASH, EndpointKey, EndpointInfo, sizes.endpoints, 0,
+                d(decode_endpoint_key), d(decode_endpoint_info)),
+        MapSpec("ipcache", s.MAP_TYPE_LPM_TRIE, IPCacheKey, IPCacheValue, sizes.ipcache,
+                s.F_NO_PREALLOC, d(decode_ipcache_key), d(decode_ipcache_value)),
+        MapSpec("policy", s.MAP_TYPE_LPM_TRIE, PolicyKey, PolicyValue, sizes.policy,
+                s.F_NO_PREALLOC, d(decode_policy_key), d(decode_policy_value)),
+        MapSpec("services", s.MAP_TYPE_HASH, SvcKey, SvcValue, sizes.services, 0,
+                d(decode_svc_key), d(decode_svc_value)),
+        MapSpec("backends", s.MAP_TYPE_HASH, U32, BackendValue, sizes.backends, 0,
+                d(_decode_u32("backend_id")), d(decode_backend_value)),
+        MapSpec("revnat", s.MAP_TYPE_HASH, U32, RevNatValue, sizes.revnat, 0,
+                d(_decode_u32("rev_nat_id")), d(decode_revnat_value)),
+        MapSpec("maglev", s.MAP_TYPE_HASH, MaglevKey, U32, sizes.maglev, s.F_NO_PREALLOC,
+                d(decode_maglev_key), d(_decode_u32("backend_id"))),
+        MapSpec("affinity", s.MAP_TYPE_LRU_HASH, AffinityKey, AffinityValue, sizes.affinity, 0,
+                d(decode_affinity_key), d(decode_affinity_value)),
+        MapSpec("srcrange", s.MAP_TYPE_LPM_TRIE, SrcRangeKey, U32, sizes.srcrange,
+                s.F_NO_PREALLOC, d(decode_srcrange_key), d(_decode_u32("allowed"))),
+        MapSpec("ct", s.MAP_TYPE_LRU_HASH, CtKey, CtEntry, sizes.ct, 0,
+                d(decode_ct_key), d(decode_ct_entry)),
+        MapSpec("snat", s.MAP_TYPE_LRU_HASH, CtKey, NatValue, sizes.snat, 0,
+                d(decode_nat_key), d(decode_nat_value)),
+        MapSpec("config", s.MAP_TYPE_ARRAY, U32, DpConfig, 1, 0,
+                d(_decode_u32("index")), d(decode_config)),
+        MapSpec("metrics", s.MAP_TYPE_PERCPU_ARRAY, U32, MetricsValue, 768, 0,
+                d(decode_metrics_key), d(decode_metrics_value)),
+        MapSpec("events", s.MAP_TYPE_RINGBUF, None, None, sizes.events_bytes, 0, None, None),
+    )  # fmt: skip
+
+
+def _decoder(fn: Callable[..., Fields]) -> Callable[[ctypes.Structure], Fields]:
+    return fn
+
+
+def layout_version(sizes: MapSizes) -> str:
+    """Name of the pin folder of this layout: v<LAYOUT_VERSION>-<hash>."""
+    h = hashlib.sha256()
+    for spec in map_specs(sizes):
+        h.update(
+            f"{spec.name}:{spec.map_type}:{spec.max_entries}:{spec.flags}:"
+            f"{_describe(spec.key)}:{_describe(spec.value)};".encode()
+        )
+    h.update(_describe(FlowEvent).encode())
+    return f"v{LAYOUT_VERSION}-{h.hexdigest()[:10]}"
+
+
+def _describe(cls: type[ctypes.Structure] | type[ctypes.Union] | None) -> str:
+    if cls is None:
+        return "-"
+    parts = []
+    for f in cls._fields_:
+        name, ctype = f[0], f[1]
+        offset = getattr(cls, name).offset
+        parts.append(f"{name}@{offset}:{ctypes.sizeof(ctype)}")
+    return f"{cls.__name__}({','.join(parts)})/{ctypes.sizeof(cls)}"
+
+
+# --- the Maglev hash (same as tuple_hash in bpf/datapath.c) ---
+
+
+def _mix32(h: int) -> int:
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    h ^= h >> 16
+    return h
+
+
+def maglev_hash(src: str, dst: str, sport: int, dport: int, proto: int) -> int:
+    """Hash of a connection as the datapath computes it for Maglev (the
+    frontend address and port, before DNAT)."""
+    words = struct.unpack("<4I", ip_bytes(src)) + struct.unpack("<4I", ip_bytes(dst))
+    h = 0x9E3779B9
+    for w in words:
+        h = _mix32(h ^ w)
+    ports = (port_be(sport) << 16) | port_be(dport)
+    h = _mix32(h ^ ports)
+    return _mix32(h ^ proto)
+
+
+def maglev_slot(src: str, dst: str, sport: int, dport: int, proto: int, *, size: int) -> int:
+    return maglev_hash(src, dst, sport, dport, proto) % size

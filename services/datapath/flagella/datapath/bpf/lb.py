@@ -1,0 +1,213 @@
+"""Service load balancing maps: services (frontends and backend slots),
+backends, rev-NAT, Maglev tables, session affinity, source ranges."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from flagella.datapath.bpf import layout as L
+from flagella.datapath.bpf.maps import BpfMap
+
+BACKEND_ACTIVE = 1  # lb.v1.BackendState.BACKEND_STATE_ACTIVE
+AFFINITY_DEFAULT_TIMEOUT = 10800  # seconds, as Kubernetes
+MAX_REV_NAT_ID = (1 << 24) - 1
+
+
+def frontend_rev_nat_id(rev_nat_id: int, frontend_index: int) -> int:
+    """A rev-NAT id per frontend of one service: the lb service's rev_nat_id
+    for the first frontend (ClusterIP), then index << 24 | rev_nat_id for
+    the others (NodePort addresses). Needs rev_nat_id < 2**24."""
+    if not 0 < rev_nat_id <= MAX_REV_NAT_ID or not 0 <= frontend_index < 256:
+        raise ValueError(f"rev_nat_id {rev_nat_id} / frontend {frontend_index} out of range")
+    return (frontend_index << 24) | rev_nat_id
+
+
+@dataclass(frozen=True)
+class Frontend:
+    address: str
+    port: int
+    protocol: int  # 6 or 17
+    rev_nat_id: int  # reverse NAT of replies to this frontend
+    nodeport: bool = False
+
+
+@dataclass(frozen=True)
+class Backend:
+    id: int
+    address: str
+    port: int
+    protocol: int = L.PROTO_TCP
+    state: int = BACKEND_ACTIVE  # only active backends get new connections
+
+
+@dataclass(frozen=True)
+class Service:
+    """What the datapath needs of one lb.v1.Service."""
+
+    service_id: int
+    frontends: tuple[Frontend, ...]
+    backends: tuple[Backend, ...]
+    maglev: bool = False
+    maglev_table: tuple[int, ...] = ()  # backend id per slot (lb.v1.MaglevTable)
+    affinity_timeout: int = 0  # seconds of ClientIP affinity; 0: none
+    source_ranges: tuple[str, ...] = ()  # loadBalancerSourceRanges; empty: all
+
+
+def svc_key(address: str, port: int, protocol: int, slot: int = 0) -> L.SvcKey:
+    k = L.SvcKey(dport=L.port_be(port), slot=slot, proto=protocol)
+    L.set_addr(k.addr, address)
+    return k
+
+
+class Services(BpfMap[L.SvcKey, L.SvcValue]):
+    """cilium_lb4_services_v2: slot 0 of a frontend is the service entry,
+    slots 1..count the active backends (random selection)."""
+
+    def frontend(self, address: str, port: int, protocol: int) -> L.SvcValue | None:
+        return self.get(svc_key(address, port, protocol))
+
+    def write_frontend(
+        self,
+        fe: Frontend,
+        service_id: int,
+        backend_ids: Sequence[int],
+        *,
+        flags: int,
+        affinity_timeout: int,
+        maglev_size: int,
+    ) -> None:
+        """Backend slots first, then the service entry, then stale slots
+        go: a packet always sees a consistent service."""
+        old = self.frontend(fe.address, fe.port, fe.protocol)
+        old_count = old.count if old is not None else 0
+        slots = [
+            (
+                svc_key(fe.address, fe.port, fe.protocol, i + 1),
+                L.SvcValue(backend_id=bid, rev_nat_id=fe.rev_nat_id, service_id=service_id),
+            )
+            for i, bid in enumerate(backend_ids)
+        ]
+        self.update_batch(slots)
+        if fe.nodeport:
+            flags |= L.SVC_F_NODEPORT
+        master = L.SvcValue(
+            count=len(backend_ids),
+            rev_nat_id=fe.rev_nat_id,
+            service_id=service_id,
+            flags=flags,
+            affinity_timeout=affinity_timeout,
+            maglev_size=maglev_size,
+        )
+        self.update(svc_key(fe.address, fe.port, fe.protocol), master)
+        self.delete_many(
+            svc_key(fe.address, fe.port, fe.protocol, i)
+            for i in range(len(backend_ids) + 1, old_count + 1)
+        )
+
+    def remove_frontend(self, address: str, port: int, protocol: int) -> bool:
+        old = self.frontend(address, port, protocol)
+        if old is None:
+            return False
+        self.delete(svc_key(address, port, protocol))
+        self.delete_many(svc_key(address, port, protocol, i) for i in range(1, old.count + 1))
+        return True
+
+    def frontends_of(self, service_id: int) -> list[tuple[str, int, int]]:
+        """(address, port, protocol) of the service's frontends."""
+        return [
+            (L.get_addr(k.addr), L.port_host(k.dport), k.proto)
+            for k, v in self.items()
+            if k.slot == 0 and v.service_id == service_id
+        ]
+
+
+class Backends(BpfMap[L.U32, L.BackendValue]):
+    """cilium_lb4_backends: backend id -> address, port."""
+
+    def upsert(self, b: Backend) -> None:
+        v = L.BackendValue(port=L.port_be(b.port), proto=b.protocol, state=b.state)
+        L.set_addr(v.addr, b.address)
+        self.update(L.U32(b.id), v)
+
+    def remove(self, backend_id: int) -> bool:
+        return self.delete(L.U32(backend_id))
+
+    def lookup(self, backend_id: int) -> tuple[str, int] | None:
+        v = self.get(L.U32(backend_id))
+        return (L.get_addr(v.addr), L.port_host(v.port)) if v is not None else None
+
+
+class RevNat(BpfMap[L.U32, L.RevNatValue]):
+    """cilium_lb4_reverse_nat: rev-NAT id -> frontend address and port."""
+
+    def upsert(self, rev_nat_id: int, address: str, port: int) -> None:
+        v = L.RevNatValue(port=L.port_be(port))
+        L.set_addr(v.addr, address)
+        self.update(L.U32(rev_nat_id), v)
+
+    def remove(self, rev_nat_id: int) -> bool:
+        return self.delete(L.U32(rev_nat_id))
+
+
+class Maglev(BpfMap[L.MaglevKey, L.U32]):
+    """Maglev tables: (service id, slot) -> backend id."""
+
+    def set_table(self, service_id: int, table: Sequence[int], old_size: int = 0) -> None:
+        pairs = [
+            (L.MaglevKey(service_id=service_id, slot=i), L.U32(bid)) for i, bid in enumerate(table)
+        ]
+        self.update_batch(pairs)
+        self.delete_many(
+            L.MaglevKey(service_id=service_id, slot=i) for i in range(len(table), old_size)
+        )
+
+    def table(self, service_id: int, size: int) -> list[int]:
+        out = []
+        for i in range(size):
+            v = self.get(L.MaglevKey(service_id=service_id, slot=i))
+            out.append(v.value if v is not None else 0)
+        return out
+
+    def remove_table(self, service_id: int, size: int) -> int:
+        return self.delete_many(L.MaglevKey(service_id=service_id, slot=i) for i in range(size))
+
+
+class Affinity(BpfMap[L.AffinityKey, L.AffinityValue]):
+    """cilium_lb4_affinity: (client, service) -> backend, last use."""
+
+    def lookup(self, client: str, service_id: int) -> tuple[int, int] | None:
+        """(backend id, last used ns)."""
+        k = L.AffinityKey(service_id=service_id)
+        L.set_addr(k.client, client)
+        v = self.get(k)
+        return (v.backend_id, v.last_used) if v is not None else None
+
+    def purge(self, service_ids: Iterable[int] = (), backend_ids: Iterable[int] = ()) -> int:
+        sids, bids = set(service_ids), set(backend_ids)
+        return self.delete_many(
+            [k for k, v in self.items() if k.service_id in sids or v.backend_id in bids]
+        )
+
+
+def srcrange_key(service_id: int, cidr: str) -> L.SrcRangeKey:
+    family, raw, bits = L.prefix_bits(cidr)
+    k = L.SrcRangeKey(prefixlen=32 + 8 + bits, service_id=service_id, family=family)
+    ctypes.memmove(ctypes.addressof(k.addr), raw, 16)
+    return k
+
+
+class SourceRanges(BpfMap[L.SrcRangeKey, L.U32]):
+    """cilium_lb4_source_range: (service id, client prefix)."""
+
+    def set_ranges(self, service_id: int, cidrs: Iterable[str]) -> None:
+        wanted = {bytes(srcrange_key(service_id, c)): srcrange_key(service_id, c) for c in cidrs}
+        for k in wanted.values():
+            self.update(k, L.U32(1))
+        for k in list(self.keys()):
+            if k.service_id == service_id and bytes(k) not in wanted:
+                self.delete(k)
+
+    def ranges(self, service_id: int) -> list[str]:
+        return [L.decode_srcrange_key(k)["cidr"] for k in self.keys() if k.service_id == service_id]

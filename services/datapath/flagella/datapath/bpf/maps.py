@@ -1,0 +1,199 @@
+"""Typed access to one pinned map: get/update/delete/items, batches, counts."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Generic, TypeVar
+
+from flagella.datapath.bpf import syscall
+from flagella.datapath.bpf.layout import Fields, MapSpec
+
+K = TypeVar("K", bound=ctypes.Structure)
+V = TypeVar("V", bound=ctypes.Structure)
+
+_BATCH = 4096
+_BATCH_TYPES = {syscall.MAP_TYPE_HASH, syscall.MAP_TYPE_LRU_HASH, syscall.MAP_TYPE_ARRAY}
+
+
+class MapFullError(OSError):
+    """The map has no room for another entry (E2BIG / ENOSPC / ENOMEM)."""
+
+
+class BpfMap(Generic[K, V]):
+    """One map, keys and values as the ctypes classes of its spec."""
+
+    def __init__(self, spec: MapSpec, fd: int, pin_path: str) -> None:
+        if spec.key is None or spec.value is None:
+            raise TypeError(f"map {spec.name} has no key/value layout")
+        self.spec = spec
+        self.fd = fd
+        self.pin_path = pin_path
+        self.key_type: type[K] = spec.key  # type: ignore[assignment]
+        self.value_type: type[V] = spec.value  # type: ignore[assignment]
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def max_entries(self) -> int:
+        return self.spec.max_entries
+
+    def get(self, key: K) -> V | None:
+        value = self.value_type()
+        return value if syscall.map_lookup(self.fd, key, value) else None
+
+    def update(self, key: K, value: V, flags: int = syscall.ANY) -> None:
+        try:
+            syscall.map_update(self.fd, key, value, flags)
+        except syscall.BpfError as e:
+            if e.errno in (errno.E2BIG, errno.ENOSPC, errno.ENOMEM):
+                raise MapFullError(e.errno, f"map {self.name} is full ({self.max_entries})") from e
+            raise
+
+    def delete(self, key: K) -> bool:
+        """False when the key was absent (not an error)."""
+        return syscall.map_delete(self.fd, key)
+
+    def update_batch(self, pairs: Sequence[tuple[K, V]]) -> int:
+        """Writes every pair; one syscall per 4096 where the map type has
+        batch operations (hash, LRU, array), else one per entry."""
+        if not pairs:
+            return 0
+        if self.spec.map_type not in _BATCH_TYPES:
+            for k, v in pairs:
+                self.update(k, v)
+            return len(pairs)
+        done = 0
+        for start in range(0, len(pairs), _BATCH):
+            chunk = pairs[start : start + _BATCH]
+            keys = (self.key_type * len(chunk)).from_buffer_copy(
+                b"".join([bytes(k) for k, _ in chunk])
+            )
+            values = (self.value_type * len(chunk)).from_buffer_copy(
+                b"".join([bytes(v) for _, v in chunk])
+            )
+            try:
+                done += syscall.map_update_batch(self.fd, keys, values, len(chunk))
+            except syscall.BpfError as e:
+                if e.errno in (errno.E2BIG, errno.ENOSPC, errno.ENOMEM):
+                    raise MapFullError(e.errno, f"map {self.name} is full") from e
+                raise
+        return done
+
+    def delete_many(self, keys: Iterable[K]) -> int:
+        """Deletes the keys present; returns how many were."""
+        n = 0
+        for k in keys:
+            if syscall.map_delete(self.fd, k):
+                n += 1
+        return n
+
+    def keys(self) -> Iterator[K]:
+        """A snapshot walk (entries changed meanwhile may be missed or seen)."""
+        prev: K | None = None
+        while True:
+            nxt = self.key_type()
+            if not syscall.map_next_key(self.fd, prev, nxt):
+                return
+            yield nxt
+            prev = nxt
+
+    def items(self) -> Iterator[tuple[K, V]]:
+        if self.spec.map_type in _BATCH_TYPES:
+            yield from self._items_batch()
+            return
+        for k in self.keys():
+            v = self.get(k)
+            if v is not None:
+                yield k, v
+
+    def _items_batch(self) -> Iterator[tuple[K, V]]:
+        token_in = (ctypes.c_uint8 * 64)()
+        token_out = (ctypes.c_uint8 * 64)()
+        first = True
+        while True:
+            keys = (self.key_type * _BATCH)()
+            values = (self.value_type * _BATCH)()
+            try:
+                n, more = syscall.map_lookup_batch(
+                    self.fd, None if first else token_in, token_out, keys, values, count=_BATCH
+                )
+            except syscall.BpfError as e:
+                if e.errno == errno.ENOSPC:  # a bucket larger than the batch
+                    yield from self._items_walk()
+                    return
+                raise
+            for i in range(n):
+                yield keys[i], values[i]
+            if not more:
+                return
+            ctypes.memmove(token_in, token_out, 64)
+            first = False
+
+    def _items_walk(self) -> Iterator[tuple[K, V]]:
+        for k in self.keys():
+            v = self.get(k)
+            if v is not None:
+                yield k, v
+
+    def count(self) -> int:
+        if self.spec.map_type == syscall.MAP_TYPE_ARRAY:
+            return self.max_entries
+        return sum(1 for _ in self.items())
+
+    def clear(self) -> int:
+        return self.delete_many(list(self.keys()))
+
+    def decode(self, key: K, value: V) -> tuple[Fields, Fields]:
+        assert self.spec.decode_key is not None
+        assert self.spec.decode_value is not None
+        return self.spec.decode_key(key), self.spec.decode_value(value)
+
+    def dump(self, limit: int = 0) -> list[tuple[Fields, Fields]]:
+        """Entries decoded to named fields (DumpMap); limit 0: all."""
+        out = []
+        for k, v in self.items():
+            out.append(self.decode(k, v))
+            if limit and len(out) >= limit:
+                break
+        return out
+
+
+class PerCpuArray(BpfMap[K, V]):
+    """A per-CPU array: a lookup returns one value per possible CPU."""
+
+    def get_percpu(self, key: K) -> list[V]:
+        ncpu = syscall.possible_cpus()
+        values = (self.value_type * ncpu)()
+        if not syscall.map_lookup(self.fd, key, values):
+            return []
+        return list(values)
+
+    def get(self, key: K) -> V | None:
+        """The sum over CPUs of every integer field."""
+        per = self.get_percpu(key)
+        if not per:
+            return None
+        total = self.value_type()
+        for f in total._fields_:
+            fname = f[0]
+            setattr(total, fname, sum(getattr(v, fname) for v in per))
+        return total
+
+    def update(self, key: K, value: V, flags: int = syscall.ANY) -> None:
+        """Sets the value on CPU 0 and zero on the others."""
+        ncpu = syscall.possible_cpus()
+        values = (self.value_type * ncpu)()
+        values[0] = value
+        syscall.map_update(self.fd, key, values, flags)
+
+    def items(self) -> Iterator[tuple[K, V]]:
+        for i in range(self.max_entries):
+            k = self.key_type()
+            ctypes.memmove(ctypes.addressof(k), ctypes.byref(ctypes.c_uint32(i)), 4)
+            v = self.get(k)
+            if v is not None:
+                yield k, v

@@ -1,0 +1,355 @@
+"""Domain wrappers of the node maps: endpoints, ipcache, config, metrics,
+conntrack and masquerade (NAT)."""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from flagella.datapath.bpf import layout as L
+from flagella.datapath.bpf.maps import BpfMap, PerCpuArray
+
+
+def monotonic_ns() -> int:
+    """The clock of bpf_ktime_get_ns()."""
+    return time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+
+
+# --- endpoints ---
+
+
+@dataclass(frozen=True)
+class EndpointState:
+    """One local endpoint address as the endpoints map holds it."""
+
+    ip: str
+    endpoint_id: int
+    ifindex: int
+    identity: int
+    mac: str
+    node_mac: str
+    flags: int
+    policy_revision: int
+    policy_gen: int
+
+    @property
+    def policy_ready(self) -> bool:
+        return bool(self.flags & L.EP_F_POLICY_READY)
+
+
+def _endpoint_state(k: L.EndpointKey, v: L.EndpointInfo) -> EndpointState:
+    return EndpointState(
+        ip=L.get_addr(k.addr),
+        endpoint_id=v.ep_id,
+        ifindex=v.ifindex,
+        identity=v.identity,
+        mac=L.mac_str(bytes(v.mac)),
+        node_mac=L.mac_str(bytes(v.node_mac)),
+        flags=v.flags,
+        policy_revision=v.policy_revision,
+        policy_gen=v.policy_gen,
+    )
+
+
+def endpoint_key(ip: str) -> L.EndpointKey:
+    k = L.EndpointKey()
+    L.set_addr(k.addr, ip)
+    return k
+
+
+class Endpoints(BpfMap[L.EndpointKey, L.EndpointInfo]):
+    """cilium_lxc: local endpoint addresses. An endpoint's traffic is
+    dropped (POLICY_NOT_READY) until Policy.apply() has run for it."""
+
+    def upsert(
+        self,
+        endpoint_id: int,
+        addresses: Iterable[str],
+        *,
+        ifindex: int,
+        identity: int,
+        mac: str,
+        node_mac: str,
+    ) -> None:
+        """Writes one entry per address (bare IPs or CIDR notation). The
+        policy state (ready flag, enforcement, revision) of the endpoint's
+        existing entries is kept; a new endpoint starts not ready. An
+        identity change keeps the state too: apply the new identity's
+        policy with Policy.apply()."""
+        ips = [a.split("/")[0] for a in addresses]
+        existing = self.by_id(endpoint_id)
+        flags = existing[0].flags if existing else 0
+        revision = existing[0].policy_revision if existing else 0
+        gen = existing[0].policy_gen if existing else 0
+        for ip in ips:
+            v = L.EndpointInfo(
+                ep_id=endpoint_id,
+                policy_revision=revision,
+                ifindex=ifindex,
+                identity=identity,
+                flags=flags,
+                policy_gen=gen,
+            )
+            ctypes.memmove(ctypes.addressof(v.mac), L.mac_bytes(mac), 6)
+            ctypes.memmove(ctypes.addressof(v.node_mac), L.mac_bytes(node_mac), 6)
+            self.update(endpoint_key(ip), v)
+        for state in existing:
+            if state.ip not in ips:
+                self.delete(endpoint_key(state.ip))
+
+    def remove(self, endpoint_id: int) -> int:
+        """Deletes every address of the endpoint; returns how many."""
+        return self.delete_many(endpoint_key(s.ip) for s in self.by_id(endpoint_id))
+
+    def lookup(self, ip: str) -> EndpointState | None:
+        k = endpoint_key(ip)
+        v = self.get(k)
+        return _endpoint_state(k, v) if v is not None else None
+
+    def all(self) -> list[EndpointState]:
+        return [_endpoint_state(k, v) for k, v in self.items()]
+
+    def by_id(self, endpoint_id: int) -> list[EndpointState]:
+        return [s for s in self.all() if s.endpoint_id == endpoint_id]
+
+    def realized_revision(self, endpoint_id: int) -> int | None:
+        """Policy revision realized for the endpoint; None if not ready."""
+        states = self.by_id(endpoint_id)
+        if not states or not all(s.policy_ready for s in states):
+            return None
+        return min(s.policy_revision for s in states)
+
+    def set_policy_state(
+        self, endpoint_id: int, revision: int, ingress_enforced: bool, egress_enforced: bool
+    ) -> int:
+        """Marks the endpoint's policy realized: ready, enforcement, revision,
+        and a new policy generation (established connections are checked
+        again against the new policy). Returns the entries updated."""
+        n = 0
+        for k, v in list(self.items()):
+            if v.ep_id != endpoint_id:
+                continue
+            flags = L.EP_F_POLICY_READY
+            if ingress_enforced:
+                flags |= L.EP_F_INGRESS_ENFORCED
+            if egress_enforced:
+                flags |= L.EP_F_EGRESS_ENFORCED
+            v.flags = flags
+            v.policy_revision = revision
+            v.policy_gen = (v.policy_gen + 1) & 0xFFFFFFFF
+            self.update(k, v)
+            n += 1
+        return n
+
+    def set_not_ready(self, endpoint_id: int) -> int:
+        """Drops the endpoint's traffic again until its policy is applied."""
+        n = 0
+        for k, v in list(self.items()):
+            if v.ep_id == endpoint_id:
+                v.flags &= ~L.EP_F_POLICY_READY
+                v.policy_gen = (v.policy_gen + 1) & 0xFFFFFFFF
+                self.update(k, v)
+                n += 1
+        return n
+
+
+# --- ipcache ---
+
+
+def ipcache_key(prefix: str) -> L.IPCacheKey:
+    family, raw, bits = L.prefix_bits(prefix)
+    k = L.IPCacheKey(prefixlen=8 + bits, family=family)
+    ctypes.memmove(ctypes.addressof(k.addr), raw, 16)
+    return k
+
+
+class IPCache(BpfMap[L.IPCacheKey, L.IPCacheValue]):
+    """cilium_ipcache: IP/prefix -> identity (longest prefix wins; no match
+    is world)."""
+
+    def upsert(self, prefix: str, identity: int) -> None:
+        self.update(ipcache_key(prefix), L.IPCacheValue(identity=identity))
+
+    def remove(self, prefix: str) -> bool:
+        return self.delete(ipcache_key(prefix))
+
+    def lookup(self, ip: str) -> int:
+        """The identity the datapath resolves for an address."""
+        v = self.get(ipcache_key(ip))
+        return v.identity if v is not None else int(L.Identity.WORLD)
+
+    def entries(self) -> dict[str, int]:
+        out = {}
+        for k, v in self.items():
+            out[L.decode_ipcache_key(k)["prefix"]] = v.identity
+        return out
+
+
+# --- config ---
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    node_ip4: str = ""
+    node_ip6: str = ""
+    masquerade4: bool = False
+    masquerade6: bool = False
+    allow_host: bool = True
+    verdict_events: bool = True
+    drop_events: bool = True
+    nat_port_min: int = 61000
+    nat_port_max: int = 65535
+
+
+class Config(BpfMap[L.U32, L.DpConfig]):
+    """The node's settings (one entry)."""
+
+    def read(self) -> NodeConfig:
+        v = self.get(L.U32(0)) or L.DpConfig()
+        return NodeConfig(
+            node_ip4=L.get_addr(v.node_ip4) if any(v.node_ip4.u8) else "",
+            node_ip6=L.get_addr(v.node_ip6) if any(v.node_ip6.u8) else "",
+            masquerade4=bool(v.flags & L.CFG_MASQUERADE4),
+            masquerade6=bool(v.flags & L.CFG_MASQUERADE6),
+            allow_host=bool(v.flags & L.CFG_ALLOW_HOST),
+            verdict_events=bool(v.flags & L.CFG_VERDICT_EVENTS),
+            drop_events=bool(v.flags & L.CFG_DROP_EVENTS),
+            nat_port_min=v.nat_port_min,
+            nat_port_max=v.nat_port_max,
+        )
+
+    def write(self, cfg: NodeConfig) -> None:
+        if not 0 < cfg.nat_port_min <= cfg.nat_port_max <= 65535:
+            raise ValueError(f"bad NAT port range {cfg.nat_port_min}-{cfg.nat_port_max}")
+        v = L.DpConfig(nat_port_min=cfg.nat_port_min, nat_port_max=cfg.nat_port_max)
+        if cfg.node_ip4:
+            if L.ip_family(cfg.node_ip4) != 4:
+                raise ValueError(f"node_ip4 {cfg.node_ip4} is not IPv4")
+            L.set_addr(v.node_ip4, cfg.node_ip4)
+        if cfg.node_ip6:
+            if L.ip_family(cfg.node_ip6) != 6:
+                raise ValueError(f"node_ip6 {cfg.node_ip6} is not IPv6")
+            L.set_addr(v.node_ip6, cfg.node_ip6)
+        flags = 0
+        for on, bit in (
+            (cfg.masquerade4, L.CFG_MASQUERADE4),
+            (cfg.masquerade6, L.CFG_MASQUERADE6),
+            (cfg.allow_host, L.CFG_ALLOW_HOST),
+            (cfg.verdict_events, L.CFG_VERDICT_EVENTS),
+            (cfg.drop_events, L.CFG_DROP_EVENTS),
+        ):
+            if on:
+                flags |= bit
+        v.flags = flags
+        self.update(L.U32(0), v)
+
+
+# --- metrics ---
+
+
+@dataclass(frozen=True)
+class Counter:
+    direction: L.Direction
+    reason: int  # 0: forwarded; a DropReason; 255: events lost
+    packets: int
+    bytes: int
+
+
+class Metrics(PerCpuArray[L.U32, L.MetricsValue]):
+    """cilium_metrics: packets and bytes per (direction, reason)."""
+
+    def counter(self, direction: L.Direction | int, reason: L.DropReason | int) -> Counter:
+        v = self.get(L.U32(int(direction) * 256 + int(reason)))
+        return Counter(
+            L.Direction(direction), int(reason), v.packets if v else 0, v.bytes if v else 0
+        )
+
+    def drops(self, reason: L.DropReason | int, direction: L.Direction | int | None = None) -> int:
+        dirs = [direction] if direction is not None else [L.Direction.INGRESS, L.Direction.EGRESS]
+        return sum(self.counter(d, reason).packets for d in dirs)
+
+    def forwarded(self, direction: L.Direction | int) -> int:
+        return self.counter(direction, L.REASON_FORWARDED).packets
+
+    def events_lost(self) -> int:
+        return self.counter(L.Direction.UNSPECIFIED, L.METRIC_EVENTS_LOST).packets
+
+    def nonzero(self) -> list[Counter]:
+        out = []
+        for k, v in self.items():
+            if v.packets:
+                d, r = divmod(k.value, 256)
+                out.append(Counter(L.Direction(d), r, v.packets, v.bytes))
+        return out
+
+
+# --- conntrack and NAT ---
+
+
+@dataclass(frozen=True)
+class Tuple:
+    src: str
+    dst: str
+    sport: int
+    dport: int
+    proto: int
+
+
+def ct_key(t: Tuple, scope: int) -> L.CtKey:
+    k = L.CtKey(sport=L.port_be(t.sport), dport=L.port_be(t.dport), proto=t.proto, scope=scope)
+    L.set_addr(k.saddr, t.src)
+    L.set_addr(k.daddr, t.dst)
+    return k
+
+
+def key_tuple(k: L.CtKey) -> Tuple:
+    return Tuple(
+        L.get_addr(k.saddr),
+        L.get_addr(k.daddr),
+        L.port_host(k.sport),
+        L.port_host(k.dport),
+        k.proto,
+    )
+
+
+class Conntrack(BpfMap[L.CtKey, L.CtEntry]):
+    """cilium_ct: one LRU map for every scope (egress, ingress, service)."""
+
+    def lookup(self, t: Tuple, scope: int) -> L.CtEntry | None:
+        return self.get(ct_key(t, scope))
+
+    def gc(self, now_ns: int | None = None) -> int:
+        """Deletes expired entries; returns how many."""
+        now = monotonic_ns() if now_ns is None else now_ns
+        return self.delete_many([k for k, v in self.items() if v.expires <= now])
+
+    def purge_backends(self, backend_ids: Iterable[int]) -> int:
+        """Deletes the service entries that chose these backends (their next
+        packet selects a live backend)."""
+        ids = set(backend_ids)
+        return self.delete_many(
+            [k for k, v in self.items() if k.scope == L.CT_SCOPE_SERVICE and v.backend_id in ids]
+        )
+
+    def entries(self, scope: int | None = None) -> list[tuple[Tuple, int, L.CtEntry]]:
+        return [
+            (key_tuple(k), k.scope, v) for k, v in self.items() if scope is None or k.scope == scope
+        ]
+
+
+class Nat(BpfMap[L.CtKey, L.NatValue]):
+    """Masquerade state: NAT_OUT (pod tuple -> node address/port) and NAT_IN
+    (reply tuple -> pod address/port)."""
+
+    def gc(self, now_ns: int | None = None) -> int:
+        now = monotonic_ns() if now_ns is None else now_ns
+        return self.delete_many([k for k, v in self.items() if v.expires <= now])
+
+    def entries(self) -> list[tuple[Tuple, int, str, int]]:
+        """(tuple, NAT_OUT/NAT_IN, translated address, translated port)."""
+        return [
+            (key_tuple(k), k.scope, L.get_addr(v.addr), L.port_host(v.port))
+            for k, v in self.items()
+        ]

@@ -1,0 +1,179 @@
+"""The loader and the map layer: pinning, reuse, layout checks, GC, dumps,
+budgets, events."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+from harness.bpf import POD_A, POD_B, new_pin_root, private_datapath
+
+from flagella.datapath.bpf import (
+    Backend,
+    Datapath,
+    Direction,
+    Frontend,
+    LayoutMismatch,
+    MapSizes,
+    PolicyBudgetExceeded,
+    PolicyEntry,
+    Programs,
+    Service,
+    layout_version,
+    syscall,
+)
+from flagella.datapath.bpf import layout as L
+from flagella.datapath.bpf import packets as P
+from flagella.datapath.bpf.tables import Tuple, monotonic_ns
+
+pytestmark = pytest.mark.privileged
+
+
+def test_state_survives_a_new_load_of_the_same_folder(
+    require_root: None, bpf_programs: Programs
+) -> None:
+    root = new_pin_root()
+    try:
+        first = Datapath.load(root, programs=bpf_programs)
+        assert first.created
+        assert first.folder.name == layout_version(MapSizes())
+        POD_A.add(first)
+        POD_B.add(first)
+        first.policy.apply(POD_A.endpoint_id, [PolicyEntry(POD_B.identity, Direction.EGRESS)], 9)
+        first.ipcache.upsert("10.9.0.0/16", 777)
+        assert first.test_run("from_container", P.build(POD_A.ip, POD_B.ip)).retval == 7
+        first.close()
+
+        second = Datapath.load(root, programs=bpf_programs)
+        try:
+            assert not second.created
+            assert second.endpoints.realized_revision(POD_A.endpoint_id) == 9
+            assert second.policy.entry_count(POD_A.endpoint_id) == 1
+            assert second.ipcache.entries() == {"10.9.0.0/16": 777}
+            assert len(second.conntrack.entries()) == 1
+            assert second.metrics.forwarded(Direction.EGRESS) == 1
+            # The policy index is rebuilt from the map: a change removes the old key.
+            second.policy.apply(POD_A.endpoint_id, [PolicyEntry(3000, Direction.EGRESS)], 10)
+            keys = second.policy.keys_of(POD_A.endpoint_id)
+            assert [k[0] for k in keys] == [3000]
+        finally:
+            second.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_pinned_map_of_another_layout_is_refused(
+    require_root: None, bpf_programs: Programs
+) -> None:
+    root = new_pin_root()
+    sizes = MapSizes()
+    folder = f"{root}/{layout_version(sizes)}"
+    try:
+        os.makedirs(folder)
+        fd = syscall.map_create(syscall.MAP_TYPE_HASH, 16, 8, 10, flags=0, name="endpoints")
+        syscall.obj_pin(fd, f"{folder}/endpoints")
+        os.close(fd)
+        with pytest.raises(LayoutMismatch, match="endpoints"):
+            Datapath.load(root, programs=bpf_programs)
+        # Other sizes are another layout: another folder, no clash.
+        with private_datapath(bpf_programs, MapSizes(ct=4096), pin_root=root) as dp:
+            assert dp.folder.name != layout_version(sizes)
+            assert Datapath.stale_layouts(root, MapSizes(ct=4096)) == [
+                dp.folder.parent / layout_version(sizes)
+            ]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_conntrack_gc_and_backend_purge(dp: Datapath) -> None:
+    now = monotonic_ns()
+    live = L.CtEntry(expires=now + 60 * 10**9, backend_id=3)
+    dead = L.CtEntry(expires=now - 1, backend_id=4)
+    from flagella.datapath.bpf.tables import ct_key
+
+    t1 = Tuple("10.1.0.1", "10.96.0.1", 1000, 80, 6)
+    t2 = Tuple("10.1.0.1", "10.96.0.1", 1001, 80, 6)
+    t3 = Tuple("10.1.0.1", "10.1.0.2", 1002, 80, 6)
+    dp.conntrack.update(ct_key(t1, L.CT_SCOPE_SERVICE), live)
+    dp.conntrack.update(ct_key(t2, L.CT_SCOPE_SERVICE), dead)
+    dp.conntrack.update(ct_key(t3, L.CT_SCOPE_EGRESS), L.CtEntry(expires=now + 10**9, backend_id=3))
+    assert dp.gc().conntrack == 1
+    assert dp.conntrack.lookup(t2, L.CT_SCOPE_SERVICE) is None
+    assert dp.conntrack.purge_backends([3]) == 1  # service entries only
+    assert dp.conntrack.lookup(t1, L.CT_SCOPE_SERVICE) is None
+    assert dp.conntrack.lookup(t3, L.CT_SCOPE_EGRESS) is not None
+
+
+def test_policy_budget_is_enforced_without_writing(
+    require_root: None, bpf_programs: Programs
+) -> None:
+    with private_datapath(bpf_programs, MapSizes(policy_per_endpoint=8)) as dp:
+        POD_A.add(dp)
+        ok = [PolicyEntry(POD_B.identity, Direction.EGRESS, protocol=6, port=80)]
+        dp.policy.apply(POD_A.endpoint_id, ok, 1)
+        too_many = [
+            PolicyEntry(POD_B.identity, Direction.EGRESS, protocol=6, port=p)
+            for p in range(1, 30, 2)
+        ]
+        with pytest.raises(PolicyBudgetExceeded):
+            dp.policy.apply(POD_A.endpoint_id, too_many, 2)
+        assert dp.endpoints.realized_revision(POD_A.endpoint_id) == 1
+        assert dp.policy.entry_count(POD_A.endpoint_id) == 2
+        # The previous policy still decides.
+        assert dp.policy.verdict(POD_A.endpoint_id, POD_B.identity, Direction.EGRESS, 6, 80) == 0
+        assert dp.policy.verdict(POD_A.endpoint_id, POD_B.identity, Direction.EGRESS, 6, 3) == 131
+
+
+def test_every_map_dumps_to_named_string_fields(dp: Datapath) -> None:
+    POD_A.add(dp)
+    POD_B.add(dp)
+    dp.policy.apply(
+        POD_A.endpoint_id, [PolicyEntry(0, Direction.EGRESS, port=1000, end_port=1100)], 1
+    )
+    dp.policy.apply(POD_B.endpoint_id, [], 1, ingress_enforced=False, egress_enforced=False)
+    dp.ipcache.upsert("fd00:9::/64", 900)
+    dp.upsert_service(
+        Service(
+            1,
+            (Frontend("10.96.0.1", 53, 17, 1),),
+            (Backend(1, POD_B.ip, 53, 17),),
+            maglev=True,
+            maglev_table=(1, 1, 1),
+            affinity_timeout=30,
+            source_ranges=("10.0.0.0/8",),
+        )
+    )
+    dp.test_run("from_container", P.build(POD_A.ip, "10.96.0.1", proto=17, dport=53))
+    names = {s.name for s in dp.map_status()}
+    assert names == {*dp.maps, "events"}
+    for name in dp.maps:
+        rows = dp.dump(name, limit=50)
+        for key, value in rows:
+            assert key
+            assert value
+            assert all(isinstance(x, str) for x in (*key, *key.values(), *value, *value.values()))
+    assert {"ip": POD_A.ip} in [k for k, _ in dp.dump("endpoints")]
+    assert {"prefix": "fd00:9::/64"} in [k for k, _ in dp.dump("ipcache")]
+    ports = {k["port"] for k, _ in dp.dump("policy") if k["protocol"] == "tcp"}
+    assert ports == {"1000-1007", "1008-1023", "1024-1087", "1088-1095", "1096-1099", "1100"}
+    assert {"cidr": "10.0.0.0/8", "service_id": "1"} in [k for k, _ in dp.dump("srcrange")]
+    status = {s.name: s for s in dp.map_status()}
+    assert status["endpoints"].entries == 2
+    assert status["ct"].max_entries == MapSizes().ct
+    assert status["policy"].type == "lpm_trie"
+
+
+def test_events_of_drops_can_be_switched_off(dp: Datapath) -> None:
+    from flagella.datapath.bpf import NodeConfig
+
+    POD_A.add(dp)
+    with dp.events() as ev:
+        dp.test_run("from_container", P.build(POD_A.ip, POD_B.ip))
+        flows = ev.poll(100)
+        assert [f.drop_reason for f in flows] == [133]
+        assert flows[0].time_ns > 1_600_000_000 * 10**9
+        dp.config.write(NodeConfig(drop_events=False))
+        dp.test_run("from_container", P.build(POD_A.ip, POD_B.ip))
+        assert ev.read() == []
+    assert dp.metrics.drops(133) == 2
