@@ -59,7 +59,11 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Turns exceptions escaping a handler into a status: domain errors into
     their code with their message, anything else into INTERNAL with a generic
-    message and a logged traceback."""
+    message and a logged traceback. Until the service has started, its own
+    RPCs answer UNAVAILABLE (health and reflection always answer)."""
+
+    def __init__(self, readiness: Readiness | None = None) -> None:
+        self.readiness = readiness
 
     async def intercept_service(
         self,
@@ -70,6 +74,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         method = handler_call_details.method
+        starting = (
+            self.readiness is not None
+            and not self.readiness.started
+            and not method.startswith(("/grpc.health.", "/grpc.reflection."))
+        )
 
         async def fail(exc: BaseException, context: Any) -> None:
             code, details = status_of(exc)
@@ -85,6 +94,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             inner_uu = handler.unary_unary
 
             async def unary_unary(request: Any, context: Any) -> Any:
+                if starting:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "service is starting")
                 try:
                     return await inner_uu(request, context)
                 except grpc.aio.AbortError:
@@ -101,6 +112,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             inner_us = handler.unary_stream
 
             async def unary_stream(request: Any, context: Any) -> AsyncIterator[Any]:
+                if starting:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "service is starting")
                 try:
                     result = inner_us(request, context)
                     if hasattr(result, "__aiter__"):
@@ -138,6 +151,10 @@ class Readiness:
 
     def add_services(self, service_names: Sequence[str]) -> None:
         self._names.extend(service_names)
+
+    @property
+    def started(self) -> bool:
+        return self._started
 
     @property
     def serving(self) -> bool:
@@ -279,7 +296,7 @@ class App(Protocol):
 async def serve(runtime: Runtime[C], service: App) -> None:
     cfg = runtime.config
     server = grpc.aio.server(
-        interceptors=[*runtime.tracing.server_interceptors(), ErrorInterceptor()],
+        interceptors=[*runtime.tracing.server_interceptors(), ErrorInterceptor(runtime.readiness)],
         options=[("grpc.so_reuseport", 0)],
     )
     runtime.readiness.add_services(service.service_names)

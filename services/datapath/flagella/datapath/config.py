@@ -6,6 +6,7 @@ import socket
 from dataclasses import dataclass
 
 from flagella.common.config import ServiceConfig, option, parse_host_port, parse_ip
+from flagella.common.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -23,5 +24,20 @@ class DatapathConfig(ServiceConfig):
         parse=parse_host_port,
     )
     ipam_address: str = option("", "ipam service (host:port); empty: do not register the node")
-    policy_address: str = option("", "policy service (host:port)")
-    lb_address: str = option("", "load-balancer service (host:port)")
+    policy_address: str = option("", "policy service (host:port); empty: no policy stream")
+    lb_address: str = option("", "load-balancer service (host:port); empty: no services")
+    bpf_root: str = option("/sys/fs/bpf/flagella", "bpffs folder the maps are pinned under")
+    state_dir: str = option(
+        "/var/run/flagella/datapath", "folder of endpoint records (restored after a restart)"
+    )
+    uplink: str = option("", "the node's uplink interface (masquerade and NodePort run on it)")
+    masquerade: bool = option(True, "SNAT pod traffic leaving the cluster to the node address")
+    enable_ip_forward: bool = option(True, "turn on IP forwarding in the node's netns")
+    gc_interval_seconds: float = option(30.0, "conntrack and NAT garbage collection period")
+
+    def validate(self) -> None:
+        super().validate()
+        if not self.node_name:
+            raise ConfigError("--node-name", "must not be empty")
+        if self.gc_interval_seconds <= 0:
+            raise ConfigError("--gc-interval-seconds", "must be positive")

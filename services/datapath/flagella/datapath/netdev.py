@@ -16,7 +16,7 @@ import ipaddress
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -306,3 +306,24 @@ async def host_links(prefix: str = "lxc") -> dict[str, int]:
             for link in await _collect(await host.link("dump"))
             if str(link.get("ifname", "")).startswith(prefix)
         }
+
+
+async def links(names: Iterable[str]) -> dict[str, int]:
+    """ifindex of each named link that exists in the datapath's netns."""
+    out = {}
+    async with iproute() as host:
+        for name in names:
+            index = await _first(host, name)
+            if index is not None:
+                out[name] = index
+    return out
+
+
+async def delete_link(name: str) -> bool:
+    async with iproute() as host:
+        index = await _first(host, name)
+        if index is None:
+            return False
+        with contextlib.suppress(NetlinkError):
+            await host.link("del", index=index)
+        return True

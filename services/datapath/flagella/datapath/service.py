@@ -1,20 +1,551 @@
-"""Logic of the datapath service (no gRPC here)."""
+"""Logic of the datapath service (no gRPC here): endpoint plumbing, the BPF
+maps fed from the control plane through reconcilers, restore after restart,
+flow events and status.
+
+Every BPF map operation runs on one dedicated thread (MapWriter): map
+writes stay ordered and a burst (a 16k-entry policy) never blocks the event
+loop. Desired state per map lives in a Reconciler (flagella.common); the
+control-plane stream handlers (handlers.py) only change desired state.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextlib
+import functools
+import ipaddress
 import logging
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
-from flagella.api.ipam.v1 import ipam_pb2
+from flagella.common.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+from flagella.common.reconcile import Reconciler, ReconcilerStatus
+from flagella.datapath import netdev
+from flagella.datapath.bpf import Datapath, MapStatus, NodeConfig, PolicyBudgetExceeded
+from flagella.datapath.bpf import Service as BpfService
+from flagella.datapath.bpf.layout import CT_SCOPE_SERVICE
+from flagella.datapath.bpf.policy import PolicyEntry
+from flagella.datapath.bpf.tables import ct_key
 from flagella.datapath.config import DatapathConfig
+from flagella.datapath.flows import FlowFilter, FlowHub, FlowRecord
+from flagella.datapath.routes import RouteOps
+from flagella.datapath.state import EndpointRecord, StateDir
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class MapWriter:
+    """Runs BPF map operations on one thread, in order."""
+
+    def __init__(self) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bpf-maps")
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+@dataclass(frozen=True)
+class IdentityPolicy:
+    """The resolved policy of one identity, as the policy service sent it."""
+
+    identity: int
+    revision: int
+    ingress_enforced: bool
+    egress_enforced: bool
+    entries: tuple[PolicyEntry, ...]
+
+
+@dataclass(frozen=True)
+class SetupRequest:
+    endpoint_id: int
+    container_id: str
+    netns_path: str
+    ifname: str
+    addresses: tuple[str, ...]
+    mtu: int
+    identity: int
+    pod_cidrs: tuple[str, ...] = ()
+
+
+# --- reconciler operations on the BPF maps ---
+
+
+class IPCacheOps:
+    def __init__(self, svc: DatapathService) -> None:
+        self.svc = svc
+
+    async def update(self, key: str, value: int) -> None:
+        await self.svc.writer.run(self.svc.bpf.ipcache.upsert, key, value)
+
+    async def delete(self, key: str) -> None:
+        await self.svc.writer.run(self.svc.bpf.ipcache.remove, key)
+
+    async def list_actual(self) -> Iterable[str]:
+        entries = await self.svc.writer.run(self.svc.bpf.ipcache.entries)
+        return list(entries)
+
+
+class PolicyOps:
+    """key: endpoint id; value: the policy of its identity."""
+
+    def __init__(self, svc: DatapathService) -> None:
+        self.svc = svc
+
+    async def update(self, key: int, value: IdentityPolicy) -> None:
+        dp = self.svc.bpf
+        try:
+            await self.svc.writer.run(
+                dp.policy.apply,
+                key,
+                value.entries,
+                value.revision,
+                ingress_enforced=value.ingress_enforced,
+                egress_enforced=value.egress_enforced,
+            )
+        except PolicyBudgetExceeded as exc:
+            # Nothing was written: the endpoint keeps its previous policy or
+            # stays not ready (never open). Retried as policy changes.
+            raise ResourceExhausted(f"endpoint {key}: {exc}") from exc
+        await self.svc.policy_realized(key, value.revision)
+
+    async def delete(self, key: int) -> None:
+        await self.svc.writer.run(self.svc.bpf.policy.clear_endpoint, key)
+
+    async def list_actual(self) -> Iterable[int]:
+        states = await self.svc.writer.run(self.svc.bpf.endpoints.all)
+        return {s.endpoint_id for s in states if s.policy_ready}
+
+
+class ServiceOps:
+    """key: service id; value: what the maps need of the service."""
+
+    def __init__(self, svc: DatapathService) -> None:
+        self.svc = svc
+        self.applied: dict[int, BpfService] = {}
+
+    async def update(self, key: int, value: BpfService) -> None:
+        await self.svc.writer.run(self.svc.bpf.upsert_service, value)
+        self.applied[key] = value
+
+    async def delete(self, key: int) -> None:
+        old = self.applied.pop(key, None)
+        rev_nat_ids = [fe.rev_nat_id for fe in old.frontends] if old else []
+        await self.svc.writer.run(self.svc.bpf.delete_service, key, rev_nat_ids)
+
+    async def list_actual(self) -> Iterable[int]:
+        def service_ids() -> set[int]:
+            return {v.service_id for k, v in self.svc.bpf.services.items() if k.slot == 0}
+
+        return await self.svc.writer.run(service_ids)
 
 
 class DatapathService:
     def __init__(self, config: DatapathConfig) -> None:
         self.config = config
+        self.writer = MapWriter()
+        self.state = StateDir(config.state_dir)
+        self.flows = FlowHub()
+        self._bpf: Datapath | None = None
+        self.endpoints: dict[int, EndpointRecord] = {}
+        self.identity_policies: dict[int, IdentityPolicy] = {}
+        self.realized: dict[int, int] = {}
+        self._realized_changed = asyncio.Condition()
+        self.ipcache = Reconciler("ipcache", IPCacheOps(self))
+        self.policy = Reconciler("policy", PolicyOps(self))
+        self.service_ops = ServiceOps(self)
+        self.services = Reconciler("services", self.service_ops)
+        self.routes = Reconciler("routes", RouteOps())
         self.pod_cidrs: list[str] = []
+        self.streams_synced: dict[str, bool] = {}
+        self._locks: dict[int, asyncio.Lock] = {}
+        self._reader: Any = None
+        self.uplink_ifindex = 0
 
-    async def set_node(self, node: ipam_pb2.Node) -> None:
-        """The registry's view of this node: its pod CIDRs."""
+    @property
+    def bpf(self) -> Datapath:
+        if self._bpf is None:
+            raise Unavailable("the BPF datapath is not loaded yet")
+        return self._bpf
+
+    def reconcilers(self) -> list[Reconciler[Any, Any]]:
+        return [self.ipcache, self.policy, self.services, self.routes]
+
+    # --- start-up and restore ---
+
+    async def start(self) -> None:
+        """Load the programs and pinned maps, restore the endpoints this node
+        had, reattach, then start the reconcilers. Before SERVING."""
+        cfg = self.config
+        if cfg.enable_ip_forward:
+            await netdev.write_sysctls(
+                None, {"net.ipv4.ip_forward": "1", "net.ipv6.conf.all.forwarding": "1"}
+            )
+        self._bpf = await self.writer.run(Datapath.load, cfg.bpf_root)
+        log.info(
+            "BPF datapath loaded",
+            extra={"folder": str(self.bpf.folder), "restored": not self.bpf.created},
+        )
+        await self._write_node_config()
+        if cfg.uplink:
+            links = await netdev.links([cfg.uplink])
+            if cfg.uplink not in links:
+                raise FailedPrecondition(f"uplink {cfg.uplink} not found", field="uplink")
+            self.uplink_ifindex = links[cfg.uplink]
+            await self.writer.run(self.bpf.attach_netdev, self.uplink_ifindex)
+        await self._restore()
+        for rec in self.reconcilers():
+            rec.start()
+        self._start_events()
+
+    async def _write_node_config(self) -> None:
+        ips = [ipaddress.ip_address(ip) for ip in self.config.node_ip]
+        v4 = next((str(ip) for ip in ips if ip.version == 4), "")
+        v6 = next((str(ip) for ip in ips if ip.version == 6), "")
+        await self.writer.run(
+            self.bpf.config.write,
+            NodeConfig(
+                node_ip4=v4,
+                node_ip6=v6,
+                masquerade4=self.config.masquerade and bool(v4),
+                masquerade6=self.config.masquerade and bool(v6),
+            ),
+        )
+
+    async def _restore(self) -> None:
+        """Endpoints from the state folder: those whose host veth still
+        exists keep everything (maps were pinned) and get the programs of
+        this process attached; the others (pod gone while we were down) are
+        removed. Map entries and veths with no record are removed too."""
+        records = {r.endpoint_id: r for r in self.state.load_all()}
+        links = await netdev.host_links()
+        for rec in records.values():
+            if links.get(rec.host_ifname) == rec.host_ifindex:
+                await self.writer.run(self.bpf.attach, rec.host_ifindex)
+                self.endpoints[rec.endpoint_id] = rec
+                revision = await self.writer.run(
+                    self.bpf.endpoints.realized_revision, rec.endpoint_id
+                )
+                if revision is not None:
+                    self.realized[rec.endpoint_id] = revision
+            else:
+                log.info("endpoint gone while down", extra={"endpoint": rec.endpoint_id})
+                await self._forget(rec)
+        in_maps = {s.endpoint_id for s in await self.writer.run(self.bpf.endpoints.all)}
+        for stray in in_maps - set(self.endpoints):
+            await self.writer.run(self.bpf.remove_endpoint, stray)
+        owned = {rec.host_ifname for rec in self.endpoints.values()}
+        for name in set(links) - owned:
+            log.info("removing a veth with no endpoint", extra={"link": name})
+            await netdev.delete_link(name)
+        log.info("endpoints restored", extra={"endpoints": sorted(self.endpoints)})
+
+    async def _forget(self, rec: EndpointRecord) -> None:
+        await self.writer.run(self.bpf.remove_endpoint, rec.endpoint_id)
+        await self.writer.run(self._purge_conntrack, rec.addresses)
+        self.state.remove(rec.endpoint_id)
+        self.realized.pop(rec.endpoint_id, None)
+
+    def _purge_conntrack(self, addresses: Iterable[str]) -> int:
+        """Conntrack entries to or from the endpoint's addresses (runs on
+        the map thread)."""
+        ips = {a.split("/")[0] for a in addresses}
+        ct = self.bpf.conntrack
+        doomed = [
+            ct_key(t, scope)
+            for t, scope, _ in ct.entries()
+            if (t.src in ips or t.dst in ips) and scope != CT_SCOPE_SERVICE
+        ] + [ct_key(t, scope) for t, scope, e in ct.entries(CT_SCOPE_SERVICE) if t.src in ips]
+        return ct.delete_many(doomed)
+
+    async def stop(self) -> None:
+        for rec in self.reconcilers():
+            await rec.stop()
+        if self._reader is not None:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(self._reader.fileno())
+            self._reader.close()
+            self._reader = None
+        if self._bpf is not None:
+            # Maps stay pinned and programs attached: traffic goes on.
+            await self.writer.run(self._bpf.close)
+        self.writer.close()
+
+    # --- flows ---
+
+    def _start_events(self) -> None:
+        self._reader = self.bpf.events()
+        loop = asyncio.get_running_loop()
+
+        def readable() -> None:
+            for ev in self._reader.read():
+                self.flows.publish(
+                    FlowRecord(
+                        time=ev.time_ns / 1e9,
+                        type=int(ev.type),
+                        verdict=int(ev.verdict),
+                        drop_reason=ev.drop_reason,
+                        direction=int(ev.direction),
+                        src_ip=ev.src_ip,
+                        dst_ip=ev.dst_ip,
+                        src_port=ev.src_port,
+                        dst_port=ev.dst_port,
+                        protocol=ev.protocol,
+                        src_identity=ev.src_identity,
+                        dst_identity=ev.dst_identity,
+                        endpoint_id=ev.endpoint_id,
+                        ifindex=ev.ifindex,
+                    )
+                )
+
+        loop.add_reader(self._reader.fileno(), readable)
+
+    def observe(self, flt: FlowFilter, last: int, follow: bool) -> tuple[list[FlowRecord], Any]:
+        """Buffered flows first, then (follow) a live iterator."""
+        return self.flows.recent(flt, last), (self.flows.follow(flt) if follow else None)
+
+    async def gc_once(self) -> tuple[int, int]:
+        stats = await self.writer.run(self.bpf.gc)
+        return stats.conntrack, stats.nat
+
+    # --- endpoints ---
+
+    def _lock(self, endpoint_id: int) -> asyncio.Lock:
+        return self._locks.setdefault(endpoint_id, asyncio.Lock())
+
+    async def setup_endpoint(self, req: SetupRequest) -> tuple[netdev.VethResult, EndpointRecord]:
+        if not os.path.exists(req.netns_path):
+            raise NotFound(f"netns {req.netns_path} does not exist", field="netns_path")
+        async with self._lock(req.endpoint_id):
+            existing = self.endpoints.get(req.endpoint_id)
+            if existing is not None and (
+                existing.container_id != req.container_id or existing.ifname != req.ifname
+            ):
+                raise FailedPrecondition(
+                    f"endpoint {req.endpoint_id} belongs to {existing.container_id}/"
+                    f"{existing.ifname}",
+                    field="endpoint_id",
+                )
+            host_name = netdev.host_ifname(req.endpoint_id)
+            # The record first: a crash from here on leaves something that
+            # restore can match against the kernel and clean up.
+            record = EndpointRecord(
+                endpoint_id=req.endpoint_id,
+                container_id=req.container_id,
+                netns_path=req.netns_path,
+                ifname=req.ifname,
+                host_ifname=host_name,
+                host_ifindex=existing.host_ifindex if existing else 0,
+                host_mac=existing.host_mac if existing else "",
+                mac=existing.mac if existing else "",
+                addresses=list(req.addresses),
+                identity=req.identity,
+                mtu=req.mtu,
+                pod_cidrs=list(req.pod_cidrs),
+            )
+            self.state.save(record)
+            try:
+                result = await netdev.setup_veth(
+                    netdev.VethSpec(
+                        req.endpoint_id, req.netns_path, req.ifname, req.addresses, req.mtu
+                    )
+                )
+            except netdev.NetdevError as exc:
+                if existing is None:
+                    self.state.remove(req.endpoint_id)
+                raise FailedPrecondition(str(exc)) from exc
+            record.host_ifindex = result.host.ifindex
+            record.host_mac = result.host.mac
+            record.mac = result.container.mac
+            self.state.save(record)
+            await self.writer.run(
+                self.bpf.endpoints.upsert,
+                req.endpoint_id,
+                list(result.addresses),
+                ifindex=result.host.ifindex,
+                identity=req.identity,
+                mac=result.container.mac,
+                node_mac=result.host.mac,
+            )
+            await self.writer.run(self.bpf.attach, result.host.ifindex)
+            self.endpoints[req.endpoint_id] = record
+            self._want_policy(record)
+            return result, record
+
+    def _want_policy(self, record: EndpointRecord) -> None:
+        """Desire the policy of the endpoint's identity; until it arrives the
+        endpoint stays not ready (its traffic is dropped)."""
+        pol = self.identity_policies.get(record.identity)
+        if pol is not None:
+            self.policy.upsert(record.endpoint_id, pol)
+
+    async def teardown_endpoint(self, endpoint_id: int, netns_path: str, ifname: str) -> bool:
+        async with self._lock(endpoint_id):
+            record = self.endpoints.pop(endpoint_id, None)
+            rev = self.policy.delete(endpoint_id)
+            with contextlib.suppress(TimeoutError):
+                await self.policy.wait_until_reconciled(rev, timeout=5)
+            removed = await netdev.teardown_veth(
+                endpoint_id,
+                netns_path or (record.netns_path if record else ""),
+                ifname or (record.ifname if record else ""),
+            )
+            if record is not None:
+                await self._forget(record)
+            else:
+                await self.writer.run(self.bpf.remove_endpoint, endpoint_id)
+                self.state.remove(endpoint_id)
+            self._locks.pop(endpoint_id, None)
+            return removed or record is not None
+
+    async def update_identity(self, endpoint_id: int, identity: int) -> EndpointRecord:
+        async with self._lock(endpoint_id):
+            record = self.endpoints.get(endpoint_id)
+            if record is None:
+                raise NotFound(f"no endpoint {endpoint_id} on this node", field="endpoint_id")
+            if record.identity == identity:
+                return record
+            record.identity = identity
+            self.state.save(record)
+            await self.writer.run(
+                self.bpf.endpoints.upsert,
+                endpoint_id,
+                record.addresses,
+                ifindex=record.host_ifindex,
+                identity=identity,
+                mac=record.mac,
+                node_mac=record.host_mac,
+            )
+            pol = self.identity_policies.get(identity)
+            if pol is None:
+                # The new identity's policy is not known yet: drop rather
+                # than enforce the old identity's policy.
+                self.policy.delete(endpoint_id)
+                self.realized.pop(endpoint_id, None)
+                await self.writer.run(self.bpf.endpoints.set_not_ready, endpoint_id)
+            else:
+                self.policy.upsert(endpoint_id, pol)
+            return record
+
+    def get_endpoint(self, endpoint_id: int) -> EndpointRecord:
+        record = self.endpoints.get(endpoint_id)
+        if record is None:
+            raise NotFound(f"no endpoint {endpoint_id} on this node", field="endpoint_id")
+        return record
+
+    async def attached(self, record: EndpointRecord) -> bool:
+        att = await self.writer.run(self.bpf.attachment, record.host_ifindex)
+        return bool(att.current)
+
+    # --- policy ---
+
+    async def policy_realized(self, endpoint_id: int, revision: int) -> None:
+        async with self._realized_changed:
+            self.realized[endpoint_id] = revision
+            self._realized_changed.notify_all()
+
+    async def wait_for_policy(self, endpoint_id: int, min_revision: int, timeout: float) -> int:
+        if endpoint_id not in self.endpoints:
+            raise NotFound(f"no endpoint {endpoint_id} on this node", field="endpoint_id")
+
+        def done() -> bool:
+            return self.realized.get(endpoint_id, -1) >= min_revision
+
+        async def wait() -> int:
+            async with self._realized_changed:
+                await self._realized_changed.wait_for(done)
+                return self.realized[endpoint_id]
+
+        try:
+            return await asyncio.wait_for(wait(), timeout)
+        except TimeoutError:
+            have = self.realized.get(endpoint_id)
+            raise DeadlineExceeded(
+                f"endpoint {endpoint_id}: policy revision {min_revision} not realized within "
+                f"{timeout:g}s (have {'none' if have is None else have})"
+            ) from None
+
+    def set_identity_policy(self, pol: IdentityPolicy | None, identity: int) -> None:
+        """A resolved policy arrived (or was withdrawn): update the desired
+        policy of every local endpoint with that identity."""
+        if pol is None:
+            self.identity_policies.pop(identity, None)
+        else:
+            self.identity_policies[identity] = pol
+        for record in self.endpoints.values():
+            if record.identity != identity:
+                continue
+            if pol is None:
+                self.policy.delete(record.endpoint_id)
+            else:
+                self.policy.upsert(record.endpoint_id, pol)
+
+    def resync_policies(self, policies: dict[int, IdentityPolicy]) -> None:
+        """A full policy snapshot: exactly these, then prune."""
+        self.identity_policies = dict(policies)
+        self.policy.replace_all(
+            {
+                rec.endpoint_id: policies[rec.identity]
+                for rec in self.endpoints.values()
+                if rec.identity in policies
+            }
+        )
+
+    async def set_node(self, node: Any) -> None:
+        """The node registry's view of this node (an ipam.v1.Node)."""
         self.pod_cidrs = list(node.pod_cidrs)
+
+    # --- status ---
+
+    async def map_status(self) -> list[MapStatus]:
+        return await self.writer.run(self.bpf.map_status)
+
+    async def dump_map(self, name: str, limit: int) -> tuple[MapStatus, list[Any]]:
+        statuses = {m.name: m for m in await self.map_status()}
+        if name not in statuses:
+            raise NotFound(f"no map {name!r}; maps: {', '.join(sorted(statuses))}", field="name")
+        entries = await self.writer.run(self.bpf.dump, name, limit)
+        return statuses[name], entries
+
+    def reconciler_status(self) -> list[ReconcilerStatus]:
+        return [rec.status() for rec in self.reconcilers()]
+
+    def check_endpoint_spec(self, req: SetupRequest) -> None:
+        """Validation of a SetupEndpoint request (field paths as the proto)."""
+        if req.endpoint_id <= 0:
+            raise InvalidArgument("must be positive", field="endpoint_id")
+        try:
+            netdev.host_ifname(req.endpoint_id)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc), field="endpoint_id") from None
+        if not req.container_id:
+            raise InvalidArgument("is required", field="container_id")
+        if not req.netns_path.startswith("/"):
+            raise InvalidArgument(f"{req.netns_path!r} is not an absolute path", field="netns_path")
+        if not req.ifname or len(req.ifname) > 15 or "/" in req.ifname or " " in req.ifname:
+            raise InvalidArgument(f"{req.ifname!r} is not an interface name", field="ifname")
+        if not req.addresses:
+            raise InvalidArgument("at least one address is required", field="addresses")
+        for i, address in enumerate(req.addresses):
+            try:
+                ipaddress.ip_interface(address)
+            except ValueError:
+                raise InvalidArgument(
+                    f"{address!r} is not an address", field=f"addresses[{i}]"
+                ) from None
+        if not 576 <= req.mtu <= 65535:
+            raise InvalidArgument(f"{req.mtu} is not in 576..65535", field="mtu")

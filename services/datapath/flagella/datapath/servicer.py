@@ -1,15 +1,237 @@
-"""gRPC handlers of flagella.datapath.v1: proto <-> domain and validation.
-
-The RPCs are implemented by issue #5; until then the generated base class
-answers UNIMPLEMENTED.
-"""
+"""gRPC handlers of flagella.datapath.v1: proto <-> domain and validation."""
 
 from __future__ import annotations
 
-from flagella.api.datapath.v1 import datapath_pb2_grpc
-from flagella.datapath.service import DatapathService
+from collections.abc import AsyncIterator
+from typing import Any
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from flagella.api.datapath.v1 import datapath_pb2, datapath_pb2_grpc
+from flagella.common.errors import InvalidArgument
+from flagella.datapath.flows import FlowFilter, FlowRecord
+from flagella.datapath.service import DatapathService, SetupRequest
+from flagella.datapath.state import EndpointRecord
+
+MAX_WAIT_S = 300.0
+
+
+def _map_info(m: Any, rec_by_map: dict[str, Any]) -> datapath_pb2.MapInfo:
+    rec = rec_by_map.get(m.name)
+    return datapath_pb2.MapInfo(
+        name=m.name,
+        pin_path=m.pin_path,
+        type=m.type,
+        key_size=m.key_size,
+        value_size=m.value_size,
+        max_entries=m.max_entries,
+        entries=m.entries,
+        pending=rec.pending if rec else 0,
+        errors=rec.errors if rec else 0,
+    )
+
+
+def endpoint_to_proto(
+    rec: EndpointRecord, realized: int | None, attached: bool
+) -> datapath_pb2.DatapathEndpoint:
+    return datapath_pb2.DatapathEndpoint(
+        endpoint_id=rec.endpoint_id,
+        container_id=rec.container_id,
+        netns_path=rec.netns_path,
+        ifname=rec.ifname,
+        host_ifname=rec.host_ifname,
+        host_ifindex=rec.host_ifindex,
+        mac=rec.mac,
+        addresses=rec.addresses,
+        identity=rec.identity,
+        realized_policy_revision=realized or 0,
+        programs_attached=attached,
+    )
+
+
+def flow_to_proto(f: FlowRecord, node: str) -> datapath_pb2.Flow:
+    ts = Timestamp()
+    ts.FromNanoseconds(int(f.time * 1e9))
+    return datapath_pb2.Flow(
+        time=ts,
+        type=f.type,  # type: ignore[arg-type]
+        verdict=f.verdict,  # type: ignore[arg-type]
+        drop_reason=f.drop_reason,  # type: ignore[arg-type]
+        direction=f.direction,  # type: ignore[arg-type]
+        src_ip=f.src_ip,
+        dst_ip=f.dst_ip,
+        src_port=f.src_port,
+        dst_port=f.dst_port,
+        protocol=f.protocol,
+        src_identity=f.src_identity,
+        dst_identity=f.dst_identity,
+        endpoint_id=f.endpoint_id,
+        ifindex=f.ifindex,
+        node=node,
+    )
 
 
 class DatapathServicer(datapath_pb2_grpc.DatapathServiceServicer):
     def __init__(self, service: DatapathService) -> None:
         self.service = service
+
+    async def SetupEndpoint(
+        self, request: datapath_pb2.SetupEndpointRequest, context: Any
+    ) -> datapath_pb2.SetupEndpointResponse:
+        req = SetupRequest(
+            endpoint_id=request.endpoint_id,
+            container_id=request.container_id,
+            netns_path=request.netns_path,
+            ifname=request.ifname,
+            addresses=tuple(request.addresses),
+            mtu=request.mtu or 1500,
+            identity=request.identity,
+            pod_cidrs=tuple(request.pod_cidrs),
+        )
+        self.service.check_endpoint_spec(req)
+        result, _ = await self.service.setup_endpoint(req)
+        return datapath_pb2.SetupEndpointResponse(
+            host_interface=datapath_pb2.InterfaceInfo(
+                name=result.host.name,
+                mac=result.host.mac,
+                ifindex=result.host.ifindex,
+                mtu=result.host.mtu,
+            ),
+            container_interface=datapath_pb2.InterfaceInfo(
+                name=result.container.name,
+                mac=result.container.mac,
+                ifindex=result.container.ifindex,
+                sandbox=result.container.sandbox,
+                mtu=result.container.mtu,
+            ),
+            addresses=list(result.addresses),
+            routes=[datapath_pb2.Route(dst=dst, gw=gw) for dst, gw in result.routes],
+            gateways=list(result.gateways),
+        )
+
+    async def TeardownEndpoint(
+        self, request: datapath_pb2.TeardownEndpointRequest, context: Any
+    ) -> datapath_pb2.TeardownEndpointResponse:
+        if request.endpoint_id <= 0:
+            raise InvalidArgument("must be positive", field="endpoint_id")
+        removed = await self.service.teardown_endpoint(
+            request.endpoint_id, request.netns_path, request.ifname
+        )
+        return datapath_pb2.TeardownEndpointResponse(removed=removed)
+
+    async def _describe(self, rec: EndpointRecord) -> datapath_pb2.DatapathEndpoint:
+        attached = await self.service.attached(rec)
+        return endpoint_to_proto(rec, self.service.realized.get(rec.endpoint_id), attached)
+
+    async def UpdateEndpoint(
+        self, request: datapath_pb2.UpdateEndpointRequest, context: Any
+    ) -> datapath_pb2.DatapathEndpoint:
+        if request.identity <= 0:
+            raise InvalidArgument("must be positive", field="identity")
+        rec = await self.service.update_identity(request.endpoint_id, request.identity)
+        return await self._describe(rec)
+
+    async def GetEndpoint(
+        self, request: datapath_pb2.GetEndpointRequest, context: Any
+    ) -> datapath_pb2.DatapathEndpoint:
+        return await self._describe(self.service.get_endpoint(request.endpoint_id))
+
+    async def ListEndpoints(
+        self, request: datapath_pb2.ListEndpointsRequest, context: Any
+    ) -> datapath_pb2.ListEndpointsResponse:
+        records = sorted(self.service.endpoints.values(), key=lambda r: r.endpoint_id)
+        return datapath_pb2.ListEndpointsResponse(
+            endpoints=[await self._describe(r) for r in records]
+        )
+
+    async def WaitForPolicy(
+        self, request: datapath_pb2.WaitForPolicyRequest, context: Any
+    ) -> datapath_pb2.WaitForPolicyResponse:
+        timeout = request.timeout.ToNanoseconds() / 1e9 if request.HasField("timeout") else 0.0
+        remaining = context.time_remaining()
+        if timeout <= 0:
+            timeout = remaining if remaining is not None else MAX_WAIT_S
+        elif remaining is not None:
+            timeout = min(timeout, remaining)
+        revision = await self.service.wait_for_policy(
+            request.endpoint_id, request.min_revision, min(timeout, MAX_WAIT_S)
+        )
+        return datapath_pb2.WaitForPolicyResponse(realized_revision=revision)
+
+    async def ListMaps(
+        self, request: datapath_pb2.ListMapsRequest, context: Any
+    ) -> datapath_pb2.ListMapsResponse:
+        recs = {r.name: r for r in self.service.reconciler_status()}
+        return datapath_pb2.ListMapsResponse(
+            maps=[_map_info(m, recs) for m in await self.service.map_status()]
+        )
+
+    async def DumpMap(
+        self, request: datapath_pb2.DumpMapRequest, context: Any
+    ) -> datapath_pb2.DumpMapResponse:
+        if not request.name:
+            raise InvalidArgument("is required", field="name")
+        info, entries = await self.service.dump_map(request.name, request.limit)
+        recs = {r.name: r for r in self.service.reconciler_status()}
+        return datapath_pb2.DumpMapResponse(
+            info=_map_info(info, recs),
+            entries=[datapath_pb2.MapEntry(key=k, value=v) for k, v in entries],
+        )
+
+    async def GetStatus(
+        self, request: datapath_pb2.GetStatusRequest, context: Any
+    ) -> datapath_pb2.DatapathStatus:
+        svc = self.service
+        recs = {r.name: r for r in svc.reconciler_status()}
+        programs = []
+        for rec in sorted(svc.endpoints.values(), key=lambda r: r.endpoint_id):
+            attached = await svc.attached(rec)
+            programs.append(
+                datapath_pb2.ProgramStatus(
+                    name="from_container+to_container",
+                    attach_point=f"{rec.host_ifname}/ingress+egress",
+                    attached=attached,
+                )
+            )
+        return datapath_pb2.DatapathStatus(
+            node=svc.config.node_name,
+            programs_loaded=True,
+            programs=programs,
+            maps=[_map_info(m, recs) for m in await svc.map_status()],
+            reconcilers=[
+                datapath_pb2.ReconcilerStatus(
+                    name=r.name,
+                    desired_revision=r.desired_revision,
+                    realized_revision=r.realized_revision,
+                    pending=r.pending,
+                    errors=r.errors,
+                    last_error=r.last_error,
+                )
+                for r in recs.values()
+            ],
+            streams_synced=svc.streams_synced,
+            endpoints=len(svc.endpoints),
+        )
+
+    async def ObserveFlows(
+        self, request: datapath_pb2.ObserveFlowsRequest, context: Any
+    ) -> AsyncIterator[datapath_pb2.Flow]:
+        flt = FlowFilter(
+            verdicts=frozenset(int(v) for v in request.verdicts),
+            drop_reasons=frozenset(int(r) for r in request.drop_reasons),
+            endpoint_ids=frozenset(request.endpoint_ids),
+            identities=frozenset(request.identities),
+            ip=request.ip,
+            port=request.port,
+            protocol=request.protocol,
+        )
+        node = self.service.config.node_name
+        recent, live = self.service.observe(flt, request.last, request.follow)
+        for f in recent:
+            yield flow_to_proto(f, node)
+        if live is not None:
+            try:
+                async for f in live:
+                    yield flow_to_proto(f, node)
+            finally:
+                await live.aclose()
