@@ -65,11 +65,9 @@ def _enum(value: int, table: Mapping[Any, T], field: str, what: str) -> T | None
 def raw_from_proto(svc: lb_pb2.Service) -> RawService:
     """The request's service as plain values (enums checked)."""
     backends: list[RawBackend] = []
+    # Output-only fields (ids, revision, source) are ignored, so that a
+    # service read with GetService can be changed and upserted back.
     for i, b in enumerate(svc.backends):
-        if b.id:
-            raise InvalidArgument(
-                "ids are allocated by the service (output only)", field=f"service.backends[{i}].id"
-            )
         backends.append(
             RawBackend(
                 address=b.address,
@@ -89,10 +87,6 @@ def raw_from_proto(svc: lb_pb2.Service) -> RawService:
         if svc.HasField("session_affinity") and aff.HasField("timeout")
         else None
     )
-    if svc.source not in ("", Source.API.value):
-        raise InvalidArgument(
-            f"{svc.source!r}: only the lb service itself sets the source", field="service.source"
-        )
     return RawService(
         name=svc.name,
         namespace=svc.namespace,
