@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import random
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
@@ -127,6 +128,7 @@ class LbService:
             for p in Protocol
         }
         self._space_lock = asyncio.Lock()
+        self._random = random.Random()
 
     # --- id spaces ---
 
@@ -152,11 +154,14 @@ class LbService:
         return space.take(count)
 
     async def _skip_taken(self, space: IdSpace, count: int) -> None:
-        """After a candidate was found taken: find count free ids from the
-        hint on (wrapping) by reading which ids have keys, for the next
-        take(). Raises ResourceExhausted when the space is full."""
+        """After a candidate was found taken (another replica allocates from
+        the same point): jump a random step forward, so that replicas drift
+        apart, and find count free ids from there on (wrapping) by reading
+        which ids have keys, for the next take(). Raises ResourceExhausted
+        when the space is full."""
         sk = self._space_keys(space)
-        start = space.hint
+        jitter = max(1, min(1024, space.size // 64))
+        start = space.lo + (space.hint - space.lo + self._random.randrange(jitter)) % space.size
         scanned = 0
         free: list[int] = []
         page = 1024
@@ -240,6 +245,17 @@ class LbService:
             if result.succeeded:
                 return plan.record.with_revision(result.revision), current is None
             # Find out what was contested; reject or retry.
+            log.debug(
+                "upsert conflict, retrying",
+                extra={
+                    "service": spec.name,
+                    "name_id": result.name_id,
+                    "frontend_owner": result.frontend_owner,
+                    "service_id_taken": result.service_id_taken,
+                    "rev_nat_taken": result.rev_nat_taken,
+                    "blocks_taken": result.blocks_taken,
+                },
+            )
             if result.frontend_owner not in (None, spec.name):
                 raise _frontend_taken(spec.frontend, result.frontend_owner)
             if result.node_port_owner not in (None, spec.name):
