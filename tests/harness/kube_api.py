@@ -59,6 +59,8 @@ class KubeListWatchServer:
         self._history: list[_Change] = []
         self._oldest = self._rv  # watches from before this get 410
         self.requests: list[str] = []
+        self.gone_sent = 0
+        self._generation = 0
         self._closing = False
         server = self
 
@@ -74,7 +76,7 @@ class KubeListWatchServer:
             def do_GET(self) -> None:
                 server._handle(self)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self.httpd = _QuietServer(("127.0.0.1", self.port), Handler)
         self.httpd.daemon_threads = True
         self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 
@@ -142,6 +144,17 @@ class KubeListWatchServer:
             self._history.clear()
             self._oldest = self._rv
 
+    def expire_watches(self) -> None:
+        """End every open watch and make every resourceVersion handed out so
+        far too old (as after the API server's watch cache moved on): the
+        next watch gets 410 Gone and the client must list again."""
+        with self._lock:
+            self._rv += 1
+            self._history.clear()
+            self._oldest = self._rv
+            self._generation += 1
+            self._lock.notify_all()
+
     # --- the protocol ---
 
     def _handle(self, h: BaseHTTPRequestHandler) -> None:
@@ -194,16 +207,20 @@ class KubeListWatchServer:
                     expired = _status(
                         410, "Expired", f"too old resource version: {since} ({self._oldest})"
                     )
+                    self.gone_sent += 1
                     chunk({"type": "ERROR", "object": expired})
                     h.wfile.write(b"0\r\n\r\n")
                     return
                 cursor = since or self._rv
+                generation = self._generation
             while True:
                 with self._lock:
+                    if self._closing or generation != self._generation:
+                        break
                     pending = [c for c in self._history if c.rv > cursor and c.resource == resource]
                     if not pending:
                         remaining = deadline - time.monotonic()
-                        if remaining <= 0 or self._closing:
+                        if remaining <= 0:
                             break
                         self._lock.wait(min(remaining, 1.0))
                         continue
@@ -211,8 +228,13 @@ class KubeListWatchServer:
                     chunk({"type": c.type, "object": c.obj})
                     cursor = c.rv
             h.wfile.write(b"0\r\n\r\n")
-        except (BrokenPipeError, ConnectionResetError):
+        except OSError:  # the client went away
             pass
+
+
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """Clients going away mid-request are normal here."""
 
 
 def _status(code: int, reason: str, message: str) -> dict[str, Any]:

@@ -298,7 +298,7 @@ class KubernetesWatcher:
             except Exception as exc:
                 log.warning(
                     "kubernetes list/watch failed, relisting",
-                    extra={"kind": kind, "reason": repr(exc)[:300], "retry_in_s": delay},
+                    extra={"kind": kind, "reason": f"{exc!r} {exc}"[:300], "retry_in_s": delay},
                 )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
