@@ -201,6 +201,10 @@ class Etcd:
                 "grpc.initial_reconnect_backoff_ms": 100,
                 "grpc.min_reconnect_backoff_ms": 100,
                 "grpc.max_reconnect_backoff_ms": 2_000,
+                # A watch catching up sends up to 1,000 revisions in one
+                # response, and a range of many keys can be large: gRPC's
+                # default 4 MiB limit breaks both.
+                "grpc.max_receive_message_length": 128 << 20,
             },
         )
 

@@ -129,6 +129,9 @@ class LbService:
         }
         self._space_lock = asyncio.Lock()
         self._random = random.Random()
+        # Names this replica saw exist (an upsert of another name tries a
+        # create first).
+        self._known: set[str] = set()
 
     # --- id spaces ---
 
@@ -180,7 +183,9 @@ class LbService:
     async def get_by_name(self, name: str) -> ServiceRecord:
         record = await self.store.get_by_name(name)
         if record is None:
+            self._known.discard(name)
             raise NotFound(f"no service {name!r}", field="name")
+        self._known.add(name)
         return record
 
     async def get_by_id(self, service_id: int) -> ServiceRecord:
@@ -198,6 +203,7 @@ class LbService:
 
     async def list_services(self, namespace: str = "") -> tuple[list[ServiceRecord], int]:
         records, revision = await self.store.list_services()
+        self._known.update(r.name for r in records)
         if namespace:
             records = [r for r in records if r.namespace == namespace]
         records.sort(key=lambda r: r.name)
@@ -217,32 +223,43 @@ class LbService:
     async def upsert(self, spec: ServiceSpec) -> tuple[ServiceRecord, bool]:
         """Create or replace the service spec.name. Returns the stored record
         and whether it was created."""
+        explicit_np = (
+            (spec.frontend.protocol, spec.node_port)
+            if spec.type is ServiceType.NODE_PORT and spec.node_port
+            else None
+        )
+        optimistic = spec.name not in self._known
         for _ in range(MAX_ATTEMPTS):
-            explicit_np = (
-                (spec.frontend.protocol, spec.node_port)
-                if spec.type is ServiceType.NODE_PORT and spec.node_port
-                else None
-            )
-            found = await self.store.lookup(spec.name, spec.frontend, explicit_np)
-            current: ServiceRecord | None = None
-            if found.name_id is not None:
-                current = await self.store.get_by_id(found.name_id)
-                if current is None or current.name != spec.name:
-                    continue  # changed under us
-            if current is not None and current.source is not spec.source:
-                raise FailedPrecondition(
-                    f"service {spec.name!r} is managed by {current.source.value}",
-                    field="service.name",
-                )
-            if found.frontend_owner not in (None, spec.name):
-                raise _frontend_taken(spec.frontend, found.frontend_owner)
-            if explicit_np is not None and found.node_port_owner not in (None, spec.name):
-                raise _node_port_taken(spec.node_port, found.node_port_owner)
-            if current is not None and current.same_spec(spec):
-                return current, False
+            if optimistic:
+                # A name this replica has not seen is most likely new: try
+                # the create straight away (one etcd round trip); its
+                # compares fail, and tell why, if the name or anything else
+                # is taken.
+                optimistic = False
+                current: ServiceRecord | None = None
+            else:
+                found = await self.store.lookup(spec.name, spec.frontend, explicit_np)
+                current = None
+                if found.name_id is not None:
+                    current = await self.store.get_by_id(found.name_id)
+                    if current is None or current.name != spec.name:
+                        continue  # changed under us
+                if current is not None and current.source is not spec.source:
+                    raise FailedPrecondition(
+                        f"service {spec.name!r} is managed by {current.source.value}",
+                        field="service.name",
+                    )
+                if found.frontend_owner not in (None, spec.name):
+                    raise _frontend_taken(spec.frontend, found.frontend_owner)
+                if explicit_np is not None and found.node_port_owner not in (None, spec.name):
+                    raise _node_port_taken(spec.node_port, found.node_port_owner)
+                if current is not None and current.same_spec(spec):
+                    self._known.add(spec.name)
+                    return current, False
             plan = await self._plan(spec, current)
             result = await self.store.commit(plan)
             if result.succeeded:
+                self._known.add(spec.name)
                 return plan.record.with_revision(result.revision), current is None
             # Find out what was contested; reject or retry.
             log.debug(
@@ -256,6 +273,8 @@ class LbService:
                     "blocks_taken": result.blocks_taken,
                 },
             )
+            if result.name_id is not None and current is None:
+                continue  # it exists: an update (the frontend may be its own)
             if result.frontend_owner not in (None, spec.name):
                 raise _frontend_taken(spec.frontend, result.frontend_owner)
             if result.node_port_owner not in (None, spec.name):
@@ -330,6 +349,7 @@ class LbService:
                     f"service {name!r} is managed by {record.source.value}", field="name"
                 )
             if await self.store.delete(record):
+                self._known.discard(name)
                 return True
         raise Aborted(f"service {name!r} kept changing concurrently; retry", field="name")
 

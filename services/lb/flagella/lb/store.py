@@ -16,20 +16,27 @@ the same id or frontend, and a rejected or failed request stores nothing.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import aetcd.rpc as etcd_rpc
 
+from flagella.common.errors import Unavailable
 from flagella.common.etcd import (
+    Compacted,
     Etcd,
+    EventType,
     KeyValue,
     StreamEvent,
+    StreamKind,
     absent,
     delete_op,
     get_op,
     mod_revision_is,
+    prefix_end,
     put_op,
 )
 from flagella.lb.ids import IdSpace
@@ -43,6 +50,10 @@ NODEPORTS = PREFIX + "nodeports/"
 REVNAT_IDS = PREFIX + "ids/revnat/"
 BACKEND_BLOCKS = PREFIX + "ids/backend-blocks/"
 SEED_KEY = PREFIX + "config/maglev-hash-seed"
+# Services read per etcd request (a record is ~0.3-100 KiB).
+PAGE_SIZE = 500
+
+log = logging.getLogger(__name__)
 
 
 class SeedMismatch(Exception):
@@ -184,8 +195,43 @@ class LbStore:
         return None if kv is None else kv.value.decode()
 
     async def list_services(self) -> tuple[list[ServiceRecord], int]:
-        kvs, revision = await self.etcd.get_prefix(SERVICES)
-        return [ServiceRecord.from_json(kv.value, kv.mod_revision) for kv in kvs], revision
+        records: list[ServiceRecord] = []
+        at = 0
+        async for kvs, revision in self.pages(SERVICES):
+            records += [ServiceRecord.from_json(kv.value, kv.mod_revision) for kv in kvs]
+            at = revision
+        return records, at
+
+    async def pages(
+        self, prefix: str, page_size: int = PAGE_SIZE
+    ) -> AsyncIterator[tuple[list[KeyValue], int]]:
+        """Every key under prefix, page by page, all read at the revision of
+        the first page (one consistent snapshot, however large: a single
+        range of 10,000 services would exceed gRPC's 4 MiB message limit).
+        Yields (kvs, revision). Raises Unavailable (also when the revision is
+        compacted away meanwhile)."""
+        start = prefix.encode()
+        end = prefix_end(prefix)
+        revision = 0
+        while True:
+            op = etcd_rpc.RequestOp(
+                request_range=etcd_rpc.RangeRequest(
+                    key=start,
+                    range_end=end,
+                    limit=page_size,
+                    revision=revision,
+                    sort_order=etcd_rpc.RangeRequest.ASCEND,
+                    sort_target=etcd_rpc.RangeRequest.KEY,
+                )
+            )
+            result = await self.etcd.txn([], [op])
+            if not revision:
+                revision = result.revision
+            kvs = result.ranges[0]
+            yield kvs, revision
+            if len(kvs) < page_size:
+                return
+            start = kvs[-1].key.encode() + b"\0"
 
     # --- id spaces ---
 
@@ -314,8 +360,43 @@ class LbStore:
 
     # --- watch ---
 
-    def watch(self, since_revision: int) -> AsyncIterator[StreamEvent]:
-        return self.etcd.snapshot_then_watch(SERVICES, since_revision, prev_kv=True)
+    async def watch(
+        self, since_revision: int, *, max_delay: float = 5.0
+    ) -> AsyncIterator[StreamEvent]:
+        """The services as a stream, as Etcd.snapshot_then_watch does for any
+        prefix (RESET, UPSERT of each, SYNCED at the snapshot's revision, then
+        deltas with each key's previous value; resuming from since_revision
+        when given; riding out etcd outages; a full resync when the revision
+        is compacted), with the snapshot read in pages."""
+        last = since_revision
+        if last > 0:
+            yield StreamEvent(StreamKind.SYNCED, last)
+        delay = 0.1
+        while True:
+            try:
+                if last <= 0:
+                    revision = 0
+                    async for kvs, revision in self.pages(SERVICES):
+                        if not last:
+                            yield StreamEvent(StreamKind.RESET, revision)
+                            last = -1
+                        for kv in kvs:
+                            yield StreamEvent(StreamKind.UPSERT, kv.mod_revision, kv)
+                    yield StreamEvent(StreamKind.SYNCED, revision)
+                    last = revision
+                async for ev in self.etcd.watch_prefix(SERVICES, last + 1, prev_kv=True):
+                    delay = 0.1
+                    last = ev.revision
+                    kind = StreamKind.UPSERT if ev.type is EventType.PUT else StreamKind.DELETE
+                    yield StreamEvent(kind, ev.revision, ev.kv, ev.prev)
+            except Compacted:
+                log.info("watch revision compacted, resyncing")
+                last = 0
+            except Unavailable as exc:
+                log.warning("etcd watch interrupted", extra={"reason": exc.message})
+                last = max(last, 0)  # the snapshot broke off: start it again
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, max_delay)
 
 
 def _node_port(record: ServiceRecord | None) -> tuple[Protocol, int] | None:
