@@ -11,6 +11,9 @@ from harness.lb import LbClient, WatchState, service
 from harness.procs import ServiceProcess
 
 from flagella.api.lb.v1 import lb_pb2 as pb
+from flagella.common.etcd import Etcd
+from flagella.lb.model import Algorithm, Frontend, Protocol, ServiceRecord, ServiceType, Source
+from flagella.lb.store import LbStore, service_key
 
 pytestmark = pytest.mark.integration
 
@@ -121,3 +124,44 @@ def test_resumed_stream_equals_a_fresh_snapshot(
     assert set(fresh.services) == {f"r/s{i}" for i in (0, 2, 3, 4, 5, 6, 7, 8, 10)}
     c.close()
     other.close()
+
+
+async def test_snapshot_pages_are_one_consistent_revision(etcd: EtcdServer) -> None:
+    """The snapshot is read in pages (a single range of 10,000 services would
+    not fit in a gRPC message), all at the first page's revision, so writes
+    between pages do not show up in it."""
+    client = Etcd([etcd.endpoint])
+    store = LbStore(client)
+
+    def record(i: int) -> ServiceRecord:
+        return ServiceRecord(
+            name=f"p/s{i}",
+            namespace="p",
+            id=i,
+            rev_nat_id=i,
+            frontend=Frontend(f"10.100.3.{i}", 80, Protocol.TCP),
+            type=ServiceType.CLUSTER_IP,
+            node_port=0,
+            backends=(),
+            algorithm=Algorithm.RANDOM,
+            maglev_table_size=16381,
+            affinity=None,
+            source_ranges=(),
+            source=Source.API,
+        )
+
+    try:
+        for i in range(1, 11):
+            await client.put(service_key(i), record(i).to_json())
+        seen: list[str] = []
+        revisions = set()
+        async for kvs, revision in store.pages("flagella/lb/v1/services/", page_size=3):
+            revisions.add(revision)
+            seen += [kv.key for kv in kvs]
+            # Written after the snapshot's revision: not in it.
+            await client.put(service_key(50 + len(seen)), record(50 + len(seen)).to_json())
+            await client.delete(service_key(len(seen)))
+        assert len(revisions) == 1
+        assert seen == [service_key(i) for i in range(1, 11)]
+    finally:
+        await client.close()
