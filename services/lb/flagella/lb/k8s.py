@@ -197,6 +197,8 @@ class KubernetesWatcher:
         self.limits = limits
         self._services: dict[str, Obj] = {}
         self._slices: dict[str, Obj] = {}
+        # EndpointSlice keys by the Service they belong to.
+        self._slices_of: dict[str, set[str]] = {}
         # Flagella names written for each Kubernetes Service.
         self._written: dict[str, set[str]] = {}
         self._synced = {"services": False, "slices": False}
@@ -306,43 +308,71 @@ class KubernetesWatcher:
     async def _run(self) -> None:
         while True:
             ev = await self._queue.get()
-            affected: set[str] = set()
-            if ev.kind == "retry":
-                affected.add(ev.type)
-            elif ev.kind == "services":
-                if ev.type == "RELIST":
-                    affected |= set(self._services)
-                    self._services = {_key(o): o for o in ev.items}
-                    affected |= set(self._services)
-                    self._synced["services"] = True
-                elif ev.type == "DELETED":
-                    self._services.pop(_key(ev.obj), None)
-                    affected.add(_key(ev.obj))
-                else:
-                    self._services[_key(ev.obj)] = ev.obj
-                    affected.add(_key(ev.obj))
-            elif ev.type == "RELIST":
-                affected |= {s for s in map(slice_service, self._slices.values()) if s}
-                self._slices = {_key(o): o for o in ev.items}
-                affected |= {s for s in map(slice_service, ev.items) if s}
-                self._synced["slices"] = True
+            try:
+                await self._handle(ev)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                # A bug must not stop the sync for good: log, and let the
+                # next event (or the periodic re-watch) carry on.
+                log.exception("kubernetes event not handled", extra={"kind": ev.kind})
+
+    async def _handle(self, ev: _Event) -> None:
+        affected: set[str] = set()
+        if ev.kind == "retry":
+            affected.add(ev.type)
+        elif ev.kind == "services":
+            if ev.type == "RELIST":
+                affected |= set(self._services)
+                self._services = {_key(o): o for o in ev.items}
+                affected |= set(self._services)
+                self._synced["services"] = True
+            elif ev.type == "DELETED":
+                self._services.pop(_key(ev.obj), None)
+                affected.add(_key(ev.obj))
             else:
-                prev = self._slices.get(_key(ev.obj))
-                if ev.type == "DELETED":
-                    self._slices.pop(_key(ev.obj), None)
-                else:
-                    self._slices[_key(ev.obj)] = ev.obj
-                for o in (prev, ev.obj):
-                    owner = slice_service(o) if o is not None else None
-                    if owner:
-                        affected.add(owner)
-            if not all(self._synced.values()):
-                continue
-            if not self.initial_sync.is_set():
-                await self._initial_sync()
-                continue
-            for key in sorted(affected):
-                await self._sync_one(key)
+                self._services[_key(ev.obj)] = ev.obj
+                affected.add(_key(ev.obj))
+        elif ev.type == "RELIST":
+            affected |= set(self._slices_of)
+            self._slices.clear()
+            self._slices_of.clear()
+            for item in ev.items:
+                self._put_slice(item)
+            affected |= set(self._slices_of)
+            self._synced["slices"] = True
+        else:
+            key = _key(ev.obj)
+            prev = self._slices.get(key)
+            for o in (prev, ev.obj):
+                owner = slice_service(o) if o is not None else None
+                if owner:
+                    affected.add(owner)
+            self._drop_slice(key)
+            if ev.type != "DELETED":
+                self._put_slice(ev.obj)
+        if not all(self._synced.values()):
+            return
+        if not self.initial_sync.is_set():
+            await self._initial_sync()
+            return
+        for key in sorted(affected):
+            await self._sync_one(key)
+
+    def _put_slice(self, obj: Obj) -> None:
+        key = _key(obj)
+        self._slices[key] = obj
+        owner = slice_service(obj)
+        if owner:
+            self._slices_of.setdefault(owner, set()).add(key)
+
+    def _drop_slice(self, key: str) -> None:
+        obj = self._slices.pop(key, None)
+        owner = slice_service(obj) if obj is not None else None
+        if owner and owner in self._slices_of:
+            self._slices_of[owner].discard(key)
+            if not self._slices_of[owner]:
+                del self._slices_of[owner]
 
     async def _initial_sync(self) -> None:
         """After the first lists: write every Service, and delete the
@@ -367,7 +397,7 @@ class KubernetesWatcher:
         svc = self._services.get(key)
         if svc is None:
             return {}
-        slices = [s for s in self._slices.values() if slice_service(s) == key]
+        slices = [self._slices[k] for k in sorted(self._slices_of.get(key, ()))]
         specs: dict[str, ServiceSpec] = {}
         for raw in translate(svc, slices, self.limits.default_algorithm):
             try:
