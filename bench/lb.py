@@ -86,7 +86,13 @@ def svc(i: int, backends: int = 3) -> pb.Service:
     return s
 
 
-async def bench_service(address: str, n: int, latency_runs: int) -> dict[str, float]:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def bench_service(address: str, pid: int, n: int, latency_runs: int) -> dict[str, float]:
     async with grpc.aio.insecure_channel(address) as ch:
         stub = lb_pb2_grpc.LoadBalancerServiceStub(ch)
         arrived: dict[str, float] = {}
@@ -137,6 +143,7 @@ async def bench_service(address: str, n: int, latency_runs: int) -> dict[str, fl
                 sent[s.name] = time.perf_counter()
                 await stub.UpsertService(pb.UpsertServiceRequest(service=s), timeout=60)
 
+        cpu0 = cpu_seconds(pid)
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(64)))
         t_acked = time.perf_counter()
@@ -146,6 +153,7 @@ async def bench_service(address: str, n: int, latency_runs: int) -> dict[str, fl
                 raise RuntimeError(f"{len(names - arrived.keys())} services never arrived")
             await asyncio.sleep(0.01)
         t_all = max(arrived[x] for x in names)
+        lb_cpu_ms = (cpu_seconds(pid) - cpu0) * 1e3 / n
         watcher.cancel()
         delays = sorted(arrived[x] - sent[x] for x in names)
 
@@ -169,6 +177,7 @@ async def bench_service(address: str, n: int, latency_runs: int) -> dict[str, fl
         "bulk_upserts_per_s": round(n / (t_all - t0), 1),
         "bulk_upsert_to_watch_p50_ms": round(delays[len(delays) // 2] * 1e3, 1),
         "bulk_upsert_to_watch_p99_ms": round(delays[int(len(delays) * 0.99)] * 1e3, 1),
+        "bulk_lb_cpu_per_service_ms": round(lb_cpu_ms, 2),
         "snapshot_services": count,
         "snapshot_stream_s": round(t_snapshot, 2),
     }
@@ -198,7 +207,9 @@ def main() -> int:
         )
         try:
             proc.start().wait_serving()
-            results.update(asyncio.run(bench_service(proc.address, n, 20 if args.quick else 100)))
+            results.update(
+                asyncio.run(bench_service(proc.address, proc.pid, n, 20 if args.quick else 100))
+            )
         finally:
             proc.stop()
             etcd.cleanup()
@@ -226,6 +237,7 @@ def main() -> int:
         ("  throughput", f"{results['bulk_upserts_per_s']} services/s"),
         ("  upsert to watch event, p50", f"{results['bulk_upsert_to_watch_p50_ms']} ms"),
         ("  upsert to watch event, p99", f"{results['bulk_upsert_to_watch_p99_ms']} ms"),
+        ("  lb process CPU per service", f"{results['bulk_lb_cpu_per_service_ms']} ms"),
         (
             f"snapshot of {results['snapshot_services']} on a new stream",
             f"{results['snapshot_stream_s']} s",
