@@ -66,6 +66,9 @@ class WatchEvent:
     type: EventType
     # For DELETE, value is empty and mod_revision is the deletion's revision.
     kv: KeyValue
+    # The key as it was before this event, when the watch asked for prev_kv
+    # (None for a creation).
+    prev: KeyValue | None = None
 
     @property
     def revision(self) -> int:
@@ -86,6 +89,8 @@ class StreamEvent:
     kind: StreamKind
     revision: int
     kv: KeyValue | None = None
+    # For deltas of a stream opened with prev_kv: the key before the change.
+    prev: KeyValue | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +201,10 @@ class Etcd:
                 "grpc.initial_reconnect_backoff_ms": 100,
                 "grpc.min_reconnect_backoff_ms": 100,
                 "grpc.max_reconnect_backoff_ms": 2_000,
+                # A watch catching up sends up to 1,000 revisions in one
+                # response, and a range of many keys can be large: gRPC's
+                # default 4 MiB limit breaks both.
+                "grpc.max_receive_message_length": 128 << 20,
             },
         )
 
@@ -353,19 +362,30 @@ class Etcd:
 
     # --- watches ---
 
-    async def watch_prefix(self, prefix: str, start_revision: int) -> AsyncIterator[WatchEvent]:
-        """Events under prefix from start_revision on. Raises Unavailable when
-        the stream breaks and Compacted when start_revision is gone."""
+    async def watch_prefix(
+        self, prefix: str, start_revision: int, *, prev_kv: bool = False
+    ) -> AsyncIterator[WatchEvent]:
+        """Events under prefix from start_revision on (with the previous value
+        of each key when prev_kv). Raises Unavailable when the stream breaks
+        and Compacted when start_revision is gone."""
         try:
             watch = await self._call(
-                self.client.watch_prefix, _b(prefix), start_revision=start_revision
+                self.client.watch_prefix,
+                _b(prefix),
+                start_revision=start_revision,
+                prev_kv=prev_kv,
             )
         except aetcd.exceptions.RevisionCompactedError as exc:
             raise Compacted(exc.compacted_revision) from exc
         try:
             async for event in watch:
                 kind = EventType.PUT if event.kind == "PUT" else EventType.DELETE
-                yield WatchEvent(kind, KeyValue.from_proto(event.kv))
+                prev = getattr(event, "prev_kv", None)
+                yield WatchEvent(
+                    kind,
+                    KeyValue.from_proto(event.kv),
+                    KeyValue.from_proto(prev) if prev is not None and prev.key else None,
+                )
         except aetcd.exceptions.RevisionCompactedError as exc:
             raise Compacted(exc.compacted_revision) from exc
         except (aetcd.exceptions.ClientError, grpc.aio.AioRpcError) as exc:
@@ -375,14 +395,20 @@ class Etcd:
                 await watch.cancel()
 
     async def snapshot_then_watch(
-        self, prefix: str, since_revision: int = 0, *, max_delay: float = 5.0
+        self,
+        prefix: str,
+        since_revision: int = 0,
+        *,
+        max_delay: float = 5.0,
+        prev_kv: bool = False,
     ) -> AsyncIterator[StreamEvent]:
         """The watch-stream contract of flagella's Watch* RPCs over one prefix.
 
         since_revision 0 (or compacted): RESET, UPSERT of every key, SYNCED at
         the snapshot's revision, then deltas. Otherwise SYNCED at
         since_revision and the deltas after it. etcd outages are ridden out
-        by re-watching from the last revision seen.
+        by re-watching from the last revision seen. With prev_kv, each delta
+        carries the key's previous value in `prev`.
         """
         last = since_revision
         if last > 0:
@@ -397,11 +423,11 @@ class Etcd:
                         yield StreamEvent(StreamKind.UPSERT, kv.mod_revision, kv)
                     yield StreamEvent(StreamKind.SYNCED, revision)
                     last = revision
-                async for event in self.watch_prefix(prefix, last + 1):
+                async for event in self.watch_prefix(prefix, last + 1, prev_kv=prev_kv):
                     delay = 0.1
                     last = event.revision
                     kind = StreamKind.UPSERT if event.type is EventType.PUT else StreamKind.DELETE
-                    yield StreamEvent(kind, event.revision, event.kv)
+                    yield StreamEvent(kind, event.revision, event.kv, event.prev)
             except Compacted:
                 log.info("watch revision compacted, resyncing", extra={"prefix": prefix})
                 last = 0

@@ -1,10 +1,409 @@
-"""Logic of the lb service (no gRPC here)."""
+"""Logic of the lb service (no gRPC here): upsert with id allocation, reads,
+delete, the watch stream and Maglev tables."""
 
 from __future__ import annotations
 
-from flagella.lb.store import LbStore
+import asyncio
+import collections
+import logging
+import random
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from flagella.common.errors import (
+    Aborted,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
+from flagella.common.etcd import StreamKind
+from flagella.lb import store as keys
+from flagella.lb.ids import (
+    BACKEND_BLOCK_MAX,
+    BACKEND_BLOCK_MIN,
+    SERVICE_ID_MAX,
+    SERVICE_ID_MIN,
+    IdSpace,
+    free_in_window,
+    plan_backend_ids,
+)
+from flagella.lb.maglev import MaglevBackend, lookup_table
+from flagella.lb.model import (
+    Algorithm,
+    Backend,
+    Frontend,
+    Protocol,
+    ServiceRecord,
+    ServiceSpec,
+    ServiceType,
+    Source,
+)
+from flagella.lb.store import LbStore, SpaceKeys, UpsertPlan
+from flagella.lb.validation import Limits
+
+log = logging.getLogger(__name__)
+
+MAX_ATTEMPTS = 16
+# Below this many slots a table is built inline rather than in a thread.
+_INLINE_SLOTS = 4096
+
+
+@dataclass(frozen=True)
+class DeletedService:
+    name: str
+    id: int
+    rev_nat_id: int
+
+
+@dataclass(frozen=True)
+class WatchItem:
+    kind: StreamKind
+    revision: int
+    record: ServiceRecord | None = None
+    deleted: DeletedService | None = None
+    table: Sequence[int] | None = None
+    removed_backend_ids: tuple[int, ...] = ()
+
+
+class TableCache:
+    """Maglev tables by their inputs (size and active backends), LRU within a
+    budget of slots, each built once however many watchers ask."""
+
+    def __init__(self, seed: bytes, max_slots: int) -> None:
+        self.seed = seed
+        self.max_slots = max_slots
+        self._tables: collections.OrderedDict[tuple[int, tuple[MaglevBackend, ...]], list[int]] = (
+            collections.OrderedDict()
+        )
+        self._slots = 0
+        self._building: dict[tuple[int, tuple[MaglevBackend, ...]], asyncio.Future[list[int]]] = {}
+        self.builds = 0
+
+    async def get(self, record: ServiceRecord) -> list[int]:
+        key = (record.maglev_table_size, tuple(record.maglev_backends()))
+        table = self._tables.get(key)
+        if table is not None:
+            self._tables.move_to_end(key)
+            return table
+        pending = self._building.get(key)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        fut: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
+        self._building[key] = fut
+        try:
+            m, backends = key
+            self.builds += 1
+            if m <= _INLINE_SLOTS:
+                table = lookup_table(backends, m, self.seed)
+            else:
+                table = await asyncio.to_thread(lookup_table, backends, m, self.seed)
+            fut.set_result(table)
+        except BaseException as exc:
+            fut.set_exception(exc)
+            fut.exception()  # retrieved: waiters, if any, get it too
+            raise
+        finally:
+            del self._building[key]
+        self._tables[key] = table
+        self._slots += len(table)
+        while self._slots > self.max_slots and len(self._tables) > 1:
+            _, old = self._tables.popitem(last=False)
+            self._slots -= len(old)
+        return table
 
 
 class LbService:
-    def __init__(self, store: LbStore) -> None:
+    def __init__(
+        self, store: LbStore, limits: Limits, seed: bytes, *, cache_slots: int = 32 << 20
+    ) -> None:
         self.store = store
+        self.limits = limits
+        self.tables = TableCache(seed, cache_slots)
+        self._service_ids = IdSpace("service", SERVICE_ID_MIN, SERVICE_ID_MAX)
+        self._rev_nat_ids = IdSpace("rev-nat", SERVICE_ID_MIN, SERVICE_ID_MAX)
+        self._blocks = IdSpace("backend-block", BACKEND_BLOCK_MIN, BACKEND_BLOCK_MAX)
+        self._node_ports = {
+            p: IdSpace(f"node-port/{p.value}", limits.node_port_min, limits.node_port_max)
+            for p in Protocol
+        }
+        self._space_lock = asyncio.Lock()
+        self._random = random.Random()
+        # Names this replica saw exist (an upsert of another name tries a
+        # create first).
+        self._known: set[str] = set()
+
+    # --- id spaces ---
+
+    def _space_keys(self, space: IdSpace) -> SpaceKeys:
+        if space is self._service_ids:
+            return keys.SERVICE_SPACE
+        if space is self._rev_nat_ids:
+            return keys.REVNAT_SPACE
+        if space is self._blocks:
+            return keys.BLOCK_SPACE
+        for proto, s in self._node_ports.items():
+            if s is space:
+                return keys.node_port_space(proto)
+        raise KeyError(space.name)
+
+    async def _take(self, space: IdSpace, count: int) -> list[int]:
+        if count == 0:
+            return []
+        if not space.initialized:
+            async with self._space_lock:
+                if not space.initialized:
+                    space.start_after(await self.store.highest(space, self._space_keys(space)))
+        return space.take(count)
+
+    async def _skip_taken(self, space: IdSpace, count: int) -> None:
+        """After a candidate was found taken (another replica allocates from
+        the same point): jump a random step forward, so that replicas drift
+        apart, and find count free ids from there on (wrapping) by reading
+        which ids have keys, for the next take(). Raises ResourceExhausted
+        when the space is full."""
+        sk = self._space_keys(space)
+        jitter = max(1, min(1024, space.size // 64))
+        start = space.lo + (space.hint - space.lo + self._random.randrange(jitter)) % space.size
+        scanned = 0
+        free: list[int] = []
+        page = 1024
+        while scanned < space.size and len(free) < count:
+            taken = await self.store.taken_from(space, sk, start, limit=page)
+            end = taken[-1] if len(taken) == page else space.hi
+            free += free_in_window(taken, start, end, count - len(free))
+            scanned += end - start + 1
+            start = end + 1 if end < space.hi else space.lo
+        if not free:
+            raise ResourceExhausted(f"no free {space.name} id left")
+        space.offer(free)
+
+    # --- reads ---
+
+    async def get_by_name(self, name: str) -> ServiceRecord:
+        record = await self.store.get_by_name(name)
+        if record is None:
+            self._known.discard(name)
+            raise NotFound(f"no service {name!r}", field="name")
+        self._known.add(name)
+        return record
+
+    async def get_by_id(self, service_id: int) -> ServiceRecord:
+        record = await self.store.get_by_id(service_id) if service_id else None
+        if record is None:
+            raise NotFound(f"no service with id {service_id}", field="id")
+        return record
+
+    async def get_by_frontend(self, frontend: Frontend) -> ServiceRecord:
+        owner = await self.store.frontend_owner(frontend)
+        record = None if owner is None else await self.store.get_by_name(owner)
+        if record is None or record.frontend != frontend:
+            raise NotFound(f"no service with frontend {_fe_text(frontend)}", field="frontend")
+        return record
+
+    async def list_services(self, namespace: str = "") -> tuple[list[ServiceRecord], int]:
+        records, revision = await self.store.list_services()
+        self._known.update(r.name for r in records)
+        if namespace:
+            records = [r for r in records if r.namespace == namespace]
+        records.sort(key=lambda r: r.name)
+        return records, revision
+
+    async def maglev_table(self, name: str) -> tuple[ServiceRecord, list[int]]:
+        record = await self.get_by_name(name)
+        if record.algorithm is not Algorithm.MAGLEV:
+            raise FailedPrecondition(
+                f"service {name!r} uses the {record.algorithm.value} algorithm, not maglev",
+                field="name",
+            )
+        return record, await self.tables.get(record)
+
+    # --- writes ---
+
+    async def upsert(self, spec: ServiceSpec) -> tuple[ServiceRecord, bool]:
+        """Create or replace the service spec.name. Returns the stored record
+        and whether it was created."""
+        explicit_np = (
+            (spec.frontend.protocol, spec.node_port)
+            if spec.type is ServiceType.NODE_PORT and spec.node_port
+            else None
+        )
+        optimistic = spec.name not in self._known
+        for _ in range(MAX_ATTEMPTS):
+            if optimistic:
+                # A name this replica has not seen is most likely new: try
+                # the create straight away (one etcd round trip); its
+                # compares fail, and tell why, if the name or anything else
+                # is taken.
+                optimistic = False
+                current: ServiceRecord | None = None
+            else:
+                found = await self.store.lookup(spec.name, spec.frontend, explicit_np)
+                current = None
+                if found.name_id is not None:
+                    current = await self.store.get_by_id(found.name_id)
+                    if current is None or current.name != spec.name:
+                        continue  # changed under us
+                if current is not None and current.source is not spec.source:
+                    raise FailedPrecondition(
+                        f"service {spec.name!r} is managed by {current.source.value}",
+                        field="service.name",
+                    )
+                if found.frontend_owner not in (None, spec.name):
+                    raise _frontend_taken(spec.frontend, found.frontend_owner)
+                if explicit_np is not None and found.node_port_owner not in (None, spec.name):
+                    raise _node_port_taken(spec.node_port, found.node_port_owner)
+                if current is not None and current.same_spec(spec):
+                    self._known.add(spec.name)
+                    return current, False
+            plan = await self._plan(spec, current)
+            result = await self.store.commit(plan)
+            if result.succeeded:
+                self._known.add(spec.name)
+                return plan.record.with_revision(result.revision), current is None
+            # Find out what was contested; reject or retry.
+            log.debug(
+                "upsert conflict, retrying",
+                extra={
+                    "service": spec.name,
+                    "name_id": result.name_id,
+                    "frontend_owner": result.frontend_owner,
+                    "service_id_taken": result.service_id_taken,
+                    "rev_nat_taken": result.rev_nat_taken,
+                    "blocks_taken": result.blocks_taken,
+                },
+            )
+            if result.name_id is not None and current is None:
+                continue  # it exists: an update (the frontend may be its own)
+            if result.frontend_owner not in (None, spec.name):
+                raise _frontend_taken(spec.frontend, result.frontend_owner)
+            if result.node_port_owner not in (None, spec.name):
+                if explicit_np is not None:
+                    raise _node_port_taken(spec.node_port, result.node_port_owner)
+                await self._skip_taken(self._node_ports[spec.frontend.protocol], 1)
+            if result.service_id_taken:
+                await self._skip_taken(self._service_ids, 1)
+            if result.rev_nat_taken:
+                await self._skip_taken(self._rev_nat_ids, 1)
+            if result.blocks_taken:
+                await self._skip_taken(self._blocks, len(plan.new_blocks))
+        raise Aborted(
+            f"service {spec.name!r} kept changing concurrently; retry", field="service.name"
+        )
+
+    async def _plan(self, spec: ServiceSpec, current: ServiceRecord | None) -> UpsertPlan:
+        if current is None:
+            service_id = (await self._take(self._service_ids, 1))[0]
+            rev_nat_id = (await self._take(self._rev_nat_ids, 1))[0]
+        else:
+            service_id, rev_nat_id = current.id, current.rev_nat_id
+        node_port = 0
+        if spec.type is ServiceType.NODE_PORT:
+            node_port = spec.node_port
+            if not node_port and current is not None and current.node_port:
+                # Keep the port it was given, as Kubernetes does.
+                same_proto = current.frontend.protocol is spec.frontend.protocol
+                in_range = (
+                    self.limits.node_port_min <= current.node_port <= self.limits.node_port_max
+                )
+                if same_proto and in_range:
+                    node_port = current.node_port
+            if not node_port:
+                node_port = (await self._take(self._node_ports[spec.frontend.protocol], 1))[0]
+        ids_plan = plan_backend_ids(
+            current.backends if current else (),
+            current.backend_blocks if current else (),
+            spec.backends,
+        )
+        new_blocks = tuple(await self._take(self._blocks, ids_plan.blocks_needed))
+        ids, blocks = ids_plan.complete(new_blocks)
+        record = ServiceRecord(
+            name=spec.name,
+            namespace=spec.namespace,
+            id=service_id,
+            rev_nat_id=rev_nat_id,
+            frontend=spec.frontend,
+            type=spec.type,
+            node_port=node_port,
+            backends=tuple(
+                Backend(bid, b.address, b.port, b.weight, b.state, b.node)
+                for bid, b in zip(ids, spec.backends, strict=True)
+            ),
+            algorithm=spec.algorithm,
+            maglev_table_size=spec.maglev_table_size,
+            affinity=spec.affinity,
+            source_ranges=spec.source_ranges,
+            source=spec.source,
+            backend_blocks=blocks,
+        )
+        return UpsertPlan(record, current, new_blocks, ids_plan.release_blocks)
+
+    async def delete(self, name: str, source: Source = Source.API) -> bool:
+        """Delete the service; False when there was none."""
+        for _ in range(MAX_ATTEMPTS):
+            record = await self.store.get_by_name(name)
+            if record is None:
+                return False
+            if record.source is not source:
+                raise FailedPrecondition(
+                    f"service {name!r} is managed by {record.source.value}", field="name"
+                )
+            if await self.store.delete(record):
+                self._known.discard(name)
+                return True
+        raise Aborted(f"service {name!r} kept changing concurrently; retry", field="name")
+
+    # --- watch ---
+
+    async def watch(
+        self, since_revision: int = 0, *, include_tables: bool = False
+    ) -> AsyncIterator[WatchItem]:
+        """RESET, UPSERT of every service, SYNCED at a revision, then deltas
+        (or, resuming, SYNCED at since_revision then the deltas after it)."""
+        async for ev in self.store.watch(since_revision):
+            if ev.kind in (StreamKind.RESET, StreamKind.SYNCED):
+                yield WatchItem(ev.kind, ev.revision)
+                continue
+            assert ev.kv is not None
+            prev = None if ev.prev is None else ServiceRecord.from_json(ev.prev.value)
+            if ev.kind is StreamKind.UPSERT:
+                record = ServiceRecord.from_json(ev.kv.value, ev.kv.mod_revision)
+                removed = () if prev is None else sorted(prev.backend_ids() - record.backend_ids())
+                table = None
+                if include_tables and record.algorithm is Algorithm.MAGLEV:
+                    table = await self.tables.get(record)
+                yield WatchItem(
+                    ev.kind, ev.revision, record, table=table, removed_backend_ids=tuple(removed)
+                )
+            else:
+                service_id = keys.SERVICE_SPACE.parse(ev.kv.key)
+                if prev is None:
+                    log.warning(
+                        "service deletion without its previous value", extra={"id": service_id}
+                    )
+                    deleted = DeletedService("", service_id, 0)
+                    removed = []
+                else:
+                    deleted = DeletedService(prev.name, prev.id, prev.rev_nat_id)
+                    removed = sorted(prev.backend_ids())
+                yield WatchItem(
+                    ev.kind, ev.revision, deleted=deleted, removed_backend_ids=tuple(removed)
+                )
+
+
+def _fe_text(fe: Frontend) -> str:
+    host = f"[{fe.address}]" if ":" in fe.address else fe.address
+    return f"{host}:{fe.port}/{fe.protocol.value}"
+
+
+def _frontend_taken(fe: Frontend, owner: str | None) -> InvalidArgument:
+    return InvalidArgument(
+        f"{_fe_text(fe)} is already the frontend of service {owner!r}",
+        field="service.frontend",
+    )
+
+
+def _node_port_taken(port: int, owner: str | None) -> InvalidArgument:
+    return InvalidArgument(
+        f"node port {port} is already used by service {owner!r}", field="service.node_port"
+    )

@@ -1,15 +1,234 @@
-"""gRPC handlers of flagella.lb.v1: proto <-> domain and validation.
-
-The RPCs are implemented by issue #7; until then the generated base class
-answers UNIMPLEMENTED.
-"""
+"""gRPC handlers of flagella.lb.v1: proto <-> domain and validation."""
 
 from __future__ import annotations
 
-from flagella.api.lb.v1 import lb_pb2_grpc
-from flagella.lb.service import LbService
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any, TypeVar
+
+import grpc
+
+from flagella.api.lb.v1 import lb_pb2, lb_pb2_grpc
+from flagella.common.errors import InvalidArgument
+from flagella.common.etcd import StreamKind
+from flagella.lb.model import (
+    Algorithm,
+    BackendState,
+    Frontend,
+    Protocol,
+    ServiceRecord,
+    ServiceType,
+    Source,
+)
+from flagella.lb.service import LbService, WatchItem
+from flagella.lb.validation import Limits, RawBackend, RawService, build_spec, validate_frontend
+
+pb = lb_pb2
+
+_PROTOCOLS = {pb.PROTOCOL_TCP: Protocol.TCP, pb.PROTOCOL_UDP: Protocol.UDP}
+_TYPES = {
+    pb.SERVICE_TYPE_CLUSTER_IP: ServiceType.CLUSTER_IP,
+    pb.SERVICE_TYPE_NODE_PORT: ServiceType.NODE_PORT,
+}
+_ALGORITHMS = {pb.ALGORITHM_RANDOM: Algorithm.RANDOM, pb.ALGORITHM_MAGLEV: Algorithm.MAGLEV}
+_STATES = {
+    pb.BACKEND_STATE_ACTIVE: BackendState.ACTIVE,
+    pb.BACKEND_STATE_TERMINATING: BackendState.TERMINATING,
+    pb.BACKEND_STATE_QUARANTINED: BackendState.QUARANTINED,
+    pb.BACKEND_STATE_MAINTENANCE: BackendState.MAINTENANCE,
+}
+_PROTOCOL_PB = {v: k for k, v in _PROTOCOLS.items()}
+_TYPE_PB = {v: k for k, v in _TYPES.items()}
+_ALGORITHM_PB = {v: k for k, v in _ALGORITHMS.items()}
+_STATE_PB = {v: k for k, v in _STATES.items()}
+_KIND_PB = {
+    StreamKind.RESET: pb.ServiceEvent.KIND_RESET,
+    StreamKind.UPSERT: pb.ServiceEvent.KIND_UPSERT,
+    StreamKind.DELETE: pb.ServiceEvent.KIND_DELETE,
+    StreamKind.SYNCED: pb.ServiceEvent.KIND_SYNCED,
+}
+
+
+T = TypeVar("T")
+
+
+def _enum(value: int, table: Mapping[Any, T], field: str, what: str) -> T | None:
+    """The domain value of an enum field; None for UNSPECIFIED (0)."""
+    if value == 0:
+        return None
+    try:
+        return table[value]
+    except KeyError:
+        known = ", ".join(str(k) for k in sorted(table))
+        raise InvalidArgument(f"{value} is not a known {what} ({known})", field=field) from None
+
+
+def raw_from_proto(svc: lb_pb2.Service) -> RawService:
+    """The request's service as plain values (enums checked)."""
+    backends: list[RawBackend] = []
+    # Output-only fields (ids, revision, source) are ignored, so that a
+    # service read with GetService can be changed and upserted back.
+    for i, b in enumerate(svc.backends):
+        backends.append(
+            RawBackend(
+                address=b.address,
+                port=b.port,
+                weight=b.weight,
+                state=_enum(b.state, _STATES, f"service.backends[{i}].state", "backend state"),
+                node=b.node,
+            )
+        )
+    aff = svc.session_affinity
+    if aff.type not in (aff.TYPE_NONE, aff.TYPE_CLIENT_IP):
+        raise InvalidArgument(
+            f"{aff.type} is not a known affinity type", field="service.session_affinity.type"
+        )
+    timeout = (
+        (aff.timeout.seconds, aff.timeout.nanos)
+        if svc.HasField("session_affinity") and aff.HasField("timeout")
+        else None
+    )
+    return RawService(
+        name=svc.name,
+        namespace=svc.namespace,
+        frontend_address=svc.frontend.address,
+        frontend_port=svc.frontend.port,
+        protocol=_enum(svc.frontend.protocol, _PROTOCOLS, "service.frontend.protocol", "protocol"),
+        type=_enum(svc.type, _TYPES, "service.type", "service type"),
+        node_port=svc.node_port,
+        backends=backends,
+        algorithm=_enum(svc.algorithm, _ALGORITHMS, "service.algorithm", "algorithm"),
+        maglev_table_size=svc.maglev_table_size,
+        client_ip_affinity=aff.type == aff.TYPE_CLIENT_IP,
+        affinity_timeout=timeout,
+        source_ranges=list(svc.source_ranges),
+        source=Source.API,
+    )
+
+
+def frontend_from_proto(fe: lb_pb2.Frontend, field: str) -> Frontend:
+    """A frontend to look up (GetService by frontend)."""
+    protocol = _enum(fe.protocol, _PROTOCOLS, f"{field}.protocol", "protocol")
+    return validate_frontend(fe.address, fe.port, protocol, field)
+
+
+def service_to_proto(rec: ServiceRecord) -> lb_pb2.Service:
+    out = pb.Service(
+        name=rec.name,
+        namespace=rec.namespace,
+        id=rec.id,
+        rev_nat_id=rec.rev_nat_id,
+        frontend=pb.Frontend(
+            address=rec.frontend.address,
+            port=rec.frontend.port,
+            protocol=_PROTOCOL_PB[rec.frontend.protocol],
+        ),
+        type=_TYPE_PB[rec.type],
+        node_port=rec.node_port,
+        backends=[
+            pb.Backend(
+                id=b.id,
+                address=b.address,
+                port=b.port,
+                weight=b.weight,
+                state=_STATE_PB[b.state],
+                node=b.node,
+            )
+            for b in rec.backends
+        ],
+        algorithm=_ALGORITHM_PB[rec.algorithm],
+        source_ranges=list(rec.source_ranges),
+        revision=rec.revision,
+        source=rec.source.value,
+        maglev_table_size=rec.maglev_table_size,
+    )
+    if rec.affinity is not None:
+        out.session_affinity.type = pb.SessionAffinity.TYPE_CLIENT_IP
+        out.session_affinity.timeout.seconds = rec.affinity.timeout_s
+    return out
+
+
+def table_to_proto(service_id: int, size: int, table: Sequence[int]) -> lb_pb2.MaglevTable:
+    return pb.MaglevTable(service_id=service_id, size=size, backend_ids=table)
+
+
+def event_to_proto(item: WatchItem) -> lb_pb2.ServiceEvent:
+    ev = pb.ServiceEvent(
+        kind=_KIND_PB[item.kind],
+        revision=item.revision,
+        removed_backend_ids=item.removed_backend_ids,
+    )
+    if item.record is not None:
+        ev.service.CopyFrom(service_to_proto(item.record))
+        if item.table is not None:
+            ev.maglev_table.CopyFrom(
+                table_to_proto(item.record.id, item.record.maglev_table_size, item.table)
+            )
+    elif item.deleted is not None:
+        ev.service.name = item.deleted.name
+        ev.service.id = item.deleted.id
+        ev.service.rev_nat_id = item.deleted.rev_nat_id
+    return ev
 
 
 class LbServicer(lb_pb2_grpc.LoadBalancerServiceServicer):
-    def __init__(self, service: LbService) -> None:
+    def __init__(self, service: LbService, limits: Limits) -> None:
         self.service = service
+        self.limits = limits
+
+    async def UpsertService(
+        self, request: lb_pb2.UpsertServiceRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> lb_pb2.UpsertServiceResponse:
+        if not request.HasField("service"):
+            raise InvalidArgument("a service is required", field="service")
+        spec = build_spec(raw_from_proto(request.service), self.limits)
+        record, created = await self.service.upsert(spec)
+        return pb.UpsertServiceResponse(service=service_to_proto(record), created=created)
+
+    async def GetService(
+        self, request: lb_pb2.GetServiceRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> lb_pb2.Service:
+        by = request.WhichOneof("by")
+        if by == "name":
+            record = await self.service.get_by_name(request.name)
+        elif by == "id":
+            record = await self.service.get_by_id(request.id)
+        elif by == "frontend":
+            record = await self.service.get_by_frontend(
+                frontend_from_proto(request.frontend, "frontend")
+            )
+        else:
+            raise InvalidArgument("give one of name, id, frontend", field="by")
+        return service_to_proto(record)
+
+    async def DeleteService(
+        self, request: lb_pb2.DeleteServiceRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> lb_pb2.DeleteServiceResponse:
+        if not request.name:
+            raise InvalidArgument("a name is required", field="name")
+        return pb.DeleteServiceResponse(deleted=await self.service.delete(request.name))
+
+    async def ListServices(
+        self, request: lb_pb2.ListServicesRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> lb_pb2.ListServicesResponse:
+        records, revision = await self.service.list_services(request.namespace)
+        return pb.ListServicesResponse(
+            services=[service_to_proto(r) for r in records], revision=revision
+        )
+
+    async def WatchServices(
+        self, request: lb_pb2.WatchServicesRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[lb_pb2.ServiceEvent]:
+        if request.since_revision < 0:
+            raise InvalidArgument("must not be negative", field="since_revision")
+        async for item in self.service.watch(
+            request.since_revision, include_tables=request.include_maglev_tables
+        ):
+            yield event_to_proto(item)
+
+    async def GetMaglevTable(
+        self, request: lb_pb2.GetMaglevTableRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> lb_pb2.MaglevTable:
+        if not request.name:
+            raise InvalidArgument("a name is required", field="name")
+        record, table = await self.service.maglev_table(request.name)
+        return table_to_proto(record.id, record.maglev_table_size, table)

@@ -1,12 +1,405 @@
-"""etcd state of the lb service."""
+"""etcd state of the lb service, under flagella/lb/v1/:
+
+    services/<id:05d>              the service record (JSON), keyed by service id
+    names/<namespace/name>         -> service id (name index)
+    frontends/<PROTO>/<addr>/<port> -> service name (one service per frontend)
+    nodeports/<PROTO>/<port:05d>   -> service name (one service per node port)
+    ids/revnat/<id:05d>            -> service name (rev-NAT id allocation)
+    ids/backend-blocks/<b:08d>     -> service name (backend ids b*64 .. b*64+63)
+    config/maglev-hash-seed        the cluster's Maglev seed (all replicas agree)
+
+A service id is allocated by creating its record key; every other id and
+index by creating its key; all in the one transaction that writes the
+record, with create-if-absent compares, so two replicas can never hand out
+the same id or frontend, and a rejected or failed request stores nothing.
+"""
 
 from __future__ import annotations
 
-from flagella.common.etcd import Etcd
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aetcd.rpc as etcd_rpc
+
+from flagella.common.errors import Unavailable
+from flagella.common.etcd import (
+    Compacted,
+    Etcd,
+    EventType,
+    KeyValue,
+    StreamEvent,
+    StreamKind,
+    absent,
+    delete_op,
+    get_op,
+    mod_revision_is,
+    prefix_end,
+    put_op,
+)
+from flagella.lb.ids import IdSpace
+from flagella.lb.model import Frontend, Protocol, ServiceRecord
 
 PREFIX = "flagella/lb/v1/"
+SERVICES = PREFIX + "services/"
+NAMES = PREFIX + "names/"
+FRONTENDS = PREFIX + "frontends/"
+NODEPORTS = PREFIX + "nodeports/"
+REVNAT_IDS = PREFIX + "ids/revnat/"
+BACKEND_BLOCKS = PREFIX + "ids/backend-blocks/"
+SEED_KEY = PREFIX + "config/maglev-hash-seed"
+# Services read per etcd request (a record is ~0.3-100 KiB).
+PAGE_SIZE = 500
+
+log = logging.getLogger(__name__)
+
+
+class SeedMismatch(Exception):
+    """This replica's Maglev seed differs from the one the cluster uses."""
+
+
+def service_key(service_id: int) -> str:
+    return f"{SERVICES}{service_id:05d}"
+
+
+def name_key(name: str) -> str:
+    return NAMES + name
+
+
+def frontend_key(fe: Frontend) -> str:
+    return f"{FRONTENDS}{fe.protocol.value}/{fe.address}/{fe.port}"
+
+
+def node_port_key(protocol: Protocol, port: int) -> str:
+    return f"{NODEPORTS}{protocol.value}/{port:05d}"
+
+
+def revnat_key(rev_nat_id: int) -> str:
+    return f"{REVNAT_IDS}{rev_nat_id:05d}"
+
+
+def block_key(block: int) -> str:
+    return f"{BACKEND_BLOCKS}{block:08d}"
+
+
+@dataclass(frozen=True)
+class SpaceKeys:
+    """How the ids of an IdSpace appear as etcd keys."""
+
+    prefix: str
+    digits: int
+
+    def key(self, value: int) -> str:
+        return f"{self.prefix}{value:0{self.digits}d}"
+
+    def parse(self, key: str) -> int:
+        return int(key[len(self.prefix) :])
+
+
+SERVICE_SPACE = SpaceKeys(SERVICES, 5)
+REVNAT_SPACE = SpaceKeys(REVNAT_IDS, 5)
+BLOCK_SPACE = SpaceKeys(BACKEND_BLOCKS, 8)
+
+
+def node_port_space(protocol: Protocol) -> SpaceKeys:
+    return SpaceKeys(f"{NODEPORTS}{protocol.value}/", 5)
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """Who holds the keys an upsert cares about, read in one round trip."""
+
+    name_id: int | None
+    frontend_owner: str | None
+    node_port_owner: str | None
+    revision: int
+
+
+@dataclass
+class UpsertPlan:
+    record: ServiceRecord
+    previous: ServiceRecord | None
+    new_blocks: tuple[int, ...] = ()
+    release_blocks: tuple[int, ...] = ()
+
+
+@dataclass
+class CommitResult:
+    succeeded: bool
+    revision: int
+    # On failure: what the contested keys hold now.
+    name_id: int | None = None
+    frontend_owner: str | None = None
+    node_port_owner: str | None = None
+    service_id_taken: bool = False
+    rev_nat_taken: bool = False
+    blocks_taken: list[int] = field(default_factory=list)
+
+
+def _range_op(
+    start: str, end: bytes, *, limit: int = 0, descend: bool = False, keys_only: bool = False
+) -> Any:
+    return etcd_rpc.RequestOp(
+        request_range=etcd_rpc.RangeRequest(
+            key=start.encode(),
+            range_end=end,
+            limit=limit,
+            keys_only=keys_only,
+            sort_order=(etcd_rpc.RangeRequest.DESCEND if descend else etcd_rpc.RangeRequest.ASCEND),
+            sort_target=etcd_rpc.RangeRequest.KEY,
+        )
+    )
+
+
+def _text(kvs: Sequence[KeyValue]) -> str | None:
+    return kvs[0].value.decode() if kvs else None
 
 
 class LbStore:
     def __init__(self, etcd: Etcd) -> None:
         self.etcd = etcd
+
+    # --- reads ---
+
+    async def lookup(
+        self, name: str, frontend: Frontend, node_port: tuple[Protocol, int] | None
+    ) -> Lookup:
+        ops = [get_op(name_key(name)), get_op(frontend_key(frontend))]
+        if node_port is not None:
+            ops.append(get_op(node_port_key(*node_port)))
+        result = await self.etcd.txn([], ops)
+        ranges = result.ranges
+        name_id = _text(ranges[0])
+        return Lookup(
+            name_id=None if name_id is None else int(name_id),
+            frontend_owner=_text(ranges[1]),
+            node_port_owner=_text(ranges[2]) if node_port is not None else None,
+            revision=result.revision,
+        )
+
+    async def get_by_id(self, service_id: int) -> ServiceRecord | None:
+        kv = await self.etcd.get(service_key(service_id))
+        return None if kv is None else ServiceRecord.from_json(kv.value, kv.mod_revision)
+
+    async def get_by_name(self, name: str) -> ServiceRecord | None:
+        kv = await self.etcd.get(name_key(name))
+        if kv is None:
+            return None
+        record = await self.get_by_id(int(kv.value))
+        return record if record is not None and record.name == name else None
+
+    async def frontend_owner(self, frontend: Frontend) -> str | None:
+        kv = await self.etcd.get(frontend_key(frontend))
+        return None if kv is None else kv.value.decode()
+
+    async def list_services(self) -> tuple[list[ServiceRecord], int]:
+        records: list[ServiceRecord] = []
+        at = 0
+        async for kvs, revision in self.pages(SERVICES):
+            records += [ServiceRecord.from_json(kv.value, kv.mod_revision) for kv in kvs]
+            at = revision
+        return records, at
+
+    async def pages(
+        self, prefix: str, page_size: int = PAGE_SIZE
+    ) -> AsyncIterator[tuple[list[KeyValue], int]]:
+        """Every key under prefix, page by page, all read at the revision of
+        the first page (one consistent snapshot, however large: a single
+        range of 10,000 services would exceed gRPC's 4 MiB message limit).
+        Yields (kvs, revision). Raises Unavailable (also when the revision is
+        compacted away meanwhile)."""
+        start = prefix.encode()
+        end = prefix_end(prefix)
+        revision = 0
+        while True:
+            op = etcd_rpc.RequestOp(
+                request_range=etcd_rpc.RangeRequest(
+                    key=start,
+                    range_end=end,
+                    limit=page_size,
+                    revision=revision,
+                    sort_order=etcd_rpc.RangeRequest.ASCEND,
+                    sort_target=etcd_rpc.RangeRequest.KEY,
+                )
+            )
+            result = await self.etcd.txn([], [op])
+            if not revision:
+                revision = result.revision
+            kvs = result.ranges[0]
+            yield kvs, revision
+            if len(kvs) < page_size:
+                return
+            start = kvs[-1].key.encode() + b"\0"
+
+    # --- id spaces ---
+
+    async def highest(self, space: IdSpace, keys: SpaceKeys) -> int | None:
+        """The highest id of space that has a key, if any."""
+        result = await self.etcd.txn(
+            [],
+            [
+                _range_op(
+                    keys.key(space.lo),
+                    keys.key(space.hi + 1).encode(),
+                    limit=1,
+                    descend=True,
+                    keys_only=True,
+                )
+            ],
+        )
+        kvs = result.ranges[0]
+        return keys.parse(kvs[0].key) if kvs else None
+
+    async def taken_from(
+        self, space: IdSpace, keys: SpaceKeys, start: int, limit: int
+    ) -> list[int]:
+        """Ids of space at or above start that have a key, ascending, at most
+        limit of them."""
+        result = await self.etcd.txn(
+            [],
+            [
+                _range_op(
+                    keys.key(start), keys.key(space.hi + 1).encode(), limit=limit, keys_only=True
+                )
+            ],
+        )
+        return [keys.parse(kv.key) for kv in result.ranges[0]]
+
+    # --- writes ---
+
+    async def commit(self, plan: UpsertPlan) -> CommitResult:
+        rec, prev = plan.record, plan.previous
+        owner = rec.name.encode()
+        compare: list[Any] = []
+        success: list[Any] = [put_op(service_key(rec.id), rec.to_json())]
+        failure: list[Any] = [get_op(name_key(rec.name)), get_op(frontend_key(rec.frontend))]
+        if prev is None:
+            compare += [absent(name_key(rec.name)), absent(service_key(rec.id))]
+            success.append(put_op(name_key(rec.name), str(rec.id).encode()))
+            failure.append(get_op(service_key(rec.id)))
+        else:
+            compare.append(mod_revision_is(service_key(prev.id), prev.revision))
+        if prev is None or prev.rev_nat_id != rec.rev_nat_id:
+            compare.append(absent(revnat_key(rec.rev_nat_id)))
+            success.append(put_op(revnat_key(rec.rev_nat_id), owner))
+            failure.append(get_op(revnat_key(rec.rev_nat_id)))
+        if prev is None or prev.frontend != rec.frontend:
+            compare.append(absent(frontend_key(rec.frontend)))
+            success.append(put_op(frontend_key(rec.frontend), owner))
+            if prev is not None:
+                success.append(delete_op(frontend_key(prev.frontend)))
+        new_np = _node_port(rec)
+        old_np = _node_port(prev) if prev is not None else None
+        if new_np != old_np:
+            if new_np is not None:
+                compare.append(absent(node_port_key(*new_np)))
+                success.append(put_op(node_port_key(*new_np), owner))
+            if old_np is not None:
+                success.append(delete_op(node_port_key(*old_np)))
+        if new_np is not None:
+            failure.append(get_op(node_port_key(*new_np)))
+        for block in plan.new_blocks:
+            compare.append(absent(block_key(block)))
+            success.append(put_op(block_key(block), owner))
+            failure.append(get_op(block_key(block)))
+        success += [delete_op(block_key(b)) for b in plan.release_blocks]
+
+        result = await self.etcd.txn(compare, success, failure)
+        if result.succeeded:
+            return CommitResult(True, result.revision)
+        ranges = iter(result.ranges)
+        out = CommitResult(False, result.revision)
+        name_id = _text(next(ranges))
+        out.name_id = None if name_id is None else int(name_id)
+        out.frontend_owner = _text(next(ranges))
+        if prev is None:
+            out.service_id_taken = bool(next(ranges))
+        if prev is None or prev.rev_nat_id != rec.rev_nat_id:
+            out.rev_nat_taken = bool(next(ranges))
+        if new_np is not None:
+            out.node_port_owner = _text(next(ranges))
+        for block in plan.new_blocks:
+            if next(ranges):
+                out.blocks_taken.append(block)
+        return out
+
+    async def delete(self, record: ServiceRecord) -> bool:
+        """Delete the service and free its ids, if it is still at its
+        revision. Returns False when it changed meanwhile."""
+        ops = [
+            delete_op(service_key(record.id)),
+            delete_op(name_key(record.name)),
+            delete_op(frontend_key(record.frontend)),
+            delete_op(revnat_key(record.rev_nat_id)),
+            *(delete_op(block_key(b)) for b in record.backend_blocks),
+        ]
+        np = _node_port(record)
+        if np is not None:
+            ops.append(delete_op(node_port_key(*np)))
+        result = await self.etcd.txn(
+            [mod_revision_is(service_key(record.id), record.revision)], ops
+        )
+        return result.succeeded
+
+    async def ensure_seed(self, seed: str) -> None:
+        """Record the cluster's Maglev seed on first start; refuse a replica
+        configured with another one (its tables would differ)."""
+        result = await self.etcd.txn(
+            [absent(SEED_KEY)], [put_op(SEED_KEY, seed.encode())], [get_op(SEED_KEY)]
+        )
+        if result.succeeded:
+            return
+        stored = _text(result.ranges[0])
+        if stored is not None and stored != seed:
+            raise SeedMismatch(
+                f"the cluster's Maglev hash seed in etcd ({SEED_KEY}) differs from "
+                "--maglev-hash-seed: every lb replica must use the same seed"
+            )
+
+    # --- watch ---
+
+    async def watch(
+        self, since_revision: int, *, max_delay: float = 5.0
+    ) -> AsyncIterator[StreamEvent]:
+        """The services as a stream, as Etcd.snapshot_then_watch does for any
+        prefix (RESET, UPSERT of each, SYNCED at the snapshot's revision, then
+        deltas with each key's previous value; resuming from since_revision
+        when given; riding out etcd outages; a full resync when the revision
+        is compacted), with the snapshot read in pages."""
+        last = since_revision
+        if last > 0:
+            yield StreamEvent(StreamKind.SYNCED, last)
+        delay = 0.1
+        while True:
+            try:
+                if last <= 0:
+                    revision = 0
+                    async for kvs, revision in self.pages(SERVICES):
+                        if not last:
+                            yield StreamEvent(StreamKind.RESET, revision)
+                            last = -1
+                        for kv in kvs:
+                            yield StreamEvent(StreamKind.UPSERT, kv.mod_revision, kv)
+                    yield StreamEvent(StreamKind.SYNCED, revision)
+                    last = revision
+                async for ev in self.etcd.watch_prefix(SERVICES, last + 1, prev_kv=True):
+                    delay = 0.1
+                    last = ev.revision
+                    kind = StreamKind.UPSERT if ev.type is EventType.PUT else StreamKind.DELETE
+                    yield StreamEvent(kind, ev.revision, ev.kv, ev.prev)
+            except Compacted:
+                log.info("watch revision compacted, resyncing")
+                last = 0
+            except Unavailable as exc:
+                log.warning("etcd watch interrupted", extra={"reason": exc.message})
+                last = max(last, 0)  # the snapshot broke off: start it again
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, max_delay)
+
+
+def _node_port(record: ServiceRecord | None) -> tuple[Protocol, int] | None:
+    if record is None or not record.node_port:
+        return None
+    return (record.frontend.protocol, record.node_port)

@@ -216,6 +216,7 @@ class Service(_message.Message):
     SOURCE_RANGES_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
     SOURCE_FIELD_NUMBER: _builtins.int
+    MAGLEV_TABLE_SIZE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """"namespace/name" or "name"; the key of the service."""
     namespace: _builtins.str
@@ -230,6 +231,11 @@ class Service(_message.Message):
     """Output only."""
     source: _builtins.str
     """Where it came from: "api" or "kubernetes"."""
+    maglev_table_size: _builtins.int
+    """Maglev lookup table size M: one of Cilium's supported primes (251, 509,
+    1021, 2039, 4093, 8191, 16381, 32749, 65521, 131071); 0 means the lb
+    service's configured default, which is what is stored and returned.
+    """
     @_builtins.property
     def frontend(self) -> Global___Frontend: ...
     @_builtins.property
@@ -256,10 +262,11 @@ class Service(_message.Message):
         source_ranges: _abc.Iterable[_builtins.str] | None = ...,
         revision: _builtins.int = ...,
         source: _builtins.str = ...,
+        maglev_table_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["frontend", b"frontend", "session_affinity", b"session_affinity"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "backends", b"backends", "frontend", b"frontend", "id", b"id", "name", b"name", "namespace", b"namespace", "node_port", b"node_port", "rev_nat_id", b"rev_nat_id", "revision", b"revision", "session_affinity", b"session_affinity", "source", b"source", "source_ranges", b"source_ranges", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "backends", b"backends", "frontend", b"frontend", "id", b"id", "maglev_table_size", b"maglev_table_size", "name", b"name", "namespace", b"namespace", "node_port", b"node_port", "rev_nat_id", b"rev_nat_id", "revision", b"revision", "session_affinity", b"session_affinity", "source", b"source", "source_ranges", b"source_ranges", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

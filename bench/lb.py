@@ -1,0 +1,252 @@
+"""Benchmark of the lb service.
+
+1. Maglev table build time (pure Python) for M = 16,381 and 65,521 with 10,
+   100 and 1,000 backends (equal weights, and 100 weighted ones).
+2. Upsert latency: one service upserted through gRPC into etcd until its
+   event arrives on a WatchServices stream (the datapath's input), on an
+   idle service, many times.
+3. Bulk: N services (10,000; 2,000 with --quick) upserted through gRPC with
+   64 calls in flight, until every one has arrived on a WatchServices
+   stream opened before the first upsert.
+
+It starts its own etcd (Debian's) and lb process on free loopback ports and
+removes them at the end. Usage: python bench/lb.py [--quick] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from harness.etcd import EtcdServer
+from harness.procs import ServiceProcess
+
+from flagella.api.lb.v1 import lb_pb2 as pb
+from flagella.api.lb.v1 import lb_pb2_grpc
+from flagella.lb.maglev import (
+    DEFAULT_SEED,
+    MaglevBackend,
+    backend_key,
+    lookup_table,
+    parse_seed,
+)
+
+
+def bench_maglev(quick: bool) -> dict[str, float]:
+    seed = parse_seed(DEFAULT_SEED)
+    out: dict[str, float] = {}
+    cases: list[tuple[int, int, bool]] = [
+        (m, n, False) for m in (16381, 65521) for n in (10, 100, 1000)
+    ]
+    cases += [(16381, 100, True), (65521, 100, True)]
+    for m, n, weighted in cases:
+        backends = [
+            MaglevBackend(
+                backend_key(f"10.{i // 65536}.{i // 256 % 256}.{i % 256}", 8080, "TCP"),
+                i + 1,
+                (i * 37) % 100 + 1 if weighted else 1,
+            )
+            for i in range(n)
+        ]
+        runs = 3 if quick else 9
+        times = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            lookup_table(backends, m, seed)
+            times.append(time.perf_counter() - t0)
+        key = f"maglev_m{m}_b{n}{'_weighted' if weighted else ''}_build_ms"
+        out[key] = round(statistics.median(times) * 1e3, 2)
+        out[key.replace("_build_ms", "_build_min_ms")] = round(min(times) * 1e3, 2)
+    return out
+
+
+def svc(i: int, backends: int = 3) -> pb.Service:
+    s = pb.Service(
+        name=f"bench/s{i}",
+        frontend=pb.Frontend(
+            address=f"10.{100 + i // 65536}.{i // 256 % 256}.{i % 256}",
+            port=80,
+            protocol=pb.PROTOCOL_TCP,
+        ),
+    )
+    for j in range(backends):
+        s.backends.add(address=f"10.{200 + j}.{i // 256 % 256}.{i % 256}", port=8080)
+    return s
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def bench_service(address: str, pid: int, n: int, latency_runs: int) -> dict[str, float]:
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = lb_pb2_grpc.LoadBalancerServiceStub(ch)
+        arrived: dict[str, float] = {}
+        synced = asyncio.Event()
+        waiters: dict[str, asyncio.Future[float]] = {}
+
+        async def follow() -> None:
+            async for ev in stub.WatchServices(pb.WatchServicesRequest()):
+                now = time.perf_counter()
+                if ev.kind == pb.ServiceEvent.KIND_SYNCED:
+                    synced.set()
+                elif ev.kind == pb.ServiceEvent.KIND_UPSERT:
+                    name = ev.service.name
+                    arrived.setdefault(name, now)
+                    fut = waiters.pop(name, None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(now)
+
+        watcher = asyncio.create_task(follow())
+        await synced.wait()
+
+        # Upsert -> event on the stream, one at a time on an idle service.
+        latencies = []
+        for i in range(latency_runs):
+            s = svc(1_000_000 + i)
+            fut: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+            waiters[s.name] = fut
+            t0 = time.perf_counter()
+            await stub.UpsertService(pb.UpsertServiceRequest(service=s))
+            t_ack = time.perf_counter()
+            t_event = await asyncio.wait_for(fut, 30)
+            latencies.append((t_ack - t0, t_event - t0))
+
+        # Bulk: n services, 64 in flight, until all are on the stream.
+        names = {f"bench/s{i}" for i in range(n)}
+        sent: dict[str, float] = {}
+        queue: asyncio.Queue[int] = asyncio.Queue()
+        for i in range(n):
+            queue.put_nowait(i)
+
+        async def worker() -> None:
+            while True:
+                try:
+                    i = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    return
+                s = svc(i)
+                sent[s.name] = time.perf_counter()
+                await stub.UpsertService(pb.UpsertServiceRequest(service=s), timeout=60)
+
+        cpu0 = cpu_seconds(pid)
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(64)))
+        t_acked = time.perf_counter()
+        deadline = time.monotonic() + 120
+        while not names <= arrived.keys():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{len(names - arrived.keys())} services never arrived")
+            await asyncio.sleep(0.01)
+        t_all = max(arrived[x] for x in names)
+        lb_cpu_ms = (cpu_seconds(pid) - cpu0) * 1e3 / n
+        watcher.cancel()
+        delays = sorted(arrived[x] - sent[x] for x in names)
+
+        # A fresh stream's snapshot of everything.
+        t1 = time.perf_counter()
+        count = 0
+        async for ev in stub.WatchServices(pb.WatchServicesRequest()):
+            if ev.kind == pb.ServiceEvent.KIND_UPSERT:
+                count += 1
+            elif ev.kind == pb.ServiceEvent.KIND_SYNCED:
+                break
+        t_snapshot = time.perf_counter() - t1
+
+    return {
+        "upsert_ack_p50_ms": round(statistics.median(a for a, _ in latencies) * 1e3, 2),
+        "upsert_to_watch_event_p50_ms": round(statistics.median(e for _, e in latencies) * 1e3, 2),
+        "upsert_to_watch_event_max_ms": round(max(e for _, e in latencies) * 1e3, 2),
+        "bulk_services": n,
+        "bulk_all_acked_s": round(t_acked - t0, 2),
+        "bulk_all_on_watch_s": round(t_all - t0, 2),
+        "bulk_upserts_per_s": round(n / (t_all - t0), 1),
+        "bulk_upsert_to_watch_p50_ms": round(delays[len(delays) // 2] * 1e3, 1),
+        "bulk_upsert_to_watch_p99_ms": round(delays[int(len(delays) * 0.99)] * 1e3, 1),
+        "bulk_lb_cpu_per_service_ms": round(lb_cpu_ms, 2),
+        "snapshot_services": count,
+        "snapshot_stream_s": round(t_snapshot, 2),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="smaller runs, within 30 s")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--services", type=int, default=0, help="bulk size (default 10,000)")
+    args = ap.parse_args()
+    n = args.services or (2000 if args.quick else 10000)
+
+    results: dict[str, Any] = {"quick": args.quick}
+    results.update(bench_maglev(args.quick))
+    with tempfile.TemporaryDirectory(prefix="flagella-bench-lb-") as tmp:
+        etcd = EtcdServer(Path(tmp) / "etcd").start()
+        proc = ServiceProcess(
+            "lb",
+            [
+                "--etcd-endpoints",
+                etcd.endpoint,
+                "--log-level",
+                os.environ.get("BENCH_LB_LOG_LEVEL", "warning"),
+            ],
+            log_dir=Path(tmp),
+        )
+        try:
+            proc.start().wait_serving()
+            results.update(
+                asyncio.run(bench_service(proc.address, proc.pid, n, 20 if args.quick else 100))
+            )
+        finally:
+            proc.stop()
+            etcd.cleanup()
+
+    if args.json:
+        print(json.dumps(results))
+        return 0
+    print("Maglev table build (pure Python, median of runs)")
+    print(f"{'M':>7} {'backends':>9} {'weights':>8} {'median ms':>10} {'min ms':>8}")
+    for key, value in results.items():
+        if key.startswith("maglev_") and key.endswith("_build_ms"):
+            parts = key.split("_")
+            m, b = parts[1][1:], parts[2][1:]
+            weighted = "mixed" if "weighted" in key else "equal"
+            mn = results[key.replace("_build_ms", "_build_min_ms")]
+            print(f"{m:>7} {b:>9} {weighted:>8} {value:>10} {mn:>8}")
+    print()
+    print("lb service (real etcd, real lb process, gRPC)")
+    rows = [
+        ("one upsert acknowledged, p50", f"{results['upsert_ack_p50_ms']} ms"),
+        ("one upsert to its watch event, p50", f"{results['upsert_to_watch_event_p50_ms']} ms"),
+        ("one upsert to its watch event, max", f"{results['upsert_to_watch_event_max_ms']} ms"),
+        (f"{n} services: all acknowledged", f"{results['bulk_all_acked_s']} s"),
+        (f"{n} services: all on the watch stream", f"{results['bulk_all_on_watch_s']} s"),
+        ("  throughput", f"{results['bulk_upserts_per_s']} services/s"),
+        ("  upsert to watch event, p50", f"{results['bulk_upsert_to_watch_p50_ms']} ms"),
+        ("  upsert to watch event, p99", f"{results['bulk_upsert_to_watch_p99_ms']} ms"),
+        ("  lb process CPU per service", f"{results['bulk_lb_cpu_per_service_ms']} ms"),
+        (
+            f"snapshot of {results['snapshot_services']} on a new stream",
+            f"{results['snapshot_stream_s']} s",
+        ),
+    ]
+    for label, value in rows:
+        print(f"{label:<44} {value:>16}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

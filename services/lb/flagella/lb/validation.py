@@ -1,0 +1,250 @@
+"""Validation of a service as asked for, into its canonical ServiceSpec.
+
+Every check raises InvalidArgument naming the field by its path in
+UpsertServiceRequest ("service.backends[2].weight"), so the gRPC API and the
+Kubernetes watcher reject the same things the same way.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from flagella.common.errors import InvalidArgument
+from flagella.lb.maglev import SUPPORTED_SIZES, supported_sizes_text
+from flagella.lb.model import (
+    MAX_AFFINITY_TIMEOUT_S,
+    Affinity,
+    Algorithm,
+    BackendSpec,
+    BackendState,
+    Frontend,
+    Protocol,
+    ServiceSpec,
+    ServiceType,
+    Source,
+)
+
+MIN_WEIGHT = 1
+MAX_WEIGHT = 100
+MAX_SOURCE_RANGES = 256
+# DNS-1123 label, as Kubernetes namespaces.
+_NAMESPACE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+# A DNS-1123 subdomain, plus ':' (the Kubernetes watcher names a service
+# "<namespace>/<service>:<port name>").
+_SHORT_NAME = re.compile(r"^[a-z0-9]([a-z0-9.:_-]{0,251}[a-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the configuration allows."""
+
+    node_port_min: int = 30000
+    node_port_max: int = 32767
+    max_backends: int = 2048
+    default_algorithm: Algorithm = Algorithm.RANDOM
+    default_table_size: int = 16381
+
+
+@dataclass(frozen=True)
+class RawBackend:
+    address: str
+    port: int
+    weight: int = 0  # 0: the default (1)
+    state: BackendState | None = None  # None: active
+    node: str = ""
+
+
+@dataclass(frozen=True)
+class RawService:
+    """A service as a caller gives it, before validation (enums already
+    mapped; None for "unspecified")."""
+
+    name: str
+    namespace: str = ""
+    frontend_address: str = ""
+    frontend_port: int = 0
+    protocol: Protocol | None = None
+    type: ServiceType | None = None
+    node_port: int = 0
+    backends: Sequence[RawBackend] = ()
+    algorithm: Algorithm | None = None
+    maglev_table_size: int = 0
+    client_ip_affinity: bool = False
+    # (seconds, nanos) when given.
+    affinity_timeout: tuple[int, int] | None = None
+    source_ranges: Sequence[str] = ()
+    source: Source = Source.API
+
+
+def _ip(value: str, field: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    if not value:
+        raise InvalidArgument("an IPv4 or IPv6 address is required", field=field)
+    try:
+        ip = ipaddress.ip_address(value)
+    except ValueError:
+        raise InvalidArgument(f"{value!r} is not an IPv4 or IPv6 address", field=field) from None
+    if ip.is_unspecified or ip.is_multicast:
+        kind = "unspecified" if ip.is_unspecified else "multicast"
+        raise InvalidArgument(f"{value!r} is a {kind} address", field=field)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        raise InvalidArgument(f"{value!r} is IPv4-mapped: give the IPv4 address", field=field)
+    return ip
+
+
+def _port(value: int, field: str) -> int:
+    if not 1 <= value <= 65535:
+        raise InvalidArgument(f"{value} is not a port (1-65535)", field=field)
+    return value
+
+
+def validate_frontend(
+    address: str, port: int, protocol: Protocol | None, field: str = "service.frontend"
+) -> Frontend:
+    """A frontend in canonical form (protocol unspecified: TCP)."""
+    ip = _ip(address, f"{field}.address")
+    return Frontend(str(ip), _port(port, f"{field}.port"), protocol or Protocol.TCP)
+
+
+def validate_name(name: str, namespace: str) -> tuple[str, str]:
+    """The key ("namespace/name" or "name") and namespace of a service."""
+    if not name:
+        raise InvalidArgument("a name is required", field="service.name")
+    ns, sep, short = name.partition("/")
+    if sep:
+        if namespace and namespace != ns:
+            raise InvalidArgument(
+                f"namespace {namespace!r} differs from the one in name {name!r}",
+                field="service.namespace",
+            )
+    else:
+        ns, short = namespace, name
+    if ns and not _NAMESPACE.match(ns):
+        raise InvalidArgument(
+            f"{ns!r} is not a valid namespace (lowercase letters, digits and '-', at most 63)",
+            field="service.namespace" if not sep else "service.name",
+        )
+    if not _SHORT_NAME.match(short):
+        raise InvalidArgument(
+            f"{short!r} is not a valid service name (lowercase letters, digits, "
+            "'-', '.', ':', '_'; at most 253; in the form namespace/name or name)",
+            field="service.name",
+        )
+    return (f"{ns}/{short}" if ns else short), ns
+
+
+def build_spec(raw: RawService, limits: Limits) -> ServiceSpec:
+    """Validate raw into a canonical ServiceSpec. Raises InvalidArgument."""
+    name, namespace = validate_name(raw.name, raw.namespace)
+
+    frontend = validate_frontend(raw.frontend_address, raw.frontend_port, raw.protocol)
+    fe_ip = ipaddress.ip_address(frontend.address)
+
+    svc_type = raw.type or ServiceType.CLUSTER_IP
+    node_port = raw.node_port
+    if svc_type is ServiceType.NODE_PORT:
+        if node_port and not limits.node_port_min <= node_port <= limits.node_port_max:
+            raise InvalidArgument(
+                f"{node_port} is outside the node port range "
+                f"{limits.node_port_min}-{limits.node_port_max}",
+                field="service.node_port",
+            )
+    elif node_port:
+        raise InvalidArgument("only NodePort services have a node port", field="service.node_port")
+
+    if len(raw.backends) > limits.max_backends:
+        raise InvalidArgument(
+            f"{len(raw.backends)} backends: at most {limits.max_backends} per service",
+            field="service.backends",
+        )
+    seen: dict[tuple[str, int], int] = {}
+    ordered: list[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, BackendSpec]] = []
+    for i, rb in enumerate(raw.backends):
+        path = f"service.backends[{i}]"
+        ip = _ip(rb.address, f"{path}.address")
+        if ip.version != fe_ip.version:
+            raise InvalidArgument(
+                f"{rb.address!r} is IPv{ip.version} but the frontend is IPv{fe_ip.version}",
+                field=f"{path}.address",
+            )
+        port = _port(rb.port, f"{path}.port")
+        weight = rb.weight or MIN_WEIGHT
+        if not MIN_WEIGHT <= weight <= MAX_WEIGHT:
+            raise InvalidArgument(
+                f"{rb.weight} is not a weight ({MIN_WEIGHT}-{MAX_WEIGHT}; 0 means 1)",
+                field=f"{path}.weight",
+            )
+        key = (str(ip), port)
+        if key in seen:
+            raise InvalidArgument(f"{key[0]}:{port} is already backend {seen[key]}", field=path)
+        seen[key] = i
+        if len(rb.node) > 253:
+            raise InvalidArgument("node name longer than 253", field=f"{path}.node")
+        spec = BackendSpec(str(ip), port, weight, rb.state or BackendState.ACTIVE, rb.node)
+        ordered.append((ip, spec))
+    # Canonical order: the same set of backends is the same service, whatever
+    # order a caller lists them in.
+    ordered.sort(key=lambda t: (int(t[0]), t[1].port))
+
+    algorithm = raw.algorithm or limits.default_algorithm
+    table_size = raw.maglev_table_size or limits.default_table_size
+    if table_size not in SUPPORTED_SIZES:
+        raise InvalidArgument(
+            f"{table_size} is not a supported Maglev table size ({supported_sizes_text()})",
+            field="service.maglev_table_size",
+        )
+
+    affinity: Affinity | None = None
+    if raw.client_ip_affinity:
+        affinity = Affinity()
+        if raw.affinity_timeout is not None:
+            seconds, nanos = raw.affinity_timeout
+            if nanos or not 1 <= seconds <= MAX_AFFINITY_TIMEOUT_S:
+                raise InvalidArgument(
+                    f"{seconds}s{f' {nanos}ns' if nanos else ''} is not a timeout "
+                    f"(whole seconds, 1-{MAX_AFFINITY_TIMEOUT_S})",
+                    field="service.session_affinity.timeout",
+                )
+            affinity = replace(affinity, timeout_s=seconds)
+    elif raw.affinity_timeout is not None:
+        raise InvalidArgument(
+            "a timeout needs ClientIP session affinity",
+            field="service.session_affinity.timeout",
+        )
+
+    if len(raw.source_ranges) > MAX_SOURCE_RANGES:
+        raise InvalidArgument(
+            f"at most {MAX_SOURCE_RANGES} source ranges", field="service.source_ranges"
+        )
+    ranges: dict[str, ipaddress.IPv4Network | ipaddress.IPv6Network] = {}
+    for i, cidr in enumerate(raw.source_ranges):
+        path = f"service.source_ranges[{i}]"
+        try:
+            net = ipaddress.ip_network(cidr.strip(), strict=False)
+        except ValueError:
+            raise InvalidArgument(f"{cidr!r} is not a CIDR", field=path) from None
+        if net.version != fe_ip.version:
+            raise InvalidArgument(
+                f"{cidr!r} is IPv{net.version} but the frontend is IPv{fe_ip.version}",
+                field=path,
+            )
+        ranges[str(net)] = net
+    source_ranges = tuple(
+        str(n) for n in sorted(ranges.values(), key=lambda n: (int(n.network_address), n.prefixlen))
+    )
+
+    return ServiceSpec(
+        name=name,
+        namespace=namespace,
+        frontend=frontend,
+        type=svc_type,
+        node_port=node_port,
+        backends=tuple(b for _, b in ordered),
+        algorithm=algorithm,
+        maglev_table_size=table_size,
+        affinity=affinity,
+        source_ranges=source_ranges,
+        source=raw.source,
+    )

@@ -1,0 +1,303 @@
+"""A local HTTP server that speaks the Kubernetes API's list/watch protocol
+for a few collections (no real API server can run on these machines).
+
+It serves, for Services (/api/v1/services) and EndpointSlices
+(/apis/discovery.k8s.io/v1/endpointslices):
+- LIST: GET -> {"kind": "<Kind>List", "metadata": {"resourceVersion"}, "items"}
+- WATCH: GET ?watch=true&resourceVersion=N[&timeoutSeconds=S] -> a chunked
+  stream of newline-delimited {"type": ADDED|MODIFIED|DELETED|BOOKMARK|ERROR,
+  "object": ...} with every change after N, then the live ones, until S
+  seconds passed; a resourceVersion older than the retained history gets an
+  ERROR event carrying a Status with code 410 (Gone), as the real server
+  answers an expired watch.
+One resourceVersion counter covers all objects, as etcd's revision does for
+the real server. Tests change objects with apply() and delete(), and can
+drop the history with compact().
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+import time
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+from harness.net import free_port
+
+COLLECTIONS = {
+    "/api/v1/services": ("services", "ServiceList", "v1"),
+    "/apis/discovery.k8s.io/v1/endpointslices": (
+        "endpointslices",
+        "EndpointSliceList",
+        "discovery.k8s.io/v1",
+    ),
+}
+
+
+@dataclass
+class _Change:
+    rv: int
+    resource: str
+    type: str
+    obj: dict[str, Any]
+
+
+class KubeListWatchServer:
+    def __init__(self) -> None:
+        self.port = free_port()
+        self._lock = threading.Condition()
+        self._rv = 100
+        self._objects: dict[str, dict[tuple[str, str], dict[str, Any]]] = {
+            "services": {},
+            "endpointslices": {},
+        }
+        self._history: list[_Change] = []
+        self._oldest = self._rv  # watches from before this get 410
+        self.requests: list[str] = []
+        self.gone_sent = 0
+        self._generation = 0
+        self._closing = False
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def address_string(self) -> str:
+                return str(self.client_address[0])
+
+            def do_GET(self) -> None:
+                server._handle(self)
+
+        self.httpd = _QuietServer(("127.0.0.1", self.port), Handler)
+        self.httpd.daemon_threads = True
+        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> KubeListWatchServer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._lock:
+            self._closing = True
+            self._lock.notify_all()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def write_kubeconfig(self, path: Path) -> Path:
+        path.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [{"name": "local", "cluster": {"server": self.url}}],
+                    "users": [{"name": "tester", "user": {"token": "test-token"}}],
+                    "contexts": [
+                        {"name": "local", "context": {"cluster": "local", "user": "tester"}}
+                    ],
+                    "current-context": "local",
+                }
+            )
+        )
+        return path
+
+    # --- what tests do ---
+
+    def apply(self, resource: str, obj: dict[str, Any]) -> int:
+        """Create or replace an object; returns its new resourceVersion."""
+        with self._lock:
+            self._rv += 1
+            obj = copy.deepcopy(obj)
+            meta = obj.setdefault("metadata", {})
+            meta["resourceVersion"] = str(self._rv)
+            key = (meta.get("namespace", ""), meta["name"])
+            kind = "MODIFIED" if key in self._objects[resource] else "ADDED"
+            self._objects[resource][key] = obj
+            self._history.append(_Change(self._rv, resource, kind, obj))
+            self._lock.notify_all()
+            return self._rv
+
+    def delete(self, resource: str, namespace: str, name: str) -> int:
+        with self._lock:
+            obj = self._objects[resource].pop((namespace, name))
+            self._rv += 1
+            obj = copy.deepcopy(obj)
+            obj["metadata"]["resourceVersion"] = str(self._rv)
+            self._history.append(_Change(self._rv, resource, "DELETED", obj))
+            self._lock.notify_all()
+            return self._rv
+
+    def compact(self) -> None:
+        """Forget the history: watches from an older resourceVersion get 410."""
+        with self._lock:
+            self._history.clear()
+            self._oldest = self._rv
+
+    def expire_watches(self) -> None:
+        """End every open watch and make every resourceVersion handed out so
+        far too old (as after the API server's watch cache moved on): the
+        next watch gets 410 Gone and the client must list again."""
+        with self._lock:
+            self._rv += 1
+            self._history.clear()
+            self._oldest = self._rv
+            self._generation += 1
+            self._lock.notify_all()
+
+    # --- the protocol ---
+
+    def _handle(self, h: BaseHTTPRequestHandler) -> None:
+        url = urlparse(h.path)
+        self.requests.append(h.path)
+        coll = COLLECTIONS.get(url.path)
+        if coll is None:
+            self._send_json(h, 404, _status(404, "NotFound", f"{url.path} not served here"))
+            return
+        resource, list_kind, api_version = coll
+        query = {k: v[-1] for k, v in parse_qs(url.query).items()}
+        if query.get("watch") in ("true", "1", "True"):
+            self._watch(h, resource, query)
+            return
+        with self._lock:
+            items = [copy.deepcopy(o) for _, o in sorted(self._objects[resource].items())]
+            body = {
+                "kind": list_kind,
+                "apiVersion": api_version,
+                "metadata": {"resourceVersion": str(self._rv)},
+                "items": items,
+            }
+        self._send_json(h, 200, body)
+
+    def _send_json(self, h: BaseHTTPRequestHandler, code: int, body: Any) -> None:
+        raw = json.dumps(body).encode()
+        h.send_response(code)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Content-Length", str(len(raw)))
+        h.end_headers()
+        h.wfile.write(raw)
+
+    def _watch(self, h: BaseHTTPRequestHandler, resource: str, query: dict[str, str]) -> None:
+        since = int(query.get("resourceVersion") or 0)
+        timeout = float(query.get("timeoutSeconds") or 1800)
+        deadline = time.monotonic() + timeout
+        h.send_response(200)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Transfer-Encoding", "chunked")
+        h.end_headers()
+
+        def chunk(event: dict[str, Any]) -> None:
+            data = json.dumps(event).encode() + b"\n"
+            h.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+            h.wfile.flush()
+
+        try:
+            with self._lock:
+                if since and since < self._oldest:
+                    expired = _status(
+                        410, "Expired", f"too old resource version: {since} ({self._oldest})"
+                    )
+                    self.gone_sent += 1
+                    chunk({"type": "ERROR", "object": expired})
+                    h.wfile.write(b"0\r\n\r\n")
+                    return
+                cursor = since or self._rv
+                generation = self._generation
+            while True:
+                with self._lock:
+                    if self._closing or generation != self._generation:
+                        break
+                    pending = [c for c in self._history if c.rv > cursor and c.resource == resource]
+                    if not pending:
+                        remaining = deadline - time.monotonic()
+                        if remaining <= 0:
+                            break
+                        self._lock.wait(min(remaining, 1.0))
+                        continue
+                for c in pending:
+                    chunk({"type": c.type, "object": c.obj})
+                    cursor = c.rv
+            h.wfile.write(b"0\r\n\r\n")
+        except OSError:  # the client went away
+            pass
+
+
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """Clients going away mid-request are normal here."""
+
+
+def _status(code: int, reason: str, message: str) -> dict[str, Any]:
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    }
+
+
+def k8s_service(
+    namespace: str,
+    name: str,
+    cluster_ip: str,
+    ports: list[dict[str, Any]],
+    *,
+    type: str = "ClusterIP",
+    annotations: dict[str, str] | None = None,
+    session_affinity_timeout: int | None = None,
+    source_ranges: list[str] | None = None,
+) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "type": type,
+        "clusterIP": cluster_ip,
+        "clusterIPs": [cluster_ip],
+        "ports": ports,
+        "sessionAffinity": "None",
+    }
+    if session_affinity_timeout is not None:
+        spec["sessionAffinity"] = "ClientIP"
+        spec["sessionAffinityConfig"] = {"clientIP": {"timeoutSeconds": session_affinity_timeout}}
+    if source_ranges:
+        spec["loadBalancerSourceRanges"] = source_ranges
+    return {
+        "kind": "Service",
+        "apiVersion": "v1",
+        "metadata": {"namespace": namespace, "name": name, "annotations": annotations or {}},
+        "spec": spec,
+    }
+
+
+def k8s_endpoint_slice(
+    namespace: str,
+    name: str,
+    service: str,
+    ports: list[dict[str, Any]],
+    endpoints: list[dict[str, Any]],
+    *,
+    address_type: str = "IPv4",
+) -> dict[str, Any]:
+    return {
+        "kind": "EndpointSlice",
+        "apiVersion": "discovery.k8s.io/v1",
+        "metadata": {
+            "namespace": namespace,
+            "name": name,
+            "labels": {"kubernetes.io/service-name": service},
+        },
+        "addressType": address_type,
+        "ports": ports,
+        "endpoints": endpoints,
+    }
