@@ -21,7 +21,7 @@ pytestmark = pytest.mark.integration
 async def stores(etcd: EtcdServer) -> AsyncIterator[list[EndpointStore]]:
     clients = [Etcd([etcd.endpoint]) for _ in range(3)]  # three "replicas"
     for c in clients:
-        await c.connect()
+        await asyncio.wait_for(c.wait_connected(), 30)
     yield [EndpointStore(c) for c in clients]
     for c in clients:
         await c.close()

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.integration
 @pytest.fixture
 async def client(etcd: EtcdServer) -> AsyncIterator[e.Etcd]:
     c = e.Etcd([etcd.endpoint], timeout=2.0)
-    await c.connect()
+    await asyncio.wait_for(c.wait_connected(), 30)
     yield c
     await c.close()
 
