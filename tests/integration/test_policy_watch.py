@@ -114,6 +114,11 @@ async def test_policy_watch_resume_equals_fresh_snapshot(etcd: EtcdServer, spawn
         # a new identity on the node arrives with its policy
         web2, rev = await _allocate(s2, "shop", "web", "n1")
         assert web2 == web
+        # a second reference changes no policy, yet its revision is SYNCED
+        # (a datapath waiting for an allocation's revision is not left hanging)
+        before = len(a.kinds)
+        await a.until_synced(rev, timeout=5)
+        assert a.kinds[before:] == [pb.EVENT_KIND_SYNCED]
         other, rev = await _allocate(s2, "other", "web", "n1")
         await a.until_synced(rev)
         assert set(a.state) == {web, client, other}

@@ -380,6 +380,13 @@ ERRORS = [
         "not a valid name",
     ),
     ("not-yaml", "spec: [unclosed", "document", "not valid YAML"),
+    (
+        "duplicate-key",
+        "apiVersion: flagella.io/v1\nkind: FlagellaNetworkPolicy\nmetadata: {name: a}\n"
+        "spec: {endpointSelector: {}}\napiVersion: flagella.io/v1\n",
+        "document",
+        "line 5 column 1: duplicate key 'apiVersion'",
+    ),
     ("empty", "", "document", "no policy"),
     (
         "k8s-ipblock-cidr",

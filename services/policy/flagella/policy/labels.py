@@ -6,6 +6,7 @@ No gRPC here: the servicer converts proto labels into these.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -67,6 +68,7 @@ class Label:
         return cls.make(source, key, value)
 
 
+@functools.lru_cache(maxsize=8192)
 def check_key(key: str) -> None:
     if not key:
         raise LabelError("empty label key")
@@ -74,6 +76,7 @@ def check_key(key: str) -> None:
         raise LabelError(f"invalid label key {key!r}")
 
 
+@functools.lru_cache(maxsize=8192)
 def check_value(value: str) -> None:
     if len(value) > MAX_VALUE_LEN:
         raise LabelError(f"label value longer than {MAX_VALUE_LEN} characters")
@@ -150,6 +153,7 @@ class LabelFilter:
     def __init__(self, patterns: Sequence[str] = DEFAULT_LABEL_FILTER) -> None:
         self.patterns = tuple(patterns)
         self._compiled: list[tuple[bool, re.Pattern[str]]] = []
+        self._decided: dict[str, bool] = {}
         for pattern in self.patterns:
             keep = not pattern.startswith("!")
             body = pattern if keep else pattern[1:]
@@ -161,10 +165,13 @@ class LabelFilter:
     def relevant(self, label: Label) -> bool:
         if label.source in (SOURCE_RESERVED, SOURCE_CIDR):
             return True
-        for keep, regex in self._compiled:
-            if regex.match(label.key):
-                return keep
-        return True
+        decided = self._decided.get(label.key)
+        if decided is None:
+            decided = next((keep for keep, regex in self._compiled if regex.match(label.key)), True)
+            if len(self._decided) > 8192:
+                self._decided.clear()
+            self._decided[label.key] = decided
+        return decided
 
     def filter(self, labels: LabelSet) -> LabelSet:
         return tuple(label for label in labels if self.relevant(label))

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from flagella.policy.identities import HOST, IdentityInfo, Kind
 from flagella.policy.rules import (
@@ -49,13 +50,12 @@ DEFAULT_BUDGET = 16384
 DEFAULT_ALLOW = "(no rule selects this direction: allow all)"
 ALLOW_LOCALHOST = "(allow-localhost)"
 
-# (port, end_port, protocol, direction)
-Key4 = tuple[int, int, Protocol, Direction]
+# (port, end_port, protocol, direction), plain ints (hashed a lot)
+Key4 = tuple[int, int, int, int]
 Group = tuple[dict[Key4, frozenset[str]], dict[Key4, frozenset[str]]]  # (allow, deny)
 
 
-@dataclass(frozen=True, slots=True, order=True)
-class PolicyEntry:
+class PolicyEntry(NamedTuple):
     identity: int
     port: int
     end_port: int
@@ -63,6 +63,14 @@ class PolicyEntry:
     direction: Direction
     verdict: Verdict
     derived_from: tuple[str, ...] = ()
+
+
+_PROTOCOL = {int(p): p for p in Protocol}
+_DIRECTION = {int(d): d for d in Direction}
+_VERDICT = {int(v): v for v in Verdict}
+_ANY = int(Protocol.ANY)
+_INGRESS = int(Direction.INGRESS)
+_EGRESS = int(Direction.EGRESS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,9 +115,9 @@ def intersect(a: Key4, b: Key4) -> Key4 | None:
     if a[3] != b[3]:
         return None
     pa, pb = a[2], b[2]
-    if pa == Protocol.ANY:
+    if pa == _ANY:
         proto = pb
-    elif pb in (Protocol.ANY, pa):
+    elif pb in (_ANY, pa):
         proto = pa
     else:
         return None
@@ -170,7 +178,8 @@ def _precedence(
 
 
 def _clause_keys(clause: Clause) -> tuple[Key4, ...]:
-    return tuple((p, e, proto, clause.direction) for p, e, proto in clause.ports)
+    d = int(clause.direction)
+    return tuple((p, e, int(proto), d) for p, e, proto in clause.ports)
 
 
 class SigPolicy:
@@ -197,9 +206,9 @@ class SigPolicy:
                     else:
                         self.by_selector.setdefault(sel, []).append((clause, keys))
         if not self.ingress_enforced:
-            _add(allow0, [(0, 0, Protocol.ANY, Direction.INGRESS)], DEFAULT_ALLOW)
+            _add(allow0, [(0, 0, _ANY, _INGRESS)], DEFAULT_ALLOW)
         if not self.egress_enforced:
-            _add(allow0, [(0, 0, Protocol.ANY, Direction.EGRESS)], DEFAULT_ALLOW)
+            _add(allow0, [(0, 0, _ANY, _EGRESS)], DEFAULT_ALLOW)
         self.raw_allow0 = _freeze(allow0)
         self.raw_deny0 = _freeze(deny0)
         self.group0 = _precedence(self.raw_allow0, self.raw_deny0, {}, {})
@@ -232,7 +241,7 @@ class SigPolicy:
             for clause, keys in clauses:
                 _add(allow if clause.verdict is Verdict.ALLOW else deny, keys, clause.rule)
         if ident == HOST and self.localhost:
-            _add(allow, [(0, 0, Protocol.ANY, Direction.INGRESS)], ALLOW_LOCALHOST)
+            _add(allow, [(0, 0, _ANY, _INGRESS)], ALLOW_LOCALHOST)
         return _freeze(allow), _freeze(deny)
 
     def _set_group(self, ident: int, group: Group | None) -> None:
@@ -281,17 +290,17 @@ class SigPolicy:
                 ),
             )
             return self._content
-        entries: list[PolicyEntry] = []
+        raw: list[tuple[int, int, int, int, int, int, tuple[str, ...]]] = []
+        allow_v, deny_v = int(Verdict.ALLOW), int(Verdict.DENY)
         for ident, (allow, deny) in [(0, self.group0), *self.groups.items()]:
-            for k, names in allow.items():
-                entries.append(
-                    PolicyEntry(ident, k[0], k[1], k[2], k[3], Verdict.ALLOW, tuple(sorted(names)))
-                )
-            for k, names in deny.items():
-                entries.append(
-                    PolicyEntry(ident, k[0], k[1], k[2], k[3], Verdict.DENY, tuple(sorted(names)))
-                )
-        entries.sort()
+            for verdict, group in ((allow_v, allow), (deny_v, deny)):
+                for k, names in group.items():
+                    raw.append((ident, k[0], k[1], k[2], k[3], verdict, tuple(sorted(names))))
+        raw.sort()
+        entries = [
+            PolicyEntry(i, p, e, _PROTOCOL[pr], _DIRECTION[d], _VERDICT[v], n)
+            for i, p, e, pr, d, v, n in raw
+        ]
         self._content = PolicyContent(self.ingress_enforced, self.egress_enforced, tuple(entries))
         return self._content
 

@@ -693,12 +693,43 @@ def _object(value: Any, path: str, out: list[tuple[str, Rule]]) -> None:
     out.append((path, parser(obj, path)))
 
 
+_BaseLoader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class _StrictLoader(_BaseLoader):  # type: ignore[misc]
+    """Safe YAML that refuses a key given twice in one mapping (PyYAML would
+    silently keep the last one, e.g. of two policies pasted together)."""
+
+
+def _strict_mapping(loader: Any, node: Any, deep: bool = False) -> Any:
+    loader.flatten_mapping(node)
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        try:
+            duplicate = key in seen
+            seen.add(key)
+        except TypeError:
+            continue  # unhashable: construct_mapping reports it
+        if duplicate:
+            raise yaml.constructor.ConstructorError(
+                "while constructing a mapping",
+                node.start_mark,
+                f"duplicate key {key!r}",
+                key_node.start_mark,
+            )
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _strict_mapping)
+
+
 def parse_document(text: str) -> list[Rule]:
     """Every rule in a YAML or JSON document (several YAML documents, a
     List, or a top-level list of objects). Validates everything; raises
     InvalidArgument naming the path of the first problem."""
     try:
-        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+        docs = [d for d in yaml.load_all(text, Loader=_StrictLoader) if d is not None]
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""

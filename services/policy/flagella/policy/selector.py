@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from flagella.policy.identities import (
     HEALTH,
@@ -40,12 +40,23 @@ class Op(enum.Enum):
     DOES_NOT_EXIST = "DoesNotExist"
 
 
+# Selectors are hashed all the time (selector cache, signatures): each
+# caches its hash.
+
+
 @dataclass(frozen=True, slots=True, order=True)
 class Requirement:
     source: str
     key: str
     op: Op
     values: tuple[str, ...] = ()
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.source, self.key, self.op.value, self.values)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def matches(self, info: IdentityInfo) -> bool:
         if self.source == SOURCE_ANY:
@@ -79,6 +90,13 @@ class LabelSelector:
     """All requirements must hold; none: matches every identity."""
 
     requirements: tuple[Requirement, ...]
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash(("labels", self.requirements)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @classmethod
     def of(cls, requirements: Iterable[Requirement]) -> LabelSelector:
@@ -127,6 +145,13 @@ class LabelSelector:
 class CIDRSelector:
     network: IPNetwork
     excepts: tuple[IPNetwork, ...] = ()
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash(("cidr", self.network, self.excepts)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def matches(self, info: IdentityInfo) -> bool:
         if info.kind is Kind.CIDR and info.prefix is not None:
@@ -173,6 +198,13 @@ _ENTITY_IDS = {
 @dataclass(frozen=True, slots=True)
 class EntitySelector:
     entity: Entity
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash(("entity", self.entity.value)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def matches(self, info: IdentityInfo) -> bool:
         entity = self.entity

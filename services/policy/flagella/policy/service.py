@@ -314,17 +314,24 @@ class PolicyService:
         )
 
     def _candidate(self) -> int:
+        """A free id to try: just above the highest one in use, a little
+        randomized so that replicas (and calls in flight here) rarely pick
+        the same; once the top of the range is reached, the lowest free."""
         state = self.state
-        self._taken = {i for i in self._taken if i not in state.identities}
-        used = state.identities.keys() | self._inflight | self._taken
-        top = max(state.identities, default=MIN_GLOBAL - 1)
-        base = max(top + 1, MIN_GLOBAL)
+        known = state.identities
+        if len(self._taken) > 1024:
+            self._taken = {i for i in self._taken if i not in known}
+
+        def free(ident: int) -> bool:
+            return ident not in known and ident not in self._inflight and ident not in self._taken
+
+        base = max(state.max_global_id + 1, MIN_GLOBAL)
         window = 4 + 4 * len(self._inflight)
         for ident in range(base + random.randrange(window), MAX_GLOBAL + 1):
-            if ident not in used:
+            if free(ident):
                 return ident
         for ident in range(MIN_GLOBAL, MAX_GLOBAL + 1):
-            if ident not in used:
+            if free(ident):
                 return ident
         raise ResourceExhausted(
             f"all identities {MIN_GLOBAL}-{MAX_GLOBAL} are allocated", field="labels"
@@ -716,12 +723,14 @@ class PolicyService:
             yield IPCacheEvent(EventKind.SYNCED, revision)
             sent = current
             synced = revision
+            synced_at = time.monotonic()
+            heartbeat = self.settings.watch_heartbeat
             while True:
-                change = await sub.next(self.settings.watch_heartbeat)
+                change = await sub.next(heartbeat)
                 state = self.state
                 if change is None:
                     if state.revision > synced:
-                        synced = state.revision
+                        synced, synced_at = state.revision, time.monotonic()
                         yield IPCacheEvent(EventKind.SYNCED, synced)
                     continue
                 candidates = set(change.ipcache)
@@ -739,10 +748,10 @@ class PolicyService:
                         sent.pop(p, None)
                     else:
                         sent[p] = e
-                if events:
-                    for event in events:
-                        yield event
-                    synced = state.revision
+                for event in events:
+                    yield event
+                if events or time.monotonic() - synced_at >= heartbeat:
+                    synced, synced_at = state.revision, time.monotonic()
                     yield IPCacheEvent(EventKind.SYNCED, synced)
         finally:
             sub.close()
@@ -767,12 +776,14 @@ class PolicyService:
             yield PolicyEvent(EventKind.SYNCED, revision)
             sent = current
             synced = revision
+            synced_at = time.monotonic()
+            heartbeat = self.settings.watch_heartbeat
             while True:
-                change = await sub.next(self.settings.watch_heartbeat)
+                change = await sub.next(heartbeat)
                 state = self.state
                 if change is None:
                     if state.revision > synced:
-                        synced = state.revision
+                        synced, synced_at = state.revision, time.monotonic()
                         yield PolicyEvent(EventKind.SYNCED, synced)
                     continue
                 on_node = state.node_refs.get(node, {})
@@ -799,10 +810,13 @@ class PolicyService:
                         sent[ident] = now[ident]
                     else:
                         sent.pop(ident, None)
-                if events:
-                    for event in events:
-                        yield event
-                    synced = state.revision
+                for event in events:
+                    yield event
+                # A SYNCED also after a change of the node's references with
+                # nothing to send (a reference count went up): whoever waits
+                # for the revision of an allocation sees it.
+                if events or node in change.nodes or time.monotonic() - synced_at >= heartbeat:
+                    synced, synced_at = state.revision, time.monotonic()
                     yield PolicyEvent(EventKind.SYNCED, synced)
         finally:
             keeper.cancel()

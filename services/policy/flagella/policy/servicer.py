@@ -3,6 +3,7 @@ The logic is in flagella.policy.service."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -12,7 +13,7 @@ from flagella.api.policy.v1 import policy_pb2 as pb
 from flagella.api.policy.v1 import policy_pb2_grpc
 from flagella.common.errors import InvalidArgument
 from flagella.policy.labels import Label, LabelError, LabelSet, label_set, split_label
-from flagella.policy.resolve import PolicyEntry, ResolvedPolicy
+from flagella.policy.resolve import PolicyContent, PolicyEntry, ResolvedPolicy
 from flagella.policy.rules import (
     CIDRSpec,
     Expression,
@@ -245,16 +246,44 @@ def _entry_pb(e: PolicyEntry) -> pb.PolicyEntry:
     )
 
 
-def policy_pb(policy: ResolvedPolicy) -> pb.ResolvedPolicy:
-    c = policy.content
+def content_bytes(c: PolicyContent) -> bytes:
+    """A ResolvedPolicy without identity and revision, serialized."""
     return pb.ResolvedPolicy(
-        identity=policy.identity,
-        revision=policy.revision,
         ingress_enforced=c.ingress_enforced,
         egress_enforced=c.egress_enforced,
         entries=[_entry_pb(e) for e in c.entries],
         error=c.error,
-    )
+    ).SerializeToString()
+
+
+class ContentCache:
+    """Serialized policy contents by content object: identities that share
+    a signature share one content, so each is encoded once. Holds the
+    content it caches (so its id is not reused while cached)."""
+
+    def __init__(self, size: int = 4096) -> None:
+        self.size = size
+        self._cache: OrderedDict[int, tuple[PolicyContent, bytes]] = OrderedDict()
+
+    def get(self, c: PolicyContent) -> bytes:
+        hit = self._cache.get(id(c))
+        if hit is not None and hit[0] is c:
+            self._cache.move_to_end(id(c))
+            return hit[1]
+        raw = content_bytes(c)
+        self._cache[id(c)] = (c, raw)
+        if len(self._cache) > self.size:
+            self._cache.popitem(last=False)
+        return raw
+
+
+def policy_pb(policy: ResolvedPolicy, cache: ContentCache | None = None) -> pb.ResolvedPolicy:
+    c = policy.content
+    raw = cache.get(c) if cache is not None else content_bytes(c)
+    out = pb.ResolvedPolicy.FromString(raw)
+    out.identity = policy.identity
+    out.revision = policy.revision
+    return out
 
 
 def ip_entry_pb(e: IPEntry) -> pb.IPCacheEntry:
@@ -277,16 +306,20 @@ def ip_event_pb(ev: IPCacheEvent) -> pb.IPCacheEvent:
     return out
 
 
-def policy_event_pb(ev: PolicyEvent) -> pb.PolicyEvent:
+def policy_event_pb(ev: PolicyEvent, cache: ContentCache | None = None) -> pb.PolicyEvent:
     out = pb.PolicyEvent(kind=_EVENT_KINDS[ev.kind], identity=ev.identity, revision=ev.revision)
     if ev.policy is not None:
-        out.policy.CopyFrom(policy_pb(ev.policy))
+        c = ev.policy.content
+        out.policy.MergeFromString(cache.get(c) if cache is not None else content_bytes(c))
+        out.policy.identity = ev.policy.identity
+        out.policy.revision = ev.policy.revision
     return out
 
 
 class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
     def __init__(self, service: PolicyService) -> None:
         self.service = service
+        self.contents = ContentCache()
 
     # --- identities ---
 
@@ -411,7 +444,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
     ) -> pb.ResolvedPolicy:
         if request.identity == 0:
             raise InvalidArgument("required", field="identity")
-        return policy_pb(self.service.resolve(request.identity))
+        return policy_pb(self.service.resolve(request.identity), self.contents)
 
     async def TracePolicy(
         self, request: pb.TracePolicyRequest, context: Ctx
@@ -437,4 +470,4 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         if request.since_revision < 0:
             raise InvalidArgument("must not be negative", field="since_revision")
         async for event in self.service.watch_policy(request.node, request.since_revision):
-            yield policy_event_pb(event)
+            yield policy_event_pb(event, self.contents)

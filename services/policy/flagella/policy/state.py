@@ -23,9 +23,10 @@ from flagella.policy.identities import (
     assign_cidr_identities,
     cidr_labels,
     format_prefix,
+    parse_prefix,
     reserved_identity_of,
 )
-from flagella.policy.labels import LabelError, LabelSet, format_labels, labels_from_string
+from flagella.policy.labels import LabelError, LabelSet, format_labels, parse_labels
 from flagella.policy.resolve import DEFAULT_BUDGET, PolicyContent, ResolvedPolicy, Resolver
 from flagella.policy.rules import Rule, compile_rule, rule_from_json
 
@@ -109,6 +110,9 @@ class PolicyState:
             self.resolver.add_identity(info)
         self.resolver.take_dirty()
         self.identities: dict[int, GlobalIdentity] = {}
+        # The highest global id seen (not lowered by deletions: ids are not
+        # reused until the range wraps).
+        self.max_global_id = 0
         self.labels_index: dict[str, tuple[int, int]] = {}  # label string -> (id, mod_rev)
         self.refs: dict[tuple[str, str], RefInfo] = {}  # (label string, node)
         self.refs_by_id: dict[int, dict[str, int]] = {}  # id -> node -> refs
@@ -177,9 +181,10 @@ class PolicyState:
             if old is not None:
                 self.resolver.remove_identity(ident)
             return
-        labels = labels_from_string("".join(f"{s};" for s in keys.loads(kv.value)["labels"]))
+        labels = parse_labels(keys.loads(kv.value)["labels"])
         gid = GlobalIdentity(ident, labels, format_labels(labels), kv.mod_revision)
         self.identities[ident] = gid
+        self.max_global_id = max(self.max_global_id, ident)
         if old is None or old.labels != labels:
             self.resolver.add_identity(IdentityInfo.make(ident, labels, Kind.GLOBAL))
 
@@ -366,8 +371,6 @@ class PolicyState:
 
 def _norm_prefix(text: str) -> str:
     try:
-        from flagella.policy.identities import parse_prefix
-
         return format_prefix(parse_prefix(text))
     except ValueError:
         return text
