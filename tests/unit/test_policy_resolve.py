@@ -14,6 +14,7 @@ from policy_world import FakeKV, World
 
 from flagella.policy import keys
 from flagella.policy.identities import INIT, LOCAL_SCOPE, REMOTE_NODE
+from flagella.policy.labels import parse_labels
 from flagella.policy.rules import Protocol
 
 TCP, UDP, SCTP = Protocol.TCP, Protocol.UDP, Protocol.SCTP
@@ -754,6 +755,8 @@ def test_cidr_identities_are_local_scope_and_in_the_ipcache() -> None:
     entry = world.state.ipcache_entry("10.96.0.0/12")
     assert entry is not None
     assert entry.source == "cidr-policy"
+    for texts in (["cidr:10.96.0.0/12"], ["cidr:10.96.0.0/12", "reserved:world"]):
+        assert world.state.identity_of_labels(parse_labels(texts)) == ident
     # same prefixes, same identities, whatever the order of the rules
     other = World()
     other.rules(CIDRS)

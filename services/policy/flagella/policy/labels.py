@@ -47,7 +47,11 @@ class Label:
     value: str = ""
 
     def __str__(self) -> str:
-        return f"{self.source}:{self.key}={self.value}"
+        """As Cilium writes it: ``source:key=value``, ``source:key`` when the
+        value is empty."""
+        if self.value:
+            return f"{self.source}:{self.key}={self.value}"
+        return f"{self.source}:{self.key}"
 
     @classmethod
     def make(cls, source: str, key: str, value: str = "") -> Label:

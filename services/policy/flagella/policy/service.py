@@ -650,6 +650,8 @@ class PolicyService:
 
     def trace(self, src: LabelSet, dst: LabelSet, dport: int, proto: Protocol) -> Trace:
         state = self.state
+        if proto is Protocol.ANY:
+            proto = Protocol.TCP  # a packet has a protocol: unspecified means TCP
         src_info = self._trace_info(src)
         dst_info = self._trace_info(dst)
         rules_src = state.resolver.rules_selecting(src_info)

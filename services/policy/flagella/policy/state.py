@@ -308,12 +308,13 @@ class PolicyState:
         found = self.labels_index.get(format_labels(labels))
         if found is not None and found[0] in self.identities:
             return found[0]
-        if len(labels) == 2:
-            for label in labels:
-                if label.source == "cidr":
-                    entry = self._cidr_by_prefix.get(_norm_prefix(label.key))
-                    if entry is not None:
-                        return self.cidr[entry[0]]
+        # A CIDR identity: its cidr: label, with or without reserved:world.
+        cidr = [lb for lb in labels if lb.source == "cidr"]
+        rest = [lb for lb in labels if lb.source != "cidr"]
+        if len(cidr) == 1 and all(lb.source == "reserved" and lb.key == "world" for lb in rest):
+            entry = self._cidr_by_prefix.get(_norm_prefix(cidr[0].key))
+            if entry is not None:
+                return self.cidr[entry[0]]
         return None
 
     def info(self, ident: int) -> IdentityInfo | None:
