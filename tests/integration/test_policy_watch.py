@@ -5,8 +5,10 @@ exactly the state of a fresh snapshot."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
+import grpc
 import pytest
 from harness.etcd import EtcdServer
 from harness.procs import ServiceProcess
@@ -243,3 +245,35 @@ async def test_ipcache_watch_resume_equals_fresh_snapshot(etcd: EtcdServer, spaw
     finally:
         await ch1.close()
         await ch2.close()
+
+
+async def test_streams_survive_an_etcd_restart(etcd: EtcdServer, spawn: Spawn) -> None:
+    """etcd stops and comes back on the same data: the replica's mirror
+    watches again from where it was, and an open WatchPolicy stream carries
+    on with what changed after."""
+    proc = spawn("policy", "--etcd-endpoints", etcd.endpoint)
+    ch, s = stub(proc.address)
+    try:
+        await s.PutRules(pb.PutRulesRequest(document=RULES))
+        web, _ = await _allocate(s, "shop", "web", "n1")
+        stream = watch_policy(s, "n1")
+        await stream.until_synced()
+        assert set(stream.state) == {web}
+        etcd.stop()
+        etcd.start()
+        deadline = asyncio.get_running_loop().time() + 20
+        while True:
+            try:
+                client, rev = await _allocate(s, "shop", "client", "n1")
+                break
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                assert asyncio.get_running_loop().time() < deadline, "etcd never came back"
+                await asyncio.sleep(0.2)
+        await stream.until_synced(rev)
+        assert set(stream.state) == {web, client}
+        assert any(e[0] == client for e in stream.state[web][2])
+        stream.cancel()
+    finally:
+        await ch.close()
