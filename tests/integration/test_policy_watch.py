@@ -274,6 +274,7 @@ async def test_streams_survive_an_etcd_restart(etcd: EtcdServer, spawn: Spawn) -
         await stream.until_synced(rev)
         assert set(stream.state) == {web, client}
         assert any(e[0] == client for e in stream.state[web][2])
+        assert "policy watch interrupted" in proc.logs()
         stream.cancel()
     finally:
         await ch.close()
