@@ -178,16 +178,20 @@ class Mirror:
         self._subscribers.add(sub)
         return sub
 
-    async def wait_for(self, revision: int) -> None:
-        """Returns once the local state includes revision (a write this
-        replica or another made). Raises Unavailable after wait_timeout."""
+    async def wait_for(self, revision: int, *, timeout: float | None = None) -> None:
+        """Returns once the local state includes revision (a write to the
+        mirrored keys this replica or another made). Raises Unavailable
+        after timeout (default wait_timeout)."""
         if revision <= self.state.revision:
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append((revision, fut))
         try:
-            await asyncio.wait_for(asyncio.shield(fut), self.wait_timeout)
+            await asyncio.wait_for(
+                asyncio.shield(fut), self.wait_timeout if timeout is None else timeout
+            )
         except TimeoutError:
+            self._waiters = [(r, f) for r, f in self._waiters if f is not fut]
             raise Unavailable(
                 f"this replica has not seen etcd revision {revision} yet (at "
                 f"{self.state.revision}); retry"

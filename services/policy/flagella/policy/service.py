@@ -612,6 +612,9 @@ class PolicyService:
         if not name:
             raise InvalidArgument("required", field="name")
         deleted, revision = await self.store.delete_rule(name)
+        if not deleted:
+            # Nothing was written: the revision may be another service's.
+            return False, self.state.revision
         await self.mirror.wait_for(revision)
         return deleted, revision
 
@@ -698,10 +701,11 @@ class PolicyService:
         if since <= 0:
             return None
         if since > self.state.revision:
-            try:
-                await self.mirror.wait_for(since)
-            except Unavailable:
-                return None
+            # The client saw a newer revision elsewhere: give this replica a
+            # moment to catch up. (If nothing of ours changed up to since,
+            # it never will, and need not: the diff below is exact anyway.)
+            with contextlib.suppress(Unavailable):
+                await self.mirror.wait_for(since, timeout=1.0)
         try:
             return await self.mirror.historic(since)
         except (Compacted, FutureRevision):
