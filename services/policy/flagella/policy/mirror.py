@@ -18,16 +18,28 @@ log = logging.getLogger(__name__)
 
 
 class Subscription:
-    """Changes accumulated for one watch stream since it last took them."""
+    """Changes committed since one watch stream last took them. Pushing is
+    O(1) (the change objects are shared by every subscriber); they are
+    merged when taken."""
+
+    MAX_PENDING = 256
 
     def __init__(self, mirror: Mirror) -> None:
         self._mirror = mirror
-        self._pending = Change()
+        self._pending: list[Change] = []
         self._event = asyncio.Event()
 
     def push(self, change: Change) -> None:
-        self._pending.merge(change)
+        self._pending.append(change)
+        if len(self._pending) > self.MAX_PENDING:
+            self._pending = [self._merged()]
         self._event.set()
+
+    def _merged(self) -> Change:
+        merged = Change()
+        for change in self._pending:
+            merged.merge(change)
+        return merged
 
     async def next(self, timeout: float) -> Change | None:
         """What changed since the last call, or None after timeout seconds
@@ -37,7 +49,8 @@ class Subscription:
         except TimeoutError:
             return None
         self._event.clear()
-        change, self._pending = self._pending, Change()
+        change = self._merged()
+        self._pending = []
         return change
 
     def close(self) -> None:
