@@ -147,7 +147,7 @@ async def bench(quick: bool, etcd_endpoint: str, address: str) -> dict[str, Any]
         new_items = [(ns, app, "", "node-1") for ns, app in everyone]
         new_items += [(i % NAMESPACES, i, "-x", "node-2") for i in range(extra)]
         seconds = await run_concurrently(new_items, allocate, 32)
-        results["new_identities"] = len(new_items)
+        results["new_identities_count"] = len(new_items)
         results["new_identities_per_s"] = round(len(new_items) / seconds)
 
         # 2. cached allocations: known labels, a new reference on another node
@@ -211,9 +211,9 @@ async def bench(quick: bool, etcd_endpoint: str, address: str) -> dict[str, Any]
             load_times.append(t1 - t0)
             resolve_times.append(t2 - t1)
         assert len(ident_ids) == 1000, len(ident_ids)
-        results["rules"] = len(state.rules)
-        results["resolved_identities"] = len(ident_ids)
-        results["policy_entries_total"] = entries
+        results["rules_count"] = len(state.rules)
+        results["resolved_identities_count"] = len(ident_ids)
+        results["policy_entries_count"] = entries
         results["load_state_ms"] = round(statistics.median(load_times) * 1000, 1)
         results["resolve_1000_identities_200_rules_ms"] = round(
             statistics.median(resolve_times) * 1000, 1
@@ -247,7 +247,7 @@ async def bench(quick: bool, etcd_endpoint: str, address: str) -> dict[str, Any]
                     recomputed += 1
             change_times.append(time.perf_counter() - t0)
         results["one_rule_change_recompute_ms"] = round(statistics.median(change_times) * 1000, 2)
-        results["one_rule_change_identities_recomputed"] = recomputed
+        results["one_rule_change_recomputed_identities_count"] = recomputed
 
         # 6. end to end over gRPC: WatchPolicy of a node holding the 1,000
         t0 = time.perf_counter()
@@ -322,7 +322,7 @@ def main() -> int:
     finally:
         proc.cleanup()
         etcd.cleanup()
-    results["cpus"] = os.cpu_count()
+    results["cpu_count"] = os.cpu_count()
     results["total_s"] = round(time.perf_counter() - started, 1)
     if args.json:
         print(json.dumps(results, sort_keys=True))
@@ -335,10 +335,10 @@ def main() -> int:
         value = results[key]
         print(f"{label:<{width}}  {value:>10,} {unit:<3} {target}")
     print(
-        f"({results['new_identities']} new identities; {results['resolved_identities']} identities, "
-        f"{results['rules']} rules, {results['policy_entries_total']} entries; one rule change "
-        f"recomputes {results['one_rule_change_identities_recomputed']} identities; "
-        f"{results['cpus']} CPUs; {results['total_s']} s)"
+        f"({results['new_identities_count']} new identities; {results['resolved_identities_count']} identities, "
+        f"{results['rules_count']} rules, {results['policy_entries_count']} entries; one rule change "
+        f"recomputes {results['one_rule_change_recomputed_identities_count']} identities; "
+        f"{results['cpu_count']} CPUs; {results['total_s']} s)"
     )
     return 0
 
