@@ -35,6 +35,14 @@ class Compacted(Exception):
         self.compacted_revision = compacted_revision
 
 
+class FutureRevision(Exception):
+    """A read asked for a revision etcd has not reached."""
+
+    def __init__(self, revision: int) -> None:
+        super().__init__(f"revision {revision} is in the future")
+        self.revision = revision
+
+
 @dataclass(frozen=True, slots=True)
 class KeyValue:
     key: str
@@ -135,6 +143,17 @@ def mod_revision_is(key: str, revision: int) -> Any:
         result=etcd_rpc.Compare.EQUAL,
         target=etcd_rpc.Compare.MOD,
         mod_revision=revision,
+    )
+
+
+def prefix_absent(prefix: str) -> Any:
+    """Compare: no key starts with prefix."""
+    return etcd_rpc.Compare(
+        key=_b(prefix),
+        range_end=prefix_end(prefix),
+        result=etcd_rpc.Compare.EQUAL,
+        target=etcd_rpc.Compare.CREATE,
+        create_revision=0,
     )
 
 
@@ -296,6 +315,45 @@ class Etcd:
         )
         return [KeyValue.from_proto(kv) for kv in resp.kvs], int(resp.header.revision)
 
+    async def get_prefixes(
+        self, prefixes: Sequence[str], *, revision: int = 0
+    ) -> tuple[list[list[KeyValue]], int]:
+        """Every key under each prefix (sorted by key), all read atomically
+        at one revision: the current one (revision 0) or an older one still
+        in etcd's history. Returns the lists and the revision read. Raises
+        Compacted or FutureRevision when that revision cannot be read."""
+        client = self.client
+        await self._call(client.connect)
+        ops = [
+            etcd_rpc.RequestOp(
+                request_range=etcd_rpc.RangeRequest(
+                    key=_b(p),
+                    range_end=prefix_end(p),
+                    revision=revision,
+                    sort_order=etcd_rpc.RangeRequest.ASCEND,
+                    sort_target=etcd_rpc.RangeRequest.KEY,
+                )
+            )
+            for p in prefixes
+        ]
+        req = etcd_rpc.TxnRequest(success=ops)
+        try:
+            resp = await client.kvstub.Txn(req, timeout=self.timeout, metadata=client.metadata)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.OUT_OF_RANGE:
+                details = exc.details() or ""
+                if "compacted" in details:
+                    raise Compacted(revision) from exc
+                if "future" in details:
+                    raise FutureRevision(revision) from exc
+            raise Unavailable(
+                f"etcd error at {self.endpoint}: {exc.code().name} {exc.details()}"
+            ) from exc
+        except (TimeoutError, aetcd.exceptions.ClientError) as exc:
+            raise Unavailable(f"etcd unavailable at {self.endpoint}: {exc!r}") from exc
+        lists = [[KeyValue.from_proto(kv) for kv in r.response_range.kvs] for r in resp.responses]
+        return lists, int(revision or resp.header.revision)
+
     async def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
         """Returns the revision of the write."""
         client = self.client
@@ -368,10 +426,21 @@ class Etcd:
         """Events under prefix from start_revision on (with the previous value
         of each key when prev_kv). Raises Unavailable when the stream breaks
         and Compacted when start_revision is gone."""
+        async for event in self.watch_range(
+            prefix, prefix_end(prefix), start_revision, prev_kv=prev_kv
+        ):
+            yield event
+
+    async def watch_range(
+        self, key: str, range_end: bytes, start_revision: int, *, prev_kv: bool = False
+    ) -> AsyncIterator[WatchEvent]:
+        """Events on the keys in [key, range_end) from start_revision on, in
+        revision order. Raises as watch_prefix."""
         try:
             watch = await self._call(
-                self.client.watch_prefix,
-                _b(prefix),
+                self.client.watch,
+                _b(key),
+                range_end=range_end,
                 start_revision=start_revision,
                 prev_kv=prev_kv,
             )

@@ -11,9 +11,22 @@ from flagella.common.etcd import Etcd
 from flagella.common.server import Probes, Runtime
 from flagella.common.server import main as serve_main
 from flagella.policy.config import PolicyConfig
-from flagella.policy.service import PolicyService
+from flagella.policy.service import PolicyService, Settings
 from flagella.policy.servicer import PolicyServicer
 from flagella.policy.store import PolicyStore
+
+
+def settings_of(cfg: PolicyConfig) -> Settings:
+    return Settings(
+        node_lease_ttl=cfg.node_lease_ttl,
+        keys_per_lease=cfg.keys_per_lease,
+        gc_interval=cfg.identity_gc_interval,
+        budget=cfg.policy_map_max_entries,
+        allow_localhost=cfg.allow_localhost == "always",
+        label_filter=cfg.identity_label_filter,
+        watch_heartbeat=cfg.watch_heartbeat,
+        wait_timeout=max(cfg.etcd_timeout * 2, 5.0),
+    )
 
 
 class PolicyApp:
@@ -23,20 +36,19 @@ class PolicyApp:
         cfg = runtime.config
         self.etcd = Etcd(cfg.etcd_endpoints, timeout=cfg.etcd_timeout)
         self.probes = Probes(runtime.readiness)
-        self.service = PolicyService(PolicyStore(self.etcd))
+        self.service = PolicyService(PolicyStore(self.etcd), settings_of(cfg))
 
     def register(self, server: grpc.aio.Server) -> None:
-        policy_pb2_grpc.add_PolicyServiceServicer_to_server(
-            PolicyServicer(self.service),  # type: ignore[abstract]  # RPCs land with their issue
-            server,
-        )
+        policy_pb2_grpc.add_PolicyServiceServicer_to_server(PolicyServicer(self.service), server)
 
     async def start(self) -> None:
         await self.etcd.wait_connected()
+        await self.service.start()
         self.probes.add("etcd", self.etcd.current_revision)
 
     async def stop(self) -> None:
         await self.probes.stop()
+        await self.service.stop()
         await self.etcd.close()
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flagella.common.config import ServiceConfig, option, parse_host_port
+from flagella.common.errors import ConfigError
+from flagella.policy.labels import DEFAULT_LABEL_FILTER, LabelFilter
 
 
 @dataclass(frozen=True)
@@ -13,3 +15,50 @@ class PolicyConfig(ServiceConfig):
     rules and their resolution."""
 
     listen: str = option("127.0.0.1:50052", "gRPC address to serve on", parse=parse_host_port)
+    node_lease_ttl: int = option(
+        900,
+        "seconds a node's identity references and ipcache entries outlive the last sign "
+        "of the node (its WatchPolicy stream or a call naming it)",
+    )
+    keys_per_lease: int = option(
+        1000, "keys attached to one etcd lease before a node gets another lease"
+    )
+    identity_gc_interval: float = option(
+        60.0,
+        "seconds between garbage-collection rounds; an identity no node references is "
+        "freed after two rounds",
+    )
+    policy_map_max_entries: int = option(
+        16384, "per-endpoint budget of policy-map entries (RESOURCE_EXHAUSTED beyond it)"
+    )
+    allow_localhost: str = option(
+        "always",
+        "always: ingress from the local host is allowed (Cilium's default); "
+        "policy: only when a rule allows it",
+        choices=("always", "policy"),
+    )
+    identity_label_filter: tuple[str, ...] = option(
+        DEFAULT_LABEL_FILTER,
+        "label-key patterns deciding which labels are identity-relevant, first match "
+        "wins: REGEX keeps, !REGEX drops, no match keeps",
+    )
+    watch_heartbeat: float = option(
+        30.0, "seconds between SYNCED heartbeats on an idle watch stream"
+    )
+
+    def validate(self) -> None:
+        super().validate()
+        if self.node_lease_ttl < 2:
+            raise ConfigError("--node-lease-ttl", "must be at least 2 seconds")
+        if self.keys_per_lease < 2:
+            raise ConfigError("--keys-per-lease", "must be at least 2")
+        if self.identity_gc_interval <= 0:
+            raise ConfigError("--identity-gc-interval", "must be positive")
+        if self.policy_map_max_entries < 1:
+            raise ConfigError("--policy-map-max-entries", "must be positive")
+        if self.watch_heartbeat <= 0:
+            raise ConfigError("--watch-heartbeat", "must be positive")
+        try:
+            LabelFilter(self.identity_label_filter)
+        except ValueError as exc:
+            raise ConfigError("--identity-label-filter", str(exc)) from None

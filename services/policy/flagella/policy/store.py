@@ -1,12 +1,199 @@
-"""etcd state of the policy service."""
+"""etcd state of the policy service: every read and transaction, on the
+layout of flagella.policy.keys. Multi-key changes are single transactions,
+so a crash never leaves half of one behind."""
 
 from __future__ import annotations
 
-from flagella.common.etcd import Etcd
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 
-PREFIX = "flagella/policy/v1/"
+from flagella.common.etcd import (
+    Etcd,
+    EventType,
+    KeyValue,
+    TxnResult,
+    absent,
+    delete_op,
+    get_op,
+    mod_revision_is,
+    prefix_absent,
+    prefix_end,
+    put_op,
+)
+from flagella.policy import keys
+from flagella.policy.rules import Rule, rule_to_json
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """A watch event on the mirrored range."""
+
+    deleted: bool
+    kv: KeyValue
+
+    @property
+    def revision(self) -> int:
+        return self.kv.mod_revision
+
+
+@dataclass(frozen=True, slots=True)
+class NodeLease:
+    node: str
+    lease: int
+    record_key: str
+    record_revision: int
+
+
+def _node_guard(lease: NodeLease | None) -> list[object]:
+    """Compare: the node's lease record still exists (so the lease is alive)."""
+    if lease is None:
+        return []
+    return [mod_revision_is(lease.record_key, lease.record_revision)]
 
 
 class PolicyStore:
     def __init__(self, etcd: Etcd) -> None:
         self.etcd = etcd
+
+    # --- mirror ---
+
+    async def snapshot(self, revision: int = 0) -> tuple[list[KeyValue], int]:
+        """Every mirrored key at one revision (0: now)."""
+        lists, rev = await self.etcd.get_prefixes(keys.MIRRORED_PREFIXES, revision=revision)
+        return [kv for lst in lists for kv in lst], rev
+
+    async def watch(self, start_revision: int) -> AsyncIterator[Event]:
+        """Changes to the mirrored keys from start_revision on."""
+        async for event in self.etcd.watch_range(
+            keys.RULES_PREFIX, prefix_end(keys.IP_PREFIX), start_revision
+        ):
+            if keys.parse_key(event.kv.key).kind:
+                yield Event(event.type is EventType.DELETE, event.kv)
+
+    # --- node leases ---
+
+    async def grant_node_lease(self, node: str, ttl: int, replica: str) -> NodeLease:
+        lease = await self.etcd.grant_lease(ttl)
+        key = keys.node_lease_key(node, lease)
+        result = await self.etcd.txn(
+            [absent(key)], [put_op(key, keys.dumps({"ttl": ttl, "by": replica}), lease)]
+        )
+        return NodeLease(node, lease, key, result.revision)
+
+    async def keepalive(self, lease: int) -> int:
+        return await self.etcd.keepalive_once(lease)
+
+    async def revoke(self, lease: int) -> None:
+        await self.etcd.revoke_lease(lease)
+
+    # --- identities ---
+
+    async def create_identity(
+        self, ident: int, labels: str, label_list: Sequence[str], node: NodeLease | None
+    ) -> TxnResult:
+        """Creates id/<ident> and labels/<labels> and the node's first
+        reference, if neither exists (and the node's lease is alive). On
+        failure, ranges are [labels/<labels>, id/<ident>]."""
+        labels_key = keys.labels_key(labels)
+        id_key = keys.id_key(ident)
+        ops = [
+            put_op(id_key, keys.dumps({"labels": list(label_list)})),
+            put_op(labels_key, keys.dumps({"id": ident})),
+        ]
+        if node is not None:
+            ops.append(
+                put_op(
+                    keys.ref_key(labels, node.node),
+                    keys.dumps({"id": ident, "refs": 1}),
+                    node.lease,
+                )
+            )
+        return await self.etcd.txn(
+            [absent(labels_key), absent(id_key), *_node_guard(node)],
+            ops,
+            [get_op(labels_key), get_op(id_key)],
+        )
+
+    async def set_reference(
+        self,
+        labels: str,
+        ident: int,
+        node: str,
+        refs: int,
+        *,
+        guard: NodeLease | None,
+        ref_revision: int,
+        lease: int,
+        labels_revision: int | None,
+    ) -> TxnResult:
+        """Sets node's reference count on an identity, if the reference is
+        still at ref_revision (0: absent), the identity still maps the labels
+        (labels key at labels_revision; None for reserved ids) and the guard
+        lease of the node is alive. The reference keeps its lease, or takes
+        the guard's when new. refs 0 deletes it. On failure, ranges are
+        [labels/<labels>, value/<labels>/<node>]."""
+        ref_key = keys.ref_key(labels, node)
+        labels_key = keys.labels_key(labels)
+        compare = [mod_revision_is(ref_key, ref_revision)]
+        if labels_revision is not None:
+            compare.append(mod_revision_is(labels_key, labels_revision))
+        if refs > 0:
+            compare += _node_guard(guard)
+            if not lease and guard is not None:
+                lease = guard.lease
+            op = put_op(ref_key, keys.dumps({"id": ident, "refs": refs}), lease)
+        else:
+            op = delete_op(ref_key)
+        return await self.etcd.txn(compare, [op], [get_op(labels_key), get_op(ref_key)])
+
+    async def get_reference(self, labels: str, node: str) -> KeyValue | None:
+        return await self.etcd.get(keys.ref_key(labels, node))
+
+    async def get_identity(self, ident: int) -> KeyValue | None:
+        return await self.etcd.get(keys.id_key(ident))
+
+    async def get_labels(self, labels: str) -> KeyValue | None:
+        return await self.etcd.get(keys.labels_key(labels))
+
+    async def delete_identity(
+        self, ident: int, labels: str, *, id_revision: int, labels_revision: int
+    ) -> bool:
+        """Garbage-collects an identity: only if no node references it and
+        neither key changed since it was seen unreferenced."""
+        result = await self.etcd.txn(
+            [
+                prefix_absent(keys.ref_prefix(labels)),
+                mod_revision_is(keys.id_key(ident), id_revision),
+                mod_revision_is(keys.labels_key(labels), labels_revision),
+            ],
+            [delete_op(keys.id_key(ident)), delete_op(keys.labels_key(labels))],
+        )
+        return result.succeeded
+
+    # --- ipcache ---
+
+    async def put_ip(self, prefix: str, value: bytes, node: NodeLease | None) -> TxnResult:
+        return await self.etcd.txn(
+            _node_guard(node), [put_op(keys.ip_key(prefix), value, node.lease if node else 0)]
+        )
+
+    async def get_ip(self, prefix: str) -> KeyValue | None:
+        return await self.etcd.get(keys.ip_key(prefix))
+
+    async def delete_ip(self, prefix: str, *, revision: int) -> TxnResult:
+        key = keys.ip_key(prefix)
+        return await self.etcd.txn([mod_revision_is(key, revision)], [delete_op(key)])
+
+    # --- rules ---
+
+    async def put_rules(self, rules: Sequence[Rule]) -> int:
+        """All rules in one transaction; returns its revision."""
+        result = await self.etcd.txn(
+            [], [put_op(keys.rule_key(r.key), rule_to_json(r)) for r in rules]
+        )
+        return result.revision
+
+    async def delete_rule(self, name: str) -> tuple[bool, int]:
+        key = keys.rule_key(name)
+        result = await self.etcd.txn([absent(key)], [], [delete_op(key)])
+        return (not result.succeeded), result.revision

@@ -1108,12 +1108,18 @@ class ResolvedPolicy(_message.Message):
     INGRESS_ENFORCED_FIELD_NUMBER: _builtins.int
     EGRESS_ENFORCED_FIELD_NUMBER: _builtins.int
     ENTRIES_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
     identity: _builtins.int
     revision: _builtins.int
     """Repository revision this policy was computed at."""
     ingress_enforced: _builtins.bool
     """False: no rule selects the identity in this direction; all is allowed."""
     egress_enforced: _builtins.bool
+    error: _builtins.str
+    """Set when the entries would exceed the per-endpoint budget: the policy is
+    then fail-closed (both directions enforced, no entries) and this says
+    why. Never a partial policy.
+    """
     @_builtins.property
     def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___PolicyEntry]: ...
     def __init__(
@@ -1124,10 +1130,11 @@ class ResolvedPolicy(_message.Message):
         ingress_enforced: _builtins.bool = ...,
         egress_enforced: _builtins.bool = ...,
         entries: _abc.Iterable[Global___PolicyEntry] | None = ...,
+        error: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["egress_enforced", b"egress_enforced", "entries", b"entries", "identity", b"identity", "ingress_enforced", b"ingress_enforced", "revision", b"revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["egress_enforced", b"egress_enforced", "entries", b"entries", "error", b"error", "identity", b"identity", "ingress_enforced", b"ingress_enforced", "revision", b"revision"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

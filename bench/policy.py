@@ -1,0 +1,347 @@
+"""Benchmark of the policy service: identity allocation (new and cached),
+cached lookups, resolution of 1,000 identities under 200 rules, and the
+recompute after one rule changes.
+
+Sets up its own etcd and policy process on free loopback ports and stops
+them by PID at the end.
+
+    python bench/policy.py [--quick] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+import grpc  # noqa: E402
+from harness.etcd import EtcdServer  # noqa: E402
+from harness.procs import ServiceProcess  # noqa: E402
+
+from flagella.api.policy.v1 import policy_pb2 as pb  # noqa: E402
+from flagella.api.policy.v1 import policy_pb2_grpc as pbg  # noqa: E402
+from flagella.common.etcd import Etcd  # noqa: E402
+from flagella.policy.labels import Label, LabelFilter, label_set  # noqa: E402
+from flagella.policy.rules import parse_document, rule_to_json  # noqa: E402
+from flagella.policy.state import PolicyState  # noqa: E402
+from flagella.policy.store import PolicyStore  # noqa: E402
+
+NAMESPACES = 50
+APPS_PER_NAMESPACE = 20
+TIERS = ("web", "api", "db", "cache")
+
+
+def pod(ns: int, app: int, extra: str = "") -> list[pb.Label]:
+    return [
+        pb.Label(source="k8s", key="io.kubernetes.pod.namespace", value=f"ns-{ns}"),
+        pb.Label(source="k8s", key="app", value=f"app-{app}{extra}"),
+        pb.Label(source="k8s", key="tier", value=TIERS[app % 4]),
+        pb.Label(source="k8s", key="team", value=f"team-{ns % 5}"),
+        pb.Label(source="k8s", key="pod-template-hash", value="5d8f7c9b4"),
+    ]
+
+
+def rules_document(ns: int, api_port: int = 8080) -> str:
+    """Four rules per namespace (50 namespaces: 200 rules)."""
+    return f"""
+apiVersion: flagella.io/v1
+kind: FlagellaNetworkPolicy
+metadata: {{name: web, namespace: ns-{ns}}}
+spec:
+  endpointSelector: {{matchLabels: {{tier: web}}}}
+  ingress:
+  - fromEntities: [world]
+    toPorts: [{{ports: [{{port: "80", protocol: TCP}}, {{port: "443", protocol: TCP}}]}}]
+  egress:
+  - toEndpoints: [{{matchLabels: {{tier: api}}}}]
+    toPorts: [{{ports: [{{port: "{api_port}", protocol: TCP}}]}}]
+---
+apiVersion: flagella.io/v1
+kind: FlagellaNetworkPolicy
+metadata: {{name: api, namespace: ns-{ns}}}
+spec:
+  endpointSelector: {{matchLabels: {{tier: api}}}}
+  ingress:
+  - fromEndpoints: [{{matchLabels: {{tier: web}}}}]
+    toPorts: [{{ports: [{{port: "{api_port}", protocol: TCP}}]}}]
+  - fromEndpoints:
+    - matchLabels: {{k8s:io.kubernetes.pod.namespace: ns-0}}
+      matchExpressions: [{{key: app, operator: In, values: [app-1, app-5]}}]
+    toPorts: [{{ports: [{{port: "9090", endPort: 9099, protocol: TCP}}]}}]
+  egress:
+  - toEndpoints: [{{matchLabels: {{tier: db}}}}]
+    toPorts: [{{ports: [{{port: "5432", protocol: TCP}}]}}]
+  - toEndpoints: [{{matchLabels: {{tier: cache}}}}]
+    toPorts: [{{ports: [{{port: "6379", protocol: TCP}}]}}]
+---
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {{name: db, namespace: ns-{ns}}}
+spec:
+  podSelector: {{matchLabels: {{tier: db}}}}
+  ingress:
+  - from:
+    - podSelector: {{matchLabels: {{tier: api}}}}
+    - namespaceSelector: {{matchLabels: {{kubernetes.io/metadata.name: ns-{(ns + 1) % NAMESPACES}}}}}
+      podSelector: {{matchExpressions: [{{key: tier, operator: NotIn, values: [web]}}]}}
+    ports: [{{port: 5432}}]
+---
+apiVersion: flagella.io/v1
+kind: FlagellaNetworkPolicy
+metadata: {{name: baseline, namespace: ns-{ns}}}
+spec:
+  endpointSelector: {{}}
+  egress:
+  - toEndpoints: [{{matchLabels: {{k8s:io.kubernetes.pod.namespace: ns-0, app: app-0}}}}]
+    toPorts: [{{ports: [{{port: "53", protocol: ANY}}]}}]
+  - toCIDRSet: [{{cidr: 10.0.0.0/8, except: [10.96.0.0/12, 10.{ns}.0.0/16]}}]
+    toPorts: [{{ports: [{{port: "443", protocol: TCP}}]}}]
+  ingressDeny:
+  - fromEndpoints: [{{matchLabels: {{app: app-13}}}}]
+"""
+
+
+async def run_concurrently(
+    items: list[Any], fn: Callable[[Any], Awaitable[None]], concurrency: int
+) -> float:
+    """Runs fn over items with a bounded number in flight; returns seconds."""
+    queue = list(reversed(items))
+
+    async def worker() -> None:
+        while queue:
+            await fn(queue.pop())
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return time.perf_counter() - start
+
+
+async def bench(quick: bool, etcd_endpoint: str, address: str) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    channels = [grpc.aio.insecure_channel(address) for _ in range(4)]
+    stubs = [pbg.PolicyServiceStub(ch) for ch in channels]
+    try:
+        # 1. new identities: the 1,000 of the resolution benchmark, then more
+        everyone = [(ns, app) for ns in range(NAMESPACES) for app in range(APPS_PER_NAMESPACE)]
+        extra = 0 if quick else 1000
+        counter = 0
+
+        async def allocate(item: tuple[int, int, str, str]) -> None:
+            nonlocal counter
+            ns, app, suffix, node = item
+            counter += 1
+            await stubs[counter % 4].AllocateIdentity(
+                pb.AllocateIdentityRequest(labels=pod(ns, app, suffix), node=node), timeout=30
+            )
+
+        new_items = [(ns, app, "", "node-1") for ns, app in everyone]
+        new_items += [(i % NAMESPACES, i, "-x", "node-2") for i in range(extra)]
+        seconds = await run_concurrently(new_items, allocate, 32)
+        results["new_identities_count"] = len(new_items)
+        results["new_identities_per_s"] = round(len(new_items) / seconds)
+
+        # 2. cached allocations: known labels, a new reference on another node
+        cached_items = [(ns, app, "", "node-3") for ns, app in everyone]
+        seconds = await run_concurrently(cached_items, allocate, 32)
+        results["cached_allocations_per_s"] = round(len(cached_items) / seconds)
+
+        # 3. cached lookups over gRPC (GetIdentity by labels: no etcd)
+        lookups = 4000 if quick else 20000
+        requests = [
+            pb.GetIdentityRequest(labels=pb.LabelList(labels=pod(*everyone[i % 1000])))
+            for i in range(lookups)
+        ]
+
+        async def lookup(req: pb.GetIdentityRequest) -> None:
+            nonlocal counter
+            counter += 1
+            await stubs[counter % 4].GetIdentity(req, timeout=30)
+
+        seconds = await run_concurrently(requests, lookup, 64)
+        results["cached_lookups_grpc_per_s"] = round(lookups / seconds)
+
+        # 4. rules: 200 (4 per namespace), put through the API
+        start = time.perf_counter()
+        for first in range(0, NAMESPACES, 10):
+            doc = "---".join(rules_document(ns) for ns in range(first, first + 10))
+            await stubs[0].PutRules(pb.PutRulesRequest(document=doc), timeout=30)
+        results["put_200_rules_ms"] = round((time.perf_counter() - start) * 1000, 1)
+
+        # In-process: the service's own state, loaded from etcd.
+        etcd = Etcd([etcd_endpoint])
+        try:
+            kvs, revision = await PolicyStore(etcd).snapshot()
+        finally:
+            await etcd.close()
+        ident_ids: list[int] = []
+
+        def load() -> PolicyState:
+            state = PolicyState()
+            for kv in kvs:
+                state.put(kv)
+            state.commit(revision)
+            return state
+
+        load_times, resolve_times = [], []
+        state = load()
+        for _ in range(3 if quick else 5):
+            t0 = time.perf_counter()
+            state = load()
+            t1 = time.perf_counter()
+            ident_ids = sorted(
+                i for i in state.identities if state.node_refs.get("node-1", {}).get(i)
+            )
+            entries = 0
+            for ident in ident_ids:
+                content = state.resolver.content(ident)
+                assert content is not None
+                assert not content.error
+                entries += len(content.entries)
+            t2 = time.perf_counter()
+            load_times.append(t1 - t0)
+            resolve_times.append(t2 - t1)
+        assert len(ident_ids) == 1000, len(ident_ids)
+        results["rules_count"] = len(state.rules)
+        results["resolved_identities_count"] = len(ident_ids)
+        results["policy_entries_count"] = entries
+        results["load_state_ms"] = round(statistics.median(load_times) * 1000, 1)
+        results["resolve_1000_identities_200_rules_ms"] = round(
+            statistics.median(resolve_times) * 1000, 1
+        )
+
+        # cached lookups in-process (what GetIdentity does without gRPC)
+        label_filter = LabelFilter()
+        texts = [
+            [Label.make(lb.source, lb.key, lb.value) for lb in pod(*everyone[i])]
+            for i in range(1000)
+        ]
+        n = 100000 if not quick else 30000
+        t0 = time.perf_counter()
+        for i in range(n):
+            ident = state.identity_of_labels(label_filter.filter(label_set(texts[i % 1000])))
+            assert ident is not None
+        results["cached_lookups_in_process_per_s"] = round(n / (time.perf_counter() - t0))
+
+        # 5. one rule changes: only the identities it selects are recomputed
+        change_times, recomputed = [], 0
+        rev = revision
+        for k in range(5 if quick else 10):
+            (rule,) = [r for r in parse_document(rules_document(7, 8000 + k)) if r.name == "api"]
+            rev += 1
+            t0 = time.perf_counter()
+            state.put(_KV(f"flagella/policy/v1/rules/{rule.key}", rule_to_json(rule), rev, 1))
+            change = state.commit(rev)
+            recomputed = 0
+            for ident in change.dirty:
+                if state.resolver.content(ident) is not None:
+                    recomputed += 1
+            change_times.append(time.perf_counter() - t0)
+        results["one_rule_change_recompute_ms"] = round(statistics.median(change_times) * 1000, 2)
+        results["one_rule_change_recomputed_identities_count"] = recomputed
+
+        # 6. end to end over gRPC: WatchPolicy of a node holding the 1,000
+        t0 = time.perf_counter()
+        call = stubs[1].WatchPolicy(pb.WatchPolicyRequest(node="node-1"))
+        it = call.__aiter__()
+        upserts = 0
+        while True:
+            ev = await it.__anext__()
+            if ev.kind == pb.EVENT_KIND_UPSERT:
+                upserts += 1
+            if ev.kind == pb.EVENT_KIND_SYNCED:
+                break
+        results["watch_snapshot_1000_policies_ms"] = round((time.perf_counter() - t0) * 1000, 1)
+        assert upserts == 1000, upserts
+        e2e = []
+        for k in range(5 if quick else 10):
+            doc = "".join(d for d in rules_document(9, 7000 + k).split("---") if "name: api," in d)
+            t0 = time.perf_counter()
+            put = await stubs[0].PutRules(pb.PutRulesRequest(document=doc), timeout=30)
+            while True:
+                ev = await it.__anext__()
+                if ev.kind == pb.EVENT_KIND_SYNCED and ev.revision >= put.revision:
+                    break
+            e2e.append(time.perf_counter() - t0)
+        call.cancel()
+        results["one_rule_change_end_to_end_ms"] = round(statistics.median(e2e) * 1000, 1)
+    finally:
+        for ch in channels:
+            await ch.close()
+    return results
+
+
+class _KV:
+    def __init__(self, key: str, value: bytes, rev: int, created: int) -> None:
+        self.key = key
+        self.value = value
+        self.mod_revision = rev
+        self.create_revision = created
+        self.lease = 0
+
+
+ROWS = [
+    ("new identities (AllocateIdentity, 32 in flight)", "new_identities_per_s", "/s", ">= 500"),
+    ("cached allocations (known labels, new reference)", "cached_allocations_per_s", "/s", ""),
+    ("cached lookups over gRPC (GetIdentity by labels)", "cached_lookups_grpc_per_s", "/s", ""),
+    ("cached lookups in process", "cached_lookups_in_process_per_s", "/s", ">= 20,000"),
+    ("put 200 rules (5 PutRules of 40)", "put_200_rules_ms", "ms", ""),
+    ("load state from an etcd snapshot", "load_state_ms", "ms", ""),
+    (
+        "resolve 1,000 identities under 200 rules",
+        "resolve_1000_identities_200_rules_ms",
+        "ms",
+        "< 1,000",
+    ),
+    ("one rule changes: recompute what it affects", "one_rule_change_recompute_ms", "ms", "< 50"),
+    ("one rule changes: PutRules to WatchPolicy SYNCED", "one_rule_change_end_to_end_ms", "ms", ""),
+    ("WatchPolicy snapshot of 1,000 policies", "watch_snapshot_1000_policies_ms", "ms", ""),
+]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller runs, within 30 s")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    etcd = EtcdServer().start()
+    proc = ServiceProcess("policy", ["--etcd-endpoints", etcd.endpoint, "--log-level", "warning"])
+    try:
+        proc.start().wait_serving()
+        results = asyncio.run(bench(args.quick, etcd.endpoint, proc.address))
+    finally:
+        proc.cleanup()
+        etcd.cleanup()
+    results["cpu_count"] = os.cpu_count()
+    results["total_s"] = round(time.perf_counter() - started, 1)
+    if args.json:
+        print(json.dumps(results, sort_keys=True))
+        return 0
+    width = max(len(r[0]) for r in ROWS)
+    print(
+        f"{'policy benchmark' + (' (quick)' if args.quick else ''):<{width}}  {'value':>12}  target"
+    )
+    for label, key, unit, target in ROWS:
+        value = results[key]
+        print(f"{label:<{width}}  {value:>10,} {unit:<3} {target}")
+    print(
+        f"({results['new_identities_count']} new identities; {results['resolved_identities_count']} identities, "
+        f"{results['rules_count']} rules, {results['policy_entries_count']} entries; one rule change "
+        f"recomputes {results['one_rule_change_recomputed_identities_count']} identities; "
+        f"{results['cpu_count']} CPUs; {results['total_s']} s)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

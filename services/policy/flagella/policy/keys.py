@@ -1,0 +1,116 @@
+"""The policy service's etcd layout (ARCHITECTURE.md "etcd layout") and
+the JSON values stored under it.
+
+flagella/state/identities/v1/
+  id/<id>                         {"labels": [...]}          no lease
+  labels/<sorted labels>          {"id": N}                  no lease (the
+                                  create-if-absent guard: one id per label set)
+  value/<sorted labels>/<node>    {"id": N, "refs": R}       node's lease
+  nodes/<node>/<lease hex>        {"ttl": T, "by": replica}  that lease
+flagella/state/ip/v1/<ip or cidr> {"identity", "node", "hostIP", "source"}
+                                  node's lease when it names a node
+flagella/policy/v1/rules/<namespace>/<name> or .../rules/<name>   rule JSON
+
+<sorted labels> is Cilium's ``source:key=value;`` list with '%' and '/'
+percent-encoded so it is one key segment.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+IDENT_PREFIX = "flagella/state/identities/v1/"
+ID_PREFIX = IDENT_PREFIX + "id/"
+LABELS_PREFIX = IDENT_PREFIX + "labels/"
+VALUE_PREFIX = IDENT_PREFIX + "value/"
+NODES_PREFIX = IDENT_PREFIX + "nodes/"
+IP_PREFIX = "flagella/state/ip/v1/"
+RULES_PREFIX = "flagella/policy/v1/rules/"
+# Everything a replica mirrors, read in one transaction and watched as one
+# key range [RULES_PREFIX, end of IP_PREFIX) (keys of others in between are
+# ignored).
+MIRRORED_PREFIXES = (RULES_PREFIX, IDENT_PREFIX, IP_PREFIX)
+
+NODE_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,251}[A-Za-z0-9])?$")
+
+
+def enc(text: str) -> str:
+    return text.replace("%", "%25").replace("/", "%2F")
+
+
+def dec(text: str) -> str:
+    return text.replace("%2F", "/").replace("%25", "%")
+
+
+def id_key(ident: int) -> str:
+    return f"{ID_PREFIX}{ident}"
+
+
+def labels_key(labels: str) -> str:
+    return LABELS_PREFIX + enc(labels)
+
+
+def ref_prefix(labels: str) -> str:
+    return f"{VALUE_PREFIX}{enc(labels)}/"
+
+
+def ref_key(labels: str, node: str) -> str:
+    return ref_prefix(labels) + node
+
+
+def node_lease_prefix(node: str) -> str:
+    return f"{NODES_PREFIX}{node}/"
+
+
+def node_lease_key(node: str, lease: int) -> str:
+    return f"{node_lease_prefix(node)}{lease:x}"
+
+
+def ip_key(prefix: str) -> str:
+    return IP_PREFIX + prefix
+
+
+def rule_key(name: str) -> str:
+    return RULES_PREFIX + name
+
+
+@dataclass(frozen=True, slots=True)
+class Parsed:
+    kind: str  # id, labels, ref, node, ip, rule, or "" when not ours
+    a: str = ""
+    b: str = ""
+
+
+def parse_key(key: str) -> Parsed:
+    if key.startswith(IDENT_PREFIX):
+        if key.startswith(ID_PREFIX):
+            rest = key[len(ID_PREFIX) :]
+            return Parsed("id", rest) if rest.isdigit() else Parsed("")
+        if key.startswith(LABELS_PREFIX):
+            return Parsed("labels", dec(key[len(LABELS_PREFIX) :]))
+        if key.startswith(VALUE_PREFIX):
+            labels, sep, node = key[len(VALUE_PREFIX) :].rpartition("/")
+            return Parsed("ref", dec(labels), node) if sep else Parsed("")
+        if key.startswith(NODES_PREFIX):
+            node, sep, lease = key[len(NODES_PREFIX) :].rpartition("/")
+            return Parsed("node", node, lease) if sep else Parsed("")
+        return Parsed("")
+    if key.startswith(IP_PREFIX):
+        return Parsed("ip", key[len(IP_PREFIX) :])
+    if key.startswith(RULES_PREFIX):
+        return Parsed("rule", key[len(RULES_PREFIX) :])
+    return Parsed("")
+
+
+def dumps(value: dict[str, Any]) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+
+
+def loads(raw: bytes) -> dict[str, Any]:
+    value = json.loads(raw)
+    if not isinstance(value, dict):
+        raise ValueError("not a JSON object")
+    return value

@@ -1,0 +1,562 @@
+"""Policy resolution: from rules and identities to policy-map entries.
+
+Semantics (Cilium's default enforcement mode):
+- A direction of an identity is enforced when at least one rule selecting
+  it has rules (allow or deny) in that direction, or enforces it explicitly
+  (a Kubernetes policyTypes entry). A direction not enforced allows all:
+  one entry (identity 0, port 0, ANY) says so.
+- In an enforced direction only what an allow entry matches passes
+  (default deny), and deny beats allow.
+- Ingress from the local host (identity 1) is allowed when ingress is
+  enforced (Cilium's allow-localhost=always), unless a deny rule says
+  otherwise.
+
+Entries are keyed (peer identity, port, end_port, protocol, direction), with
+identity 0 meaning any identity, port 0 any port, end_port > 0 an inclusive
+range and protocol ANY any protocol (ANY only ever comes with port 0: a
+port with ANY is expanded to TCP, UDP and SCTP). Deny over allow is made
+explicit so that a datapath that picks the most specific matching entry
+(exact identity before 0, narrower port range before wider, a protocol
+before ANY; deny on a tie) gets it right: wherever an allow entry and a deny
+entry overlap, the overlap is added as a deny entry, and an allow entry a
+deny entry covers is dropped.
+
+Incremental: identities with the same set of selecting rules (a signature)
+share one computed policy; the entries are grouped by peer identity, so a
+new or removed identity recomputes only its own group in the signatures
+whose selectors select it, and a changed rule recomputes only the
+signatures that contain it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from flagella.policy.identities import HOST, IdentityInfo, Kind
+from flagella.policy.rules import (
+    Clause,
+    CompiledRule,
+    Direction,
+    Protocol,
+    Verdict,
+)
+from flagella.policy.selector import WILDCARD, LabelSelector, Selector, SelectorCache
+
+DEFAULT_BUDGET = 16384
+
+# derived_from of the entries no rule made.
+DEFAULT_ALLOW = "(no rule selects this direction: allow all)"
+ALLOW_LOCALHOST = "(allow-localhost)"
+
+# (port, end_port, protocol, direction), plain ints (hashed a lot)
+Key4 = tuple[int, int, int, int]
+Group = tuple[dict[Key4, frozenset[str]], dict[Key4, frozenset[str]]]  # (allow, deny)
+
+
+class PolicyEntry(NamedTuple):
+    identity: int
+    port: int
+    end_port: int
+    protocol: Protocol
+    direction: Direction
+    verdict: Verdict
+    derived_from: tuple[str, ...] = ()
+
+
+_PROTOCOL = {int(p): p for p in Protocol}
+_DIRECTION = {int(d): d for d in Direction}
+_VERDICT = {int(v): v for v in Verdict}
+_ANY = int(Protocol.ANY)
+_INGRESS = int(Direction.INGRESS)
+_EGRESS = int(Direction.EGRESS)
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyContent:
+    """What a resolved policy says; shared by the identities of one
+    signature."""
+
+    ingress_enforced: bool
+    egress_enforced: bool
+    entries: tuple[PolicyEntry, ...]
+    # Set when the entries would exceed the budget: the content is then
+    # fail-closed (both directions enforced, no entries).
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedPolicy:
+    identity: int
+    revision: int
+    content: PolicyContent
+
+
+# --- port arithmetic ---
+
+
+def _range(port: int, end: int) -> tuple[int, int]:
+    if port == 0:
+        return 0, 65535
+    return port, end if end > port else port
+
+
+def _pack(lo: int, hi: int) -> tuple[int, int]:
+    if lo == 0 and hi == 65535:
+        return 0, 0
+    if lo == hi:
+        return lo, 0
+    return lo, hi
+
+
+def intersect(a: Key4, b: Key4) -> Key4 | None:
+    """The keys both a and b match, as one key, or None."""
+    if a[3] != b[3]:
+        return None
+    pa, pb = a[2], b[2]
+    if pa == _ANY:
+        proto = pb
+    elif pb in (_ANY, pa):
+        proto = pa
+    else:
+        return None
+    alo, ahi = _range(a[0], a[1])
+    blo, bhi = _range(b[0], b[1])
+    lo, hi = max(alo, blo), min(ahi, bhi)
+    if lo > hi:
+        return None
+    port, end = _pack(lo, hi)
+    return port, end, proto, a[3]
+
+
+def port_matches(key: tuple[int, int, Protocol], dport: int, proto: Protocol) -> bool:
+    if key[2] != Protocol.ANY and key[2] != proto:
+        return False
+    lo, hi = _range(key[0], key[1])
+    return lo <= dport <= hi if key[0] else True
+
+
+def _add(acc: dict[Key4, set[str]], keys: Iterable[Key4], name: str) -> None:
+    for k in keys:
+        s = acc.get(k)
+        if s is None:
+            acc[k] = {name}
+        else:
+            s.add(name)
+
+
+def _freeze(acc: dict[Key4, set[str]]) -> dict[Key4, frozenset[str]]:
+    return {k: frozenset(v) for k, v in acc.items()}
+
+
+def _precedence(
+    allow: dict[Key4, frozenset[str]],
+    deny: dict[Key4, frozenset[str]],
+    other_allow: dict[Key4, frozenset[str]],
+    other_deny: dict[Key4, frozenset[str]],
+) -> Group:
+    """Final entries of one peer identity's group given its raw allow/deny
+    entries and the wildcard group's (other_*)."""
+    if not deny and not other_deny:
+        return allow, {}
+    out_deny: dict[Key4, set[str]] = {k: set(v) for k, v in deny.items()}
+    denies = list(deny.items()) + list(other_deny.items())
+    for a in allow:
+        for d, names in denies:
+            i = intersect(a, d)
+            if i is not None:
+                out_deny.setdefault(i, set()).update(names)
+    if deny:
+        for a in other_allow:
+            for d, names in deny.items():
+                i = intersect(a, d)
+                if i is not None:
+                    out_deny.setdefault(i, set()).update(names)
+    final_deny = _freeze(out_deny)
+    return {k: v for k, v in allow.items() if k not in final_deny}, final_deny
+
+
+def _clause_keys(clause: Clause) -> tuple[Key4, ...]:
+    d = int(clause.direction)
+    return tuple((p, e, int(proto), d) for p, e, proto in clause.ports)
+
+
+class SigPolicy:
+    """The computed policy of one signature (a set of selecting rules)."""
+
+    def __init__(self, resolver: Resolver, sig: frozenset[str]) -> None:
+        self.resolver = resolver
+        self.sig = sig
+        rules = [resolver.rules[k] for k in sorted(sig)]
+        self.ingress_enforced = any(r.enforces_ingress for r in rules)
+        self.egress_enforced = any(r.enforces_egress for r in rules)
+        self.localhost = resolver.allow_localhost and self.ingress_enforced
+        self.by_selector: dict[Selector, list[tuple[Clause, tuple[Key4, ...]]]] = {}
+        allow0: dict[Key4, set[str]] = {}
+        deny0: dict[Key4, set[str]] = {}
+        for rule in rules:
+            for clause in rule.clauses:
+                keys = _clause_keys(clause)
+                for sel in clause.selectors:
+                    if sel is WILDCARD:
+                        _add(
+                            allow0 if clause.verdict is Verdict.ALLOW else deny0, keys, clause.rule
+                        )
+                    else:
+                        self.by_selector.setdefault(sel, []).append((clause, keys))
+        if not self.ingress_enforced:
+            _add(allow0, [(0, 0, _ANY, _INGRESS)], DEFAULT_ALLOW)
+        if not self.egress_enforced:
+            _add(allow0, [(0, 0, _ANY, _EGRESS)], DEFAULT_ALLOW)
+        self.raw_allow0 = _freeze(allow0)
+        self.raw_deny0 = _freeze(deny0)
+        self.group0 = _precedence(self.raw_allow0, self.raw_deny0, {}, {})
+        self.groups: dict[int, Group] = {}
+        self.count = sum(map(len, self.group0))
+        self.version = 0
+        self._content: PolicyContent | None = None
+        self._stale: set[int] = set()
+        self._compute_all()
+
+    def _group_ids(self) -> set[int]:
+        cache = self.resolver.selectors
+        ids: set[int] = set()
+        for sel in self.by_selector:
+            ids |= cache.selections(sel)
+        if self.localhost:
+            ids.add(HOST)
+        return ids
+
+    def _raw(self, ident: int) -> tuple[dict[Key4, frozenset[str]], dict[Key4, frozenset[str]]]:
+        allow: dict[Key4, set[str]] = {}
+        deny: dict[Key4, set[str]] = {}
+        sels = self.resolver.selectors.selectors_of(ident)
+        by_sel = self.by_selector
+        if len(sels) < len(by_sel):
+            pairs = (by_sel[s] for s in sels if s in by_sel)
+        else:
+            pairs = (cl for s, cl in by_sel.items() if s in sels)
+        for clauses in pairs:
+            for clause, keys in clauses:
+                _add(allow if clause.verdict is Verdict.ALLOW else deny, keys, clause.rule)
+        if ident == HOST and self.localhost:
+            _add(allow, [(0, 0, _ANY, _INGRESS)], ALLOW_LOCALHOST)
+        return _freeze(allow), _freeze(deny)
+
+    def _set_group(self, ident: int, group: Group | None) -> None:
+        old = self.groups.pop(ident, None)
+        if old is not None:
+            self.count -= len(old[0]) + len(old[1])
+        if group is not None and (group[0] or group[1]):
+            self.groups[ident] = group
+            self.count += len(group[0]) + len(group[1])
+
+    def _compute_ident(self, ident: int) -> None:
+        allow, deny = self._raw(ident)
+        if not allow and not deny:
+            self._set_group(ident, None)
+            return
+        self._set_group(ident, _precedence(allow, deny, self.raw_allow0, self.raw_deny0))
+
+    def _compute_all(self) -> None:
+        for ident in self._group_ids():
+            self._compute_ident(ident)
+
+    def invalidate(self, idents: Iterable[int]) -> None:
+        self._stale.update(idents)
+
+    def refresh(self) -> None:
+        if not self._stale:
+            return
+        stale, self._stale = self._stale, set()
+        for ident in stale:
+            self._compute_ident(ident)
+        self.version += 1
+        self._content = None
+
+    def content(self, budget: int) -> PolicyContent:
+        self.refresh()
+        if self._content is not None:
+            return self._content
+        if self.count > budget:
+            self._content = PolicyContent(
+                ingress_enforced=True,
+                egress_enforced=True,
+                entries=(),
+                error=(
+                    f"policy needs {self.count} entries, more than the per-endpoint budget "
+                    f"of {budget}: failing closed"
+                ),
+            )
+            return self._content
+        raw: list[tuple[int, int, int, int, int, int, tuple[str, ...]]] = []
+        allow_v, deny_v = int(Verdict.ALLOW), int(Verdict.DENY)
+        for ident, (allow, deny) in [(0, self.group0), *self.groups.items()]:
+            for verdict, group in ((allow_v, allow), (deny_v, deny)):
+                for k, names in group.items():
+                    raw.append((ident, k[0], k[1], k[2], k[3], verdict, tuple(sorted(names))))
+        raw.sort()
+        entries = [
+            PolicyEntry(i, p, e, _PROTOCOL[pr], _DIRECTION[d], _VERDICT[v], n)
+            for i, p, e, pr, d, v, n in raw
+        ]
+        self._content = PolicyContent(self.ingress_enforced, self.egress_enforced, tuple(entries))
+        return self._content
+
+
+class Resolver:
+    """Rules and identities in; resolved policies out, incrementally."""
+
+    def __init__(self, *, budget: int = DEFAULT_BUDGET, allow_localhost: bool = True) -> None:
+        self.budget = budget
+        self.allow_localhost = allow_localhost
+        self.selectors = SelectorCache()
+        self.rules: dict[str, CompiledRule] = {}
+        self._rules_by_subject: dict[LabelSelector, set[str]] = {}
+        self._peer_users: dict[Selector, set[str]] = {}
+        # identity -> signature (rule keys selecting it)
+        self._sig_of: dict[int, frozenset[str]] = {}
+        self._members: dict[frozenset[str], set[int]] = {}
+        self._sigs_with_rule: dict[str, set[frozenset[str]]] = {}
+        self._computed: dict[frozenset[str], SigPolicy] = {}
+        self._dirty: set[int] = set()
+
+    # --- inputs ---
+
+    @property
+    def identities(self) -> dict[int, IdentityInfo]:
+        return self.selectors.identities
+
+    def add_identity(self, info: IdentityInfo) -> None:
+        changed = self.selectors.add_identity(info)
+        self._peers_changed(changed, (info.id,))
+        self._resubject(info.id)
+        self._dirty.add(info.id)
+
+    def remove_identity(self, ident: int) -> None:
+        changed = self.selectors.remove_identity(ident)
+        self._peers_changed(changed, (ident,))
+        self._set_sig(ident, None)
+        self._dirty.add(ident)
+
+    def put_rule(self, rule: CompiledRule) -> None:
+        affected: set[int] = set()
+        old = self.rules.pop(rule.key, None)
+        if old is not None:
+            affected |= self._unregister(old)
+        self.rules[rule.key] = rule
+        affected |= self._register(rule)
+        self._rules_changed(rule.key, affected)
+
+    def delete_rule(self, key: str) -> bool:
+        old = self.rules.pop(key, None)
+        if old is None:
+            return False
+        affected = self._unregister(old)
+        self._rules_changed(key, affected)
+        return True
+
+    def _register(self, rule: CompiledRule) -> set[int]:
+        self.selectors.add_user(rule.subject)
+        self._rules_by_subject.setdefault(rule.subject, set()).add(rule.key)
+        for sel in rule.peer_selectors:
+            self.selectors.add_user(sel)
+            self._peer_users.setdefault(sel, set()).add(rule.key)
+        return set(self.selectors.selections(rule.subject))
+
+    def _unregister(self, rule: CompiledRule) -> set[int]:
+        affected = set(self.selectors.selections(rule.subject))
+        users = self._rules_by_subject.get(rule.subject)
+        if users is not None:
+            users.discard(rule.key)
+            if not users:
+                del self._rules_by_subject[rule.subject]
+        self.selectors.remove_user(rule.subject)
+        for sel in rule.peer_selectors:
+            peer_users = self._peer_users.get(sel)
+            if peer_users is not None:
+                peer_users.discard(rule.key)
+                if not peer_users:
+                    del self._peer_users[sel]
+            self.selectors.remove_user(sel)
+        return affected
+
+    def _rules_changed(self, key: str, affected: set[int]) -> None:
+        # Signatures that contain the rule: their content changed.
+        for sig in list(self._sigs_with_rule.get(key, ())):
+            self._computed.pop(sig, None)
+            self._dirty.update(self._members.get(sig, ()))
+        for ident in affected:
+            self._resubject(ident)
+
+    def _peers_changed(self, selectors: Iterable[Selector], idents: Iterable[int]) -> None:
+        sigs: set[frozenset[str]] = set()
+        for sel in selectors:
+            for key in self._peer_users.get(sel, ()):
+                sigs.update(self._sigs_with_rule.get(key, ()))
+        if not sigs:
+            return
+        idents = tuple(idents)
+        for sig in sigs:
+            computed = self._computed.get(sig)
+            if computed is not None:
+                computed.invalidate(idents)
+            self._dirty.update(self._members.get(sig, ()))
+
+    def _eligible(self, rule: CompiledRule, info: IdentityInfo) -> bool:
+        if info.kind is Kind.GLOBAL:
+            return True
+        return info.kind is Kind.RESERVED and rule.selects_reserved
+
+    def _resubject(self, ident: int) -> None:
+        info = self.identities.get(ident)
+        if info is None:
+            self._set_sig(ident, None)
+            return
+        keys: set[str] = set()
+        if info.kind is not Kind.CIDR:
+            for sel in self.selectors.selectors_of(ident):
+                if isinstance(sel, LabelSelector):
+                    for key in self._rules_by_subject.get(sel, ()):
+                        if self._eligible(self.rules[key], info):
+                            keys.add(key)
+        self._set_sig(ident, frozenset(keys))
+
+    def _set_sig(self, ident: int, sig: frozenset[str] | None) -> None:
+        old = self._sig_of.get(ident)
+        if old == sig:
+            return
+        self._dirty.add(ident)
+        if old is not None:
+            members = self._members[old]
+            members.discard(ident)
+            if not members:
+                del self._members[old]
+                self._computed.pop(old, None)
+                for key in old:
+                    with_rule = self._sigs_with_rule.get(key)
+                    if with_rule is not None:
+                        with_rule.discard(old)
+                        if not with_rule:
+                            del self._sigs_with_rule[key]
+            del self._sig_of[ident]
+        if sig is not None:
+            self._sig_of[ident] = sig
+            new_members = self._members.get(sig)
+            if new_members is None:
+                self._members[sig] = {ident}
+                for key in sig:
+                    self._sigs_with_rule.setdefault(key, set()).add(sig)
+            else:
+                new_members.add(ident)
+
+    # --- outputs ---
+
+    def take_dirty(self) -> set[int]:
+        """Identities whose policy may have changed since the last call."""
+        dirty, self._dirty = self._dirty, set()
+        return dirty
+
+    def signature(self, ident: int) -> frozenset[str] | None:
+        return self._sig_of.get(ident)
+
+    def _sig_policy(self, sig: frozenset[str]) -> SigPolicy:
+        computed = self._computed.get(sig)
+        if computed is None:
+            computed = SigPolicy(self, sig)
+            self._computed[sig] = computed
+        return computed
+
+    def content(self, ident: int) -> PolicyContent | None:
+        """The resolved policy of a known identity (None when unknown)."""
+        sig = self._sig_of.get(ident)
+        if sig is None:
+            return None
+        return self._sig_policy(sig).content(self.budget)
+
+    def entry_count(self, ident: int) -> int:
+        sig = self._sig_of.get(ident)
+        if sig is None:
+            return 0
+        policy = self._sig_policy(sig)
+        policy.refresh()
+        return policy.count
+
+    def rules_selecting(self, info: IdentityInfo) -> list[CompiledRule]:
+        """Rules whose endpoint selector selects info (need not be known)."""
+        if info.kind is Kind.CIDR:
+            return []
+        out = []
+        for sel in self.selectors.matching(info):
+            if not isinstance(sel, LabelSelector):
+                continue
+            for key in self._rules_by_subject.get(sel, ()):
+                rule = self.rules[key]
+                if self._eligible(rule, info):
+                    out.append(rule)
+        return sorted(out, key=lambda r: r.key)
+
+    def iter_signatures(self) -> Iterator[tuple[frozenset[str], set[int]]]:
+        return iter(self._members.items())
+
+
+# --- trace ---
+
+
+@dataclass
+class DirectionTrace:
+    enforced: bool
+    verdict: Verdict
+    deciding: list[str] = field(default_factory=list)
+    lines: list[str] = field(default_factory=list)
+
+
+def trace_direction(
+    rules: list[CompiledRule],
+    direction: Direction,
+    peer: IdentityInfo,
+    dport: int,
+    proto: Protocol,
+    *,
+    allow_localhost: bool,
+) -> DirectionTrace:
+    """The verdict for traffic in one direction of an endpoint selected by
+    rules, from/to peer on dport/proto."""
+    name = "ingress" if direction is Direction.INGRESS else "egress"
+    enforcing = [
+        r.key
+        for r in rules
+        if (r.enforces_ingress if direction is Direction.INGRESS else r.enforces_egress)
+    ]
+    if not enforcing:
+        return DirectionTrace(
+            False, Verdict.ALLOW, [], [f"  no rule selects it for {name}: all {name} allowed"]
+        )
+    lines = [f"  {name} enforced by: {', '.join(enforcing)}"]
+    allows: list[str] = []
+    denies: list[str] = []
+    for rule in rules:
+        for clause in rule.clauses:
+            if clause.direction is not direction:
+                continue
+            matched = [s for s in clause.selectors if s.matches(peer)]
+            if not matched:
+                continue
+            if not any(port_matches(p, dport, proto) for p in clause.ports):
+                continue
+            what = "denies" if clause.verdict is Verdict.DENY else "allows"
+            sel = "any peer" if matched[0] is WILDCARD else str(matched[0])
+            lines.append(f"  {rule.key} {clause.where} {what} {sel}")
+            (denies if clause.verdict is Verdict.DENY else allows).append(rule.key)
+    if direction is Direction.INGRESS and allow_localhost and peer.id == HOST and not denies:
+        lines.append("  ingress from the local host is always allowed (allow-localhost)")
+        allows.append(ALLOW_LOCALHOST)
+    if denies:
+        lines.append(f"  {name} DENIED: deny beats allow")
+        return DirectionTrace(True, Verdict.DENY, sorted(set(denies)), lines)
+    if allows:
+        lines.append(f"  {name} ALLOWED")
+        return DirectionTrace(True, Verdict.ALLOW, sorted(set(allows)), lines)
+    lines.append(f"  {name} DENIED: no rule allows it (default deny)")
+    return DirectionTrace(True, Verdict.DENY, [], lines)

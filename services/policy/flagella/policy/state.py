@@ -1,0 +1,377 @@
+"""A replica's in-memory mirror of the policy state in etcd (identities,
+references, node leases, rules, ipcache) and the resolver fed from it.
+
+It is built from a snapshot and then moved forward one batch of watch
+events at a time; it is a pure function of the keys it was given, so any
+replica, or a rebuild from etcd's history at an older revision, computes the
+same identities, CIDR identities, ipcache view and resolved policies.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from flagella.policy import keys
+from flagella.policy.identities import (
+    RESERVED_INFOS,
+    IdentityInfo,
+    IPNetwork,
+    Kind,
+    assign_cidr_identities,
+    cidr_labels,
+    format_prefix,
+    parse_prefix,
+    reserved_identity_of,
+)
+from flagella.policy.labels import LabelError, LabelSet, format_labels, parse_labels
+from flagella.policy.resolve import DEFAULT_BUDGET, PolicyContent, ResolvedPolicy, Resolver
+from flagella.policy.rules import Rule, compile_rule, rule_from_json
+
+log = logging.getLogger(__name__)
+
+CIDR_POLICY_SOURCE = "cidr-policy"
+
+
+class KV(Protocol):
+    """What the state needs of an etcd key-value (flagella.common.etcd.KeyValue)."""
+
+    @property
+    def key(self) -> str: ...
+    @property
+    def value(self) -> bytes: ...
+    @property
+    def mod_revision(self) -> int: ...
+    @property
+    def create_revision(self) -> int: ...
+    @property
+    def lease(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class IPEntry:
+    prefix: str
+    identity: int
+    node: str = ""
+    host_ip: str = ""
+    source: str = ""
+    revision: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RefInfo:
+    id: int
+    refs: int
+    lease: int
+    mod_revision: int
+
+
+@dataclass(frozen=True, slots=True)
+class GlobalIdentity:
+    id: int
+    labels: LabelSet
+    label_string: str
+    mod_revision: int
+
+
+@dataclass
+class Change:
+    """What one committed batch changed."""
+
+    revision: int = 0
+    # ipcache prefixes whose (merged) entry may have changed
+    ipcache: set[str] = field(default_factory=set)
+    # identities whose resolved policy may have changed
+    dirty: set[int] = field(default_factory=set)
+    # node -> identities whose reference by that node changed
+    nodes: dict[str, set[int]] = field(default_factory=dict)
+    # everything changed (a rebuild): subscribers re-check all they hold
+    full: bool = False
+
+    def merge(self, other: Change) -> None:
+        self.revision = max(self.revision, other.revision)
+        self.ipcache |= other.ipcache
+        self.dirty |= other.dirty
+        for node, ids in other.nodes.items():
+            self.nodes.setdefault(node, set()).update(ids)
+        self.full = self.full or other.full
+
+    def __bool__(self) -> bool:
+        return bool(self.ipcache or self.dirty or self.nodes or self.full)
+
+
+class PolicyState:
+    def __init__(self, *, budget: int = DEFAULT_BUDGET, allow_localhost: bool = True) -> None:
+        self.revision = 0
+        self.resolver = Resolver(budget=budget, allow_localhost=allow_localhost)
+        for info in RESERVED_INFOS.values():
+            self.resolver.add_identity(info)
+        self.resolver.take_dirty()
+        self.identities: dict[int, GlobalIdentity] = {}
+        # The highest global id seen (not lowered by deletions: ids are not
+        # reused until the range wraps).
+        self.max_global_id = 0
+        self.labels_index: dict[str, tuple[int, int]] = {}  # label string -> (id, mod_rev)
+        self.refs: dict[tuple[str, str], RefInfo] = {}  # (label string, node)
+        self.refs_by_id: dict[int, dict[str, int]] = {}  # id -> node -> refs
+        self.node_refs: dict[str, dict[int, int]] = {}  # node -> id -> refs
+        self.node_leases: dict[str, dict[int, int]] = {}  # node -> lease -> record mod_rev
+        self.lease_keys: dict[int, int] = {}  # lease -> keys attached (that we mirror)
+        self.rules: dict[str, Rule] = {}
+        self.cidr: dict[IPNetwork, int] = {}
+        self._cidr_by_prefix: dict[str, tuple[IPNetwork, int]] = {}
+        self.ip: dict[str, IPEntry] = {}
+        self._kv_lease: dict[str, int] = {}
+        self._pending = Change()
+        self._rules_changed = False
+
+    # --- building ---
+
+    @classmethod
+    def from_snapshot(
+        cls,
+        kvs: Iterable[KV],
+        revision: int,
+        *,
+        budget: int = DEFAULT_BUDGET,
+        allow_localhost: bool = True,
+    ) -> PolicyState:
+        state = cls(budget=budget, allow_localhost=allow_localhost)
+        for kv in kvs:
+            state.put(kv)
+        state.commit(revision)
+        return state
+
+    def put(self, kv: KV) -> None:
+        self._apply(kv.key, kv, deleted=False)
+
+    def delete(self, key: str, revision: int) -> None:
+        self._apply(key, None, deleted=True, revision=revision)
+
+    def _track_lease(self, key: str, lease: int) -> None:
+        old = self._kv_lease.pop(key, 0)
+        if old:
+            left = self.lease_keys.get(old, 0) - 1
+            if left > 0:
+                self.lease_keys[old] = left
+            else:
+                self.lease_keys.pop(old, None)
+        if lease:
+            self._kv_lease[key] = lease
+            self.lease_keys[lease] = self.lease_keys.get(lease, 0) + 1
+
+    def _apply(self, key: str, kv: KV | None, *, deleted: bool, revision: int = 0) -> None:
+        parsed = keys.parse_key(key)
+        if not parsed.kind:
+            return
+        self._track_lease(key, 0 if kv is None else kv.lease)
+        try:
+            getattr(self, f"_on_{parsed.kind}")(parsed, kv)
+        except (ValueError, KeyError, TypeError, LabelError) as exc:
+            # A value we cannot read (written by a newer version?): skip it
+            # rather than stop mirroring.
+            log.error("ignoring unreadable key", extra={"key": key, "reason": repr(exc)})
+
+    def _on_id(self, p: keys.Parsed, kv: KV | None) -> None:
+        ident = int(p.a)
+        old = self.identities.pop(ident, None)
+        if kv is None:
+            if old is not None:
+                self.resolver.remove_identity(ident)
+            return
+        labels = parse_labels(keys.loads(kv.value)["labels"])
+        gid = GlobalIdentity(ident, labels, format_labels(labels), kv.mod_revision)
+        self.identities[ident] = gid
+        self.max_global_id = max(self.max_global_id, ident)
+        if old is None or old.labels != labels:
+            self.resolver.add_identity(IdentityInfo.make(ident, labels, Kind.GLOBAL))
+
+    def _on_labels(self, p: keys.Parsed, kv: KV | None) -> None:
+        if kv is None:
+            self.labels_index.pop(p.a, None)
+        else:
+            self.labels_index[p.a] = (int(keys.loads(kv.value)["id"]), kv.mod_revision)
+
+    def _on_ref(self, p: keys.Parsed, kv: KV | None) -> None:
+        label_string, node = p.a, p.b
+        old = self.refs.pop((label_string, node), None)
+        if old is not None:
+            self._drop_ref(old.id, node)
+        if kv is not None:
+            value = keys.loads(kv.value)
+            ref = RefInfo(int(value["id"]), int(value["refs"]), kv.lease, kv.mod_revision)
+            self.refs[(label_string, node)] = ref
+            self.refs_by_id.setdefault(ref.id, {})[node] = ref.refs
+            self.node_refs.setdefault(node, {})[ref.id] = ref.refs
+            ident = ref.id
+        elif old is not None:
+            ident = old.id
+        else:
+            return
+        self._pending.nodes.setdefault(node, set()).add(ident)
+
+    def _drop_ref(self, ident: int, node: str) -> None:
+        by_node = self.refs_by_id.get(ident)
+        if by_node is not None:
+            by_node.pop(node, None)
+            if not by_node:
+                del self.refs_by_id[ident]
+        on_node = self.node_refs.get(node)
+        if on_node is not None:
+            on_node.pop(ident, None)
+            if not on_node:
+                del self.node_refs[node]
+
+    def _on_node(self, p: keys.Parsed, kv: KV | None) -> None:
+        node, lease = p.a, int(p.b, 16)
+        leases = self.node_leases.setdefault(node, {})
+        if kv is None:
+            leases.pop(lease, None)
+            if not leases:
+                del self.node_leases[node]
+        else:
+            leases[lease] = kv.mod_revision
+
+    def _on_ip(self, p: keys.Parsed, kv: KV | None) -> None:
+        prefix = p.a
+        if kv is None:
+            self.ip.pop(prefix, None)
+        else:
+            v = keys.loads(kv.value)
+            self.ip[prefix] = IPEntry(
+                prefix=prefix,
+                identity=int(v["identity"]),
+                node=v.get("node", ""),
+                host_ip=v.get("hostIP", ""),
+                source=v.get("source", ""),
+                revision=kv.mod_revision,
+            )
+        self._pending.ipcache.add(prefix)
+
+    def _on_rule(self, p: keys.Parsed, kv: KV | None) -> None:
+        name = p.a
+        self._rules_changed = True
+        if kv is None:
+            if self.rules.pop(name, None) is not None:
+                self.resolver.delete_rule(name)
+            return
+        rule = rule_from_json(
+            kv.value, revision=kv.mod_revision, create_revision=kv.create_revision
+        )
+        if rule.key != name:
+            raise ValueError(f"rule key {name!r} holds rule {rule.key!r}")
+        compiled = compile_rule(rule)
+        self.rules[name] = rule
+        self.resolver.put_rule(compiled)
+
+    def _recompute_cidr(self) -> None:
+        priority: dict[IPNetwork, int] = {}
+        for name, compiled in self.resolver.rules.items():
+            created = self.rules[name].create_revision
+            for prefix in compiled.prefixes:
+                priority[prefix] = min(priority.get(prefix, created), created)
+        wanted = assign_cidr_identities({p: (r,) for p, r in priority.items()})
+        if wanted == self.cidr:
+            return
+        for prefix, ident in self.cidr.items():
+            if wanted.get(prefix) != ident:
+                self.resolver.remove_identity(ident)
+                self._pending.ipcache.add(format_prefix(prefix))
+        for prefix, ident in wanted.items():
+            if self.cidr.get(prefix) != ident:
+                self.resolver.add_identity(
+                    IdentityInfo.make(ident, cidr_labels(prefix), Kind.CIDR, prefix)
+                )
+                self._pending.ipcache.add(format_prefix(prefix))
+        self.cidr = wanted
+        self._cidr_by_prefix = {format_prefix(p): (p, priority[p]) for p in wanted}
+
+    def commit(self, revision: int) -> Change:
+        """Ends a batch of events at revision; returns what changed."""
+        if self._rules_changed:
+            self._rules_changed = False
+            self._recompute_cidr()
+        change, self._pending = self._pending, Change()
+        change.revision = revision
+        change.dirty = self.resolver.take_dirty()
+        self.revision = max(self.revision, revision)
+        return change
+
+    # --- reading ---
+
+    def identity_of_labels(self, labels: LabelSet) -> int | None:
+        reserved = reserved_identity_of(labels)
+        if reserved is not None:
+            return reserved
+        found = self.labels_index.get(format_labels(labels))
+        if found is not None and found[0] in self.identities:
+            return found[0]
+        # A CIDR identity: its cidr: label, with or without reserved:world.
+        cidr = [lb for lb in labels if lb.source == "cidr"]
+        rest = [lb for lb in labels if lb.source != "cidr"]
+        if len(cidr) == 1 and all(lb.source == "reserved" and lb.key == "world" for lb in rest):
+            entry = self._cidr_by_prefix.get(_norm_prefix(cidr[0].key))
+            if entry is not None:
+                return self.cidr[entry[0]]
+        return None
+
+    def info(self, ident: int) -> IdentityInfo | None:
+        return self.resolver.identities.get(ident)
+
+    def referenced_by(self, ident: int) -> list[str]:
+        return sorted(self.refs_by_id.get(ident, {}))
+
+    def node_identities(self, node: str) -> set[int]:
+        return set(self.node_refs.get(node, {}))
+
+    def unreferenced_identities(self) -> list[GlobalIdentity]:
+        return [g for i, g in self.identities.items() if i not in self.refs_by_id]
+
+    def ipcache_entry(self, prefix: str) -> IPEntry | None:
+        entry = self.ip.get(prefix)
+        if entry is not None:
+            return entry
+        cidr = self._cidr_by_prefix.get(prefix)
+        if cidr is None:
+            return None
+        net, created = cidr
+        return IPEntry(
+            prefix=prefix,
+            identity=self.cidr[net],
+            source=CIDR_POLICY_SOURCE,
+            revision=created,
+        )
+
+    def ipcache(self) -> dict[str, IPEntry]:
+        """The ipcache the datapath loads: the entries in etcd, plus one per
+        CIDR identity whose prefix etcd has no entry for."""
+        out = dict(self.ip)
+        for prefix in self._cidr_by_prefix:
+            if prefix not in out:
+                entry = self.ipcache_entry(prefix)
+                if entry is not None:
+                    out[prefix] = entry
+        return out
+
+    def policy(self, ident: int) -> ResolvedPolicy | None:
+        content = self.resolver.content(ident)
+        if content is None:
+            return None
+        return ResolvedPolicy(ident, self.revision, content)
+
+    def node_policies(self, node: str) -> dict[int, PolicyContent]:
+        out = {}
+        for ident in self.node_identities(node):
+            content = self.resolver.content(ident)
+            if content is not None:
+                out[ident] = content
+        return out
+
+
+def _norm_prefix(text: str) -> str:
+    try:
+        return format_prefix(parse_prefix(text))
+    except ValueError:
+        return text
