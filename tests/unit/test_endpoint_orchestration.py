@@ -108,11 +108,14 @@ class World:
         return [str(k) for k in gone]
 
     # Policy
-    async def allocate_identity(self, labels: dict[str, str], node: str, owner: str) -> int:
+    async def allocate_identity(
+        self, labels: dict[str, str], node: str, owner: str
+    ) -> tuple[int, int]:
         self.maybe_fail("identity")
+        self.maybe_fail("revision")
         identity = 256 + len(labels)
         self.refs[(owner, identity)] = 1
-        return identity
+        return identity, 7
 
     async def release_identity(self, identity: int, node: str, owner: str) -> None:
         self.refs.pop((owner, identity), None)
@@ -124,10 +127,6 @@ class World:
     async def delete_ipcache(self, prefix: str, identity: int) -> None:
         if self.ipcache.get(prefix) == identity:
             del self.ipcache[prefix]
-
-    async def policy_revision(self, identity: int) -> int:
-        self.maybe_fail("revision")
-        return 7
 
     # Datapath
     async def setup(self, address: str, ep: Endpoint, pod_cidrs: Sequence[str]) -> SetupResult:

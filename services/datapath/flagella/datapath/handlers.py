@@ -117,6 +117,7 @@ class PolicyHandler:
         if self._snapshot is not None:
             self.svc.resync_policies(self._snapshot)
             self._snapshot = None
+        await self.svc.policy_synced(revision)
         self.svc.streams_synced["policy"] = True
 
 

@@ -164,6 +164,8 @@ class DatapathService:
         self.endpoints: dict[int, EndpointRecord] = {}
         self.identity_policies: dict[int, IdentityPolicy] = {}
         self.realized: dict[int, int] = {}
+        # Revision of the last SYNCED of this node's policy stream.
+        self.policy_synced_revision = 0
         self._realized_changed = asyncio.Condition()
         self.ipcache = Reconciler("ipcache", IPCacheOps(self))
         self.policy = Reconciler("policy", PolicyOps(self))
@@ -454,8 +456,28 @@ class DatapathService:
     # --- policy ---
 
     async def policy_realized(self, endpoint_id: int, revision: int) -> None:
+        """The endpoint's policy is in the maps. It is the identity's policy
+        as of the stream's last SYNCED, so it is realized at that revision
+        even when the policy itself was computed earlier."""
         async with self._realized_changed:
-            self.realized[endpoint_id] = revision
+            self.realized[endpoint_id] = max(revision, self.policy_synced_revision)
+            self._realized_changed.notify_all()
+
+    async def policy_synced(self, revision: int) -> None:
+        """The policy stream is complete up to revision: once the maps hold
+        what it delivered, every endpoint with a policy is realized there
+        (what the endpoint service waits for after taking an identity
+        reference at some revision)."""
+        self.policy_synced_revision = max(self.policy_synced_revision, revision)
+        try:
+            await self.policy.wait_until_reconciled(timeout=30)
+        except TimeoutError:
+            log.warning("policy not fully applied at SYNCED", extra={"revision": revision})
+        applied = await self.writer.run(self.bpf.endpoints.all)
+        ready = {s.endpoint_id for s in applied if s.policy_ready}
+        async with self._realized_changed:
+            for endpoint_id in ready & set(self.realized):
+                self.realized[endpoint_id] = max(self.realized[endpoint_id], revision)
             self._realized_changed.notify_all()
 
     async def wait_for_policy(self, endpoint_id: int, min_revision: int, timeout: float) -> int:

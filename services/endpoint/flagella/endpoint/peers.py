@@ -99,7 +99,9 @@ class PolicyPeer:
     def __init__(self, channel: grpc.aio.Channel) -> None:
         self.stub = policy_pb2_grpc.PolicyServiceStub(channel)
 
-    async def allocate_identity(self, labels: dict[str, str], node: str, owner: str) -> int:
+    async def allocate_identity(
+        self, labels: dict[str, str], node: str, owner: str
+    ) -> tuple[int, int]:
         with calling("policy"):
             resp = await self.stub.AllocateIdentity(
                 policy_pb2.AllocateIdentityRequest(
@@ -107,7 +109,7 @@ class PolicyPeer:
                 ),
                 timeout=CALL_TIMEOUT,
             )
-        return int(resp.identity.id)
+        return int(resp.identity.id), int(resp.identity.revision)
 
     async def release_identity(self, identity: int, node: str, owner: str) -> None:
         with calling("policy"):
@@ -137,13 +139,6 @@ class PolicyPeer:
                 policy_pb2.DeleteIPCacheRequest(prefix=prefix, expected_identity=identity),
                 timeout=CALL_TIMEOUT,
             )
-
-    async def policy_revision(self, identity: int) -> int:
-        with calling("policy"):
-            resolved = await self.stub.ResolvePolicy(
-                policy_pb2.ResolvePolicyRequest(identity=identity), timeout=CALL_TIMEOUT
-            )
-        return int(resolved.revision)
 
 
 class DatapathPeers:

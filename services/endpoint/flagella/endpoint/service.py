@@ -87,15 +87,17 @@ class Ipam(Protocol):
 
 
 class Policy(Protocol):
-    async def allocate_identity(self, labels: dict[str, str], node: str, owner: str) -> int: ...
+    async def allocate_identity(
+        self, labels: dict[str, str], node: str, owner: str
+    ) -> tuple[int, int]:
+        """(identity, revision of the reference): the node's datapath has the
+        identity's policy once it has realized that revision."""
 
     async def release_identity(self, identity: int, node: str, owner: str) -> None: ...
 
     async def upsert_ipcache(self, prefix: str, identity: int, node: str, host_ip: str) -> None: ...
 
     async def delete_ipcache(self, prefix: str, identity: int) -> None: ...
-
-    async def policy_revision(self, identity: int) -> int: ...
 
 
 class Datapath(Protocol):
@@ -232,7 +234,7 @@ class EndpointService:
             ]
             ep.labels = await self._labels_for(req)
             revision = await self._step(ep, revision, STEP_IDENTITY)
-            ep.identity = await self.policy.allocate_identity(
+            ep.identity, wanted = await self.policy.allocate_identity(
                 identity_labels(ep), ep.node, owner_of(ep)
             )
             ep.transition(State.REGENERATING, f"identity {ep.identity}")
@@ -242,7 +244,6 @@ class EndpointService:
             revision = await self._step(ep, revision, STEP_IPCACHE)
             for address in ep.addresses:
                 await self.policy.upsert_ipcache(address, ep.identity, ep.node, node.host_ip)
-            wanted = await self.policy.policy_revision(ep.identity)
             ep.policy_revision = await self.datapath.wait_policy(
                 node.datapath_address, ep.id, wanted, self.settings.policy_wait_s
             )
@@ -381,7 +382,7 @@ class EndpointService:
                 raise FailedPrecondition(f"endpoint {ep.id} is {ep.state.value}, not ready")
             old_identity, old_labels = ep.identity, dict(ep.labels)
             ep.labels = dict(labels)
-            new_identity = await self.policy.allocate_identity(
+            new_identity, wanted = await self.policy.allocate_identity(
                 identity_labels(ep), ep.node, owner_of(ep)
             )
             if new_identity == old_identity:
@@ -394,7 +395,6 @@ class EndpointService:
                 await self.datapath.update_identity(node.datapath_address, ep.id, new_identity)
                 for address in ep.addresses:
                     await self.policy.upsert_ipcache(address, new_identity, ep.node, node.host_ip)
-                wanted = await self.policy.policy_revision(new_identity)
                 ep.policy_revision = await self.datapath.wait_policy(
                     node.datapath_address, ep.id, wanted, self.settings.policy_wait_s
                 )
