@@ -7,7 +7,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from harness.cluster import Cluster
 from harness.etcd import EtcdServer
+from harness.netns import NetnsSet
 from harness.procs import ServiceProcess
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
@@ -55,3 +57,22 @@ def spawn(tmp_path: Path) -> Iterator[Callable[..., ServiceProcess]]:
     yield _spawn
     for proc in reversed(started):
         proc.stop()
+
+
+@pytest.fixture
+def nss(require_root: None) -> Iterator[NetnsSet]:
+    """Network namespaces of one test, deleted at its end."""
+    sets = NetnsSet()
+    yield sets
+    sets.cleanup()
+
+
+@pytest.fixture
+def cluster(
+    tmp_path: Path, etcd: EtcdServer, spawn: Callable[..., ServiceProcess], nss: NetnsSet
+) -> Iterator[Cluster]:
+    """A cluster on this machine: control plane processes, nodes as netns
+    (add them with cluster.add_node). Everything is removed at the end."""
+    c = Cluster(tmp_path, etcd, spawn, nss)
+    yield c
+    c.cleanup()

@@ -44,15 +44,18 @@ class ServiceProcess:
         port: int | None = None,
         log_dir: Path | None = None,
         prefix: Sequence[str] = (),
+        listen: str | None = None,
     ) -> None:
         self.svc = svc
         self.port = port or free_port()
-        self.address = f"127.0.0.1:{self.port}"
+        # A unix socket (unix:/path) reaches a process in another netns.
+        self.address = listen or f"127.0.0.1:{self.port}"
         self.args = list(args)
         self.env = {**os.environ, **(env or {})}
         self.prefix = list(prefix)
         log_dir = log_dir or Path(tempfile.gettempdir())
         self.log_path = log_dir / f"flagella-{svc}-{self.port}.log"
+        self.returncode: int | None = None
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property

@@ -1,0 +1,177 @@
+"""A flagella cluster on one machine: etcd and the control-plane services as
+processes in the host netns, and nodes as network namespaces, each with its
+own datapath process (own pin folder, state folder and uplink to an
+"outside" netns). Processes talk over unix sockets, which cross netns
+boundaries; nothing is routed outside the machine."""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from flagella.api.datapath.v1 import datapath_pb2_grpc
+from flagella.api.endpoint.v1 import endpoint_pb2_grpc
+from flagella.api.ipam.v1 import ipam_pb2_grpc
+from flagella.api.lb.v1 import lb_pb2_grpc
+from flagella.api.policy.v1 import policy_pb2_grpc
+from harness.etcd import EtcdServer
+from harness.netns import Netns, NetnsSet
+from harness.procs import ServiceProcess
+
+Spawn = Callable[..., ServiceProcess]
+OUTSIDE_IP = "192.168.{n}.254"
+NODE_IP = "192.168.{n}.1"
+
+
+@dataclass
+class Node:
+    name: str
+    index: int
+    netns: Netns
+    outside: Netns
+    ip: str
+    socket: str
+    bpf_root: str
+    state_dir: Path
+    args: list[str]
+    process: ServiceProcess | None = None
+    pods: dict[str, Netns] = field(default_factory=dict)
+
+    @property
+    def address(self) -> str:
+        return f"unix:{self.socket}"
+
+
+class Cluster:
+    def __init__(self, tmp: Path, etcd: EtcdServer, spawn: Spawn, nss: NetnsSet) -> None:
+        self.tmp = tmp
+        self.etcd = etcd
+        self.spawn = spawn
+        self.nss = nss
+        self.tag = uuid.uuid4().hex[:6]
+        self.sock = Path(f"/tmp/fl-{self.tag}")  # short: unix socket paths max 107 bytes
+        self.sock.mkdir()
+        self.services: dict[str, ServiceProcess] = {}
+        self.nodes: dict[str, Node] = {}
+        self._channels: list[grpc.Channel] = []
+
+    def socket(self, svc: str) -> str:
+        return f"unix:{self.sock}/{svc}.sock"
+
+    def start(
+        self,
+        services: Sequence[str] = ("ipam", "policy", "lb"),
+        extra: dict[str, list[str]] | None = None,
+    ) -> Cluster:
+        """The control plane, in dependency order."""
+        extra = extra or {}
+        common = ["--etcd-endpoints", self.etcd.endpoint]
+        for svc in ("ipam", "policy", "lb", "endpoint"):
+            if svc not in services:
+                continue
+            args = [*common, "--extra-listen", self.socket(svc), *extra.get(svc, [])]
+            if svc == "ipam":
+                args += ["--cluster-cidr", "10.200.0.0/16"]
+            if svc == "endpoint":
+                args += [
+                    "--ipam-address", self.services["ipam"].address,
+                    "--policy-address", self.services["policy"].address,
+                ]  # fmt: skip
+            self.services[svc] = self.spawn(svc, *args)
+        return self
+
+    def add_node(self, name: str, *, extra: Sequence[str] = (), start: bool = True) -> Node:
+        """A node netns with an uplink to its own outside netns, and its
+        datapath process."""
+        index = len(self.nodes) + 1
+        netns = self.nss.new(f"n{index}")
+        outside = self.nss.new(f"o{index}")
+        ip = NODE_IP.format(n=100 + index)
+        out_ip = OUTSIDE_IP.format(n=100 + index)
+        netns.ip(
+            "link", "add", "up0", "type", "veth", "peer", "name", "eth0", "netns", outside.name
+        )
+        netns.ip("addr", "add", f"{ip}/24", "dev", "up0")
+        netns.ip("link", "set", "up0", "up")
+        outside.ip("addr", "add", f"{out_ip}/24", "dev", "eth0")
+        outside.ip("link", "set", "eth0", "up")
+        node = Node(
+            name=name,
+            index=index,
+            netns=netns,
+            outside=outside,
+            ip=ip,
+            socket=f"{self.sock}/dp-{name}.sock",
+            bpf_root=f"/sys/fs/bpf/fl-test-{self.tag}-{name}",
+            state_dir=self.tmp / f"state-{name}",
+            args=[],
+        )
+        args = [
+            "--node-name", name,
+            "--node-ip", ip,
+            "--uplink", "up0",
+            "--bpf-root", node.bpf_root,
+            "--state-dir", str(node.state_dir),
+        ]  # fmt: skip
+        for svc in ("ipam", "policy", "lb"):
+            if svc in self.services:
+                args += [f"--{svc}-address", self.socket(svc)]
+        node.args = [*args, *extra]
+        self.nodes[name] = node
+        if start:
+            self.start_datapath(node)
+        return node
+
+    def start_datapath(self, node: Node, wait: bool = True) -> ServiceProcess:
+        node.process = self.spawn(
+            "datapath",
+            *node.args,
+            prefix=["nsenter", f"--net={node.netns.path}"],
+            listen=node.address,
+            wait=wait,
+        )
+        return node.process
+
+    def pod(self, node: Node, name: str) -> Netns:
+        ns = self.nss.new(f"{node.index}{name}")
+        node.pods[name] = ns
+        return ns
+
+    # --- stubs ---
+
+    def channel(self, address: str) -> grpc.Channel:
+        ch = grpc.insecure_channel(address)
+        self._channels.append(ch)
+        return ch
+
+    def ipam(self) -> ipam_pb2_grpc.IpamServiceStub:
+        return ipam_pb2_grpc.IpamServiceStub(self.channel(self.services["ipam"].address))
+
+    def policy(self) -> policy_pb2_grpc.PolicyServiceStub:
+        return policy_pb2_grpc.PolicyServiceStub(self.channel(self.services["policy"].address))
+
+    def lb(self) -> lb_pb2_grpc.LoadBalancerServiceStub:
+        return lb_pb2_grpc.LoadBalancerServiceStub(self.channel(self.services["lb"].address))
+
+    def endpoint(self) -> endpoint_pb2_grpc.EndpointServiceStub:
+        return endpoint_pb2_grpc.EndpointServiceStub(
+            self.channel(self.services["endpoint"].address)
+        )
+
+    def datapath(self, node: Node) -> datapath_pb2_grpc.DatapathServiceStub:
+        return datapath_pb2_grpc.DatapathServiceStub(self.channel(node.address))
+
+    def cleanup(self) -> None:
+        for ch in self._channels:
+            ch.close()
+        for node in self.nodes.values():
+            if node.process is not None:
+                node.process.stop()
+        for node in self.nodes.values():
+            shutil.rmtree(node.bpf_root, ignore_errors=True)
+        shutil.rmtree(self.sock, ignore_errors=True)

@@ -1,0 +1,238 @@
+"""The datapath service through the real control plane: etcd, the policy and
+lb services as processes, a node netns running the datapath process, pods as
+netns set up with SetupEndpoint. Real traffic, real kernel."""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass
+
+import pytest
+from google.protobuf.duration_pb2 import Duration
+from harness.cluster import Cluster, Node
+from harness.netns import Netns, wait_until
+
+from flagella.api.datapath.v1 import datapath_pb2
+from flagella.api.lb.v1 import lb_pb2
+from flagella.api.policy.v1 import policy_pb2
+
+pytestmark = [pytest.mark.privileged, pytest.mark.integration]
+
+
+@dataclass
+class Pod:
+    ns: Netns
+    endpoint_id: int
+    ip: str
+    identity: int
+
+
+def add_pod(
+    cluster: Cluster, node: Node, name: str, endpoint_id: int, ip: str, labels: dict[str, str]
+) -> Pod:
+    """What the endpoint service does for an ADD, step by step."""
+    ns = cluster.pod(node, name)
+    policy = cluster.policy()
+    alloc = policy.AllocateIdentity(
+        policy_pb2.AllocateIdentityRequest(
+            labels=[policy_pb2.Label(source="k8s", key=k, value=v) for k, v in labels.items()],
+            node=node.name,
+            owner=f"c-{name}/eth0",
+        ),
+        timeout=10,
+    )
+    dp = cluster.datapath(node)
+    resp = dp.SetupEndpoint(
+        datapath_pb2.SetupEndpointRequest(
+            endpoint_id=endpoint_id,
+            container_id=f"c-{name}",
+            netns_path=ns.path,
+            ifname="eth0",
+            addresses=[f"{ip}/32"],
+            identity=alloc.identity.id,
+            mtu=1500,
+        ),
+        timeout=20,
+    )
+    assert resp.container_interface.name == "eth0"
+    assert resp.gateways == ["169.254.1.1"]
+    policy.UpsertIPCache(
+        policy_pb2.UpsertIPCacheRequest(
+            entry=policy_pb2.IPCacheEntry(
+                prefix=ip,
+                identity=alloc.identity.id,
+                node=node.name,
+                host_ip=node.ip,
+                source="endpoint",
+            )
+        ),
+        timeout=10,
+    )
+    dp.WaitForPolicy(
+        datapath_pb2.WaitForPolicyRequest(
+            endpoint_id=endpoint_id,
+            min_revision=alloc.identity.revision,
+            timeout=Duration(seconds=20),
+        ),
+        timeout=30,
+    )
+    return Pod(ns, endpoint_id, ip, alloc.identity.id)
+
+
+@pytest.fixture
+def node(cluster: Cluster) -> Node:
+    cluster.start(services=("policy", "lb"))
+    return cluster.add_node("n1")
+
+
+ALLOW_FRONTEND = """
+apiVersion: flagella.io/v1
+kind: FlagellaNetworkPolicy
+metadata: {name: backend-ingress}
+spec:
+  endpointSelector: {matchLabels: {app: backend}}
+  ingress:
+  - fromEndpoints: [{matchLabels: {app: frontend}}]
+    toPorts: [{ports: [{port: "8080", protocol: TCP}]}]
+"""
+
+ALLOW_FRONTEND_AND_OTHER = ALLOW_FRONTEND.replace(
+    "[{matchLabels: {app: frontend}}]",
+    "[{matchLabels: {app: frontend}}, {matchLabels: {app: other}}]",
+)
+
+
+def test_pods_talk_and_policy_changes_take_effect_at_runtime(cluster: Cluster, node: Node) -> None:
+    fe = add_pod(cluster, node, "fe", 1, "10.200.1.10", {"app": "frontend"})
+    be = add_pod(cluster, node, "be", 2, "10.200.1.11", {"app": "backend"})
+    other = add_pod(cluster, node, "ot", 3, "10.200.1.12", {"app": "other"})
+    be.ns.serve("tcp", 8080, "be")
+    be.ns.serve("udp", 5353, "be")
+
+    # No rule selects the backend: everything is allowed.
+    assert fe.ns.request("tcp", be.ip, 8080) == f"be {fe.ip} HELLO"
+    assert fe.ns.request("udp", be.ip, 5353) == f"be {fe.ip} HELLO"
+    assert fe.ns.ping(be.ip)
+    assert other.ns.request("tcp", be.ip, 8080) == f"be {other.ip} HELLO"
+
+    policy = cluster.policy()
+    policy.PutRules(policy_pb2.PutRulesRequest(document=ALLOW_FRONTEND), timeout=10)
+    assert wait_until(lambda: other.ns.request("tcp", be.ip, 8080, timeout=1) is None)
+    assert fe.ns.request("tcp", be.ip, 8080) == f"be {fe.ip} HELLO"
+    assert fe.ns.request("udp", be.ip, 5353, timeout=1) is None
+    assert not fe.ns.ping(be.ip, timeout=1)
+
+    # ObserveFlows reports the denials with their reasons and identities.
+    flows = list(
+        cluster.datapath(node).ObserveFlows(
+            datapath_pb2.ObserveFlowsRequest(
+                verdicts=[datapath_pb2.FLOW_VERDICT_DROPPED], last=200, follow=False
+            ),
+            timeout=10,
+        )
+    )
+    l3 = [f for f in flows if f.src_identity == other.identity and f.dst_port == 8080]
+    assert l3, flows
+    assert l3[-1].drop_reason == datapath_pb2.DROP_REASON_POLICY_L3
+    assert l3[-1].dst_identity == be.identity
+    assert l3[-1].direction == datapath_pb2.FLOW_DIRECTION_INGRESS
+    assert (l3[-1].src_ip, l3[-1].dst_ip, l3[-1].node) == (other.ip, be.ip, "n1")
+    l4 = [f for f in flows if f.src_identity == fe.identity and f.dst_port == 5353]
+    assert l4
+    assert l4[-1].drop_reason == datapath_pb2.DROP_REASON_POLICY_L4
+
+    # Changed at runtime, no reload.
+    policy.PutRules(policy_pb2.PutRulesRequest(document=ALLOW_FRONTEND_AND_OTHER), timeout=10)
+    assert wait_until(lambda: other.ns.request("tcp", be.ip, 8080, timeout=1) is not None)
+    # Removed: default allow again.
+    policy.DeleteRule(policy_pb2.DeleteRuleRequest(name="backend-ingress"), timeout=10)
+    assert wait_until(lambda: fe.ns.request("udp", be.ip, 5353, timeout=1) is not None)
+    assert fe.ns.ping(be.ip)
+
+
+def upsert_service(cluster: Cluster, backends: list[Pod], algorithm: int) -> lb_pb2.Service:
+    return (
+        cluster.lb()
+        .UpsertService(
+            lb_pb2.UpsertServiceRequest(
+                service=lb_pb2.Service(
+                    name="default/web",
+                    frontend=lb_pb2.Frontend(
+                        address="10.96.0.10", port=80, protocol=lb_pb2.PROTOCOL_TCP
+                    ),
+                    type=lb_pb2.SERVICE_TYPE_CLUSTER_IP,
+                    backends=[lb_pb2.Backend(address=b.ip, port=8080) for b in backends],
+                    algorithm=algorithm,  # type: ignore[arg-type]
+                )
+            ),
+            timeout=10,
+        )
+        .service
+    )
+
+
+@pytest.mark.parametrize("algorithm", [lb_pb2.ALGORITHM_RANDOM, lb_pb2.ALGORITHM_MAGLEV])
+def test_cluster_ip_reaches_every_backend(cluster: Cluster, node: Node, algorithm: int) -> None:
+    client = add_pod(cluster, node, "cl", 1, "10.200.1.20", {"app": "client"})
+    backends = [
+        add_pod(cluster, node, f"b{i}", 10 + i, f"10.200.1.{30 + i}", {"app": "web"})
+        for i in range(3)
+    ]
+    for i, b in enumerate(backends):
+        b.ns.serve("tcp", 8080, f"b{i}")
+    upsert_service(cluster, backends, algorithm)
+    assert wait_until(lambda: client.ns.request("tcp", "10.96.0.10", 80, timeout=1) is not None)
+
+    answers = client.ns.requests("10.96.0.10", 80, 90)
+    assert None not in answers
+    served = collections.Counter(a.split()[0] for a in answers if a)
+    assert set(served) == {"b0", "b1", "b2"}, served
+    # Backends see the client's own address (no SNAT inside the cluster) and
+    # the client talked to the service address throughout (its connections
+    # to 10.96.0.10 completed, so replies came back from there).
+    assert {a.split()[1] for a in answers if a} == {client.ip}
+    assert min(served.values()) >= 10, served
+
+
+def test_outside_host_is_reached_with_masquerade(cluster: Cluster, node: Node) -> None:
+    pod = add_pod(cluster, node, "p", 1, "10.200.1.40", {"app": "egress"})
+    outside_ip = "192.168.101.254"
+    node.outside.serve("tcp", 9000, "outside")
+    answer = pod.ns.request("tcp", outside_ip, 9000)
+    # The outside host sees the node's address, not the pod's.
+    assert answer == f"outside {node.ip} HELLO"
+    node.outside.serve("udp", 9001, "outside")
+    assert pod.ns.request("udp", outside_ip, 9001) == f"outside {node.ip} HELLO"
+    assert pod.ns.ping(outside_ip)
+
+
+def test_kill9_datapath_keeps_streams_and_policy(cluster: Cluster, node: Node) -> None:
+    a = add_pod(cluster, node, "a", 1, "10.200.1.50", {"app": "frontend"})
+    b = add_pod(cluster, node, "b", 2, "10.200.1.51", {"app": "backend"})
+    c = add_pod(cluster, node, "c", 3, "10.200.1.52", {"app": "other"})
+    b.ns.serve("tcp", 8080, "b")
+    cluster.policy().PutRules(policy_pb2.PutRulesRequest(document=ALLOW_FRONTEND), timeout=10)
+    assert wait_until(lambda: c.ns.request("tcp", b.ip, 8080, timeout=1) is None)
+
+    stream = a.ns.stream(b.ip, 8080, interval=0.02)
+    assert stream.stdout is not None
+    assert stream.stdout.readline().startswith("ok")
+    assert node.process is not None
+    node.process.kill9()
+    time.sleep(1.0)  # the datapath is down: traffic keeps flowing in the kernel
+    assert a.ns.request("tcp", b.ip, 8080) == f"b {a.ip} HELLO"
+    assert c.ns.request("tcp", b.ip, 8080, timeout=1) is None
+    cluster.start_datapath(node)
+    # The new process restored the endpoints and enforces the same policy.
+    dp = cluster.datapath(node)
+    listed = dp.ListEndpoints(datapath_pb2.ListEndpointsRequest(), timeout=10).endpoints
+    assert sorted(e.endpoint_id for e in listed) == [1, 2, 3]
+    assert all(e.programs_attached for e in listed)
+    assert c.ns.request("tcp", b.ip, 8080, timeout=1) is None
+    assert a.ns.request("tcp", b.ip, 8080) == f"b {a.ip} HELLO"
+    time.sleep(0.5)
+    stream.kill()
+    lines = stream.stdout.read().split("\n")
+    assert [line for line in lines if line.startswith("fail")] == []
+    assert sum(line.startswith("ok") for line in lines) > 50
