@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import signal
 import sys
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -23,6 +26,25 @@ from flagella.endpoint.servicer import EndpointServicer
 from flagella.endpoint.store import EndpointStore
 
 log = logging.getLogger(__name__)
+
+
+def fault_hook(spec: str) -> Callable[[str], Awaitable[None]]:
+    """crash-after:STEP kills this process (SIGKILL) right after STEP of a
+    create; pause-after:STEP:SECONDS waits there (for tests that kill a
+    peer at that point)."""
+    action, _, rest = spec.partition(":")
+    at, _, seconds = rest.partition(":")
+
+    async def hook(step: str) -> None:
+        if step != at:
+            return
+        log.warning("fault injection", extra={"action": action, "step": step})
+        if action == "crash-after":
+            os.kill(os.getpid(), signal.SIGKILL)
+        else:
+            await asyncio.sleep(float(seconds))
+
+    return hook
 
 
 class EndpointApp:
@@ -47,6 +69,7 @@ class EndpointApp:
                 dns_nameservers=cfg.dns_nameserver,
                 dns_search=cfg.dns_search,
             ),
+            fault_hook=fault_hook(cfg.fault_injection) if cfg.fault_injection else None,
         )
         self._sweeper: asyncio.Task[None] | None = None
 

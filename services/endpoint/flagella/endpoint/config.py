@@ -30,6 +30,11 @@ class EndpointConfig(ServiceConfig):
     )
     dns_nameserver: tuple[str, ...] = option((), "DNS servers in CNI results", parse=parse_ip)
     dns_search: tuple[str, ...] = option((), "DNS search domains in CNI results")
+    fault_injection: str = option(
+        "",
+        "tests only: crash-after:STEP or pause-after:STEP:SECONDS, STEP one of ipam, identity, "
+        "datapath, ipcache, policy",
+    )
 
     def validate(self) -> None:
         super().validate()
@@ -39,3 +44,18 @@ class EndpointConfig(ServiceConfig):
             raise ConfigError("--policy-wait-seconds", "must be positive")
         if self.gc_interval_seconds < 0:
             raise ConfigError("--gc-interval-seconds", "must not be negative")
+        if self.fault_injection:
+            action, _, rest = self.fault_injection.partition(":")
+            step, _, seconds = rest.partition(":")
+            steps = ("ipam", "identity", "datapath", "ipcache", "policy")
+            if action not in ("crash-after", "pause-after") or step not in steps:
+                raise ConfigError(
+                    "--fault-injection",
+                    f"{self.fault_injection!r}: want crash-after:STEP or "
+                    f"pause-after:STEP:SECONDS with STEP in {', '.join(steps)}",
+                )
+            if action == "pause-after":
+                try:
+                    float(seconds)
+                except ValueError:
+                    raise ConfigError("--fault-injection", "pause needs SECONDS") from None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -167,6 +167,7 @@ class EndpointService:
         *,
         pod_labels: PodLabels | None = None,
         settings: Settings | None = None,
+        fault_hook: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         self.store = store
         self.ipam = ipam
@@ -174,6 +175,8 @@ class EndpointService:
         self.datapath = datapath
         self.pod_labels = pod_labels
         self.settings = settings or Settings()
+        # Fault injection for crash tests: called after each create step.
+        self.fault_hook = fault_hook
         # One operation at a time per attachment within this replica.
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
 
@@ -228,6 +231,7 @@ class EndpointService:
             allocated = await self.ipam.allocate(
                 ep.node, ep.container_id, ep.ifname, pod_of(ep), self.settings.reservation_s
             )
+            await self._after(STEP_IPAM)
             ep.addresses = [
                 f"{a.ip}/{32 if ipaddress.ip_address(a.ip).version == 4 else 128}"
                 for a in allocated
@@ -237,16 +241,20 @@ class EndpointService:
             ep.identity, wanted = await self.policy.allocate_identity(
                 identity_labels(ep), ep.node, owner_of(ep)
             )
+            await self._after(STEP_IDENTITY)
             ep.transition(State.REGENERATING, f"identity {ep.identity}")
             revision = await self._step(ep, revision, STEP_DATAPATH)
             setup = await self.datapath.setup(node.datapath_address, ep, node.pod_cidrs)
             ep.host_ifname, ep.mac = setup.host_ifname, setup.container_mac
+            await self._after(STEP_DATAPATH)
             revision = await self._step(ep, revision, STEP_IPCACHE)
             for address in ep.addresses:
                 await self.policy.upsert_ipcache(address, ep.identity, ep.node, node.host_ip)
+            await self._after(STEP_IPCACHE)
             ep.policy_revision = await self.datapath.wait_policy(
                 node.datapath_address, ep.id, wanted, self.settings.policy_wait_s
             )
+            await self._after("policy")
             await self.ipam.commit(ep.node, ep.container_id, ep.ifname)
             ep.result = self._cni_result(ep, setup)
             ep.transition(State.READY, f"policy revision {ep.policy_revision} realized")
@@ -269,6 +277,10 @@ class EndpointService:
             },
         )
         return ep
+
+    async def _after(self, step: str) -> None:
+        if self.fault_hook is not None:
+            await self.fault_hook(step)
 
     async def _step(self, ep: Endpoint, revision: int, step: str) -> int:
         """Record the intent of a step before doing it."""

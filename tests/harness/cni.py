@@ -1,0 +1,99 @@
+"""Running flagella-cni as a container runtime runs it: CNI_* environment,
+the network configuration on stdin, a JSON result or error on stdout."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+PLUGIN = shutil.which("flagella-cni", path=str(Path(sys.executable).parent)) or "flagella-cni"
+
+
+def netconf(
+    endpoint: str, node: str, labels: dict[str, str] | None = None, **extra: Any
+) -> dict[str, Any]:
+    conf: dict[str, Any] = {
+        "cniVersion": "1.1.0",
+        "name": "flagella",
+        "type": "flagella-cni",
+        "endpoint": endpoint,
+        "node": node,
+        "timeout": 60,
+    }
+    if labels is not None:
+        conf["args"] = {"cni": {"labels": labels}}
+    conf.update(extra)
+    return conf
+
+
+def cni(
+    command: str,
+    conf: dict[str, Any],
+    *,
+    container_id: str = "",
+    netns: str = "",
+    ifname: str = "eth0",
+    pod: tuple[str, str] | None = None,
+    timeout: float = 90,
+) -> tuple[int, dict[str, Any]]:
+    """(exit status, parsed stdout; {} when it printed nothing)."""
+    env = {"PATH": os.environ.get("PATH", ""), "CNI_COMMAND": command, "CNI_PATH": "/opt/cni/bin"}
+    if container_id:
+        env["CNI_CONTAINERID"] = container_id
+    if netns:
+        env["CNI_NETNS"] = netns
+    if ifname:
+        env["CNI_IFNAME"] = ifname
+    if pod:
+        env["CNI_ARGS"] = f"IgnoreUnknown=1;K8S_POD_NAMESPACE={pod[0]};K8S_POD_NAME={pod[1]}"
+    proc = subprocess.run(
+        [PLUGIN],
+        input=json.dumps(conf).encode(),
+        capture_output=True,
+        env=env,
+        timeout=timeout,
+        check=False,
+    )
+    out = json.loads(proc.stdout) if proc.stdout.strip() else {}
+    return proc.returncode, out
+
+
+def check_result(result: dict[str, Any], *, netns: str, ifname: str, pod_cidr: str) -> str:
+    """Validate an ADD result against the CNI 1.1.0 result schema (the
+    fields and their types/relations) and return the pod's IPv4 address."""
+    assert result["cniVersion"] == "1.1.0"
+    interfaces = result["interfaces"]
+    assert isinstance(interfaces, list)
+    assert interfaces
+    for iface in interfaces:
+        assert isinstance(iface["name"], str)
+        assert iface["name"]
+        assert len(iface["mac"].split(":")) == 6
+    sandboxed = [i for i, iface in enumerate(interfaces) if iface.get("sandbox")]
+    assert len(sandboxed) == 1
+    assert interfaces[sandboxed[0]]["sandbox"] == netns
+    assert interfaces[sandboxed[0]]["name"] == ifname
+    ips = result["ips"]
+    assert ips
+    for ip in ips:
+        iface = ipaddress.ip_interface(ip["address"])
+        assert isinstance(ip["interface"], int)
+        assert 0 <= ip["interface"] < len(interfaces)
+        assert ip["interface"] == sandboxed[0]
+        if "gateway" in ip:
+            ipaddress.ip_address(ip["gateway"])
+        if iface.version == 4:
+            assert iface.ip in ipaddress.ip_network(pod_cidr)
+    for route in result.get("routes", []):
+        ipaddress.ip_network(route["dst"])
+        if "gw" in route:
+            ipaddress.ip_address(route["gw"])
+    assert isinstance(result.get("dns", {}), dict)
+    v4 = next(ip["address"] for ip in ips if ipaddress.ip_interface(ip["address"]).version == 4)
+    return str(ipaddress.ip_interface(v4).ip)
