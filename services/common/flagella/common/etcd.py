@@ -161,9 +161,23 @@ def get_op(key: str) -> Any:
     return etcd_rpc.RequestOp(request_range=etcd_rpc.RangeRequest(key=_b(key)))
 
 
-def get_prefix_op(prefix: str) -> Any:
+def get_prefix_op(prefix: str, *, keys_only: bool = False) -> Any:
     return etcd_rpc.RequestOp(
-        request_range=etcd_rpc.RangeRequest(key=_b(prefix), range_end=prefix_end(prefix))
+        request_range=etcd_rpc.RangeRequest(
+            key=_b(prefix), range_end=prefix_end(prefix), keys_only=keys_only
+        )
+    )
+
+
+def prefix_empty(prefix: str) -> Any:
+    """Compare: no key starts with prefix (etcd compares every key of the
+    range; an empty range compares as one absent key)."""
+    return etcd_rpc.Compare(
+        key=_b(prefix),
+        range_end=prefix_end(prefix),
+        result=etcd_rpc.Compare.EQUAL,
+        target=etcd_rpc.Compare.CREATE,
+        create_revision=0,
     )
 
 
@@ -286,6 +300,17 @@ class Etcd:
             client.kvstub.Range, req, timeout=self.timeout, metadata=client.metadata
         )
         return [KeyValue.from_proto(kv) for kv in resp.kvs], int(resp.header.revision)
+
+    async def count_prefix(self, prefix: str) -> tuple[int, int]:
+        """How many keys start with prefix, and the store revision (etcd
+        counts; no key is sent)."""
+        client = self.client
+        await self._call(client.connect)
+        req = etcd_rpc.RangeRequest(key=_b(prefix), range_end=prefix_end(prefix), count_only=True)
+        resp = await self._call(
+            client.kvstub.Range, req, timeout=self.timeout, metadata=client.metadata
+        )
+        return int(resp.count), int(resp.header.revision)
 
     async def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
         """Returns the revision of the write."""
