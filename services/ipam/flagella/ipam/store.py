@@ -35,6 +35,7 @@ from flagella.common.etcd import (
     Etcd,
     KeyValue,
     StreamKind,
+    TxnResult,
     absent,
     delete_op,
     get_op,
@@ -65,6 +66,8 @@ CIDRS = POOL + "cidrs/"
 IPS = POOL + "ips/"
 OWNERS = PREFIX + "owners/"
 
+#: etcd's default limit of operations per transaction (--max-txn-ops).
+MAX_TXN_OPS = 128
 #: Owners released per transaction by Reconcile (etcd allows 128 operations
 #: per transaction; an owner costs up to 5).
 OWNERS_PER_TXN = 24
@@ -250,9 +253,116 @@ class OwnerState:
     allocations: dict[IPAddress, Allocation]
 
 
+@dataclass
+class _Queued:
+    compare: list[Any]
+    success: list[Any]
+    failure: list[Any]
+    keys: frozenset[str]
+    future: asyncio.Future[TxnResult]
+
+
+class TxnBatcher:
+    """Group commit of conditional writes: requests queued while a
+    transaction is in flight go to etcd together as one transaction (their
+    compares and operations concatenated). When that transaction's compares
+    fail, each request runs alone with its own failure operations, so every
+    caller gets exactly the outcome it would have had alone. Requests whose
+    keys overlap never share a transaction (etcd refuses a key written twice).
+    """
+
+    def __init__(self, etcd: Etcd, *, max_ops: int = MAX_TXN_OPS) -> None:
+        self.etcd = etcd
+        self.max_ops = max_ops
+        self._queue: list[_Queued] = []
+        self._flusher: asyncio.Task[None] | None = None
+        self.batches = 0
+        self.batched = 0
+
+    async def txn(
+        self,
+        compare: Sequence[Any],
+        success: Sequence[Any],
+        failure: Sequence[Any],
+        keys: Iterable[str],
+    ) -> TxnResult:
+        """keys: every key the success operations write."""
+        item = _Queued(
+            list(compare),
+            list(success),
+            list(failure),
+            frozenset(keys),
+            asyncio.get_running_loop().create_future(),
+        )
+        self._queue.append(item)
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush(), name="ipam-txn-batcher")
+        return await item.future
+
+    def _next_batch(self) -> list[_Queued]:
+        batch: list[_Queued] = []
+        keys: set[str] = set()
+        n_compare = n_success = 0
+        rest: list[_Queued] = []
+        for item in self._queue:
+            fits = (
+                n_compare + len(item.compare) <= self.max_ops
+                and n_success + len(item.success) <= self.max_ops
+                and keys.isdisjoint(item.keys)
+            )
+            if fits or not batch:
+                batch.append(item)
+                keys |= item.keys
+                n_compare += len(item.compare)
+                n_success += len(item.success)
+            else:
+                rest.append(item)
+        self._queue = rest
+        return batch
+
+    async def _flush(self) -> None:
+        while self._queue:
+            # One turn of the event loop lets handlers that are already
+            # runnable queue their writes into this batch.
+            await asyncio.sleep(0)
+            batch = self._next_batch()
+            try:
+                await self._run(batch)
+            except Exception as exc:
+                for item in batch:
+                    if not item.future.done():
+                        item.future.set_exception(exc)
+
+    async def _run(self, batch: list[_Queued]) -> None:
+        if len(batch) > 1:
+            result = await self.etcd.txn(
+                [c for item in batch for c in item.compare],
+                [op for item in batch for op in item.success],
+            )
+            if result.succeeded:
+                self.batches += 1
+                self.batched += len(batch)
+                for item in batch:
+                    if not item.future.done():
+                        item.future.set_result(TxnResult(True, result.revision, []))
+                return
+        outcomes = await asyncio.gather(
+            *(self.etcd.txn(item.compare, item.success, item.failure) for item in batch),
+            return_exceptions=True,
+        )
+        for item, outcome in zip(batch, outcomes, strict=True):
+            if item.future.done():
+                continue
+            if isinstance(outcome, BaseException):
+                item.future.set_exception(outcome)
+            else:
+                item.future.set_result(outcome)
+
+
 class IpamStore:
     def __init__(self, etcd: Etcd) -> None:
         self.etcd = etcd
+        self.batcher = TxnBatcher(etcd)
         self.cache = PoolCache(self)
 
     # --- node registry ---
@@ -411,7 +521,7 @@ class IpamStore:
             put_op(okey, encode_owner_index([*held, *(a.ip for a in new)], owner.pod)),
         ]
         failure = [get_op(cidrs_key(node)), get_op(okey), *(get_op(k) for k in keys)]
-        result = await self.etcd.txn(compare, success, failure)
+        result = await self.batcher.txn(compare, success, failure, [okey, *keys])
         if result.succeeded:
             return CreateOutcome(True, result.revision)
         cidr_kvs, owner_kvs, *ip_kvs = result.ranges
@@ -661,9 +771,10 @@ class PoolCache:
             return
         node, ip = parsed
         if put:
-            a = decode_allocation(kv)
-            if a.expires_at is not None:
-                self.expiring[(node, ip)] = Expiring(a.expires_at, a.owner)
+            d = json.loads(kv.value)
+            if d.get("expires_at") is not None:
+                owner = Owner(d["container_id"], d["ifname"], d.get("pod", ""))
+                self.expiring[(node, ip)] = Expiring(float(d["expires_at"]), owner)
             else:
                 self.expiring.pop((node, ip), None)
         else:
