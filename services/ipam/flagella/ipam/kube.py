@@ -62,7 +62,8 @@ class KubeNodeCidrs:
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             raise Unavailable(f"Kubernetes API unreachable: {exc}", field="name") from None
         spec = node.spec
-        cidrs = list(getattr(spec, "pod_cid_rs", None) or [])
+        # spec.podCIDRs: pod_cidrs in this client; older clients generated pod_cid_rs.
+        cidrs = list(getattr(spec, "pod_cidrs", None) or getattr(spec, "pod_cid_rs", None) or [])
         single = getattr(spec, "pod_cidr", None)
         if not cidrs and single:
             cidrs = [single]
