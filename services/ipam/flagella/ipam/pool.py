@@ -103,7 +103,9 @@ class Pool:
 
     @property
     def taken(self) -> int:
-        return len(self.used) + len(self.pending)
+        # An offset can be both: the watch may report our own write before
+        # the transaction's reply settles it. pending is small (in flight).
+        return len(self.used) + sum(1 for off in self.pending if off not in self.used)
 
     def is_free(self, offset: int) -> bool:
         return offset not in self.used and offset not in self.pending
