@@ -4,6 +4,7 @@ release, reconcile, status, and every error (code and the field named)."""
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import random
 import subprocess
@@ -12,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+import aetcd
 import grpc
 import pytest
 from harness.etcd import EtcdServer
@@ -192,6 +194,38 @@ def test_watch_nodes_snapshot_then_deltas_and_resume(ipam: Ipam) -> None:
     ev = next(resumed)
     assert (ev.kind, ev.node.name) == (pb.NodeEvent.KIND_UPSERT, "watch-3")
     resumed.cancel()
+
+
+def test_watch_nodes_resyncs_when_the_resume_revision_was_compacted(
+    env: tuple[EtcdServer, Ipam],
+) -> None:
+    etcd, ipam = env
+    ipam.register("compact-1")
+    old = ipam.revision()
+    ipam.register("compact-2")
+    ipam.register("compact-3")  # etcd keeps the compaction revision: go past old + 1
+
+    async def compact() -> None:
+        client = aetcd.Client(host="127.0.0.1", port=etcd.client_port)
+        try:
+            await client.compact(ipam.revision())
+        finally:
+            await client.close()
+
+    asyncio.run(compact())
+    stream = ipam.stub.WatchNodes(pb.WatchNodesRequest(since_revision=old), timeout=30)
+    kinds = []
+    names = set()
+    for ev in stream:
+        kinds.append(ev.kind)
+        names.add(ev.node.name)
+        if ev.kind == pb.NodeEvent.KIND_SYNCED and len(kinds) > 1:
+            break
+    stream.cancel()
+    # SYNCED at the asked revision, then (it is gone) a full snapshot.
+    assert kinds[:2] == [pb.NodeEvent.KIND_SYNCED, pb.NodeEvent.KIND_RESET]
+    assert set(kinds[2:-1]) == {pb.NodeEvent.KIND_UPSERT}
+    assert {"compact-1", "compact-2", "compact-3"} <= names
 
 
 def test_deregister_release_cidrs_needs_an_empty_node(ipam: Ipam) -> None:
