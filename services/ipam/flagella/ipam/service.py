@@ -141,6 +141,11 @@ class IpamService:
         self._sweeper = asyncio.create_task(self._sweep_loop(), name="ipam-expiry-sweep")
 
     async def stop(self) -> None:
+        batcher = self.store.batcher
+        log.info(
+            "allocation transactions",
+            extra={"grouped_txns": batcher.batches, "grouped_writes": batcher.batched},
+        )
         if self._sweeper is not None:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
