@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -33,6 +34,13 @@ from harness.procs import ServiceProcess  # noqa: E402
 from flagella.api.ipam.v1 import ipam_pb2, ipam_pb2_grpc  # noqa: E402
 
 NODES = ("bench-1", "bench-2", "bench-3", "bench-4")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU a process has used (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def run_load(addresses: list[str], tag: str, clients: int, count: int) -> dict[str, float]:
@@ -143,7 +151,11 @@ def main() -> int:
         # Warm-up: connections, code paths.
         run_load(addresses, "warmup", 2, 200)
         one = run_load(addresses, "one", 1, single)
+        pids = [p.pid for p in replicas]
+        assert etcd.proc is not None
+        cpu0 = (sum(cpu_seconds(p) for p in pids), cpu_seconds(etcd.proc.pid))
         many = run_load(addresses, "many", 16, count)
+        cpu1 = (sum(cpu_seconds(p) for p in pids), cpu_seconds(etcd.proc.pid))
         stored = asyncio.run(_count(addresses[0]))
         expected = 200 + one["allocations"] + many["allocations"]
         if stored != expected:
@@ -164,6 +176,8 @@ def main() -> int:
         "alloc_p50_ms_16_clients": round(many["p50_ms"], 2),
         "alloc_p99_ms_16_clients": round(many["p99_ms"], 2),
         "alloc_p99_ms": round(many["p99_ms"], 2),
+        "ipam_cpu_ms_per_alloc": round((cpu1[0] - cpu0[0]) / many["allocations"] * 1000, 3),
+        "etcd_cpu_ms_per_alloc": round((cpu1[1] - cpu0[1]) / many["allocations"] * 1000, 3),
         "errors": int(one["errors"] + many["errors"]),
         "duplicates": 0,
         "lost": 0,
@@ -178,6 +192,10 @@ def main() -> int:
             f"{clients:>8} {int(r['allocations']):>12} {r['per_s']:>10.0f} "
             f"{r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f}"
         )
+    print(
+        f"CPU per allocation with 16 clients: ipam {result['ipam_cpu_ms_per_alloc']} ms "
+        f"(all replicas), etcd {result['etcd_cpu_ms_per_alloc']} ms"
+    )
     print(f"errors {result['errors']}, duplicates 0, lost 0 (every granted IP is in etcd)")
     return 0
 
