@@ -121,7 +121,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer allocations (within 30 s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--replicas", type=int, default=2, help="ipam processes (default 2)")
+    parser.add_argument("--replicas", type=int, default=1, help="ipam processes (default 1)")
     parser.add_argument("--allocations", type=int, default=0, help="per run (default 10000)")
     args = parser.parse_args()
     count = args.allocations or (2000 if args.quick else 10000)
