@@ -147,7 +147,8 @@ def mod_revision_is(key: str, revision: int) -> Any:
 
 
 def prefix_absent(prefix: str) -> Any:
-    """Compare: no key starts with prefix."""
+    """Compare: no key starts with prefix (etcd compares every key of the
+    range; an empty range compares as one absent key)."""
     return etcd_rpc.Compare(
         key=_b(prefix),
         range_end=prefix_end(prefix),
@@ -185,9 +186,11 @@ def get_op(key: str) -> Any:
     return etcd_rpc.RequestOp(request_range=etcd_rpc.RangeRequest(key=_b(key)))
 
 
-def get_prefix_op(prefix: str) -> Any:
+def get_prefix_op(prefix: str, *, keys_only: bool = False) -> Any:
     return etcd_rpc.RequestOp(
-        request_range=etcd_rpc.RangeRequest(key=_b(prefix), range_end=prefix_end(prefix))
+        request_range=etcd_rpc.RangeRequest(
+            key=_b(prefix), range_end=prefix_end(prefix), keys_only=keys_only
+        )
     )
 
 
@@ -353,6 +356,17 @@ class Etcd:
             raise Unavailable(f"etcd unavailable at {self.endpoint}: {exc!r}") from exc
         lists = [[KeyValue.from_proto(kv) for kv in r.response_range.kvs] for r in resp.responses]
         return lists, int(revision or resp.header.revision)
+
+    async def count_prefix(self, prefix: str) -> tuple[int, int]:
+        """How many keys start with prefix, and the store revision (etcd
+        counts; no key is sent)."""
+        client = self.client
+        await self._call(client.connect)
+        req = etcd_rpc.RangeRequest(key=_b(prefix), range_end=prefix_end(prefix), count_only=True)
+        resp = await self._call(
+            client.kvstub.Range, req, timeout=self.timeout, metadata=client.metadata
+        )
+        return int(resp.count), int(resp.header.revision)
 
     async def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
         """Returns the revision of the write."""

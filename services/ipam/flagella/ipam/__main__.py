@@ -2,40 +2,62 @@
 
 from __future__ import annotations
 
+import ipaddress
 import sys
 
 import grpc
 
 from flagella.api.ipam.v1 import ipam_pb2, ipam_pb2_grpc
 from flagella.common.etcd import Etcd
-from flagella.common.server import Probes, Runtime
+from flagella.common.server import FatalError, Probes, Runtime
 from flagella.common.server import main as serve_main
 from flagella.ipam.config import IpamConfig
-from flagella.ipam.service import IpamService
+from flagella.ipam.model import Mode
+from flagella.ipam.service import IpamService, Settings
 from flagella.ipam.servicer import IpamServicer
 from flagella.ipam.store import IpamStore
+
+
+def settings_of(cfg: IpamConfig) -> Settings:
+    return Settings(
+        mode=Mode(cfg.mode),
+        cluster_cidrs=tuple(ipaddress.ip_network(c) for c in cfg.cluster_cidr),
+        node_mask_size_v4=cfg.node_mask_size_v4,
+        node_mask_size_v6=cfg.node_mask_size_v6,
+        default_lease_ttl=cfg.node_lease_ttl,
+        expiry_check_interval=cfg.expiry_check_interval,
+    )
 
 
 class IpamApp:
     service_names = (ipam_pb2.DESCRIPTOR.services_by_name["IpamService"].full_name,)
 
     def __init__(self, runtime: Runtime[IpamConfig]) -> None:
-        cfg = runtime.config
+        self.config = cfg = runtime.config
         self.etcd = Etcd(cfg.etcd_endpoints, timeout=cfg.etcd_timeout)
         self.probes = Probes(runtime.readiness)
-        self.service = IpamService(IpamStore(self.etcd))
+        self.service = IpamService(IpamStore(self.etcd), settings_of(cfg))
 
     def register(self, server: grpc.aio.Server) -> None:
-        ipam_pb2_grpc.add_IpamServiceServicer_to_server(
-            IpamServicer(self.service),  # type: ignore[abstract]  # RPCs land with their issue
-            server,
-        )
+        ipam_pb2_grpc.add_IpamServiceServicer_to_server(IpamServicer(self.service), server)
 
     async def start(self) -> None:
+        cfg = self.config
+        if cfg.mode == Mode.HOST_SCOPE.value and cfg.kubeconfig:
+            from flagella.ipam.kube import KubeNodeCidrs
+
+            try:
+                self.service.kube = KubeNodeCidrs.from_kubeconfig(
+                    cfg.kubeconfig, timeout=cfg.etcd_timeout
+                )
+            except ValueError as exc:
+                raise FatalError(f"--kubeconfig: {exc}") from exc
         await self.etcd.wait_connected()
         self.probes.add("etcd", self.etcd.current_revision)
+        await self.service.start()
 
     async def stop(self) -> None:
+        await self.service.stop()
         await self.probes.stop()
         await self.etcd.close()
 

@@ -28,6 +28,9 @@ class IpamConfig(ServiceConfig):
     node_mask_size_v4: int = option(24, "prefix length of each node's IPv4 pod CIDR")
     node_mask_size_v6: int = option(112, "prefix length of each node's IPv6 pod CIDR")
     node_lease_ttl: int = option(30, "seconds a node registration lives without renewal")
+    expiry_check_interval: float = option(
+        1.0, "seconds between sweeps that free expired IP reservations"
+    )
     kubeconfig: str = option(
         "",
         "host-scope: read a node's spec.podCIDRs from Kubernetes with this kubeconfig "
@@ -38,6 +41,8 @@ class IpamConfig(ServiceConfig):
         super().validate()
         if self.node_lease_ttl < 2:
             raise ConfigError("--node-lease-ttl", "must be at least 2 seconds")
+        if self.expiry_check_interval <= 0:
+            raise ConfigError("--expiry-check-interval", "must be positive")
         if self.mode != "cluster-pool":
             return
         if not self.cluster_cidr:
