@@ -70,7 +70,7 @@ def run_load(addresses: list[str], tag: str, clients: int, count: int) -> dict[s
             try:
                 resp = stub.Allocate(req, timeout=30)
             except grpc.RpcError as exc:
-                errors[c].append(f"{exc.code().name}: {exc.details()}")  # type: ignore[attr-defined]
+                errors[c].append(f"{exc.code().name}: {exc.details()}")
                 continue
             latencies[c].append(time.perf_counter() - t0)
             ips[c].extend(f"{a.node}/{a.ip}" for a in resp.allocations)

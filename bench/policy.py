@@ -228,8 +228,8 @@ async def bench(quick: bool, etcd_endpoint: str, address: str) -> dict[str, Any]
         n = 100000 if not quick else 30000
         t0 = time.perf_counter()
         for i in range(n):
-            ident = state.identity_of_labels(label_filter.filter(label_set(texts[i % 1000])))
-            assert ident is not None
+            found = state.identity_of_labels(label_filter.filter(label_set(texts[i % 1000])))
+            assert found is not None
         results["cached_lookups_in_process_per_s"] = round(n / (time.perf_counter() - t0))
 
         # 5. one rule changes: only the identities it selects are recomputed

@@ -11,6 +11,7 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -23,10 +24,9 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 def health_status(address: str, service: str = "", timeout: float = 1.0) -> int | None:
     """The health status of address, or None if it does not answer."""
     with grpc.insecure_channel(address) as ch:
+        stub: Any = health_pb2_grpc.HealthStub(ch)  # its type stubs lack Check
         try:
-            resp = health_pb2_grpc.HealthStub(ch).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=timeout
-            )
+            resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         except grpc.RpcError:
             return None
         return int(resp.status)
