@@ -57,6 +57,7 @@ class Cluster:
         self.sock = Path(f"/tmp/fl-{self.tag}")  # short: unix socket paths max 107 bytes
         self.sock.mkdir()
         self.services: dict[str, ServiceProcess] = {}
+        self.service_args: dict[str, list[str]] = {}
         self.nodes: dict[str, Node] = {}
         self._channels: list[grpc.Channel] = []
 
@@ -82,8 +83,27 @@ class Cluster:
                     "--ipam-address", self.services["ipam"].address,
                     "--policy-address", self.services["policy"].address,
                 ]  # fmt: skip
+            self.service_args[svc] = args
             self.services[svc] = self.spawn(svc, *args)
         return self
+
+    def kill9(self, svc: str) -> None:
+        self.services[svc].kill9()
+
+    def restart(
+        self, svc: str, extra: Sequence[str] = (), *, kill: bool = False, wait: bool = True
+    ) -> ServiceProcess:
+        """Stop (or kill -9) a control-plane service and start it again on the
+        same address, with extra flags added for this run."""
+        old = self.services[svc]
+        if kill:
+            old.kill9()
+        else:
+            old.stop()
+        self.services[svc] = self.spawn(
+            svc, *self.service_args[svc], *extra, port=old.port, wait=wait
+        )
+        return self.services[svc]
 
     def add_node(self, name: str, *, extra: Sequence[str] = (), start: bool = True) -> Node:
         """A node netns with an uplink to its own outside netns, and its

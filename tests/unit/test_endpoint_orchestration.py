@@ -120,6 +120,9 @@ class World:
     async def release_identity(self, identity: int, node: str, owner: str) -> None:
         self.refs.pop((owner, identity), None)
 
+    async def identity_of(self, labels: dict[str, str]) -> int:
+        return 256 + len(labels)
+
     async def upsert_ipcache(self, prefix: str, identity: int, node: str, host_ip: str) -> None:
         self.maybe_fail("ipcache")
         self.ipcache[prefix] = identity
@@ -230,6 +233,32 @@ async def test_restore_rolls_back_an_interrupted_create() -> None:
     assert list(world.ips) == [("c1", "eth0")]
     assert [owner for owner, _ in world.refs] == ["c1/eth0"]
     assert [e.id for e in await store.list_all()] == [ready.id]
+
+
+async def test_restore_releases_an_identity_taken_but_not_recorded() -> None:
+    world = World()
+    svc, store = make(world)
+    ep = Endpoint(
+        id=0,
+        container_id="c3",
+        ifname="eth0",
+        netns_path="/x",
+        node="n1",
+        labels={"app": "web"},
+        pod_namespace="shop",
+    )
+    await store.create(ep)
+    found = await store.get("c3", "eth0")
+    assert found is not None
+    ep, rev = found
+    ep.steps = ["ipam", "identity"]  # crashed after the allocation, before recording the id
+    await store.update(ep, rev)
+    await world.allocate_identity(
+        {"app": "web", "io.kubernetes.pod.namespace": "shop"}, "n1", "c3/eth0"
+    )
+    assert world.refs
+    await svc.restore()
+    assert world.refs == {}
 
 
 async def test_gc_removes_endpoints_and_ips_not_in_the_valid_set() -> None:

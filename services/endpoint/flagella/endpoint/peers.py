@@ -118,6 +118,19 @@ class PolicyPeer:
                 timeout=CALL_TIMEOUT,
             )
 
+    async def identity_of(self, labels: dict[str, str]) -> int:
+        try:
+            with calling("policy"):
+                ident = await self.stub.GetIdentity(
+                    policy_pb2.GetIdentityRequest(
+                        labels=policy_pb2.LabelList(labels=k8s_labels(labels))
+                    ),
+                    timeout=CALL_TIMEOUT,
+                )
+        except NotFound:
+            return 0
+        return int(ident.id)
+
     async def upsert_ipcache(self, prefix: str, identity: int, node: str, host_ip: str) -> None:
         with calling("policy"):
             await self.stub.UpsertIPCache(

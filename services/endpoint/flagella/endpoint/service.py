@@ -95,6 +95,9 @@ class Policy(Protocol):
 
     async def release_identity(self, identity: int, node: str, owner: str) -> None: ...
 
+    async def identity_of(self, labels: dict[str, str]) -> int:
+        """The identity of a label set without allocating; 0 if none."""
+
     async def upsert_ipcache(self, prefix: str, identity: int, node: str, host_ip: str) -> None: ...
 
     async def delete_ipcache(self, prefix: str, identity: int) -> None: ...
@@ -349,8 +352,14 @@ class EndpointService:
                 await self.policy.delete_ipcache(address, ep.identity)
         if STEP_DATAPATH in steps and node is not None:
             await self.datapath.teardown(node.datapath_address, ep)
-        if STEP_IDENTITY in steps and ep.identity:
-            await self.policy.release_identity(ep.identity, ep.node, owner_of(ep))
+        if STEP_IDENTITY in steps:
+            # A crash right after the allocation leaves its id unrecorded:
+            # find it by labels. Releasing by owner is exact (a no-op if this
+            # owner never got a reference), so this never drops someone
+            # else's reference.
+            identity = ep.identity or await self.policy.identity_of(identity_labels(ep))
+            if identity:
+                await self.policy.release_identity(identity, ep.node, owner_of(ep))
         if STEP_IPAM in steps:
             await self.ipam.release(ep.node, ep.container_id, ep.ifname)
         ep.transition(State.DISCONNECTED, reason)
