@@ -45,7 +45,8 @@ SHIM = """#!/bin/sh
 # (installed beside this file by the flagella datapath's init container).
 r="${0%/*}/.flagella-cni"
 PYTHONHOME="$r" PYTHONPATH="$r/site" PYTHONNOUSERSITE=1 PYTHONDONTWRITEBYTECODE=1 \\
-  exec "$r/lib/ld-linux-x86-64.so.2" --library-path "$r/lib" "$r/bin/python3" -s -m flagella.cni "$@"
+  exec "$r/lib/ld-linux-x86-64.so.2" --library-path "$r/lib" \\
+  "$r/bin/python3" -s -m flagella.cni "$@"
 """
 LDD_LINE = re.compile(r"(?:=>\s*)?(/\S+)\s+\(0x[0-9a-f]+\)")
 
@@ -88,7 +89,7 @@ def build(out: Path) -> None:
     (runtime / "lib").mkdir()
     (runtime / "site").mkdir()
 
-    interpreter = Path(os.path.realpath(sys._base_executable))
+    interpreter = Path(os.path.realpath(getattr(sys, "_base_executable", sys.executable)))
     shutil.copy2(interpreter, runtime / "bin" / "python3")
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])

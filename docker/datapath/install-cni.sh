@@ -19,6 +19,9 @@ endpoint=${FLAGELLA_CNI_ENDPOINT:?FLAGELLA_CNI_ENDPOINT must name the endpoint s
 node=${FLAGELLA_NODE_NAME:?FLAGELLA_NODE_NAME must name this node}
 name=${FLAGELLA_CNI_CONFLIST:-05-flagella.conflist}
 mtu=${FLAGELLA_CNI_MTU:-1500}
+case "$endpoint" in
+  *'$('*|:*|*:) echo "FLAGELLA_CNI_ENDPOINT=$endpoint is not an address (is the endpoint Service missing?)" >&2; exit 1 ;;
+esac
 mkdir -p "$bin" "$conf"
 
 rm -rf "$bin/.flagella-cni.new" "$bin/.flagella-cni.old"
