@@ -9,7 +9,9 @@ set -eu
 PACKAGES="python3-bpfcc libbpfcc iproute2"
 export DEBIAN_FRONTEND=noninteractive
 if ls /tmp/debs/datapath/*.deb >/dev/null 2>&1; then
-  dpkg -i /tmp/debs/datapath/*.deb >/dev/null
+  # apt orders the unpacking (pre-dependencies) and needs no package lists here.
+  apt-get install -y -qq --no-install-recommends /tmp/debs/datapath/*.deb >/dev/null
+  rm -rf /var/cache/apt/archives/*.deb /var/lib/apt/lists/*
 else
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends $PACKAGES >/dev/null
