@@ -1,0 +1,312 @@
+"""The Kubernetes manifests, offline (no API server can run here): the base
+and every overlay build with `kubectl kustomize`, the output passes
+`kubernetes-validate --strict`, and the rules the design sets hold for every
+object: only the datapath has capabilities or host access, everything else
+is non-root with no capabilities and a read-only root; RBAC only reads."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+VENV_BIN = Path(sys.executable).parent
+TARGETS = ["k8s", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "k8s/overlays").iterdir())]
+WORKLOADS = {"Deployment", "StatefulSet", "DaemonSet", "Job", "CronJob", "ReplicaSet", "Pod"}
+DATAPATH_CAPS = {"NET_ADMIN", "SYS_ADMIN", "BPF", "PERFMON"}
+READ_VERBS = {"get", "list", "watch"}
+READABLE = {
+    ("", "pods"),
+    ("", "nodes"),
+    ("", "services"),
+    ("discovery.k8s.io", "endpointslices"),
+    ("networking.k8s.io", "networkpolicies"),
+}
+# Service link variables Kubernetes sets in every pod of the namespace.
+SERVICE_LINK = re.compile(r"^[A-Z0-9_]+_SERVICE_(HOST|PORT(_[A-Z0-9_]+)?)$")
+
+
+def kubectl() -> str:
+    path = shutil.which("kubectl", path=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    if path is None:
+        pytest.fail("kubectl is missing: scripts/setup installs it")
+    return path
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """`kubectl kustomize` of the base and each overlay, once per module."""
+    out_dir = tmp_path_factory.mktemp("k8s")
+    files = {}
+    for target in TARGETS:
+        res = subprocess.run(
+            [kubectl(), "kustomize", str(ROOT / target)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert res.returncode == 0, f"kubectl kustomize {target}:\n{res.stderr}"
+        path = out_dir / (target.replace("/", "_") + ".yaml")
+        path.write_text(res.stdout)
+        files[target] = path
+    return files
+
+
+def objects(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def pod_spec(obj: dict[str, Any]) -> dict[str, Any]:
+    if obj["kind"] == "Pod":
+        return dict(obj["spec"])
+    if obj["kind"] == "CronJob":
+        return dict(obj["spec"]["jobTemplate"]["spec"]["template"]["spec"])
+    return dict(obj["spec"]["template"]["spec"])
+
+
+def workloads(path: Path) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    for obj in objects(path):
+        if obj["kind"] in WORKLOADS:
+            yield obj, pod_spec(obj)
+
+
+def all_containers(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    return [*spec.get("initContainers", []), *spec["containers"]]
+
+
+def is_datapath(obj: dict[str, Any]) -> bool:
+    return bool(obj["kind"] == "DaemonSet" and obj["metadata"]["name"] == "datapath")
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_kustomize_builds_and_validates_strictly(rendered: dict[str, Path], target: str) -> None:
+    res = subprocess.run(
+        [str(VENV_BIN / "kubernetes-validate"), "--strict", "--quiet", str(rendered[target])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    kinds = {o["kind"] for o in objects(rendered[target])}
+    assert {
+        "Namespace",
+        "ServiceAccount",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "ConfigMap",
+        "Service",
+        "Deployment",
+        "StatefulSet",
+        "DaemonSet",
+        "PodDisruptionBudget",
+    } <= kinds
+    assert all(
+        o["metadata"].get("namespace") == "flagella"
+        for o in objects(rendered[target])
+        if o["kind"] not in ("Namespace", "ClusterRole", "ClusterRoleBinding")
+    )
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_only_the_datapath_has_capabilities_or_host_access(
+    rendered: dict[str, Path], target: str
+) -> None:
+    seen_datapath = False
+    for obj, spec in workloads(rendered[target]):
+        name = f"{obj['kind']}/{obj['metadata']['name']}"
+        assert spec.get("securityContext", {}).get("seccompProfile") == {
+            "type": "RuntimeDefault"
+        }, name
+        if is_datapath(obj):
+            seen_datapath = True
+            assert spec["hostNetwork"] is True
+            assert not spec.get("hostPID")
+            assert not spec.get("hostIPC")
+            for c in all_containers(spec):
+                sc = c["securityContext"]
+                assert sc.get("privileged") is not True, c["name"]
+                assert sc["capabilities"]["drop"] == ["ALL"], c["name"]
+                assert set(sc["capabilities"].get("add", [])) <= DATAPATH_CAPS, c["name"]
+                assert sc["readOnlyRootFilesystem"] is True, c["name"]
+            main = next(c for c in spec["containers"] if c["name"] == "datapath")
+            assert set(main["securityContext"]["capabilities"]["add"]) == DATAPATH_CAPS
+            for init in spec.get("initContainers", []):
+                assert not init["securityContext"]["capabilities"].get("add"), init["name"]
+                assert init["securityContext"]["allowPrivilegeEscalation"] is False
+            continue
+        # Everything else: no host namespaces or folders, non-root, no
+        # capabilities, no privilege escalation, read-only root.
+        assert not spec.get("hostNetwork"), name
+        assert not spec.get("hostPID"), name
+        assert not spec.get("hostIPC"), name
+        assert not [v for v in spec.get("volumes", []) if "hostPath" in v], name
+        pod_sc = spec.get("securityContext", {})
+        for c in all_containers(spec):
+            sc = c.get("securityContext", {})
+            where = f"{name} container {c['name']}"
+            assert sc.get("privileged") is not True, where
+            assert sc.get("allowPrivilegeEscalation") is False, where
+            assert sc.get("readOnlyRootFilesystem") is True, where
+            assert sc.get("capabilities", {}).get("drop") == ["ALL"], where
+            assert not sc.get("capabilities", {}).get("add"), where
+            assert sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")) is True, where
+            assert sc.get("runAsUser", pod_sc.get("runAsUser", 1)) != 0, where
+            assert not any("hostPort" in p for p in c.get("ports", [])), where
+    assert seen_datapath
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_rbac_only_reads_what_flagella_watches(rendered: dict[str, Path], target: str) -> None:
+    objs = objects(rendered[target])
+    roles = [o for o in objs if o["kind"] in ("Role", "ClusterRole")]
+    assert roles
+    for role in roles:
+        for rule in role["rules"]:
+            assert set(rule["verbs"]) <= READ_VERBS, role["metadata"]["name"]
+            assert "nonResourceURLs" not in rule
+            assert "resourceNames" not in rule
+            for group in rule["apiGroups"]:
+                for resource in rule["resources"]:
+                    assert (group, resource) in READABLE, (role["metadata"]["name"], resource)
+    accounts = {o["metadata"]["name"] for o in objs if o["kind"] == "ServiceAccount"}
+    for binding in (o for o in objs if o["kind"] in ("RoleBinding", "ClusterRoleBinding")):
+        for subject in binding["subjects"]:
+            assert subject["kind"] == "ServiceAccount"
+            assert subject["name"] in accounts
+            assert subject["namespace"] == "flagella"
+    # Pods that read nothing from the API carry no token.
+    for obj, spec in workloads(rendered[target]):
+        bound = {
+            s["name"]
+            for b in objs
+            if b["kind"] in ("RoleBinding", "ClusterRoleBinding")
+            for s in b["subjects"]
+        }
+        if spec["serviceAccountName"] not in bound:
+            assert spec.get("automountServiceAccountToken") is False, obj["metadata"]["name"]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_services_have_grpc_probes_resources_and_disruption_budgets(
+    rendered: dict[str, Path], target: str
+) -> None:
+    objs = objects(rendered[target])
+    pdbs = {
+        tuple(sorted(o["spec"]["selector"]["matchLabels"].items()))
+        for o in objs
+        if o["kind"] == "PodDisruptionBudget"
+    }
+    flagella = {"ipam", "policy", "endpoint", "lb", "datapath"}
+    for obj, spec in workloads(rendered[target]):
+        name = obj["metadata"]["name"]
+        for c in all_containers(spec):
+            assert c["resources"]["requests"]["memory"], (name, c["name"])
+            assert c["resources"]["limits"]["memory"], (name, c["name"])
+        for c in spec["containers"]:
+            if name in flagella:
+                port = c["ports"][0]["containerPort"]
+                assert c["readinessProbe"]["grpc"]["port"] == port, name
+                assert c["livenessProbe"]["grpc"]["port"] == port, name
+            else:
+                assert c["readinessProbe"], name
+                assert c["livenessProbe"], name
+        if obj["kind"] in ("Deployment", "StatefulSet") and name != "jaeger":
+            key = tuple(sorted(obj["spec"]["selector"]["matchLabels"].items()))
+            assert key in pdbs, f"no PodDisruptionBudget for {name}"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_env_references_are_defined_before_use(rendered: dict[str, Path], target: str) -> None:
+    """$(VAR) in an env value expands only from variables defined earlier in
+    the same container (or the Service link variables); anything else stays
+    literal and breaks the address it was part of."""
+    objs = objects(rendered[target])
+    service_ports = {
+        o["metadata"]["name"]: {p.get("name") for p in o["spec"]["ports"]}
+        for o in objs
+        if o["kind"] == "Service"
+    }
+    for obj, spec in workloads(rendered[target]):
+        for c in all_containers(spec):
+            defined: set[str] = set()
+            for var in c.get("env", []):
+                for ref in re.findall(r"\$\(([A-Za-z0-9_]+)\)", var.get("value", "")):
+                    if SERVICE_LINK.match(ref):
+                        svc = ref.split("_SERVICE_")[0].lower().replace("_", "-")
+                        assert svc in service_ports, (c["name"], ref)
+                        port = ref.split("_SERVICE_PORT_")[-1].lower().replace("_", "-")
+                        if "_SERVICE_PORT_" in ref:
+                            assert port in service_ports[svc], (c["name"], ref)
+                    else:
+                        assert ref in defined, (obj["metadata"]["name"], c["name"], ref)
+                defined.add(var["name"])
+
+
+def test_replicas_and_etcd_membership(rendered: dict[str, Path]) -> None:
+    """Base: 2 replicas of each service, a 3-member etcd; the dev overlay: 1 of
+    everything. etcd's initial cluster always lists exactly its members."""
+    for target, service_replicas, etcd_replicas in (("k8s", 2, 3), ("k8s/overlays/dev", 1, 1)):
+        objs = objects(rendered[target])
+        deployments = {
+            o["metadata"]["name"]: o["spec"]["replicas"] for o in objs if o["kind"] == "Deployment"
+        }
+        for svc in ("ipam", "policy", "endpoint", "lb"):
+            assert deployments[svc] == service_replicas, (target, svc)
+        etcd = next(o for o in objs if o["kind"] == "StatefulSet")
+        assert etcd["spec"]["replicas"] == etcd_replicas
+        assert etcd["spec"]["volumeClaimTemplates"]
+        env = {
+            e["name"]: e.get("value")
+            for e in etcd["spec"]["template"]["spec"]["containers"][0]["env"]
+        }
+        members = env["ETCD_INITIAL_CLUSTER"].split(",")
+        assert members == [
+            f"etcd-{i}=http://etcd-{i}.{etcd['spec']['serviceName']}:2380"
+            for i in range(etcd_replicas)
+        ]
+
+
+def test_cni_conflist_carries_what_the_plugin_reads(rendered: dict[str, Path]) -> None:
+    """The init container installs flagella-cni with a conflist whose plugin
+    entry the plugin's own parser accepts: type, endpoint, node, mtu."""
+    from flagella.cni import spec
+
+    script = (ROOT / "docker/datapath/install-cni.sh").read_text()
+    body = script.split("<<JSON\n", 1)[1].split("\nJSON\n", 1)[0]
+    conflist = body.replace("$endpoint", "10.96.0.53:50053").replace("$node", "node-a")
+    conflist = conflist.replace("$mtu", "1500")
+    parsed = json.loads(conflist)
+    (plugin,) = parsed["plugins"]
+    # The runtime hands the plugin its entry with the list's name and version.
+    conf = spec.parse_netconf(
+        json.dumps({"cniVersion": parsed["cniVersion"], "name": parsed["name"], **plugin}).encode(),
+        "DEL",
+    )
+    assert (conf.type, conf.endpoint_address, conf.node, conf.mtu) == (
+        "flagella-cni",
+        "10.96.0.53:50053",
+        "node-a",
+        1500,
+    )
+    datapath = next(o for o in objects(rendered["k8s"]) if is_datapath(o))
+    init = pod_spec(datapath)["initContainers"][0]
+    env = {e["name"]: e for e in init["env"]}
+    assert (
+        env["FLAGELLA_CNI_ENDPOINT"]["value"]
+        == "$(ENDPOINT_SERVICE_HOST):$(ENDPOINT_SERVICE_PORT_GRPC)"
+    )
+    assert env["FLAGELLA_NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    mounts = {m["mountPath"] for m in init["volumeMounts"]}
+    assert mounts == {"/host/opt/cni/bin", "/host/etc/cni/net.d"}
