@@ -170,6 +170,8 @@ def test_unreachable_etcd_is_not_serving_until_etcd_appears(
         assert status != SERVING
         time.sleep(1.0)
         assert health_status(proc.address) != SERVING
+        # Alive all along: a liveness probe would not restart it.
+        assert health_status(proc.address, "flagella.liveness") == SERVING
         etcd.start()
         proc.wait_serving(timeout=20)
         # etcd going away flips it back to NOT_SERVING, and back again.

@@ -137,6 +137,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 # --- readiness ---
 
 
+#: Health service name answering SERVING while the process is alive (for
+#: liveness probes), whatever its dependencies.
+LIVENESS = "flagella.liveness"
+
+
 class Readiness:
     """SERVING once the service has started and every named condition holds
     (e.g. "etcd"); NOT_SERVING otherwise, and for good once stopping."""
@@ -172,6 +177,14 @@ class Readiness:
         )
         for name in self._names:
             await self.servicer.set(name, status)
+        # Liveness: the process answers and is not shutting down. A missing
+        # dependency (etcd away) is a readiness matter, not a reason to restart.
+        await self.servicer.set(
+            LIVENESS,
+            health_pb2.HealthCheckResponse.NOT_SERVING
+            if self._stopping
+            else health_pb2.HealthCheckResponse.SERVING,
+        )
 
     async def set_condition(self, name: str, ok: bool, reason: str = "") -> None:
         async with self._lock:

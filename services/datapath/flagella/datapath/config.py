@@ -33,6 +33,10 @@ class DatapathConfig(ServiceConfig):
     uplink: str = option("", "the node's uplink interface (masquerade and NodePort run on it)")
     masquerade: bool = option(True, "SNAT pod traffic leaving the cluster to the node address")
     enable_ip_forward: bool = option(True, "turn on IP forwarding in the node's netns")
+    proc_sys: str = option(
+        "/proc/sys",
+        "where sysctls are written (in a container: a rw mount of the host's /proc/sys)",
+    )
     gc_interval_seconds: float = option(30.0, "conntrack and NAT garbage collection period")
 
     def validate(self) -> None:

@@ -74,12 +74,14 @@ def _socket_in_netns(netns_path: str) -> socket.socket:
         os.close(own)
 
 
-def _write_sysctls_in_netns(netns_path: str | None, values: dict[str, str]) -> None:
-    """Write /proc/sys entries as seen from netns_path (None: our own)."""
+def _write_sysctls_in_netns(netns_path: str | None, values: dict[str, str], proc_sys: str) -> None:
+    """Write sysctl entries as seen from netns_path (None: our own). A net
+    sysctl file belongs to the netns of whoever opens it, so proc_sys may be
+    any procfs mount (in a container: the host's /proc/sys, mounted rw)."""
 
     def write() -> None:
         for key, value in values.items():
-            path = "/proc/sys/" + key.replace(".", "/")
+            path = f"{proc_sys}/" + key.replace(".", "/")
             with open(path, "w") as f:
                 f.write(value)
 
@@ -113,8 +115,10 @@ async def iproute(netns_path: str | None = None) -> AsyncIterator[AsyncIPRoute]:
         yield ipr
 
 
-async def write_sysctls(netns_path: str | None, values: dict[str, str]) -> None:
-    await asyncio.to_thread(_write_sysctls_in_netns, netns_path, values)
+async def write_sysctls(
+    netns_path: str | None, values: dict[str, str], proc_sys: str = "/proc/sys"
+) -> None:
+    await asyncio.to_thread(_write_sysctls_in_netns, netns_path, values, proc_sys)
 
 
 @dataclass(frozen=True)
@@ -134,6 +138,7 @@ class VethSpec:
     # ip_interface strings; pods get host routes (/32, /128).
     addresses: tuple[str, ...]
     mtu: int = 1500
+    proc_sys: str = "/proc/sys"
 
 
 @dataclass(frozen=True)
@@ -222,6 +227,7 @@ async def setup_veth(spec: VethSpec) -> VethResult:
                 f"net.ipv4.conf.{host_name}.rp_filter": "0",
                 f"net.ipv4.conf.{host_name}.forwarding": "1",
             },
+            spec.proc_sys,
         )
 
         lo = await _first(pod, "lo")
@@ -232,6 +238,7 @@ async def setup_veth(spec: VethSpec) -> VethResult:
             {f"net.ipv6.conf.{spec.ifname}.accept_dad": "0"}
             if any(a.version == 6 for a in addrs)
             else {},
+            spec.proc_sys,
         )
         await pod.link("set", index=pod_index, mtu=spec.mtu, state="up")
         routes: list[tuple[str, str]] = []

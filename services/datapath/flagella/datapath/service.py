@@ -195,7 +195,9 @@ class DatapathService:
         cfg = self.config
         if cfg.enable_ip_forward:
             await netdev.write_sysctls(
-                None, {"net.ipv4.ip_forward": "1", "net.ipv6.conf.all.forwarding": "1"}
+                None,
+                {"net.ipv4.ip_forward": "1", "net.ipv6.conf.all.forwarding": "1"},
+                cfg.proc_sys,
             )
         self._bpf = await self.writer.run(Datapath.load, cfg.bpf_root)
         log.info(
@@ -363,7 +365,12 @@ class DatapathService:
             try:
                 result = await netdev.setup_veth(
                     netdev.VethSpec(
-                        req.endpoint_id, req.netns_path, req.ifname, req.addresses, req.mtu
+                        req.endpoint_id,
+                        req.netns_path,
+                        req.ifname,
+                        req.addresses,
+                        req.mtu,
+                        self.config.proc_sys,
                     )
                 )
             except netdev.NetdevError as exc:
