@@ -8,6 +8,11 @@
 3. Bulk: N services (10,000; 2,000 with --quick) upserted through gRPC with
    64 calls in flight, until every one has arrived on a WatchServices
    stream opened before the first upsert.
+4. With the datapath (as root): time from an upsert that swaps a service's
+   backend until a client pod's connections reach the new backend, and
+   the time until N services (10,000; 1,000 with --quick) upserted into
+   the lb are programmed into a node's BPF maps. A node netns with its
+   own datapath, pods as netns; all removed at the end.
 
 It starts its own etcd (Debian's) and lb process on free loopback ports and
 removes them at the end. Usage: python bench/lb.py [--quick] [--json]
@@ -30,9 +35,13 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+from harness.cluster import Cluster
 from harness.etcd import EtcdServer
+from harness.netns import NetnsSet
+from harness.pods import add_pod
 from harness.procs import ServiceProcess
 
+from flagella.api.datapath.v1 import datapath_pb2
 from flagella.api.lb.v1 import lb_pb2 as pb
 from flagella.api.lb.v1 import lb_pb2_grpc
 from flagella.lb.maglev import (
@@ -183,11 +192,127 @@ async def bench_service(address: str, pid: int, n: int, latency_runs: int) -> di
     }
 
 
+def dp_service(name: str, vip: str, backends: list[str]) -> pb.Service:
+    return pb.Service(
+        name=name,
+        frontend=pb.Frontend(address=vip, port=80, protocol=pb.PROTOCOL_TCP),
+        type=pb.SERVICE_TYPE_CLUSTER_IP,
+        algorithm=pb.ALGORITHM_RANDOM,
+        backends=[pb.Backend(address=b, port=8080) for b in backends],
+    )
+
+
+def bench_datapath(tmp: Path, quick: bool, n: int) -> dict[str, Any]:
+    """Upsert-to-traffic time and N services programmed into a node's maps."""
+    started: list[ServiceProcess] = []
+
+    def spawn(svc: str, *args: str, wait: bool = True, **kwargs: Any) -> ServiceProcess:
+        proc = ServiceProcess(svc, [*args, "--log-level", "warning"], log_dir=tmp, **kwargs)
+        started.append(proc)
+        proc.start()
+        if wait:
+            proc.wait_serving(60)
+        return proc
+
+    etcd = EtcdServer(tmp / "dp-etcd").start()
+    nss = NetnsSet()
+    cluster = Cluster(tmp, etcd, spawn, nss)
+    out: dict[str, Any] = {}
+    try:
+        cluster.start(services=("policy", "lb"))
+        node = cluster.add_node("bench")
+        client = add_pod(cluster, node, "cl", 1, "10.203.0.2", {"app": "client"})
+        backends = [
+            add_pod(cluster, node, f"b{i}", 10 + i, f"10.203.0.{10 + i}", {"app": "web"})
+            for i in range(2)
+        ]
+        for i, b in enumerate(backends):
+            b.ns.serve("tcp", 8080, f"b{i}")
+        lb = cluster.lb()
+        vip = "10.97.255.1"
+        lb.UpsertService(
+            pb.UpsertServiceRequest(service=dp_service("bench/swap", vip, [backends[0].ip])),
+            timeout=10,
+        )
+        deadline = time.monotonic() + 30
+        while (client.ns.request("tcp", vip, 80, timeout=1) or "").split()[:1] != ["b0"]:
+            if time.monotonic() > deadline:
+                raise RuntimeError("service never reached b0")
+        swaps = []
+        for k in range(5 if quick else 15):
+            target = (k + 1) % 2
+            t0 = time.perf_counter()
+            lb.UpsertService(
+                pb.UpsertServiceRequest(
+                    service=dp_service("bench/swap", vip, [backends[target].ip])
+                ),
+                timeout=10,
+            )
+            while (client.ns.request("tcp", vip, 80, timeout=1) or "").split()[:1] != [
+                f"b{target}"
+            ]:
+                if time.perf_counter() - t0 > 30:
+                    raise RuntimeError("swap never reached the new backend")
+            swaps.append((time.perf_counter() - t0) * 1000)
+        out["upsert_to_traffic_p50_ms"] = round(statistics.median(swaps), 1)
+        out["upsert_to_traffic_max_ms"] = round(max(swaps), 1)
+
+        dp = cluster.datapath(node)
+
+        def service_entries() -> int:
+            st = dp.ListMaps(datapath_pb2.ListMapsRequest(), timeout=30)
+            return next(m.entries for m in st.maps if m.name == "services")
+
+        base = service_entries()
+        t0 = time.perf_counter()
+
+        async def upsert_all() -> None:
+            async with grpc.aio.insecure_channel(cluster.services["lb"].address) as ch:
+                stub = lb_pb2_grpc.LoadBalancerServiceStub(ch)
+                sem = asyncio.Semaphore(64)
+
+                async def one(i: int) -> None:
+                    async with sem:
+                        await stub.UpsertService(
+                            pb.UpsertServiceRequest(
+                                service=dp_service(
+                                    f"bulk/s{i}",
+                                    f"10.98.{i // 250}.{i % 250 + 1}",
+                                    [backends[i % 2].ip],
+                                )
+                            ),
+                            timeout=60,
+                        )
+
+                await asyncio.gather(*(one(i) for i in range(n)))
+
+        asyncio.run(upsert_all())
+        acked = time.perf_counter() - t0
+        # Each service is one frontend entry plus one backend slot.
+        while service_entries() < base + 2 * n:
+            if time.perf_counter() - t0 > 600:
+                raise RuntimeError("services never all programmed")
+            time.sleep(0.1)
+        out["datapath_services"] = n
+        out["datapath_services_acked_s"] = round(acked, 2)
+        out["datapath_services_programmed_s"] = round(time.perf_counter() - t0, 2)
+        answer = client.ns.request("tcp", f"10.98.{(n - 1) // 250}.{(n - 1) % 250 + 1}", 80)
+        out["datapath_last_service_answers"] = bool(answer)
+    finally:
+        cluster.cleanup()
+        for proc in reversed(started):
+            proc.stop()
+        nss.cleanup()
+        etcd.cleanup()
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller runs, within 30 s")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--services", type=int, default=0, help="bulk size (default 10,000)")
+    ap.add_argument("--no-datapath", action="store_true", help="skip the datapath part (root)")
     args = ap.parse_args()
     n = args.services or (2000 if args.quick else 10000)
 
@@ -213,6 +338,8 @@ def main() -> int:
         finally:
             proc.stop()
             etcd.cleanup()
+        if os.geteuid() == 0 and not args.no_datapath:
+            results.update(bench_datapath(Path(tmp), args.quick, 1000 if args.quick else n))
 
     if args.json:
         print(json.dumps(results))
@@ -243,6 +370,25 @@ def main() -> int:
             f"{results['snapshot_stream_s']} s",
         ),
     ]
+    if "upsert_to_traffic_p50_ms" in results:
+        rows += [
+            (
+                "upsert to traffic on the new backend, p50",
+                f"{results['upsert_to_traffic_p50_ms']} ms",
+            ),
+            (
+                "upsert to traffic on the new backend, max",
+                f"{results['upsert_to_traffic_max_ms']} ms",
+            ),
+            (
+                f"{results['datapath_services']} services acked by lb",
+                f"{results['datapath_services_acked_s']} s",
+            ),
+            (
+                f"{results['datapath_services']} services programmed in BPF",
+                f"{results['datapath_services_programmed_s']} s",
+            ),
+        ]
     for label, value in rows:
         print(f"{label:<44} {value:>16}")
     return 0
