@@ -16,6 +16,7 @@ import argparse
 import concurrent.futures
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -27,11 +28,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from harness.cluster import Cluster  # noqa: E402
+from harness.cluster import standalone_cluster  # noqa: E402
 from harness.cni import cni, netconf  # noqa: E402
-from harness.etcd import EtcdServer  # noqa: E402
-from harness.netns import NetnsSet  # noqa: E402
-from harness.procs import ServiceProcess  # noqa: E402
 
 from flagella.api.endpoint.v1 import endpoint_pb2  # noqa: E402
 
@@ -72,21 +70,8 @@ def run_bench(quick: bool) -> dict[str, float]:
     n = 15 if quick else 60
     parallel = 4
     tmp = Path(tempfile.mkdtemp(prefix="flbench-cni-"))
-    started: list[ServiceProcess] = []
-
-    def spawn(svc: str, *args: str, wait: bool = True, **kwargs: Any) -> ServiceProcess:
-        proc = ServiceProcess(svc, [*args, "--log-level", "warning"], log_dir=tmp, **kwargs)
-        started.append(proc)
-        proc.start()
-        if wait:
-            proc.wait_serving(60)
-        return proc
-
-    etcd = EtcdServer(tmp / "etcd").start()
-    nss = NetnsSet()
-    cluster = Cluster(tmp, etcd, spawn, nss)
     figures: dict[str, float] = {}
-    try:
+    with standalone_cluster(tmp) as cluster:
         cluster.start(services=("ipam", "policy", "lb", "endpoint"))
         node = cluster.add_node("bench")
         conf = netconf(cluster.socket("endpoint"), node.name, {"app": "bench"})
@@ -185,13 +170,7 @@ def run_bench(quick: bool) -> dict[str, float]:
             figures["add_p50_ms"] / figures["ref_bridge_add_p50_ms"]
         )
         figures["adds_per_s_ratio_to_bridge"] = adds_per_s / ref_rate
-    finally:
-        cluster.cleanup()
-        for proc in reversed(started):
-            proc.stop()
-        nss.cleanup()
-        etcd.cleanup()
-        subprocess.run(["rm", "-rf", str(tmp)], check=False)
+    shutil.rmtree(tmp, ignore_errors=True)
     return figures
 
 

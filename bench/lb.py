@@ -35,9 +35,8 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from harness.cluster import Cluster
+from harness.cluster import standalone_cluster
 from harness.etcd import EtcdServer
-from harness.netns import NetnsSet
 from harness.pods import add_pod
 from harness.procs import ServiceProcess
 
@@ -204,21 +203,8 @@ def dp_service(name: str, vip: str, backends: list[str]) -> pb.Service:
 
 def bench_datapath(tmp: Path, quick: bool, n: int) -> dict[str, Any]:
     """Upsert-to-traffic time and N services programmed into a node's maps."""
-    started: list[ServiceProcess] = []
-
-    def spawn(svc: str, *args: str, wait: bool = True, **kwargs: Any) -> ServiceProcess:
-        proc = ServiceProcess(svc, [*args, "--log-level", "warning"], log_dir=tmp, **kwargs)
-        started.append(proc)
-        proc.start()
-        if wait:
-            proc.wait_serving(60)
-        return proc
-
-    etcd = EtcdServer(tmp / "dp-etcd").start()
-    nss = NetnsSet()
-    cluster = Cluster(tmp, etcd, spawn, nss)
     out: dict[str, Any] = {}
-    try:
+    with standalone_cluster(tmp) as cluster:
         cluster.start(services=("policy", "lb"))
         node = cluster.add_node("bench")
         client = add_pod(cluster, node, "cl", 1, "10.203.0.2", {"app": "client"})
@@ -298,12 +284,6 @@ def bench_datapath(tmp: Path, quick: bool, n: int) -> dict[str, Any]:
         out["datapath_services_programmed_s"] = round(time.perf_counter() - t0, 2)
         answer = client.ns.request("tcp", f"10.98.{(n - 1) // 250}.{(n - 1) % 250 + 1}", 80)
         out["datapath_last_service_answers"] = bool(answer)
-    finally:
-        cluster.cleanup()
-        for proc in reversed(started):
-            proc.stop()
-        nss.cleanup()
-        etcd.cleanup()
     return out
 
 

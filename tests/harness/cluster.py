@@ -6,11 +6,13 @@ boundaries; nothing is routed outside the machine."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -195,3 +197,30 @@ class Cluster:
         for node in self.nodes.values():
             shutil.rmtree(node.bpf_root, ignore_errors=True)
         shutil.rmtree(self.sock, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def standalone_cluster(tmp: Path, log_level: str = "warning") -> Iterator[Cluster]:
+    """A Cluster outside pytest (benchmarks): its own etcd, processes and
+    namespaces, all removed on exit."""
+    started: list[ServiceProcess] = []
+
+    def spawn(svc: str, *args: str, wait: bool = True, **kwargs: Any) -> ServiceProcess:
+        proc = ServiceProcess(svc, [*args, "--log-level", log_level], log_dir=tmp, **kwargs)
+        started.append(proc)
+        proc.start()
+        if wait:
+            proc.wait_serving(60)
+        return proc
+
+    etcd = EtcdServer(tmp / f"etcd-{uuid.uuid4().hex[:6]}").start()
+    nss = NetnsSet()
+    cluster = Cluster(tmp, etcd, spawn, nss)
+    try:
+        yield cluster
+    finally:
+        cluster.cleanup()
+        for proc in reversed(started):
+            proc.stop()
+        nss.cleanup()
+        etcd.cleanup()
