@@ -160,3 +160,29 @@ def test_add_del_check_gc_as_the_spec_says(cluster: Cluster, node: Node) -> None
     # STATUS: ready.
     rc, out = cni("STATUS", conf, ifname="")
     assert (rc, out) == (0, {})
+
+
+def test_pod_whose_netns_vanished_is_swept_with_its_ip(cluster: Cluster) -> None:
+    # No CNI DEL ever comes (the runtime crashed): the datapath notices the
+    # veth is gone, and the endpoint service's sweep releases the rest.
+    cluster.start(
+        services=("ipam", "policy", "lb", "endpoint"),
+        extra={"endpoint": ["--gc-interval-seconds", "1"]},
+    )
+    node = cluster.add_node("n1", extra=["--gc-interval-seconds", "1"])
+    keep = add(cluster, node, "keep", {"app": "keep"})
+    gone = add(cluster, node, "gone", {"app": "gone"})
+    gone.ns.cleanup()  # deletes the netns, and with it the veth pair
+
+    def swept() -> bool:
+        eps = cluster.endpoint().ListEndpoints(endpoint_pb2.ListEndpointsRequest(), timeout=10)
+        allocs = cluster.ipam().ListAllocations(
+            ipam_pb2.ListAllocationsRequest(node=node.name), timeout=10
+        )
+        return [e.container_id for e in eps.endpoints] == [keep.container_id] and {
+            a.ip for a in allocs.allocations
+        } == {keep.ip}
+
+    assert wait_until(swept, timeout=30)
+    realized = cluster.datapath(node).ListEndpoints(datapath_pb2.ListEndpointsRequest(), timeout=10)
+    assert [e.container_id for e in realized.endpoints] == [keep.container_id]

@@ -124,6 +124,7 @@ class DatapathApp:
         while True:
             await asyncio.sleep(interval)
             try:
+                await self.service.prune_vanished()
                 ct, nat = await self.service.gc_once()
             except OSError as exc:
                 log.warning("conntrack GC failed", extra={"reason": str(exc)})

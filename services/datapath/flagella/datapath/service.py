@@ -322,6 +322,26 @@ class DatapathService:
         """Buffered flows first, then (follow) a live iterator."""
         return self.flows.recent(flt, last), (self.flows.follow(flt) if follow else None)
 
+    async def prune_vanished(self) -> list[int]:
+        """Endpoints whose host veth is gone (their netns was deleted, which
+        destroys the pair): forget them, maps and conntrack included. The
+        endpoint service's sweep then releases their IPs and identity."""
+        links = await netdev.host_links()
+        gone = [
+            rec
+            for rec in list(self.endpoints.values())
+            if links.get(rec.host_ifname) != rec.host_ifindex
+        ]
+        for rec in gone:
+            async with self._lock(rec.endpoint_id):
+                if self.endpoints.get(rec.endpoint_id) is not rec:
+                    continue
+                log.info("endpoint's veth vanished", extra={"endpoint": rec.endpoint_id})
+                self.endpoints.pop(rec.endpoint_id, None)
+                self.policy.delete(rec.endpoint_id)
+                await self._forget(rec)
+        return [rec.endpoint_id for rec in gone]
+
     async def gc_once(self) -> tuple[int, int]:
         stats = await self.writer.run(self.bpf.gc)
         return stats.conntrack, stats.nat
