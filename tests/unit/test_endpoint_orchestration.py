@@ -107,6 +107,13 @@ class World:
             del self.ips[k]
         return [str(k) for k in gone]
 
+    async def held(self, node: str) -> dict[str, tuple[str, str]]:
+        return {ip: owner for owner, ip in self.ips.items()}
+
+    async def claim(self, node: str, ip: str, cid: str, ifname: str, pod: str) -> None:
+        self.ips[(cid, ifname)] = ip
+        self.committed.add((cid, ifname))
+
     # Policy
     async def allocate_identity(
         self, labels: dict[str, str], node: str, owner: str
@@ -160,7 +167,7 @@ class World:
     async def list_endpoints(self, address: str) -> list[RealizedEndpoint]:
         return [RealizedEndpoint(i, "", "", "", ident) for i, ident in self.veths.items()]
 
-    def held(self) -> tuple[object, ...]:
+    def holdings(self) -> tuple[object, ...]:
         return (self.ips, self.refs, self.ipcache, self.veths)
 
 
@@ -196,7 +203,7 @@ async def test_failure_at_each_step_leaks_nothing(step: str) -> None:
     svc, store = make(world)
     with pytest.raises(Unavailable):
         await svc.create(REQ)
-    assert world.held() == ({}, {}, {}, {})
+    assert world.holdings() == ({}, {}, {}, {})
     assert store.data == {}
     world.fail_at = ""
     assert (await svc.create(REQ)).state is State.READY
@@ -207,7 +214,7 @@ async def test_delete_releases_everything_and_is_idempotent() -> None:
     svc, store = make(world)
     await svc.create(REQ)
     assert await svc.delete("c1", "eth0") is True
-    assert world.held() == ({}, {}, {}, {})
+    assert world.holdings() == ({}, {}, {}, {})
     assert await svc.delete("c1", "eth0") is False
     assert store.data == {}
 
@@ -289,3 +296,19 @@ async def test_patch_labels_switches_identity_and_rolls_back_on_failure() -> Non
     assert current.state is State.READY
     assert world.veths[ep.id] == patched.identity
     assert list(world.refs) == [("c1/eth0", patched.identity)]
+
+
+async def test_restore_reconciles_ready_endpoints_with_ipam_and_datapath() -> None:
+    world = World()
+    svc, store = make(world)
+    ep = await svc.create(REQ)
+    # Lost while the service was down: ipam's allocation and the node's veth.
+    world.ips.clear()
+    world.committed.clear()
+    world.veths.clear()
+    restarted = EndpointService(store, world, world, world)  # type: ignore[arg-type]
+    await restarted.restore()
+    assert world.ips == {("c1", "eth0"): "10.0.0.5"}  # the same address, claimed again
+    assert world.committed == {("c1", "eth0")}
+    assert list(world.veths) == [ep.id]
+    assert (await restarted.get("c1", "eth0")).state is State.READY

@@ -90,6 +90,20 @@ class IpamPeer:
             )
         return [a.ip for a in resp.released]
 
+    async def held(self, node: str) -> dict[str, tuple[str, str]]:
+        with calling("ipam"):
+            resp = await self.stub.ListAllocations(
+                ipam_pb2.ListAllocationsRequest(node=node), timeout=CALL_TIMEOUT
+            )
+        return {a.ip: (a.owner.container_id, a.owner.ifname) for a in resp.allocations}
+
+    async def claim(self, node: str, ip: str, container_id: str, ifname: str, pod: str) -> None:
+        owner = ipam_pb2.Owner(container_id=container_id, ifname=ifname, pod=pod)
+        with calling("ipam"):
+            await self.stub.AllocateIP(
+                ipam_pb2.AllocateIPRequest(node=node, ip=ip, owner=owner), timeout=CALL_TIMEOUT
+            )
+
 
 def k8s_labels(labels: dict[str, str]) -> list[policy_pb2.Label]:
     return [policy_pb2.Label(source="k8s", key=k, value=v) for k, v in sorted(labels.items())]

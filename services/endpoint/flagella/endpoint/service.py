@@ -85,6 +85,12 @@ class Ipam(Protocol):
 
     async def reconcile(self, node: str, valid: Sequence[tuple[str, str]]) -> list[str]: ...
 
+    async def held(self, node: str) -> dict[str, tuple[str, str]]:
+        """ip -> (container id, ifname) of the node's allocations."""
+
+    async def claim(self, node: str, ip: str, container_id: str, ifname: str, pod: str) -> None:
+        """Allocate this IP to this owner, committed (no expiration)."""
+
 
 class Policy(Protocol):
     async def allocate_identity(
@@ -546,11 +552,15 @@ class EndpointService:
         return removed
 
     async def restore(self) -> None:
-        """After a restart: finish or roll back every endpoint that was
-        mid-operation. Ready endpoints keep their IPs, identity and datapath
-        state untouched."""
+        """After a restart: roll back every endpoint that was mid-operation,
+        then reconcile the ready ones against IPAM and their node's datapath.
+        A ready endpoint's IPs are never released here: one IPAM lost is
+        claimed again (the same address), one its datapath lost is set up
+        again (or, when its netns is gone, left to the sweep)."""
+        ready: dict[str, list[Endpoint]] = {}
         for ep in await self.store.list_all():
             if ep.state is State.READY:
+                ready.setdefault(ep.node, []).append(ep)
                 continue
             async with self._lock(*ep.key):
                 try:
@@ -560,3 +570,35 @@ class EndpointService:
                         "restore could not roll back yet",
                         extra={"endpoint": ep.id, "reason": exc.details},
                     )
+        for node_name, eps in ready.items():
+            try:
+                await self._reconcile_node(node_name, eps)
+            except FlagellaError as exc:
+                log.warning(
+                    "restore could not reconcile a node yet",
+                    extra={"node": node_name, "reason": exc.details},
+                )
+
+    async def _reconcile_node(self, node_name: str, eps: list[Endpoint]) -> None:
+        held = await self.ipam.held(node_name)
+        for ep in eps:
+            for address in ep.addresses:
+                ip = address.split("/")[0]
+                if held.get(ip) != (ep.container_id, ep.ifname):
+                    log.warning("restore: reclaiming an IP ipam lost", extra={"ip": ip})
+                    await self.ipam.claim(ep.node, ip, ep.container_id, ep.ifname, pod_of(ep))
+        node = await self.ipam.node(node_name)
+        realized = {
+            r.endpoint_id for r in await self.datapath.list_endpoints(node.datapath_address)
+        }
+        for ep in eps:
+            if ep.id in realized:
+                continue
+            try:
+                await self.datapath.setup(node.datapath_address, ep, node.pod_cidrs)
+                log.info("restore: endpoint set up again on its node", extra={"endpoint": ep.id})
+            except NotFound:
+                log.info(
+                    "restore: endpoint's netns is gone; the sweep removes it",
+                    extra={"endpoint": ep.id},
+                )
