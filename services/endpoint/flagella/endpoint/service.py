@@ -11,9 +11,10 @@ may have been acquired, and nothing leaks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -186,11 +187,23 @@ class EndpointService:
         self.settings = settings or Settings()
         # Fault injection for crash tests: called after each create step.
         self.fault_hook = fault_hook
-        # One operation at a time per attachment within this replica.
-        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        # One operation at a time per attachment within this replica: a lock
+        # and how many hold or wait for it (dropped at zero, so the table does
+        # not grow with every attachment ever seen).
+        self._locks: dict[tuple[str, str], tuple[asyncio.Lock, list[int]]] = {}
 
-    def _lock(self, container_id: str, ifname: str) -> asyncio.Lock:
-        return self._locks.setdefault((container_id, ifname), asyncio.Lock())
+    @contextlib.asynccontextmanager
+    async def _lock(self, container_id: str, ifname: str) -> AsyncIterator[None]:
+        key = (container_id, ifname)
+        lock, users = self._locks.setdefault(key, (asyncio.Lock(), [0]))
+        users[0] += 1
+        try:
+            async with lock:
+                yield
+        finally:
+            users[0] -= 1
+            if users[0] == 0:
+                del self._locks[key]
 
     # --- create ---
 
@@ -370,6 +383,7 @@ class EndpointService:
             await self.ipam.release(ep.node, ep.container_id, ep.ifname)
         ep.transition(State.DISCONNECTED, reason)
         await self.store.delete(ep)
+
         log.info("endpoint removed", extra={"endpoint": ep.id, "reason": reason})
 
     # --- queries ---
