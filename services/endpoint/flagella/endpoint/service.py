@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -25,6 +25,7 @@ from flagella.common.errors import (
     InvalidArgument,
     NotFound,
 )
+from flagella.common.locks import KeyedLocks
 from flagella.endpoint.model import Endpoint, State
 from flagella.endpoint.store import EndpointStore
 
@@ -187,23 +188,11 @@ class EndpointService:
         self.settings = settings or Settings()
         # Fault injection for crash tests: called after each create step.
         self.fault_hook = fault_hook
-        # One operation at a time per attachment within this replica: a lock
-        # and how many hold or wait for it (dropped at zero, so the table does
-        # not grow with every attachment ever seen).
-        self._locks: dict[tuple[str, str], tuple[asyncio.Lock, list[int]]] = {}
+        # One operation at a time per attachment within this replica.
+        self._locks = KeyedLocks()
 
-    @contextlib.asynccontextmanager
-    async def _lock(self, container_id: str, ifname: str) -> AsyncIterator[None]:
-        key = (container_id, ifname)
-        lock, users = self._locks.setdefault(key, (asyncio.Lock(), [0]))
-        users[0] += 1
-        try:
-            async with lock:
-                yield
-        finally:
-            users[0] -= 1
-            if users[0] == 0:
-                del self._locks[key]
+    def _lock(self, container_id: str, ifname: str) -> contextlib.AbstractAsyncContextManager[None]:
+        return self._locks((container_id, ifname))
 
     # --- create ---
 
