@@ -63,10 +63,9 @@ class IPEntry:
 @dataclass(frozen=True, slots=True)
 class RefInfo:
     id: int
-    refs: int  # all references: anonymous ones plus one per owner
+    refs: int
     lease: int
     mod_revision: int
-    owners: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,13 +201,7 @@ class PolicyState:
             self._drop_ref(old.id, node)
         if kv is not None:
             value = keys.loads(kv.value)
-            ref = RefInfo(
-                int(value["id"]),
-                int(value["refs"]),
-                kv.lease,
-                kv.mod_revision,
-                frozenset(value.get("owners", ())),
-            )
+            ref = RefInfo(int(value["id"]), int(value["refs"]), kv.lease, kv.mod_revision)
             self.refs[(label_string, node)] = ref
             self.refs_by_id.setdefault(ref.id, {})[node] = ref.refs
             self.node_refs.setdefault(node, {})[ref.id] = ref.refs
