@@ -1,4 +1,5 @@
 """Benchmark of the policy service: identity allocation (new and cached),
+references held by many owners (endpoints) of one identity on one node,
 cached lookups, resolution of 1,000 identities under 200 rules, and the
 recompute after one rule changes.
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import statistics
@@ -155,6 +157,60 @@ async def bench(quick: bool, etcd_endpoint: str, address: str) -> dict[str, Any]
         seconds = await run_concurrently(cached_items, allocate, 32)
         results["cached_allocations_per_s"] = round(len(cached_items) / seconds)
 
+        # 2b. owned references: many endpoints (owners "<container id>/eth0")
+        # of one identity on one node, all 32 in flight; then the same owners
+        # again (idempotent repeats); then every owner releases its reference.
+        n_owners = 200 if quick else 500
+        owners = [hashlib.sha256(b"%d" % i).hexdigest() + "/eth0" for i in range(n_owners)]
+        owned_node = "node-4"
+        owned_labels = pod(1, 2)
+        retried = 0
+        owned_id = 0
+
+        async def retrying(call: Callable[[], Awaitable[Any]]) -> Any:
+            nonlocal retried
+            for _ in range(100):
+                try:
+                    return await call()
+                except grpc.aio.AioRpcError as exc:
+                    # "kept conflicting; retry": contention on one key
+                    if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                        raise
+                    retried += 1
+            raise RuntimeError("too many retries")
+
+        async def take(owner: str) -> None:
+            nonlocal counter, owned_id
+            counter += 1
+            s = stubs[counter % 4]
+            req = pb.AllocateIdentityRequest(labels=owned_labels, node=owned_node, owner=owner)
+            resp = await retrying(lambda: s.AllocateIdentity(req, timeout=30))
+            owned_id = resp.identity.id
+
+        async def drop(owner: str) -> None:
+            nonlocal counter
+            counter += 1
+            s = stubs[counter % 4]
+            req = pb.ReleaseIdentityRequest(id=owned_id, node=owned_node, owner=owner)
+            await retrying(lambda: s.ReleaseIdentity(req, timeout=30))
+
+        seconds = await run_concurrently(owners, take, 32)
+        results["owned_allocations_per_s"] = round(n_owners / seconds)
+        etcd = Etcd([etcd_endpoint])
+        try:
+            kvs, _ = await etcd.get_prefix("flagella/state/identities/v1/value/")
+        finally:
+            await etcd.close()
+        held = [kv for kv in kvs if f"/{owned_node}" in kv.key]
+        results["owned_reference_keys_count"] = len(held)
+        results["owned_reference_etcd_bytes"] = sum(len(kv.key) + len(kv.value) for kv in held)
+        seconds = await run_concurrently(owners, take, 32)
+        results["owned_repeats_per_s"] = round(n_owners / seconds)
+        seconds = await run_concurrently(owners, drop, 32)
+        results["owned_releases_per_s"] = round(n_owners / seconds)
+        results["owned_owners_count"] = n_owners
+        results["owned_conflict_retries_count"] = retried
+
         # 3. cached lookups over gRPC (GetIdentity by labels: no etcd)
         lookups = 4000 if quick else 20000
         requests = [
@@ -292,6 +348,9 @@ class _KV:
 ROWS = [
     ("new identities (AllocateIdentity, 32 in flight)", "new_identities_per_s", "/s", ">= 500"),
     ("cached allocations (known labels, new reference)", "cached_allocations_per_s", "/s", ""),
+    ("owned allocations (one identity, one node, N owners)", "owned_allocations_per_s", "/s", ""),
+    ("owned repeats (the same N owners again)", "owned_repeats_per_s", "/s", ""),
+    ("owned releases (the N owners, one by one)", "owned_releases_per_s", "/s", ""),
     ("cached lookups over gRPC (GetIdentity by labels)", "cached_lookups_grpc_per_s", "/s", ""),
     ("cached lookups in process", "cached_lookups_in_process_per_s", "/s", ">= 20,000"),
     ("put 200 rules (5 PutRules of 40)", "put_200_rules_ms", "ms", ""),
@@ -338,6 +397,9 @@ def main() -> int:
         f"({results['new_identities_count']} new identities; {results['resolved_identities_count']} identities, "
         f"{results['rules_count']} rules, {results['policy_entries_count']} entries; one rule change "
         f"recomputes {results['one_rule_change_recomputed_identities_count']} identities; "
+        f"N = {results['owned_owners_count']} owners: {results['owned_reference_keys_count']} "
+        f"etcd keys, {results['owned_reference_etcd_bytes']:,} bytes, "
+        f"{results['owned_conflict_retries_count']} retried calls; "
         f"{results['cpu_count']} CPUs; {results['total_s']} s)"
     )
     return 0

@@ -186,10 +186,12 @@ def get_op(key: str) -> Any:
     return etcd_rpc.RequestOp(request_range=etcd_rpc.RangeRequest(key=_b(key)))
 
 
-def get_prefix_op(prefix: str, *, keys_only: bool = False) -> Any:
+def get_prefix_op(prefix: str, *, limit: int = 0, keys_only: bool = False) -> Any:
+    """Range op over prefix: at most limit keys (0: all), without values
+    when keys_only."""
     return etcd_rpc.RequestOp(
         request_range=etcd_rpc.RangeRequest(
-            key=_b(prefix), range_end=prefix_end(prefix), keys_only=keys_only
+            key=_b(prefix), range_end=prefix_end(prefix), limit=limit, keys_only=keys_only
         )
     )
 

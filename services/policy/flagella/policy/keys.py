@@ -6,13 +6,18 @@ flagella/state/identities/v1/
   labels/<sorted labels>          {"id": N}                  no lease (the
                                   create-if-absent guard: one id per label set)
   value/<sorted labels>/<node>    {"id": N, "refs": R}       node's lease
+                                  (the node's anonymous references)
+  value/<sorted labels>/<node>/<owner>
+                                  {"id": N}                  node's lease
+                                  (one owner's reference: one key per owner)
   nodes/<node>/<lease hex>        {"ttl": T, "by": replica}  that lease
 flagella/state/ip/v1/<ip or cidr> {"identity", "node", "hostIP", "source"}
                                   node's lease when it names a node
 flagella/policy/v1/rules/<namespace>/<name> or .../rules/<name>   rule JSON
 
 <sorted labels> is Cilium's ``source:key=value;`` list with '%' and '/'
-percent-encoded so it is one key segment.
+percent-encoded so it is one key segment; so is <owner> (e.g.
+"<container id>/eth0" is written "<container id>%2Feth0").
 """
 
 from __future__ import annotations
@@ -58,7 +63,17 @@ def ref_prefix(labels: str) -> str:
 
 
 def ref_key(labels: str, node: str) -> str:
+    """The node's anonymous reference count on the identity of labels."""
     return ref_prefix(labels) + node
+
+
+def owners_prefix(labels: str, node: str) -> str:
+    """Every owner's reference of node on the identity of labels."""
+    return f"{ref_key(labels, node)}/"
+
+
+def owner_key(labels: str, node: str, owner: str) -> str:
+    return owners_prefix(labels, node) + enc(owner)
 
 
 def node_lease_prefix(node: str) -> str:
@@ -82,6 +97,7 @@ class Parsed:
     kind: str  # id, labels, ref, node, ip, rule, or "" when not ours
     a: str = ""
     b: str = ""
+    c: str = ""  # a ref's owner ("": the node's anonymous count)
 
 
 def parse_key(key: str) -> Parsed:
@@ -92,8 +108,12 @@ def parse_key(key: str) -> Parsed:
         if key.startswith(LABELS_PREFIX):
             return Parsed("labels", dec(key[len(LABELS_PREFIX) :]))
         if key.startswith(VALUE_PREFIX):
-            labels, sep, node = key[len(VALUE_PREFIX) :].rpartition("/")
-            return Parsed("ref", dec(labels), node) if sep else Parsed("")
+            parts = key[len(VALUE_PREFIX) :].split("/")
+            if len(parts) == 2 and all(parts):
+                return Parsed("ref", dec(parts[0]), parts[1])
+            if len(parts) == 3 and all(parts):
+                return Parsed("ref", dec(parts[0]), parts[1], dec(parts[2]))
+            return Parsed("")
         if key.startswith(NODES_PREFIX):
             node, sep, lease = key[len(NODES_PREFIX) :].rpartition("/")
             return Parsed("node", node, lease) if sep else Parsed("")

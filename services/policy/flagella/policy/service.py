@@ -134,6 +134,19 @@ def check_node(node: str, field: str = "node") -> str:
     return node
 
 
+MAX_OWNER = 253
+
+
+def check_owner(owner: str, field: str = "owner") -> str:
+    """An owner is free text (e.g. "<container id>/<ifname>"), up to
+    MAX_OWNER characters, printable; empty means anonymous."""
+    if len(owner) > MAX_OWNER:
+        raise InvalidArgument(f"longer than {MAX_OWNER} characters", field=field)
+    if not owner.isprintable():
+        raise InvalidArgument(f"{owner!r} has unprintable characters", field=field)
+    return owner
+
+
 class NodeLeases:
     """The etcd leases a node's references and ipcache entries hang on.
 
@@ -337,12 +350,18 @@ class PolicyService:
             f"all identities {MIN_GLOBAL}-{MAX_GLOBAL} are allocated", field="labels"
         )
 
-    async def allocate_identity(self, labels: LabelSet, node: str) -> Allocation:
+    async def allocate_identity(self, labels: LabelSet, node: str, owner: str = "") -> Allocation:
         """Takes a reference of node on the identity of labels, creating the
         identity if needed. Never gives one label set two ids or one id two
         label sets: labels/<labels> and id/<id> are created together only if
-        both are absent."""
+        both are absent.
+
+        With an owner, the reference is the owner's: if it already holds
+        one on that identity and node, nothing is written and the answer's
+        revision is the one that took it (idempotent). Without, the node's
+        anonymous count goes up by one."""
         check_node(node)
+        check_owner(owner)
         ls = labels
         label_string = format_labels(ls)
         reserved = reserved_identity_of(ls)
@@ -356,64 +375,81 @@ class PolicyService:
             (reserved, 0) if reserved is not None else self.state.labels_index.get(label_string)
         )
         ref: tuple[int, int, int] | None  # (mod_revision, refs, lease)
-        cached = self.state.refs.get((label_string, node))
-        ref = (cached.mod_revision, cached.refs, cached.lease) if cached else None
+        if owner:
+            held = self.state.owner_ref(label_string, node, owner)
+            ref = (held.mod_revision, 1, held.lease) if held else None
+        else:
+            cached = self.state.refs.get((label_string, node))
+            ref = (cached.mod_revision, cached.refs, cached.lease) if cached else None
         for _ in range(MAX_ATTEMPTS):
-            lease = await self.leases.lease_for(node)
+            # (an owner's repeat writes nothing: it needs no lease)
+            needs_lease = known is None or ref is None or not owner
+            lease = await self.leases.lease_for(node) if needs_lease else None
             if known is None:
+                assert lease is not None
                 ident = self._candidate()
                 self._inflight.add(ident)
                 try:
                     result = await self.store.create_identity(
-                        ident, label_string, [str(lb) for lb in ls], lease
+                        ident, label_string, [str(lb) for lb in ls], lease, owner
                     )
                 finally:
                     self._inflight.discard(ident)
                 if result.succeeded:
                     self.leases.attached(lease)
-                    await self.mirror.wait_for(result.revision)
                     log.info(
                         "identity created",
                         extra={"identity": ident, "labels": label_string, "node": node},
                     )
-                    view = self._view(ident, revision=result.revision) or IdentityView(
-                        ident, ls, False, (node,), result.revision
-                    )
-                    return Allocation(replace(view, revision=result.revision), True)
+                    return await self._allocated(ident, ls, node, result.revision, created=True)
                 labels_kv = _first(result.ranges, 0)
                 id_kv = _first(result.ranges, 1)
                 if labels_kv is not None:
                     known = (int(keys.loads(labels_kv.value)["id"]), labels_kv.mod_revision)
-                    fresh = await self.store.get_reference(label_string, node)
-                    ref = _ref_of(fresh)
+                    if owner:
+                        ref = _owned_of(
+                            await self.store.get_owned_reference(label_string, node, owner)
+                        )
+                    else:
+                        ref = _ref_of(await self.store.get_reference(label_string, node))
                 elif id_kv is not None:
                     self._taken.add(ident)
                 else:
                     self.leases.lost(lease)
                 continue
             ident, labels_revision = known
-            refs = ref[1] if ref else 0
-            result = await self.store.set_reference(
-                label_string,
-                ident,
-                node,
-                refs + 1,
-                guard=lease,
-                ref_revision=ref[0] if ref else 0,
-                lease=ref[2] if ref else 0,
-                labels_revision=None if reserved is not None else labels_revision,
-            )
-            if result.succeeded:
-                if ref is None:
-                    self.leases.attached(lease)
-                await self.mirror.wait_for(result.revision)
-                view = self._view(ident, revision=result.revision) or IdentityView(
-                    ident, ls, reserved is not None, (node,), result.revision
+            if owner:
+                result = await self.store.take_owned_reference(
+                    label_string,
+                    ident,
+                    node,
+                    owner,
+                    held_revision=ref[0] if ref else 0,
+                    guard=lease,
+                    labels_revision=None if reserved is not None else labels_revision,
                 )
-                return Allocation(replace(view, revision=result.revision), False)
+                if result.succeeded and ref is not None:
+                    # Already held: the revision that took it.
+                    return await self._allocated(ident, ls, node, ref[0], created=False)
+            else:
+                refs = ref[1] if ref else 0
+                result = await self.store.set_reference(
+                    label_string,
+                    ident,
+                    node,
+                    refs + 1,
+                    guard=lease,
+                    ref_revision=ref[0] if ref else 0,
+                    lease=ref[2] if ref else 0,
+                    labels_revision=None if reserved is not None else labels_revision,
+                )
+            if result.succeeded:
+                if ref is None and lease is not None:
+                    self.leases.attached(lease)
+                return await self._allocated(ident, ls, node, result.revision, created=False)
             labels_kv = _first(result.ranges, 0)
             ref_kv = _first(result.ranges, 1)
-            fresh_ref = _ref_of(ref_kv)
+            fresh_ref = _owned_of(ref_kv) if owner else _ref_of(ref_kv)
             if reserved is None:
                 if labels_kv is None:
                     known = None  # garbage-collected meanwhile: create again
@@ -425,13 +461,34 @@ class PolicyService:
                     continue
             if fresh_ref != ref:
                 ref = fresh_ref
+                if owner and ref_kv is not None and int(keys.loads(ref_kv.value)["id"]) == ident:
+                    # The owner holds it (read with the labels, in one
+                    # transaction): the mirror had not seen it yet.
+                    return await self._allocated(
+                        ident, ls, node, ref_kv.mod_revision, created=False
+                    )
                 continue
-            self.leases.lost(lease)  # only the node's lease can have failed
+            if lease is not None:
+                self.leases.lost(lease)  # only the node's lease can have failed
         raise Unavailable("identity allocation kept conflicting; retry", field="labels")
 
-    async def release_identity(self, ident: int, node: str) -> bool:
-        """Drops one reference of node; True when it was the node's last."""
+    async def _allocated(
+        self, ident: int, labels: LabelSet, node: str, revision: int, *, created: bool
+    ) -> Allocation:
+        """The answer of an allocation whose reference exists at revision,
+        once this replica's mirror has seen it."""
+        await self.mirror.wait_for(revision)
+        view = self._view(ident, revision=revision) or IdentityView(
+            ident, labels, not is_global(ident), (node,), revision
+        )
+        return Allocation(replace(view, revision=revision), created)
+
+    async def release_identity(self, ident: int, node: str, owner: str = "") -> bool:
+        """Drops one reference of node (owner's, or one of the anonymous
+        count when owner is empty); True when it was the node's last, of
+        any owner or none. Releasing what is not held is a no-op (False)."""
         check_node(node)
+        check_owner(owner)
         if ident == 0:
             raise InvalidArgument("required", field="id")
         label_string = self._label_string_of(ident)
@@ -442,6 +499,8 @@ class PolicyService:
             label_string = format_labels(
                 label_set(Label.parse(t) for t in keys.loads(kv.value)["labels"])
             )
+        if owner:
+            return await self._release_owned(ident, label_string, node, owner)
         cached = self.state.refs.get((label_string, node))
         ref = (cached.mod_revision, cached.refs, cached.lease) if cached else None
         if ref is None:
@@ -462,10 +521,37 @@ class PolicyService:
             )
             if result.succeeded:
                 await self.mirror.wait_for(result.revision)
-                if refs <= 0:
+                last = refs <= 0 and not _first(result.ranges, 0)
+                if last:
                     log.info("identity released by node", extra={"identity": ident, "node": node})
-                return refs <= 0
+                return last
             ref = _ref_of(_first(result.ranges, 1))
+        raise Unavailable("identity release kept conflicting; retry", field="id")
+
+    async def _release_owned(self, ident: int, label_string: str, node: str, owner: str) -> bool:
+        held = self.state.owner_ref(label_string, node, owner)
+        revision = held.mod_revision if held else 0
+        if not revision:
+            # Not in the mirror: it may be newer than what the mirror saw.
+            kv = await self.store.get_owned_reference(label_string, node, owner)
+            revision = kv.mod_revision if kv else 0
+        own_key = keys.owner_key(label_string, node, owner)
+        for _ in range(MAX_ATTEMPTS):
+            if not revision:
+                return False
+            result = await self.store.drop_owned_reference(
+                label_string, node, owner, revision=revision
+            )
+            if result.succeeded:
+                await self.mirror.wait_for(result.revision)
+                anonymous = _first(result.ranges, 0)
+                others = [kv for kv in result.ranges[1] if kv.key != own_key]
+                last = anonymous is None and not others
+                if last:
+                    log.info("identity released by node", extra={"identity": ident, "node": node})
+                return last
+            kv = _first(result.ranges, 0)
+            revision = kv.mod_revision if kv else 0
         raise Unavailable("identity release kept conflicting; retry", field="id")
 
     def _label_string_of(self, ident: int) -> str | None:
@@ -882,6 +968,13 @@ def _ref_of(kv: KeyValue | None) -> tuple[int, int, int] | None:
     if kv is None:
         return None
     return kv.mod_revision, int(keys.loads(kv.value)["refs"]), kv.lease
+
+
+def _owned_of(kv: KeyValue | None) -> tuple[int, int, int] | None:
+    """An owner's reference as _ref_of gives a count: (mod_revision, 1, lease)."""
+    if kv is None:
+        return None
+    return kv.mod_revision, 1, kv.lease
 
 
 def _prefix(text: str, field: str) -> str:

@@ -62,8 +62,19 @@ class IPEntry:
 
 @dataclass(frozen=True, slots=True)
 class RefInfo:
+    """A node's anonymous reference count on an identity."""
+
     id: int
     refs: int
+    lease: int
+    mod_revision: int
+
+
+@dataclass(frozen=True, slots=True)
+class OwnerRef:
+    """One owner's reference (of a node on an identity)."""
+
+    id: int
     lease: int
     mod_revision: int
 
@@ -114,7 +125,12 @@ class PolicyState:
         # reused until the range wraps).
         self.max_global_id = 0
         self.labels_index: dict[str, tuple[int, int]] = {}  # label string -> (id, mod_rev)
-        self.refs: dict[tuple[str, str], RefInfo] = {}  # (label string, node)
+        # anonymous references: (label string, node) -> count
+        self.refs: dict[tuple[str, str], RefInfo] = {}
+        # owned references: (label string, node) -> owner -> reference
+        self.owners: dict[tuple[str, str], dict[str, OwnerRef]] = {}
+        # every reference (anonymous count + owners), both ways
+        self._held: dict[tuple[int, str], tuple[int, int]] = {}  # -> (keys, refs)
         self.refs_by_id: dict[int, dict[str, int]] = {}  # id -> node -> refs
         self.node_refs: dict[str, dict[int, int]] = {}  # node -> id -> refs
         self.node_leases: dict[str, dict[int, int]] = {}  # node -> lease -> record mod_rev
@@ -195,24 +211,49 @@ class PolicyState:
             self.labels_index[p.a] = (int(keys.loads(kv.value)["id"]), kv.mod_revision)
 
     def _on_ref(self, p: keys.Parsed, kv: KV | None) -> None:
-        label_string, node = p.a, p.b
-        old = self.refs.pop((label_string, node), None)
-        if old is not None:
-            self._drop_ref(old.id, node)
+        label_string, node, owner = p.a, p.b, p.c
+        where = (label_string, node)
+        # Read the new value before changing anything: an unreadable one
+        # leaves the state as it was.
+        new: RefInfo | OwnerRef | None = None
         if kv is not None:
             value = keys.loads(kv.value)
-            ref = RefInfo(int(value["id"]), int(value["refs"]), kv.lease, kv.mod_revision)
-            self.refs[(label_string, node)] = ref
-            self.refs_by_id.setdefault(ref.id, {})[node] = ref.refs
-            self.node_refs.setdefault(node, {})[ref.id] = ref.refs
-            ident = ref.id
-        elif old is not None:
-            ident = old.id
+            if owner:
+                new = OwnerRef(int(value["id"]), kv.lease, kv.mod_revision)
+            else:
+                new = RefInfo(int(value["id"]), int(value["refs"]), kv.lease, kv.mod_revision)
+        old: RefInfo | OwnerRef | None
+        if not owner:
+            old = self.refs.pop(where, None)
+            if isinstance(new, RefInfo):
+                self.refs[where] = new
         else:
-            return
-        self._pending.nodes.setdefault(node, set()).add(ident)
+            owned = self.owners.setdefault(where, {})
+            old = owned.pop(owner, None)
+            if isinstance(new, OwnerRef):
+                owned[owner] = new
+            elif not owned:
+                del self.owners[where]
+        if old is not None:
+            self._count(old.id, node, -1, -_refs(old))
+        if new is not None:
+            self._count(new.id, node, 1, _refs(new))
+        for ref in (old, new):
+            if ref is not None:
+                self._pending.nodes.setdefault(node, set()).add(ref.id)
 
-    def _drop_ref(self, ident: int, node: str) -> None:
+    def _count(self, ident: int, node: str, keys_delta: int, refs_delta: int) -> None:
+        """Moves node's references on ident by refs_delta carried by
+        keys_delta keys: the node holds the identity while a key of it
+        exists (its anonymous count or an owner's)."""
+        held = self._held.get((ident, node), (0, 0))
+        n_keys, refs = held[0] + keys_delta, held[1] + refs_delta
+        if n_keys > 0:
+            self._held[(ident, node)] = (n_keys, refs)
+            self.refs_by_id.setdefault(ident, {})[node] = refs
+            self.node_refs.setdefault(node, {})[ident] = refs
+            return
+        self._held.pop((ident, node), None)
         by_node = self.refs_by_id.get(ident)
         if by_node is not None:
             by_node.pop(node, None)
@@ -323,6 +364,9 @@ class PolicyState:
     def referenced_by(self, ident: int) -> list[str]:
         return sorted(self.refs_by_id.get(ident, {}))
 
+    def owner_ref(self, label_string: str, node: str, owner: str) -> OwnerRef | None:
+        return self.owners.get((label_string, node), {}).get(owner)
+
     def node_identities(self, node: str) -> set[int]:
         return set(self.node_refs.get(node, {}))
 
@@ -368,6 +412,10 @@ class PolicyState:
             if content is not None:
                 out[ident] = content
         return out
+
+
+def _refs(ref: RefInfo | OwnerRef) -> int:
+    return ref.refs if isinstance(ref, RefInfo) else 1
 
 
 def _norm_prefix(text: str) -> str:

@@ -15,6 +15,7 @@ from flagella.common.etcd import (
     absent,
     delete_op,
     get_op,
+    get_prefix_op,
     mod_revision_is,
     prefix_absent,
     prefix_end,
@@ -89,18 +90,32 @@ class PolicyStore:
     # --- identities ---
 
     async def create_identity(
-        self, ident: int, labels: str, label_list: Sequence[str], node: NodeLease | None
+        self,
+        ident: int,
+        labels: str,
+        label_list: Sequence[str],
+        node: NodeLease | None,
+        owner: str = "",
     ) -> TxnResult:
         """Creates id/<ident> and labels/<labels> and the node's first
-        reference, if neither exists (and the node's lease is alive). On
-        failure, ranges are [labels/<labels>, id/<ident>]."""
+        reference (owner's, or the anonymous count when owner is empty), if
+        neither exists (and the node's lease is alive). On failure, ranges
+        are [labels/<labels>, id/<ident>]."""
         labels_key = keys.labels_key(labels)
         id_key = keys.id_key(ident)
         ops = [
             put_op(id_key, keys.dumps({"labels": list(label_list)})),
             put_op(labels_key, keys.dumps({"id": ident})),
         ]
-        if node is not None:
+        if node is not None and owner:
+            ops.append(
+                put_op(
+                    keys.owner_key(labels, node.node, owner),
+                    keys.dumps({"id": ident}),
+                    node.lease,
+                )
+            )
+        elif node is not None:
             ops.append(
                 put_op(
                     keys.ref_key(labels, node.node),
@@ -126,12 +141,13 @@ class PolicyStore:
         lease: int,
         labels_revision: int | None,
     ) -> TxnResult:
-        """Sets node's reference count on an identity, if the reference is
-        still at ref_revision (0: absent), the identity still maps the labels
-        (labels key at labels_revision; None for reserved ids) and the guard
-        lease of the node is alive. The reference keeps its lease, or takes
-        the guard's when new. refs 0 deletes it. On failure, ranges are
-        [labels/<labels>, value/<labels>/<node>]."""
+        """Sets node's anonymous reference count on an identity, if the
+        count is still at ref_revision (0: absent), the identity still maps
+        the labels (labels key at labels_revision; None for reserved ids) and
+        the guard lease of the node is alive. The count keeps its lease, or
+        takes the guard's when new. refs 0 deletes it; then, on success,
+        ranges are [one key of an owner's reference of node, if any]. On
+        failure, ranges are [labels/<labels>, value/<labels>/<node>]."""
         ref_key = keys.ref_key(labels, node)
         labels_key = keys.labels_key(labels)
         compare = [mod_revision_is(ref_key, ref_revision)]
@@ -141,10 +157,66 @@ class PolicyStore:
             compare += _node_guard(guard)
             if not lease and guard is not None:
                 lease = guard.lease
-            op = put_op(ref_key, keys.dumps({"id": ident, "refs": refs}), lease)
+            ops = [put_op(ref_key, keys.dumps({"id": ident, "refs": refs}), lease)]
         else:
-            op = delete_op(ref_key)
-        return await self.etcd.txn(compare, [op], [get_op(labels_key), get_op(ref_key)])
+            ops = [
+                get_prefix_op(keys.owners_prefix(labels, node), limit=1, keys_only=True),
+                delete_op(ref_key),
+            ]
+        return await self.etcd.txn(compare, ops, [get_op(labels_key), get_op(ref_key)])
+
+    async def take_owned_reference(
+        self,
+        labels: str,
+        ident: int,
+        node: str,
+        owner: str,
+        *,
+        held_revision: int,
+        guard: NodeLease | None,
+        labels_revision: int | None,
+    ) -> TxnResult:
+        """Owner's reference of node on an identity. held_revision 0: takes
+        it (one new key on the guard's lease), if the owner holds none, the
+        identity still maps the labels (labels key at labels_revision; None
+        for reserved ids) and the guard lease is alive. Otherwise: checks,
+        writing nothing, that the owner's reference is still the one at
+        held_revision (and the identity still maps the labels). On failure,
+        ranges are [labels/<labels>, the owner's reference]."""
+        key = keys.owner_key(labels, node, owner)
+        labels_key = keys.labels_key(labels)
+        compare = [mod_revision_is(key, held_revision)]
+        if labels_revision is not None:
+            compare.append(mod_revision_is(labels_key, labels_revision))
+        ops = []
+        if not held_revision:
+            if guard is None:
+                raise ValueError("a new reference needs the node's lease")
+            compare += _node_guard(guard)
+            ops.append(put_op(key, keys.dumps({"id": ident}), guard.lease))
+        return await self.etcd.txn(compare, ops, [get_op(labels_key), get_op(key)])
+
+    async def drop_owned_reference(
+        self, labels: str, node: str, owner: str, *, revision: int
+    ) -> TxnResult:
+        """Deletes owner's reference of node on the identity of labels if it
+        is still at revision. On success, ranges are [the node's anonymous
+        count, up to two keys of owners' references of node (the owner's
+        own among them, as they were before the delete)]; on failure, [the
+        owner's reference]."""
+        key = keys.owner_key(labels, node, owner)
+        return await self.etcd.txn(
+            [mod_revision_is(key, revision)],
+            [
+                get_op(keys.ref_key(labels, node)),
+                get_prefix_op(keys.owners_prefix(labels, node), limit=2, keys_only=True),
+                delete_op(key),
+            ],
+            [get_op(key)],
+        )
+
+    async def get_owned_reference(self, labels: str, node: str, owner: str) -> KeyValue | None:
+        return await self.etcd.get(keys.owner_key(labels, node, owner))
 
     async def get_reference(self, labels: str, node: str) -> KeyValue | None:
         return await self.etcd.get(keys.ref_key(labels, node))
@@ -158,8 +230,9 @@ class PolicyStore:
     async def delete_identity(
         self, ident: int, labels: str, *, id_revision: int, labels_revision: int
     ) -> bool:
-        """Garbage-collects an identity: only if no node references it and
-        neither key changed since it was seen unreferenced."""
+        """Garbage-collects an identity: only if no node references it
+        (no anonymous count, no owner's reference) and neither key changed
+        since it was seen unreferenced."""
         result = await self.etcd.txn(
             [
                 prefix_absent(keys.ref_prefix(labels)),
