@@ -150,6 +150,7 @@ def test_maglev_slot_selection(dp: Datapath) -> None:
     dp.upsert_service(svc(backends, maglev=True, maglev_table=table))
     assert dp.maglev.table(5) == list(table)
     assert dp.maglev.size(5) == size
+    assert not dp.maglev.set_table(5, table)  # unchanged: not written again
     hits: collections.Counter[str] = collections.Counter()
     for sport in range(46000, 46200):
         slot = maglev_slot(POD_A.ip, VIP, sport, 80, 6, size=size)
@@ -305,3 +306,42 @@ def test_affinity_sticks_until_timeout_but_not_to_a_terminating_backend(dp: Data
     got = dp.affinity.lookup(POD_A.ip, 5)
     assert got is not None
     assert got[0] == next(b.id for b in backends if b.address == moved)
+
+
+def test_maglev_tables_of_hundreds_of_services(dp: Datapath) -> None:
+    """200 services at M = 16381 (the old flat map held 64): each service
+    has its own table, selection follows each one, and a table's memory
+    goes with its service."""
+    ready(dp, POD_A)
+    size = 16381
+    n = 200
+    backends = tuple(Backend(300 + i, f"10.1.3.{i + 1}", 8080) for i in range(5))
+    for i in range(n):
+        # Each service's table differs (rotated), so a wrong table shows.
+        table = tuple(300 + (j + i) % 5 for j in range(size))
+        dp.upsert_service(
+            Service(
+                service_id=1000 + i,
+                frontends=(Frontend(f"10.97.{i // 200}.{i % 200 + 1}", 80, 6, 1000 + i),),
+                backends=backends,
+                maglev=True,
+                maglev_table=table,
+            )
+        )
+    assert dp.maglev.count() == n
+    status = {s.name: s for s in dp.map_status()}["maglev"]
+    assert (status.type, status.entries) == ("hash_of_maps", n)
+    for i in range(0, n, 7):
+        vip = f"10.97.{i // 200}.{i % 200 + 1}"
+        slot = maglev_slot(POD_A.ip, vip, 40000 + i, 80, 6, size=size)
+        out = dp.test_run("from_container", P.build(POD_A.ip, vip, sport=40000 + i, dport=80))
+        assert out.retval == L.TC_ACT_OK
+        assert P.parse(out.data).dst == f"10.1.3.{(slot + i) % 5 + 1}", f"service {i}"
+    rows = {k["service_id"]: v for k, v in dp.dump("maglev")}
+    assert len(rows) == n
+    assert rows["1000"]["size"] == str(size)
+    assert rows["1000"]["slots"] == "300:3277,301:3276,302:3276,303:3276,304:3276"
+    # Deleting services frees their tables.
+    for i in range(n):
+        dp.delete_service(1000 + i)
+    assert dp.maglev.count() == 0

@@ -3,12 +3,12 @@ backends, rev-NAT, Maglev tables, session affinity, source ranges."""
 
 from __future__ import annotations
 
+import array
 import collections
-import contextlib
 import ctypes
 import dataclasses
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from flagella.datapath.bpf import layout as L
@@ -166,12 +166,21 @@ class Maglev(BpfMap[L.U32, L.U32]):
         assert self.spec.inner is not None
         return dataclasses.replace(self.spec.inner, max_entries=entries)
 
-    def set_table(self, service_id: int, table: Sequence[int]) -> None:
+    def set_table(self, service_id: int, table: Sequence[int]) -> bool:
         """Writes the service's table: a new array, filled, then put in the
-        outer map (the old array goes once no packet uses it)."""
+        outer map (the old array goes once no packet uses it). The outer
+        write returns only after an RCU grace period (the kernel makes sure
+        no program still uses the old table), some milliseconds: a table
+        equal to the one in place is not written again (False)."""
         if not table:
             raise ValueError(f"service {service_id}: empty Maglev table")
-        spec = self._inner_spec(len(table) + 1)
+        values_list = array.array("I", [len(table)])
+        values_list.extend(table)
+        current = self.get(L.U32(service_id))
+        if current is not None and self._read(current.value) == values_list.tolist():
+            return False
+        n = len(values_list)
+        spec = self._inner_spec(n)
         fd = syscall.map_create(
             spec.map_type,
             spec.key_size,
@@ -181,43 +190,40 @@ class Maglev(BpfMap[L.U32, L.U32]):
             name=f"maglev_{service_id}",
         )
         try:
-            inner: BpfMap[L.U32, L.U32] = BpfMap(spec, fd, "")
-            values = [len(table), *table]
-            inner.update_batch([(L.U32(i), L.U32(v)) for i, v in enumerate(values)])
+            keys = (ctypes.c_uint32 * n).from_buffer(array.array("I", range(n)))
+            values = (ctypes.c_uint32 * n).from_buffer(values_list)
+            written = syscall.map_update_batch(fd, keys, values, n)
+            if written != n:
+                raise OSError(f"Maglev table of service {service_id}: {written} of {n} written")
             self.update(L.U32(service_id), L.U32(fd))
         finally:
             os.close(fd)
+        return True
 
-    @contextlib.contextmanager
-    def _open_table(self, service_id: int) -> Iterator[BpfMap[L.U32, L.U32] | None]:
-        v = self.get(L.U32(service_id))
-        if v is None:
-            yield None
-            return
-        fd = syscall.map_fd_by_id(v.value)
+    def _read(self, map_id: int) -> list[int]:
+        """Every entry of an inner array, by its map id (one syscall)."""
+        fd = syscall.map_fd_by_id(map_id)
         try:
-            info = syscall.map_info(fd)
-            yield BpfMap(self._inner_spec(info.max_entries), fd, "")
+            n = syscall.map_info(fd).max_entries
+            keys = (ctypes.c_uint32 * n)()
+            values = (ctypes.c_uint32 * n)()
+            out_batch = ctypes.c_uint32()
+            got, _ = syscall.map_lookup_batch(fd, None, out_batch, keys, values, count=n)
+            return list(values[:got])
         finally:
             os.close(fd)
 
     def table(self, service_id: int) -> list[int]:
         """The service's table (backend id per slot); [] without one."""
-        with self._open_table(service_id) as inner:
-            if inner is None:
-                return []
-            values = [0] * inner.max_entries
-            for k, v in inner.items():
-                values[k.value] = v.value
-            return values[1 : 1 + values[L.MAGLEV_SIZE_INDEX]]
+        v = self.get(L.U32(service_id))
+        if v is None:
+            return []
+        values = self._read(v.value)
+        return values[1 : 1 + values[L.MAGLEV_SIZE_INDEX]]
 
     def size(self, service_id: int) -> int:
         """M of the service's table; 0 without one."""
-        with self._open_table(service_id) as inner:
-            if inner is None:
-                return 0
-            v = inner.get(L.U32(L.MAGLEV_SIZE_INDEX))
-            return v.value if v is not None else 0
+        return len(self.table(service_id))
 
     def service_ids(self) -> list[int]:
         return sorted(k.value for k in self.keys())
