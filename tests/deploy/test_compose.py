@@ -272,15 +272,7 @@ def test_node_registration_is_one_trace_from_datapath_to_ipam(
 ) -> None:
     """At start the datapath registers its node with ipam: one trace, with the
     datapath's spans and ipam's server span, in the Jaeger stand-in."""
-    probe = compose_stack.grpcurl(
-        "-d",
-        "{}",
-        compose_stack.address("ipam"),
-        "flagella.ipam.v1.IpamService/RegisterNode",
-        check=False,
-    )
-    if "Unimplemented" in probe.stderr or not compose_stack.registers_node:
-        pytest.skip("ipam does not implement RegisterNode yet (answers UNIMPLEMENTED)")
+    assert compose_stack.registers_node
     method = "/flagella.ipam.v1.IpamService/RegisterNode"
     deadline = time.monotonic() + 30
     while True:
@@ -310,6 +302,93 @@ def test_node_registration_is_one_trace_from_datapath_to_ipam(
     root = by_id[client["references"][0]["spanID"]]
     assert root["operationName"] == "datapath.register_node"
     assert root["references"] == []
+
+
+def test_create_endpoint_is_one_trace_across_the_services(
+    require_root: None, compose_stack: ComposeStack
+) -> None:
+    """A pod (a netns on this host) networked through the endpoint service's
+    published port: one trace, with spans of the endpoint service, ipam,
+    policy and the datapath, each callee's server span a child of its
+    caller's client span."""
+    import grpc
+
+    from flagella.api.endpoint.v1 import endpoint_pb2, endpoint_pb2_grpc
+    from flagella.api.ipam.v1 import ipam_pb2, ipam_pb2_grpc
+
+    ns = f"flagella-test-pod-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    attachment = endpoint_pb2.Attachment(container_id=f"compose-{os.getpid()}", ifname="eth0")
+    try:
+        with grpc.insecure_channel(compose_stack.address("ipam")) as ch:
+            nodes = (
+                ipam_pb2_grpc.IpamServiceStub(ch)
+                .ListNodes(ipam_pb2.ListNodesRequest(), timeout=10)
+                .nodes
+            )
+        assert len(nodes) == 1
+        with grpc.insecure_channel(compose_stack.address("endpoint")) as ch:
+            stub = endpoint_pb2_grpc.EndpointServiceStub(ch)
+            created = stub.CreateEndpoint(
+                endpoint_pb2.CreateEndpointRequest(
+                    container_id=attachment.container_id,
+                    netns_path=f"/run/netns/{ns}",
+                    ifname="eth0",
+                    node=nodes[0].name,
+                    pod_name="traced",
+                    pod_namespace="compose",
+                    labels={"app": "traced"},
+                ),
+                timeout=60,
+            )
+            assert created.endpoint.state == endpoint_pb2.ENDPOINT_STATE_READY
+            method = "/flagella.endpoint.v1.EndpointService/CreateEndpoint"
+            deadline = time.monotonic() + 30
+            while True:
+                traces = wait_for_traces(compose_stack, "flagella-endpoint")
+                found = [t for t in traces if any(s["operationName"] == method for s in t["spans"])]
+                services = (
+                    {
+                        found[0]["processes"][s["processID"]]["serviceName"]
+                        for s in found[0]["spans"]
+                    }
+                    if found
+                    else set()
+                )
+                wanted = {
+                    "flagella-endpoint",
+                    "flagella-ipam",
+                    "flagella-policy",
+                    "flagella-datapath",
+                }
+                if services >= wanted or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+            assert services >= wanted, services
+            trace = found[0]
+            by_id = {sp["spanID"]: sp for sp in trace["spans"]}
+
+            def service_of(span: dict[str, Any]) -> str:
+                return str(trace["processes"][span["processID"]]["serviceName"])
+
+            for op in (
+                "/flagella.ipam.v1.IpamService/Allocate",
+                "/flagella.policy.v1.PolicyService/AllocateIdentity",
+                "/flagella.datapath.v1.DatapathService/SetupEndpoint",
+            ):
+                server = next(
+                    sp
+                    for sp in trace["spans"]
+                    if sp["operationName"] == op and service_of(sp) != "flagella-endpoint"
+                )
+                client = by_id[server["references"][0]["spanID"]]
+                assert service_of(client) == "flagella-endpoint"
+                assert client["operationName"] == op
+            stub.DeleteEndpoint(
+                endpoint_pb2.DeleteEndpointRequest(attachment=attachment), timeout=60
+            )
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], check=False)
 
 
 @pytest.mark.privileged

@@ -40,10 +40,24 @@ def test_register_node_is_one_trace_across_datapath_and_ipam(
     )
 
     def complete(spans: list[RecordedSpan]) -> bool:
-        return any(s.service == "flagella-ipam" and s.name == METHOD for s in spans)
+        """The server span of a registration, its client span and the root
+        span have all been exported (each process exports in its own time)."""
+        by_id = {s.span_id: s for s in spans}
+        for server in spans:
+            if server.service != "flagella-ipam" or server.name != METHOD:
+                continue
+            client = by_id.get(server.parent_span_id)
+            if client is not None and client.parent_span_id in by_id:
+                return True
+        return False
 
     spans = receiver.wait_for(complete)
-    server = next(s for s in spans if s.service == "flagella-ipam" and s.name == METHOD)
+    ids = {s.span_id for s in spans}
+    server = next(
+        s
+        for s in spans
+        if s.service == "flagella-ipam" and s.name == METHOD and s.parent_span_id in ids
+    )
     trace = [s for s in spans if s.trace_id == server.trace_id]
     by_id = {s.span_id: s for s in trace}
 

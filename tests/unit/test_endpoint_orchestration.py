@@ -217,6 +217,7 @@ async def test_delete_releases_everything_and_is_idempotent() -> None:
     assert world.holdings() == ({}, {}, {}, {})
     assert await svc.delete("c1", "eth0") is False
     assert store.data == {}
+    assert len(svc._locks) == 0  # no per-attachment state left behind
 
 
 async def test_restore_rolls_back_an_interrupted_create() -> None:

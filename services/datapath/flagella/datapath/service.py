@@ -30,6 +30,7 @@ from flagella.common.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from flagella.common.locks import KeyedLocks
 from flagella.common.reconcile import Reconciler, ReconcilerStatus
 from flagella.datapath import netdev
 from flagella.datapath.bpf import Datapath, MapStatus, NodeConfig, PolicyBudgetExceeded
@@ -175,7 +176,7 @@ class DatapathService:
         self.routes = Reconciler("routes", RouteOps())
         self.pod_cidrs: list[str] = []
         self.streams_synced: dict[str, bool] = {}
-        self._locks: dict[int, asyncio.Lock] = {}
+        self._locks = KeyedLocks()
         self._reader: Any = None
         self.uplink_ifindex = 0
 
@@ -368,8 +369,8 @@ class DatapathService:
 
     # --- endpoints ---
 
-    def _lock(self, endpoint_id: int) -> asyncio.Lock:
-        return self._locks.setdefault(endpoint_id, asyncio.Lock())
+    def _lock(self, endpoint_id: int) -> contextlib.AbstractAsyncContextManager[None]:
+        return self._locks(endpoint_id)
 
     async def setup_endpoint(self, req: SetupRequest) -> tuple[netdev.VethResult, EndpointRecord]:
         if not os.path.exists(req.netns_path):
@@ -458,7 +459,6 @@ class DatapathService:
             else:
                 await self.writer.run(self.bpf.remove_endpoint, endpoint_id)
                 self.state.remove(endpoint_id)
-            self._locks.pop(endpoint_id, None)
             return removed or record is not None
 
     async def update_identity(self, endpoint_id: int, identity: int) -> EndpointRecord:

@@ -11,6 +11,7 @@ may have been acquired, and nothing leaks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
 from collections.abc import Awaitable, Callable, Sequence
@@ -24,6 +25,7 @@ from flagella.common.errors import (
     InvalidArgument,
     NotFound,
 )
+from flagella.common.locks import KeyedLocks
 from flagella.endpoint.model import Endpoint, State
 from flagella.endpoint.store import EndpointStore
 
@@ -187,10 +189,10 @@ class EndpointService:
         # Fault injection for crash tests: called after each create step.
         self.fault_hook = fault_hook
         # One operation at a time per attachment within this replica.
-        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._locks = KeyedLocks()
 
-    def _lock(self, container_id: str, ifname: str) -> asyncio.Lock:
-        return self._locks.setdefault((container_id, ifname), asyncio.Lock())
+    def _lock(self, container_id: str, ifname: str) -> contextlib.AbstractAsyncContextManager[None]:
+        return self._locks((container_id, ifname))
 
     # --- create ---
 
@@ -370,6 +372,7 @@ class EndpointService:
             await self.ipam.release(ep.node, ep.container_id, ep.ifname)
         ep.transition(State.DISCONNECTED, reason)
         await self.store.delete(ep)
+
         log.info("endpoint removed", extra={"endpoint": ep.id, "reason": reason})
 
     # --- queries ---

@@ -14,6 +14,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from flagella.common.errors import (
     InvalidArgument,
@@ -59,7 +60,7 @@ from flagella.policy.rules import (
     check_unique,
     compile_rule,
 )
-from flagella.policy.state import IPEntry, PolicyState
+from flagella.policy.state import IPEntry, PolicyState, RefInfo
 from flagella.policy.store import NodeLease, PolicyStore
 
 log = logging.getLogger(__name__)
@@ -235,6 +236,14 @@ class NodeLeases:
                 await task
 
 
+MAX_OWNER_LEN = 512
+
+
+def check_owner(owner: str) -> None:
+    if len(owner) > MAX_OWNER_LEN:
+        raise InvalidArgument(f"longer than {MAX_OWNER_LEN} characters", field="owner")
+
+
 def _first(ranges: list[list[KeyValue]], index: int) -> KeyValue | None:
     if index < len(ranges) and ranges[index]:
         return ranges[index][0]
@@ -337,12 +346,14 @@ class PolicyService:
             f"all identities {MIN_GLOBAL}-{MAX_GLOBAL} are allocated", field="labels"
         )
 
-    async def allocate_identity(self, labels: LabelSet, node: str) -> Allocation:
+    async def allocate_identity(self, labels: LabelSet, node: str, owner: str = "") -> Allocation:
         """Takes a reference of node on the identity of labels, creating the
         identity if needed. Never gives one label set two ids or one id two
         label sets: labels/<labels> and id/<id> are created together only if
-        both are absent."""
+        both are absent. With an owner, references are per owner: an owner
+        that already holds one takes no second (a retried call is a no-op)."""
         check_node(node)
+        check_owner(owner)
         ls = labels
         label_string = format_labels(ls)
         reserved = reserved_identity_of(ls)
@@ -355,17 +366,23 @@ class PolicyService:
         known: tuple[int, int] | None = (
             (reserved, 0) if reserved is not None else self.state.labels_index.get(label_string)
         )
-        ref: tuple[int, int, int] | None  # (mod_revision, refs, lease)
-        cached = self.state.refs.get((label_string, node))
-        ref = (cached.mod_revision, cached.refs, cached.lease) if cached else None
+        ref = _cached_ref(self.state.refs.get((label_string, node)))
         for _ in range(MAX_ATTEMPTS):
+            if known is not None and ref is not None and owner and owner in ref.owners:
+                # Already held by this owner: the same answer, at a revision
+                # where the reference exists.
+                ident = known[0]
+                view = self._view(ident, revision=ref.mod_revision) or IdentityView(
+                    ident, ls, reserved is not None, (node,), ref.mod_revision
+                )
+                return Allocation(replace(view, revision=ref.mod_revision), False)
             lease = await self.leases.lease_for(node)
             if known is None:
                 ident = self._candidate()
                 self._inflight.add(ident)
                 try:
                     result = await self.store.create_identity(
-                        ident, label_string, [str(lb) for lb in ls], lease
+                        ident, label_string, [str(lb) for lb in ls], lease, owner
                     )
                 finally:
                     self._inflight.discard(ident)
@@ -392,15 +409,17 @@ class PolicyService:
                     self.leases.lost(lease)
                 continue
             ident, labels_revision = known
-            refs = ref[1] if ref else 0
+            refs = ref.refs if ref else 0
+            owners = ref.owners if ref else frozenset()
             result = await self.store.set_reference(
                 label_string,
                 ident,
                 node,
                 refs + 1,
+                owners=owners | {owner} if owner else owners,
                 guard=lease,
-                ref_revision=ref[0] if ref else 0,
-                lease=ref[2] if ref else 0,
+                ref_revision=ref.mod_revision if ref else 0,
+                lease=ref.lease if ref else 0,
                 labels_revision=None if reserved is not None else labels_revision,
             )
             if result.succeeded:
@@ -429,9 +448,13 @@ class PolicyService:
             self.leases.lost(lease)  # only the node's lease can have failed
         raise Unavailable("identity allocation kept conflicting; retry", field="labels")
 
-    async def release_identity(self, ident: int, node: str) -> bool:
-        """Drops one reference of node; True when it was the node's last."""
+    async def release_identity(self, ident: int, node: str, owner: str = "") -> bool:
+        """Drops one reference of node (the owner's, or an anonymous one);
+        True when it was the node's last. Releasing for an owner that holds
+        no reference, or anonymously when only owned ones remain, does
+        nothing."""
         check_node(node)
+        check_owner(owner)
         if ident == 0:
             raise InvalidArgument("required", field="id")
         label_string = self._label_string_of(ident)
@@ -442,22 +465,27 @@ class PolicyService:
             label_string = format_labels(
                 label_set(Label.parse(t) for t in keys.loads(kv.value)["labels"])
             )
-        cached = self.state.refs.get((label_string, node))
-        ref = (cached.mod_revision, cached.refs, cached.lease) if cached else None
-        if ref is None:
+        ref = _cached_ref(self.state.refs.get((label_string, node)))
+        if ref is None or (owner and owner not in ref.owners):
+            # The mirror may lag: ask etcd before answering "not held".
             ref = _ref_of(await self.store.get_reference(label_string, node))
         for _ in range(MAX_ATTEMPTS):
             if ref is None:
                 return False
-            refs = ref[1] - 1
+            if owner and owner not in ref.owners:
+                return False
+            if not owner and ref.refs <= len(ref.owners):
+                return False  # no anonymous reference to drop
+            refs = ref.refs - 1
             result = await self.store.set_reference(
                 label_string,
                 ident,
                 node,
                 refs,
+                owners=ref.owners - {owner},
                 guard=None,
-                ref_revision=ref[0],
-                lease=ref[2],
+                ref_revision=ref.mod_revision,
+                lease=ref.lease,
                 labels_revision=None,
             )
             if result.succeeded:
@@ -878,10 +906,26 @@ class PolicyService:
         return freed, revoked
 
 
-def _ref_of(kv: KeyValue | None) -> tuple[int, int, int] | None:
+class Ref(NamedTuple):
+    """A node's references on an identity, as etcd holds them."""
+
+    mod_revision: int
+    refs: int
+    lease: int
+    owners: frozenset[str]
+
+
+def _ref_of(kv: KeyValue | None) -> Ref | None:
     if kv is None:
         return None
-    return kv.mod_revision, int(keys.loads(kv.value)["refs"]), kv.lease
+    value = keys.loads(kv.value)
+    return Ref(kv.mod_revision, int(value["refs"]), kv.lease, frozenset(value.get("owners", ())))
+
+
+def _cached_ref(cached: RefInfo | None) -> Ref | None:
+    if cached is None:
+        return None
+    return Ref(cached.mod_revision, cached.refs, cached.lease, cached.owners)
 
 
 def _prefix(text: str, field: str) -> str:

@@ -327,7 +327,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         self, request: pb.AllocateIdentityRequest, context: Ctx
     ) -> pb.AllocateIdentityResponse:
         labels = self.service.identity_labels(labels_from_pb(request.labels, "labels"))
-        alloc = await self.service.allocate_identity(labels, request.node)
+        alloc = await self.service.allocate_identity(labels, request.node, request.owner)
         return pb.AllocateIdentityResponse(
             identity=identity_pb(alloc.identity), created=alloc.created
         )
@@ -335,7 +335,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
     async def ReleaseIdentity(
         self, request: pb.ReleaseIdentityRequest, context: Ctx
     ) -> pb.ReleaseIdentityResponse:
-        released = await self.service.release_identity(request.id, request.node)
+        released = await self.service.release_identity(request.id, request.node, request.owner)
         return pb.ReleaseIdentityResponse(released=released)
 
     async def GetIdentity(self, request: pb.GetIdentityRequest, context: Ctx) -> pb.Identity:

@@ -63,9 +63,10 @@ class IPEntry:
 @dataclass(frozen=True, slots=True)
 class RefInfo:
     id: int
-    refs: int
+    refs: int  # all references: anonymous ones plus one per owner
     lease: int
     mod_revision: int
+    owners: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,7 +202,13 @@ class PolicyState:
             self._drop_ref(old.id, node)
         if kv is not None:
             value = keys.loads(kv.value)
-            ref = RefInfo(int(value["id"]), int(value["refs"]), kv.lease, kv.mod_revision)
+            ref = RefInfo(
+                int(value["id"]),
+                int(value["refs"]),
+                kv.lease,
+                kv.mod_revision,
+                frozenset(value.get("owners", ())),
+            )
             self.refs[(label_string, node)] = ref
             self.refs_by_id.setdefault(ref.id, {})[node] = ref.refs
             self.node_refs.setdefault(node, {})[ref.id] = ref.refs

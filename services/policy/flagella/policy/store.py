@@ -51,6 +51,15 @@ def _node_guard(lease: NodeLease | None) -> list[object]:
     return [mod_revision_is(lease.record_key, lease.record_revision)]
 
 
+def ref_value(ident: int, refs: int, owners: frozenset[str]) -> bytes:
+    """A node's references on an identity: their count, and who holds the
+    owned ones (refs - len(owners) are anonymous)."""
+    value: dict[str, object] = {"id": ident, "refs": refs}
+    if owners:
+        value["owners"] = sorted(owners)
+    return keys.dumps(value)
+
+
 class PolicyStore:
     def __init__(self, etcd: Etcd) -> None:
         self.etcd = etcd
@@ -89,7 +98,12 @@ class PolicyStore:
     # --- identities ---
 
     async def create_identity(
-        self, ident: int, labels: str, label_list: Sequence[str], node: NodeLease | None
+        self,
+        ident: int,
+        labels: str,
+        label_list: Sequence[str],
+        node: NodeLease | None,
+        owner: str = "",
     ) -> TxnResult:
         """Creates id/<ident> and labels/<labels> and the node's first
         reference, if neither exists (and the node's lease is alive). On
@@ -104,7 +118,7 @@ class PolicyStore:
             ops.append(
                 put_op(
                     keys.ref_key(labels, node.node),
-                    keys.dumps({"id": ident, "refs": 1}),
+                    ref_value(ident, 1, frozenset({owner} if owner else ())),
                     node.lease,
                 )
             )
@@ -121,6 +135,7 @@ class PolicyStore:
         node: str,
         refs: int,
         *,
+        owners: frozenset[str] = frozenset(),
         guard: NodeLease | None,
         ref_revision: int,
         lease: int,
@@ -141,7 +156,7 @@ class PolicyStore:
             compare += _node_guard(guard)
             if not lease and guard is not None:
                 lease = guard.lease
-            op = put_op(ref_key, keys.dumps({"id": ident, "refs": refs}), lease)
+            op = put_op(ref_key, ref_value(ident, refs, owners), lease)
         else:
             op = delete_op(ref_key)
         return await self.etcd.txn(compare, [op], [get_op(labels_key), get_op(ref_key)])

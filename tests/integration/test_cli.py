@@ -1,0 +1,246 @@
+"""The `flagella` CLI against a running suite: every command group, as a
+table and as JSON, and its one-line error when a service is down."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from harness.cluster import Cluster, Node
+from harness.cni import cni, netconf
+from harness.net import free_port
+from harness.netns import wait_until
+
+from flagella.api.lb.v1 import lb_pb2
+
+pytestmark = [pytest.mark.privileged, pytest.mark.integration]
+
+CLI = str(Path(sys.executable).parent / "flagella")
+POLICY = """
+apiVersion: flagella.io/v1
+kind: FlagellaNetworkPolicy
+metadata: {name: db-from-api, namespace: shop}
+spec:
+  endpointSelector: {matchLabels: {app: db}}
+  ingress:
+  - fromEndpoints: [{matchLabels: {app: api}}]
+    toPorts: [{ports: [{port: "5432", protocol: TCP}]}]
+"""
+
+
+@pytest.fixture
+def suite(cluster: Cluster) -> tuple[Cluster, Node]:
+    cluster.start(services=("ipam", "policy", "lb", "endpoint"))
+    return cluster, cluster.add_node("n1")
+
+
+def addresses(cluster: Cluster, node: Node) -> list[str]:
+    out = []
+    for svc in ("ipam", "policy", "lb", "endpoint"):
+        out += [f"--{svc}-address", cluster.services[svc].address]
+    return [*out, "--datapath-address", node.address]
+
+
+def run(
+    cluster: Cluster, node: Node, *args: str, check: bool = True
+) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [CLI, *addresses(cluster, node), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def as_json(cluster: Cluster, node: Node, *args: str) -> Any:
+    return json.loads(run(cluster, node, "-o", "json", *args).stdout)
+
+
+def add_pod(cluster: Cluster, node: Node, name: str, labels: dict[str, str]) -> str:
+    ns = cluster.pod(node, name)
+    rc, result = cni(
+        "ADD",
+        netconf(cluster.socket("endpoint"), node.name, labels),
+        container_id=f"ctr-{name}",
+        netns=ns.path,
+        pod=("shop", name),
+    )
+    assert rc == 0, result
+    return str(result["ips"][0]["address"]).split("/")[0]
+
+
+def test_every_command_group(suite: tuple[Cluster, Node], tmp_path: Path) -> None:
+    cluster, node = suite
+    api_ip = add_pod(cluster, node, "api", {"app": "api"})
+    db_ip = add_pod(cluster, node, "db", {"app": "db"})
+    other_ip = add_pod(cluster, node, "other", {"app": "other"})
+
+    status = run(cluster, node, "status").stdout
+    for svc in ("ipam", "policy", "endpoint", "lb", "datapath"):
+        assert f"{svc}" in status
+    assert "SERVING" in status
+    assert "PRESSURE" in status
+    data = as_json(cluster, node, "status")
+    assert {s["status"] for s in data["services"].values()} == {"SERVING"}
+    assert any(m["name"] == "policy" and m["max_entries"] > 0 for m in data["maps"])
+
+    # endpoints
+    table = run(cluster, node, "endpoint", "list").stdout
+    assert "shop/api" in table
+    assert "ready" in table
+    eps = as_json(cluster, node, "endpoint", "list")
+    api = next(e for e in eps if e["pod_name"] == "api")
+    got = as_json(cluster, node, "endpoint", "get", str(api["id"]))
+    assert got["addresses"] == [f"{api_ip}/32"]
+    log = run(cluster, node, "endpoint", "log", str(api["id"])).stdout
+    assert "waiting-for-identity" in log
+    assert "ready" in log
+
+    # identities and the ipcache
+    idents = as_json(cluster, node, "identity", "list")
+    api_ident = next(i for i in idents if any(lb.get("value") == "api" for lb in i["labels"]))
+    assert "k8s:app=api" in run(cluster, node, "identity", "get", str(api_ident["id"])).stdout
+    assert api_ip in run(cluster, node, "ipcache", "list").stdout
+    assert {e["prefix"] for e in as_json(cluster, node, "ipcache", "list")} >= {
+        api_ip,
+        db_ip,
+        other_ip,
+    }
+
+    # policy: import, get, trace, delete
+    doc = tmp_path / "policy.yaml"
+    doc.write_text(POLICY)
+    assert "shop/db-from-api" in run(cluster, node, "policy", "import", str(doc)).stdout
+    assert "shop/db-from-api" in run(cluster, node, "policy", "get").stdout
+    assert (
+        as_json(cluster, node, "policy", "get", "shop/db-from-api")[0]["name"] == "shop/db-from-api"
+    )
+    allowed = run(
+        cluster,
+        node,
+        "policy",
+        "trace",
+        "--src",
+        "app=api,io.kubernetes.pod.namespace=shop",
+        "--dst",
+        "app=db,io.kubernetes.pod.namespace=shop",
+        "--dport",
+        "5432",
+    ).stdout
+    assert "Final verdict: ALLOW" in allowed
+    denied = run(
+        cluster,
+        node,
+        "policy",
+        "trace",
+        "--src",
+        "app=other,io.kubernetes.pod.namespace=shop",
+        "--dst",
+        "app=db,io.kubernetes.pod.namespace=shop",
+        "--dport",
+        "5432",
+    ).stdout
+    assert "Final verdict: DENY" in denied
+
+    # monitor: a denied connection, with its reason in words
+    db_ns = node.pods["db"]
+    db_ns.serve("tcp", 5432, "db")
+    other_ns = node.pods["other"]
+    assert wait_until(lambda: other_ns.request("tcp", db_ip, 5432, timeout=1) is None)
+    flows = run(
+        cluster, node, "monitor", "--verdict", "dropped", "--last", "20", "--no-follow"
+    ).stdout
+    assert f"{other_ip}" in flows
+    assert "policy denied (L3: peer identity not allowed)" in flows
+    as_lines = run(
+        cluster, node, "-o", "json", "monitor", "--verdict", "dropped", "--last", "5", "--no-follow"
+    ).stdout.splitlines()
+    assert all(json.loads(line)["verdict"] == "FLOW_VERDICT_DROPPED" for line in as_lines)
+    follow = subprocess.Popen(
+        [
+            CLI,
+            *addresses(cluster, node),
+            "monitor",
+            "--verdict",
+            "dropped",
+            "--ip",
+            other_ip,
+            "--duration",
+            "8",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(2.0)  # the CLI starts and subscribes
+    for _ in range(2):
+        assert other_ns.request("tcp", db_ip, 5432, timeout=0.5) is None
+    out, _ = follow.communicate(timeout=30)
+    assert follow.returncode == 0
+    assert "DROPPED" in out
+    assert other_ip in out
+    assert "deleted" not in run(cluster, node, "policy", "delete", "shop/db-from-api").stderr
+
+    # services, ipam, maps
+    cluster.lb().UpsertService(
+        lb_pb2.UpsertServiceRequest(
+            service=lb_pb2.Service(
+                name="shop/db",
+                frontend=lb_pb2.Frontend(
+                    address="10.96.5.5", port=5432, protocol=lb_pb2.PROTOCOL_TCP
+                ),
+                type=lb_pb2.SERVICE_TYPE_CLUSTER_IP,
+                backends=[lb_pb2.Backend(address=db_ip, port=5432)],
+            )
+        ),
+        timeout=10,
+    )
+    assert "10.96.5.5:5432/TCP" in run(cluster, node, "service", "list").stdout
+    assert (
+        as_json(cluster, node, "service", "get", "shop/db")[0]["frontend"]["address"] == "10.96.5.5"
+    )
+    allocs = as_json(cluster, node, "ipam", "list", "--node", "n1")
+    assert {a["ip"] for a in allocs} == {api_ip, db_ip, other_ip}
+    assert "ctr-api" in run(cluster, node, "ipam", "list").stdout
+    maps = as_json(cluster, node, "map", "list")
+    assert {"endpoints", "policy", "ipcache", "ct", "services"} <= {m["name"] for m in maps}
+    assert api_ip in run(cluster, node, "map", "dump", "endpoints").stdout
+    dump = as_json(cluster, node, "map", "dump", "endpoints")
+    assert {e["key"]["ip"] for e in dump["entries"]} == {api_ip, db_ip, other_ip}
+
+
+def test_errors_when_a_service_is_down(suite: tuple[Cluster, Node]) -> None:
+    cluster, node = suite
+    dead = f"127.0.0.1:{free_port()}"
+    proc = subprocess.run(
+        [CLI, "--policy-address", dead, "identity", "list"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith(f"flagella: policy service unreachable at {dead}")
+    status = subprocess.run(
+        [CLI, *addresses(cluster, node)[:-2], "--datapath-address", dead, "status"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert status.returncode == 1
+    assert "DOWN" in status.stdout
+    assert dead in status.stdout
+    bad = run(cluster, node, "endpoint", "get", "999", check=False)
+    assert bad.returncode == 1
+    assert bad.stderr.strip() == "flagella: endpoint: NOT_FOUND: id: no endpoint 999"
