@@ -31,6 +31,7 @@ from flagella.datapath.bpf import (
     Datapath,
     Direction,
     Frontend,
+    NodeConfig,
     PolicyEntry,
     Service,
     compile_programs,
@@ -143,6 +144,73 @@ def bench(quick: bool) -> dict[str, float]:
                 lambda _: dp.test_run("from_container", svc_frame).duration_ns, singles
             )
 
+            # NodePort from outside (from-netdev): 10 local backends.
+            node_ip, client, node_port = "192.168.50.1", "198.51.100.7", 30080
+            dp.config.write(NodeConfig(node_ip4=node_ip, masquerade4=True))
+            local = []
+            for i in range(10):
+                ip = f"10.1.2.{i + 1}"
+                dp.endpoints.upsert(
+                    200 + i, [ip], ifindex=1, identity=3000, mac=B[3], node_mac=B[4]
+                )
+                dp.policy.apply(200 + i, [], 1, ingress_enforced=False, egress_enforced=False)
+                local.append(Backend(200 + i, ip, 8080))
+            table = tuple(200 + i % 10 for i in range(16381))
+            for sid, maglev in ((2, False), (3, True)):
+                dp.upsert_service(
+                    Service(
+                        sid,
+                        (
+                            Frontend(
+                                node_ip,
+                                node_port + sid,
+                                6,
+                                frontend_rev_nat_id(sid, 1),
+                                nodeport=True,
+                            ),
+                        ),
+                        tuple(local),
+                        maglev=maglev,
+                        maglev_table=table if maglev else (),
+                    )
+                )
+
+            def nodeport_new(sid: int) -> Callable[[int], int]:
+                def run(i: int) -> int:
+                    f = P.build(client, node_ip, sport=1024 + i, dport=node_port + sid)
+                    r = dp.test_run("from_netdev", f)
+                    assert r.retval == L.TC_ACT_REDIRECT, r.retval
+                    return r.duration_ns
+
+                return run
+
+            out["nodeport_dnat_new_ns_per_pkt"] = median_single_runs(nodeport_new(2), singles)
+            out["nodeport_maglev_new_ns_per_pkt"] = median_single_runs(nodeport_new(3), singles)
+            np_frame = P.build(client, node_ip, sport=1024, dport=node_port + 2, flags=P.TCP_ACK)
+            out["nodeport_dnat_ct_hit_ns_per_pkt"] = median_single_runs(
+                lambda _: dp.test_run("from_netdev", np_frame).duration_ns, singles
+            )
+            backend = P.parse(dp.test_run("from_netdev", np_frame).data).dst
+            reply = P.build(backend, client, sport=8080, dport=1024, flags=P.TCP_ACK)
+
+            def nodeport_reply(_: int) -> int:
+                r = dp.test_run("to_netdev", reply)
+                assert P.parse(r.data).src == node_ip
+                return r.duration_ns
+
+            out["nodeport_revnat_ns_per_pkt"] = median_single_runs(nodeport_reply, singles)
+
+            # Maglev tables: a new array per table, swapped into the outer map
+            # (which waits for an RCU grace period).
+            n_tables = 20 if quick else 100
+            t0 = time.perf_counter()
+            for i in range(n_tables):
+                rotated = tuple(200 + (j + i) % 10 for j in range(16381))
+                dp.maglev.set_table(10_000 + i, rotated)
+            out["maglev_table_write_ms"] = round((time.perf_counter() - t0) * 1000 / n_tables, 2)
+            for i in range(n_tables):
+                dp.maglev.remove_table(10_000 + i)
+
             # Map updates.
             keys = [L.U32(i) for i in range(updates)]
             vals = [L.BackendValue(port=L.port_be(80), proto=6) for _ in range(updates)]
@@ -181,6 +249,11 @@ ROWS = [
     ("new_conn_ingress_policy_ns_per_pkt", "to-container, new connection, policy", "ns/pkt"),
     ("service_dnat_new_ns_per_pkt", "service DNAT, new connection (10 backends)", "ns/pkt"),
     ("service_dnat_ct_hit_ns_per_pkt", "service DNAT, conntrack hit", "ns/pkt"),
+    ("nodeport_dnat_new_ns_per_pkt", "NodePort DNAT from outside, new conn (10 local)", "ns/pkt"),
+    ("nodeport_maglev_new_ns_per_pkt", "NodePort DNAT, new conn, Maglev M=16381", "ns/pkt"),
+    ("nodeport_dnat_ct_hit_ns_per_pkt", "NodePort DNAT, conntrack hit", "ns/pkt"),
+    ("nodeport_revnat_ns_per_pkt", "NodePort reply, reverse NAT (to-netdev)", "ns/pkt"),
+    ("maglev_table_write_ms", "Maglev table written (M=16381), per table", "ms"),
     ("map_update_single_per_s", "map updates, one syscall each", "/s"),
     ("map_update_batch_per_s", "map updates, batched", "/s"),
     ("policy_lpm_entries_per_s", "policy entries written (LPM, Policy.apply)", "/s"),

@@ -3,8 +3,10 @@
  *
  *   from_container  tc ingress of a pod's host-side veth (traffic leaving the pod)
  *   to_container    tc egress of a pod's host-side veth (traffic entering the pod)
- *   to_netdev       tc egress of the node's uplink: masquerade (SNAT)
- *   from_netdev     tc ingress of the node's uplink: reverse SNAT
+ *   to_netdev       tc egress of the node's uplink: masquerade (SNAT), reverse
+ *                   NAT of NodePort replies from local backends
+ *   from_netdev     tc ingress of the node's uplink: NodePort (DNAT to a local
+ *                   backend, or DNAT + SNAT to a remote one), reverse SNAT
  *
  * Layouts and constants: layout.h. Behaviour: docs/datapath-bpf.md.
  */
@@ -20,6 +22,13 @@
 #include <uapi/linux/icmp.h>
 #include <uapi/linux/icmpv6.h>
 
+#define AF_INET 2
+#define AF_INET6 10
+
+/* bcc 0.26 declares bpf_redirect_neigh without its plen argument. */
+static long (*redirect_neigh)(__u32 ifindex, struct bpf_redir_neigh *params, int plen,
+			      __u64 flags) = (void *)BPF_FUNC_redirect_neigh;
+
 #include "layout.h"
 
 /* Maps. Sizes are placeholders: the loader creates (or reuses) the pinned
@@ -30,7 +39,11 @@ BPF_F_TABLE("lpm_trie", struct policy_key, struct policy_value, policy, COMPILE_
 BPF_TABLE("hash", struct svc_key, struct svc_value, services, COMPILE_MAX);
 BPF_TABLE("hash", __u32, struct backend_value, backends, COMPILE_MAX);
 BPF_TABLE("hash", __u32, struct revnat_value, revnat, COMPILE_MAX);
-BPF_F_TABLE("hash", struct maglev_key, __u32, maglev, COMPILE_MAX, BPF_F_NO_PREALLOC);
+/* Maglev: service_id -> the service's table (an array, see layout.h). The
+ * inner template is only there for bcc; the loader gives the real map its
+ * own template. */
+BPF_F_TABLE("array", __u32, __u32, maglev_inner, COMPILE_MAX, BPF_F_INNER_MAP);
+BPF_F_TABLE("hash_of_maps$maglev_inner", __u32, int, maglev, COMPILE_MAX, BPF_F_NO_PREALLOC);
 BPF_TABLE("lru_hash", struct affinity_key, struct affinity_value, affinity, COMPILE_MAX);
 BPF_F_TABLE("lpm_trie", struct srcrange_key, __u32, srcrange, COMPILE_MAX, BPF_F_NO_PREALLOC);
 BPF_TABLE("lru_hash", struct ct_key, struct ct_entry, ct, COMPILE_MAX);
@@ -627,12 +640,16 @@ static __always_inline int source_range_ok(struct svc_value *svc, struct pkt *p)
 static __always_inline __u32 select_backend(struct svc_value *svc, struct svc_key *sk, struct pkt *p)
 {
 	if (svc->flags & SVC_F_MAGLEV) {
-		if (!svc->maglev_size)
+		__u32 sid = svc->service_id;
+		void *table = maglev.lookup(&sid);
+		if (!table)
 			return 0;
-		struct maglev_key mk = {};
-		mk.service_id = svc->service_id;
-		mk.slot = tuple_hash(p) % svc->maglev_size;
-		__u32 *b = maglev.lookup(&mk);
+		__u32 idx = MAGLEV_SIZE_INDEX;
+		__u32 *m = bpf_map_lookup_elem(table, &idx);
+		if (!m || !*m)
+			return 0;
+		idx = tuple_hash(p) % *m + 1;
+		__u32 *b = bpf_map_lookup_elem(table, &idx);
 		return b ? *b : 0;
 	}
 	sk->slot = (bpf_get_prandom_u32() % svc->count) + 1;
@@ -640,8 +657,11 @@ static __always_inline __u32 select_backend(struct svc_value *svc, struct svc_ke
 	return s ? s->backend_id : 0;
 }
 
-/* Service DNAT. 0 when done or not a service, else a drop reason. */
-static __always_inline int lb_service(struct __sk_buff *skb, struct pkt *p, __u32 *rev_nat_id, __u64 now)
+/* Service DNAT. 0 when done (*rev_nat_id and *backend_id set) or not a
+ * service (*rev_nat_id stays 0), else a drop reason. nodeport_only: only
+ * NodePort frontends count as services (traffic from outside the node). */
+static __always_inline int lb_service(struct __sk_buff *skb, struct pkt *p, __u32 *rev_nat_id,
+				      __u32 *backend_id, __u64 now, int nodeport_only)
 {
 	struct svc_key sk = {};
 
@@ -652,6 +672,8 @@ static __always_inline int lb_service(struct __sk_buff *skb, struct pkt *p, __u3
 	sk.proto = p->proto;
 	struct svc_value *svc = services.lookup(&sk);
 	if (!svc)
+		return 0;
+	if (nodeport_only && !(svc->flags & SVC_F_NODEPORT))
 		return 0;
 	if ((svc->flags & SVC_F_SOURCE_RANGE) && !source_range_ok(svc, p))
 		return DROP_SOURCE_RANGE;
@@ -685,6 +707,10 @@ static __always_inline int lb_service(struct __sk_buff *skb, struct pkt *p, __u3
 			if (av && now - av->last_used <= (__u64)svc->affinity_timeout * NSEC) {
 				bid = av->backend_id;
 				be = backends.lookup(&bid);
+				/* A terminating (or otherwise inactive) backend
+				 * keeps its connections, not its clients. */
+				if (be && be->state != BACKEND_ACTIVE)
+					be = NULL;
 			}
 		}
 		if (!be) {
@@ -719,6 +745,7 @@ static __always_inline int lb_service(struct __sk_buff *skb, struct pkt *p, __u3
 	if (bport && rewrite_port(skb, p, 0, bport) < 0)
 		return DROP_NAT_FAILED;
 	*rev_nat_id = svc->rev_nat_id;
+	*backend_id = bid;
 	return 0;
 }
 
@@ -771,10 +798,11 @@ int from_container(struct __sk_buff *skb)
 
 	__u64 now = bpf_ktime_get_ns();
 	__u32 rev_nat_id = 0;
+	__u32 backend_id = 0;
 	/* An ICMP error about a connection of this pod passes like its replies. */
 	int related = icmp_related(skb, &p, CT_SCOPE_INGRESS, CT_SCOPE_EGRESS, now);
 	if (!related) {
-		ret = lb_service(skb, &p, &rev_nat_id, now);
+		ret = lb_service(skb, &p, &rev_nat_id, &backend_id, now, 0);
 		if (ret)
 			return drop(skb, &p, ret, DIR_EGRESS, ep_id, my_id, 0);
 	}
@@ -890,7 +918,7 @@ int to_container(struct __sk_buff *skb)
 }
 
 /* ------------------------------------------------------------------ */
-/* Masquerade on the node's uplink. */
+/* The node's uplink: masquerade, NodePort from outside. */
 
 static __always_inline __u64 nat_lifetime(__u8 proto)
 {
@@ -902,6 +930,108 @@ static __always_inline int natable(struct pkt *p)
 	return p->proto == IPPROTO_TCP || p->proto == IPPROTO_UDP || p->echo;
 }
 
+/* The NAT_OUT translation of p's tuple to nat_ip and a port, created when
+ * missing: the reply tuple as it will arrive (p's destination -> nat_ip,
+ * port) is inserted first with BPF_NOEXIST, which reserves the port, with
+ * `in` as its value (what the reply's destination becomes). 0 and *port,
+ * or -1 (no free port in NAT_PORT_TRIES random tries). */
+static __always_inline int nat_out(struct dp_config *cfg, struct pkt *p, union v6addr *nat_ip,
+				   struct nat_value *in, __u64 now, __be16 *port)
+{
+	struct ct_key ok = {};
+	ct_fill(&ok, p, NAT_OUT, 0);
+	struct nat_value *nv = snat.lookup(&ok);
+	if (nv && nv->expires > now) {
+		*port = nv->port;
+		__u64 exp = now + nat_lifetime(p->proto);
+		if (exp > nv->expires + CT_UPDATE_GRANULARITY)
+			nv->expires = exp;
+		return 0;
+	}
+	struct ct_key ik = {};
+	addr_copy(&ik.saddr, &p->daddr);
+	addr_copy(&ik.daddr, nat_ip);
+	ik.proto = p->proto;
+	ik.scope = NAT_IN;
+	/* echo requests: sport = id, dport = 0; the reply carries the id as
+	 * dport, like a port */
+	ik.sport = p->dport;
+	__u32 lo = cfg->nat_port_min;
+	__u32 hi = cfg->nat_port_max;
+	if (!lo || hi < lo)
+		return -1;
+	__u32 range = hi - lo + 1;
+	__be16 cand = 0;
+	int done = 0;
+#pragma unroll
+	for (int i = 0; i < NAT_PORT_TRIES; i++) {
+		if (!done) {
+			cand = bpf_htons((__u16)(lo + bpf_get_prandom_u32() % range));
+			ik.dport = cand;
+			if (snat.insert(&ik, in) == 0)
+				done = 1;
+		}
+	}
+	if (!done)
+		return -1;
+	struct nat_value out = {};
+	addr_copy(&out.addr, nat_ip);
+	out.port = cand;
+	out.flags = in->flags;
+	out.expires = in->expires;
+	if (snat.update(&ok, &out) < 0) {
+		snat.delete(&ik);
+		return -1;
+	}
+	*port = cand;
+	return 0;
+}
+
+/* Sends a packet the node forwards (NodePort to a remote backend, and its
+ * replies back to the client) out of the interface the FIB chooses, with
+ * the Ethernet addresses of the FIB's answer, or through the neighbour
+ * subsystem when the next hop is not resolved yet. Not up the host stack:
+ * the packet's source is the node's own address, which the stack drops as
+ * martian on a packet arriving from outside. A TC action, or -1. */
+static __always_inline int fib_redirect(struct __sk_buff *skb, struct pkt *p)
+{
+	struct bpf_fib_lookup fib = {};
+	fib.ifindex = skb->ifindex;
+	fib.l4_protocol = p->proto;
+	fib.sport = p->sport;
+	fib.dport = p->dport;
+	if (p->family == 4) {
+		fib.family = AF_INET;
+		fib.ipv4_src = p->saddr.u32[3];
+		fib.ipv4_dst = p->daddr.u32[3];
+	} else {
+		fib.family = AF_INET6;
+		__builtin_memcpy(fib.ipv6_src, p->saddr.u32, 16);
+		__builtin_memcpy(fib.ipv6_dst, p->daddr.u32, 16);
+	}
+	long rc = bpf_fib_lookup(skb, &fib, sizeof(fib), 0);
+	if (rc == BPF_FIB_LKUP_RET_SUCCESS) {
+		__u8 macs[12];
+		__builtin_memcpy(macs, fib.dmac, 6);
+		__builtin_memcpy(macs + 6, fib.smac, 6);
+		if (bpf_skb_store_bytes(skb, 0, macs, 12, 0) < 0)
+			return -1;
+		return bpf_redirect(fib.ifindex, 0);
+	}
+	if (rc == BPF_FIB_LKUP_RET_NO_NEIGH) {
+		struct bpf_redir_neigh nh = {};
+		if (p->family == 4) {
+			nh.nh_family = AF_INET;
+			nh.ipv4_nh = fib.ipv4_dst; /* the next hop, as the FIB returns it */
+		} else {
+			nh.nh_family = AF_INET6;
+			__builtin_memcpy(nh.ipv6_nh, fib.ipv6_dst, 16);
+		}
+		return redirect_neigh(fib.ifindex, &nh, sizeof(nh), 0);
+	}
+	return -1;
+}
+
 int to_netdev(struct __sk_buff *skb)
 {
 	struct pkt p = {};
@@ -910,6 +1040,31 @@ int to_netdev(struct __sk_buff *skb)
 		return TC_ACT_OK; /* not ours to judge on the uplink */
 	if (!natable(&p))
 		return TC_ACT_OK;
+	struct endpoint_key ek = {};
+	addr_copy(&ek.addr, &p.saddr);
+	struct endpoint_info *ep = endpoints.lookup(&ek);
+	if (!ep)
+		return TC_ACT_OK; /* the node's own traffic, or forwarded by from-netdev */
+	__u64 ep_id = ep->ep_id;
+	__u32 my_id = ep->identity;
+	__u64 now = bpf_ktime_get_ns();
+
+	/* A local backend's reply to an outside NodePort client leaves with
+	 * the frontend (node address, node port) as its source. */
+	if (p.proto == IPPROTO_TCP || p.proto == IPPROTO_UDP) {
+		struct ct_key nk = {};
+		ct_fill(&nk, &p, CT_SCOPE_NODEPORT, 1);
+		struct ct_entry *ne = ct.lookup(&nk);
+		if (ne && ne->expires > now) {
+			ct_touch(ne, &p, 1, now);
+			__u32 peer = ne->identity;
+			ret = rev_nat(skb, &p, ne->rev_nat_id);
+			if (ret)
+				return drop(skb, &p, ret, DIR_EGRESS, ep_id, my_id, peer);
+			return TC_ACT_OK;
+		}
+	}
+
 	struct dp_config *cfg = get_config();
 	if (!cfg)
 		return TC_ACT_OK;
@@ -925,69 +1080,136 @@ int to_netdev(struct __sk_buff *skb)
 	}
 	if (addr_is_zero(&nat_ip))
 		return TC_ACT_OK;
-
-	struct endpoint_key ek = {};
-	addr_copy(&ek.addr, &p.saddr);
-	struct endpoint_info *ep = endpoints.lookup(&ek);
-	if (!ep)
-		return TC_ACT_OK;
 	__u32 dst_id = ipcache_identity(&p.daddr, p.family);
 	if (dst_id != ID_WORLD && dst_id < ID_LOCAL_SCOPE)
 		return TC_ACT_OK; /* inside the cluster: no masquerade */
 
-	__u64 now = bpf_ktime_get_ns();
-	struct ct_key ok = {};
-	ct_fill(&ok, &p, NAT_OUT, 0);
+	struct nat_value in = {};
+	addr_copy(&in.addr, &p.saddr);
+	in.port = p.sport;
+	in.expires = now + nat_lifetime(p.proto);
 	__be16 nat_port = 0;
-	struct nat_value *nv = snat.lookup(&ok);
-	if (nv && nv->expires > now) {
-		nat_port = nv->port;
-		__u64 exp = now + nat_lifetime(p.proto);
-		if (exp > nv->expires + CT_UPDATE_GRANULARITY)
-			nv->expires = exp;
-	} else {
-		/* Reply tuple as it will arrive: remote -> node address. */
-		struct ct_key ik = {};
-		addr_copy(&ik.saddr, &p.daddr);
-		addr_copy(&ik.daddr, &nat_ip);
-		ik.proto = p.proto;
-		ik.scope = NAT_IN;
-		struct nat_value in = {};
-		addr_copy(&in.addr, &p.saddr);
-		in.port = p.sport;
-		in.expires = now + nat_lifetime(p.proto);
-		__u32 lo = cfg->nat_port_min;
-		__u32 range = (__u32)cfg->nat_port_max - lo + 1;
-		if (!lo || cfg->nat_port_max < lo)
-			return drop(skb, &p, DROP_NAT_FAILED, DIR_EGRESS, ep->ep_id, ep->identity, dst_id);
-		int done = 0;
-#pragma unroll
-		for (int i = 0; i < NAT_PORT_TRIES; i++) {
-			if (!done) {
-				__be16 cand = bpf_htons((__u16)(lo + bpf_get_prandom_u32() % range));
-				/* echo requests: sport = id, dport = 0; the reply
-				 * carries the id as dport, like a port */
-				ik.sport = p.dport;
-				ik.dport = cand;
-				if (snat.insert(&ik, &in) == 0) {
-					nat_port = cand;
-					done = 1;
-				}
-			}
-		}
-		if (!done)
-			return drop(skb, &p, DROP_NAT_FAILED, DIR_EGRESS, ep->ep_id, ep->identity, dst_id);
-		struct nat_value out = {};
-		addr_copy(&out.addr, &nat_ip);
-		out.port = nat_port;
-		out.expires = in.expires;
-		if (snat.update(&ok, &out) < 0) {
-			snat.delete(&ik);
-			return drop(skb, &p, DROP_NAT_FAILED, DIR_EGRESS, ep->ep_id, ep->identity, dst_id);
-		}
-	}
+	if (nat_out(cfg, &p, &nat_ip, &in, now, &nat_port) < 0)
+		return drop(skb, &p, DROP_NAT_FAILED, DIR_EGRESS, ep_id, my_id, dst_id);
 	if (rewrite_addr(skb, &p, 1, &nat_ip) < 0 || rewrite_port(skb, &p, 1, nat_port) < 0)
-		return drop(skb, &p, DROP_NAT_FAILED, DIR_EGRESS, ep->ep_id, ep->identity, dst_id);
+		return drop(skb, &p, DROP_NAT_FAILED, DIR_EGRESS, ep_id, my_id, dst_id);
+	return TC_ACT_OK;
+}
+
+/* NodePort from outside the node: DNAT to a backend chosen as for pods
+ * (service conntrack, affinity, random or Maglev, source ranges). A local
+ * backend is reached by redirect to its veth, whose to-container applies
+ * its ingress policy with the client's identity (world, or a CIDR
+ * identity); a CT_SCOPE_NODEPORT entry tells to-netdev to reverse-NAT the
+ * reply. A remote backend is reached with the node address as source
+ * (SNAT, Cilium's default NodePort mode) through the FIB. The TC action,
+ * or -1 when the packet is not for a NodePort frontend. */
+static __always_inline int nodeport_lb(struct __sk_buff *skb, struct pkt *p, struct dp_config *cfg,
+				       union v6addr *node_ip, __u64 now)
+{
+	__u32 rev_nat_id = 0;
+	__u32 backend_id = 0;
+	int ret = lb_service(skb, p, &rev_nat_id, &backend_id, now, 1);
+	if (ret)
+		return drop(skb, p, ret, DIR_INGRESS, 0, ipcache_identity(&p->saddr, p->family), 0);
+	if (!rev_nat_id)
+		return -1;
+
+	struct endpoint_key ek = {};
+	addr_copy(&ek.addr, &p->daddr);
+	struct endpoint_info *dst = endpoints.lookup(&ek);
+	if (dst) {
+		struct ct_key k = {};
+		ct_fill(&k, p, CT_SCOPE_NODEPORT, 0);
+		struct ct_entry *e = ct.lookup(&k);
+		int fresh_syn = p->proto == IPPROTO_TCP &&
+				(p->tcp_flags & (TCP_SYN | TCP_ACK)) == TCP_SYN;
+		if (e && e->expires > now && e->rev_nat_id == rev_nat_id &&
+		    !(fresh_syn && (e->flags & (CT_F_TX_CLOSING | CT_F_RX_CLOSING)))) {
+			ct_touch(e, p, 0, now);
+		} else {
+			struct ct_entry ne = {};
+			if (p->proto == IPPROTO_TCP && !(p->tcp_flags & TCP_SYN))
+				ne.flags = CT_F_SEEN_NON_SYN;
+			ne.expires = now + ct_lifetime(p->proto, ne.flags);
+			ne.backend_id = backend_id;
+			ne.rev_nat_id = rev_nat_id;
+			ne.identity = ipcache_identity(&p->saddr, p->family);
+			if (ct.update(&k, &ne) < 0)
+				return drop(skb, p, DROP_CT_INSERT_FAILED, DIR_INGRESS, dst->ep_id,
+					    ne.identity, dst->identity);
+		}
+		ret = redirect_local(skb, dst);
+		if (ret < 0)
+			return drop(skb, p, DROP_REDIRECT_FAILED, DIR_INGRESS, dst->ep_id, 0, dst->identity);
+		return ret;
+	}
+
+	/* A remote backend: the node's address and a NAT port as source. */
+	union v6addr nat_ip;
+	addr_copy(&nat_ip, node_ip);
+	struct nat_value in = {};
+	addr_copy(&in.addr, &p->saddr);
+	in.port = p->sport;
+	in.flags = NAT_F_NODEPORT;
+	in.rev_nat_id = rev_nat_id;
+	in.expires = now + nat_lifetime(p->proto);
+	__be16 port = 0;
+	if (nat_out(cfg, p, &nat_ip, &in, now, &port) < 0)
+		return drop(skb, p, DROP_NAT_FAILED, DIR_INGRESS, 0, 0, 0);
+	if (rewrite_addr(skb, p, 1, &nat_ip) < 0 || rewrite_port(skb, p, 1, port) < 0)
+		return drop(skb, p, DROP_NAT_FAILED, DIR_INGRESS, 0, 0, 0);
+	ret = fib_redirect(skb, p);
+	if (ret < 0)
+		return drop(skb, p, DROP_FIB_LOOKUP_FAILED, DIR_INGRESS, 0, 0, 0);
+	count(DIR_INGRESS, REASON_FORWARDED, p->len);
+	return ret;
+}
+
+/* Replies to the node address: masquerade (to the pod) and NodePort SNAT
+ * (to the outside client, from the frontend). */
+static __always_inline int rev_snat(struct __sk_buff *skb, struct pkt *p, struct dp_config *cfg,
+				    __u64 now)
+{
+	struct ct_key ik = {};
+	ct_fill(&ik, p, NAT_IN, 0);
+	struct nat_value *nv = snat.lookup(&ik);
+	if (!nv || nv->expires <= now)
+		return TC_ACT_OK; /* the node's own traffic */
+	__u16 flags = nv->flags;
+	__u32 masq = p->family == 4 ? CFG_MASQUERADE4 : CFG_MASQUERADE6;
+	if (!(flags & NAT_F_NODEPORT) && !(cfg->flags & masq))
+		return TC_ACT_OK;
+	union v6addr to;
+	addr_copy(&to, &nv->addr);
+	__be16 port = nv->port;
+	__u32 rn = nv->rev_nat_id;
+	__u64 exp = now + nat_lifetime(p->proto);
+	if (exp > nv->expires + CT_UPDATE_GRANULARITY)
+		nv->expires = exp;
+	if (rewrite_addr(skb, p, 0, &to) < 0 || rewrite_port(skb, p, 0, port) < 0)
+		return drop(skb, p, DROP_NAT_FAILED, DIR_INGRESS, 0, 0, 0);
+
+	if (flags & NAT_F_NODEPORT) {
+		int ret = rev_nat(skb, p, rn);
+		if (ret)
+			return drop(skb, p, ret, DIR_INGRESS, 0, 0, 0);
+		ret = fib_redirect(skb, p);
+		if (ret < 0)
+			return drop(skb, p, DROP_FIB_LOOKUP_FAILED, DIR_INGRESS, 0, 0, 0);
+		count(DIR_INGRESS, REASON_FORWARDED, p->len);
+		return ret;
+	}
+
+	struct endpoint_key ek = {};
+	addr_copy(&ek.addr, &to);
+	struct endpoint_info *dst = endpoints.lookup(&ek);
+	if (dst) {
+		int ret = redirect_local(skb, dst);
+		if (ret < 0)
+			return drop(skb, p, DROP_REDIRECT_FAILED, DIR_INGRESS, dst->ep_id, 0, dst->identity);
+		return ret;
+	}
 	return TC_ACT_OK;
 }
 
@@ -1000,36 +1222,16 @@ int from_netdev(struct __sk_buff *skb)
 	struct dp_config *cfg = get_config();
 	if (!cfg)
 		return TC_ACT_OK;
-	if (p.family == 4) {
-		if (!(cfg->flags & CFG_MASQUERADE4) || !addr_eq(&p.daddr, &cfg->node_ip4))
-			return TC_ACT_OK;
-	} else {
-		if (!(cfg->flags & CFG_MASQUERADE6) || !addr_eq(&p.daddr, &cfg->node_ip6))
-			return TC_ACT_OK;
-	}
+	union v6addr node_ip;
+	if (p.family == 4)
+		addr_copy(&node_ip, &cfg->node_ip4);
+	else
+		addr_copy(&node_ip, &cfg->node_ip6);
+	if (addr_is_zero(&node_ip) || !addr_eq(&p.daddr, &node_ip))
+		return TC_ACT_OK; /* only the node address is translated here */
 	__u64 now = bpf_ktime_get_ns();
-	struct ct_key ik = {};
-	ct_fill(&ik, &p, NAT_IN, 0);
-	struct nat_value *nv = snat.lookup(&ik);
-	if (!nv || nv->expires <= now)
-		return TC_ACT_OK; /* the node's own traffic */
-	union v6addr pod;
-	addr_copy(&pod, &nv->addr);
-	__be16 port = nv->port;
-	__u64 exp = now + nat_lifetime(p.proto);
-	if (exp > nv->expires + CT_UPDATE_GRANULARITY)
-		nv->expires = exp;
-	if (rewrite_addr(skb, &p, 0, &pod) < 0 || rewrite_port(skb, &p, 0, port) < 0)
-		return drop(skb, &p, DROP_NAT_FAILED, DIR_INGRESS, 0, 0, 0);
-
-	struct endpoint_key ek = {};
-	addr_copy(&ek.addr, &pod);
-	struct endpoint_info *dst = endpoints.lookup(&ek);
-	if (dst) {
-		ret = redirect_local(skb, dst);
-		if (ret < 0)
-			return drop(skb, &p, DROP_REDIRECT_FAILED, DIR_INGRESS, dst->ep_id, 0, dst->identity);
+	ret = nodeport_lb(skb, &p, cfg, &node_ip, now);
+	if (ret >= 0)
 		return ret;
-	}
-	return TC_ACT_OK;
+	return rev_snat(skb, &p, cfg, now);
 }

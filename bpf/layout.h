@@ -139,6 +139,10 @@ struct policy_value {
 #define SVC_F_AFFINITY (1U << 2)
 #define SVC_F_SOURCE_RANGE (1U << 3)
 
+/* lb.v1.BackendState: only active backends get new connections (also
+ * through session affinity). */
+#define BACKEND_ACTIVE 1
+
 struct svc_key {
 	union v6addr addr;
 	__be16 dport;
@@ -155,7 +159,8 @@ struct svc_value {
 	__u32 service_id;        /* the service: Maglev, affinity, source ranges */
 	__u32 flags;             /* SVC_F_* */
 	__u32 affinity_timeout;  /* seconds */
-	__u32 maglev_size;       /* slots of the Maglev table (M) */
+	__u32 maglev_size;       /* M of the Maglev table (informational: the
+				  * table holds its own size) */
 	__u32 pad;
 };
 
@@ -164,7 +169,7 @@ struct backend_value {
 	union v6addr addr;
 	__be16 port;
 	__u8 proto;
-	__u8 state; /* lb.v1.BackendState: informational */
+	__u8 state; /* lb.v1.BackendState: affinity only reuses BACKEND_ACTIVE */
 	__u32 pad;
 };
 
@@ -175,11 +180,13 @@ struct revnat_value {
 	__u16 pad;
 };
 
-/* --- Maglev: flat table per service, keyed by (service_id, slot) --- */
-struct maglev_key {
-	__u32 service_id;
-	__u32 slot;
-};
+/* --- Maglev (cilium_lb4_maglev): a hash of maps, service_id -> that
+ * service's table, an array of 1 + M backend ids: index 0 holds M, index
+ * 1 + slot the backend of a slot. Inner arrays may have any size
+ * (BPF_F_INNER_MAP), so each service gets exactly its M, allocated when
+ * its table is written; a table is replaced whole by one update of the
+ * outer map (a packet sees the old or the new table, never a mix). --- */
+#define MAGLEV_SIZE_INDEX 0
 
 /* --- session affinity (cilium_lb4_affinity) --- */
 struct affinity_key {
@@ -206,6 +213,10 @@ struct srcrange_key {
 #define CT_SCOPE_EGRESS 0  /* opened by a local pod (from-container) */
 #define CT_SCOPE_INGRESS 1 /* opened towards a local pod (to-container) */
 #define CT_SCOPE_SERVICE 2 /* client -> frontend: the chosen backend */
+/* NodePort from outside to a local backend: outside client -> backend
+ * (after DNAT), created in from-netdev; holds the rev-NAT id the reply gets
+ * on its way out of the uplink (to-netdev). */
+#define CT_SCOPE_NODEPORT 3
 
 #define CT_F_SEEN_NON_SYN (1U << 0)
 #define CT_F_TX_CLOSING (1U << 1)
@@ -233,15 +244,23 @@ struct ct_entry {
 	__u32 pad2;
 };
 
-/* --- masquerade (cilium_snat_v4_external): both directions in one map --- */
-#define NAT_OUT 0 /* key: pod tuple as sent; value: node address and port */
-#define NAT_IN 1  /* key: reply tuple as received; value: pod address and port */
+/* --- masquerade and NodePort SNAT (cilium_snat_v4_external): both
+ * directions in one map --- */
+#define NAT_OUT 0 /* key: tuple as sent (pod, or outside client after DNAT);
+		   * value: node address and port */
+#define NAT_IN 1  /* key: reply tuple as received; value: the address and port
+		   * to restore as destination (pod, or outside client) */
+
+/* A NodePort connection to a remote backend, SNATed to the node address:
+ * a NAT_IN reply also gets its source set back to the frontend
+ * (rev_nat_id) and is sent out towards the client. */
+#define NAT_F_NODEPORT (1U << 0)
 
 struct nat_value {
 	union v6addr addr;
 	__be16 port;
-	__u16 pad;
-	__u32 pad2;
+	__u16 flags;      /* NAT_F_* */
+	__u32 rev_nat_id; /* NAT_IN with NAT_F_NODEPORT: the frontend */
 	__u64 expires;
 };
 

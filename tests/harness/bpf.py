@@ -8,6 +8,9 @@ ifindex 1; a redirect's target ifindex is only recorded, not used.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import os
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -74,3 +77,31 @@ POD_C = Pod(13, "10.1.0.3", 3000, "0a:00:00:00:03:01", "0a:00:00:00:03:fe")
 POD_A6 = Pod(21, "fd00:1::1", 1000, "0a:00:00:00:06:01", "0a:00:00:00:06:fe")
 POD_B6 = Pod(22, "fd00:1::2", 2000, "0a:00:00:00:06:02", "0a:00:00:00:06:fd")
 WORLD_IP = "203.0.113.10"  # TEST-NET-3: never leaves the test run
+
+
+CLONE_NEWNET = 0x40000000
+
+
+@contextmanager
+def inside_netns(path: str) -> Iterator[None]:
+    """Runs the calling thread in the netns at path (setns(2) changes only
+    the calling thread), and back to its own netns at the end: a test run
+    then happens on that netns's devices and consults its FIB."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    try:
+        target = os.open(path, os.O_RDONLY)
+        try:
+            if libc.setns(target, CLONE_NEWNET) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"setns {path}: {os.strerror(err)}")
+        finally:
+            os.close(target)
+        try:
+            yield
+        finally:
+            if libc.setns(own, CLONE_NEWNET) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"setns back: {os.strerror(err)}")
+    finally:
+        os.close(own)

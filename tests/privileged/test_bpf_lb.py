@@ -148,7 +148,9 @@ def test_maglev_slot_selection(dp: Datapath) -> None:
     size = 251
     table = tuple(100 + (i * 7 % 4) for i in range(size))
     dp.upsert_service(svc(backends, maglev=True, maglev_table=table))
-    assert dp.maglev.table(5, size) == list(table)
+    assert dp.maglev.table(5) == list(table)
+    assert dp.maglev.size(5) == size
+    assert not dp.maglev.set_table(5, table)  # unchanged: not written again
     hits: collections.Counter[str] = collections.Counter()
     for sport in range(46000, 46200):
         slot = maglev_slot(POD_A.ip, VIP, sport, 80, 6, size=size)
@@ -257,3 +259,89 @@ def test_nodeport_frontend_and_egress_policy_on_the_backend(dp: Datapath) -> Non
     dp.upsert_service(Service(6, service.frontends[:1], service.backends))
     assert dp.services.frontend(node_ip, 30080, 6) is None
     assert dp.services.frontends_of(6) == [(VIP, 80, 6)]
+
+
+def test_affinity_sticks_until_timeout_but_not_to_a_terminating_backend(dp: Datapath) -> None:
+    ready(dp, POD_A, POD_B, POD_C)
+    backends = (Backend(7, POD_A.ip, 8080), Backend(8, POD_B.ip, 8080), Backend(9, POD_C.ip, 8080))
+    dp.upsert_service(svc(backends, affinity_timeout=60))
+
+    def backend(sport: int, flags: int = P.TCP_SYN) -> str:
+        out = dp.test_run("from_container", P.build(POD_A.ip, VIP, sport=sport, flags=flags))
+        assert out.retval == L.TC_ACT_REDIRECT
+        return P.parse(out.data).dst
+
+    def age(seconds: float) -> None:
+        k = L.AffinityKey(service_id=5)
+        L.set_addr(k.client, POD_A.ip)
+        v = dp.affinity.get(k)
+        assert v is not None
+        v.last_used -= int(seconds * 10**9)
+        dp.affinity.update(k, v)
+
+    first = backend(48100)
+    for sport in range(48101, 48121):
+        assert backend(sport) == first
+    for sport in (48121, 48122):  # just inside the timeout, refreshed by each use
+        age(59)
+        assert backend(sport) == first
+    chosen = set()
+    for sport in range(48130, 48150):  # past it: chosen again each time
+        age(61)
+        chosen.add(backend(sport))
+    assert len(chosen) > 1
+
+    current = backend(48200)
+    dp.upsert_service(
+        svc(
+            tuple(Backend(b.id, b.address, 8080, state=2 if b.address == current else 1)
+                  for b in backends),
+            affinity_timeout=60,
+        )
+    )  # fmt: skip
+    assert backend(48200, P.TCP_ACK) == current  # established: stays
+    moved = backend(48201)  # new: the affinity entry points at a terminating backend
+    assert moved != current
+    assert {backend(s) for s in range(48202, 48220)} == {moved}
+    got = dp.affinity.lookup(POD_A.ip, 5)
+    assert got is not None
+    assert got[0] == next(b.id for b in backends if b.address == moved)
+
+
+def test_maglev_tables_of_hundreds_of_services(dp: Datapath) -> None:
+    """200 services at M = 16381 (the old flat map held 64): each service
+    has its own table, selection follows each one, and a table's memory
+    goes with its service."""
+    ready(dp, POD_A)
+    size = 16381
+    n = 200
+    backends = tuple(Backend(300 + i, f"10.1.3.{i + 1}", 8080) for i in range(5))
+    for i in range(n):
+        # Each service's table differs (rotated), so a wrong table shows.
+        table = tuple(300 + (j + i) % 5 for j in range(size))
+        dp.upsert_service(
+            Service(
+                service_id=1000 + i,
+                frontends=(Frontend(f"10.97.{i // 200}.{i % 200 + 1}", 80, 6, 1000 + i),),
+                backends=backends,
+                maglev=True,
+                maglev_table=table,
+            )
+        )
+    assert dp.maglev.count() == n
+    status = {s.name: s for s in dp.map_status()}["maglev"]
+    assert (status.type, status.entries) == ("hash_of_maps", n)
+    for i in range(0, n, 7):
+        vip = f"10.97.{i // 200}.{i % 200 + 1}"
+        slot = maglev_slot(POD_A.ip, vip, 40000 + i, 80, 6, size=size)
+        out = dp.test_run("from_container", P.build(POD_A.ip, vip, sport=40000 + i, dport=80))
+        assert out.retval == L.TC_ACT_OK
+        assert P.parse(out.data).dst == f"10.1.3.{(slot + i) % 5 + 1}", f"service {i}"
+    rows = {k["service_id"]: v for k, v in dp.dump("maglev")}
+    assert len(rows) == n
+    assert rows["1000"]["size"] == str(size)
+    assert rows["1000"]["slots"] == "300:3277,301:3276,302:3276,303:3276,304:3276"
+    # Deleting services frees their tables.
+    for i in range(n):
+        dp.delete_service(1000 + i)
+    assert dp.maglev.count() == 0

@@ -76,6 +76,15 @@ def test_a_pinned_map_of_another_layout_is_refused(
         os.close(fd)
         with pytest.raises(LayoutMismatch, match="endpoints"):
             Datapath.load(root, programs=bpf_programs)
+        os.unlink(f"{folder}/endpoints")
+        # The Maglev map of layout 1 (a flat hash) where a hash of maps belongs.
+        fd = syscall.map_create(
+            syscall.MAP_TYPE_HASH, 8, 4, 1 << 20, flags=syscall.F_NO_PREALLOC, name="maglev"
+        )
+        syscall.obj_pin(fd, f"{folder}/maglev")
+        os.close(fd)
+        with pytest.raises(LayoutMismatch, match="maglev"):
+            Datapath.load(root, programs=bpf_programs)
         # Other sizes are another layout: another folder, no clash.
         with private_datapath(bpf_programs, MapSizes(ct=4096), pin_root=root) as dp:
             assert dp.folder.name != layout_version(sizes)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import time
+from pathlib import Path
 
 import pytest
 from harness.cluster import Cluster, Node
@@ -175,3 +176,31 @@ def test_kill9_datapath_keeps_streams_and_policy(cluster: Cluster, node: Node) -
     lines = stream.stdout.read().split("\n")
     assert [line for line in lines if line.startswith("fail")] == []
     assert sum(line.startswith("ok") for line in lines) > 50
+
+
+def test_restart_onto_a_new_layout_rewrites_endpoints(cluster: Cluster, node: Node) -> None:
+    """A datapath of a new layout version finds no maps of its layout (here
+    the pinned folder is renamed to look like an older version's): it writes
+    the restored endpoints into its new maps, their policy again, attaches
+    its programs and removes the old folder."""
+    a = add_pod(cluster, node, "a", 1, "10.200.1.60", {"app": "frontend"})
+    b = add_pod(cluster, node, "b", 2, "10.200.1.61", {"app": "backend"})
+    b.ns.serve("tcp", 8080, "b")
+    assert a.ns.request("tcp", b.ip, 8080) == f"b {a.ip} HELLO"
+    assert node.process is not None
+    node.process.kill9()
+    (current,) = [p for p in Path(node.bpf_root).iterdir() if p.is_dir()]
+    old = current.with_name("v1-0000000000")
+    current.rename(old)
+
+    cluster.start_datapath(node)
+    assert wait_until(lambda: a.ns.request("tcp", b.ip, 8080, timeout=1) is not None)
+    assert a.ns.request("tcp", b.ip, 8080) == f"b {a.ip} HELLO"
+    assert not old.exists()
+    dp = cluster.datapath(node)
+    listed = dp.ListEndpoints(datapath_pb2.ListEndpointsRequest(), timeout=10).endpoints
+    assert sorted(e.endpoint_id for e in listed) == [1, 2]
+    assert all(e.programs_attached for e in listed)
+    rows = dp.DumpMap(datapath_pb2.DumpMapRequest(name="endpoints"), timeout=10).entries
+    assert {r.key["ip"] for r in rows} == {a.ip, b.ip}
+    assert {r.value["flags"] for r in rows} == {"policy-ready"}

@@ -131,7 +131,12 @@ def bpf_service(
         )
     ]
     if svc.type == lb_pb2.SERVICE_TYPE_NODE_PORT and svc.node_port:
+        family = ipaddress.ip_address(svc.frontend.address).version
         for i, ip in enumerate(node_ips, start=1):
+            # A node address of the other family would need the backends
+            # translated across families (NAT46): not offered.
+            if ipaddress.ip_address(ip).version != family:
+                continue
             frontends.append(
                 Frontend(
                     ip, svc.node_port, proto, frontend_rev_nat_id(svc.rev_nat_id, i), nodeport=True

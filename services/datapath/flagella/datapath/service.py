@@ -17,6 +17,7 @@ import functools
 import ipaddress
 import logging
 import os
+import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -240,6 +241,20 @@ class DatapathService:
         links = await netdev.host_links()
         for rec in records.values():
             if links.get(rec.host_ifname) == rec.host_ifindex:
+                if not await self.writer.run(self.bpf.endpoints.by_id, rec.endpoint_id):
+                    # New maps (a new layout version): the endpoint is written
+                    # again from its record, not ready until its policy is
+                    # applied again (fail closed).
+                    log.info("endpoint rewritten", extra={"endpoint": rec.endpoint_id})
+                    await self.writer.run(
+                        self.bpf.endpoints.upsert,
+                        rec.endpoint_id,
+                        rec.addresses,
+                        ifindex=rec.host_ifindex,
+                        identity=rec.identity,
+                        mac=rec.mac,
+                        node_mac=rec.host_mac,
+                    )
                 await self.writer.run(self.bpf.attach, rec.host_ifindex)
                 self.endpoints[rec.endpoint_id] = rec
                 revision = await self.writer.run(
@@ -258,6 +273,11 @@ class DatapathService:
             log.info("removing a veth with no endpoint", extra={"link": name})
             await netdev.delete_link(name)
         log.info("endpoints restored", extra={"endpoints": sorted(self.endpoints)})
+        # Every hook now runs this layout's programs: the maps of other
+        # layout versions (an older datapath's) are no longer used.
+        for folder in Datapath.stale_layouts(self.config.bpf_root):
+            log.info("removing the pinned maps of another layout", extra={"folder": str(folder)})
+            await self.writer.run(shutil.rmtree, folder, True)
 
     async def _forget(self, rec: EndpointRecord) -> None:
         await self.writer.run(self.bpf.remove_endpoint, rec.endpoint_id)

@@ -89,14 +89,7 @@ def _open_map(folder: Path, spec: L.MapSpec) -> tuple[int, bool]:
                     f"expected {want}: use a new pin folder"
                 )
             return fd, False
-        fd = syscall.map_create(
-            spec.map_type,
-            spec.key_size,
-            spec.value_size,
-            spec.max_entries,
-            flags=spec.flags,
-            name=spec.name,
-        )
+        fd = _create_map(spec)
         try:
             syscall.obj_pin(fd, path)
         except syscall.BpfError as e:
@@ -106,6 +99,30 @@ def _open_map(folder: Path, spec: L.MapSpec) -> tuple[int, bool]:
             continue  # another process pinned it first: use theirs
         return fd, True
     raise LayoutMismatch(f"could not open or create {path}")
+
+
+def _create_map(spec: L.MapSpec) -> int:
+    """A new map of spec; a map-in-map gets a template of its inner maps
+    (only needed during the creation)."""
+    template = -1
+    try:
+        if spec.inner is not None:
+            i = spec.inner
+            template = syscall.map_create(
+                i.map_type, i.key_size, i.value_size, i.max_entries, flags=i.flags, name=i.name
+            )
+        return syscall.map_create(
+            spec.map_type,
+            spec.key_size,
+            spec.value_size,
+            spec.max_entries,
+            flags=spec.flags,
+            name=spec.name,
+            inner_map_fd=max(template, 0),
+        )
+    finally:
+        if template >= 0:
+            os.close(template)
 
 
 class Datapath:
@@ -269,9 +286,14 @@ class Datapath:
         current = bool(i and e and i.prog_id in ids and e.prog_id in ids)
         return Attachment(ifindex, i, e, current)
 
-    def test_run(self, program: str, packet: bytes, repeat: int = 1) -> syscall.TestRunResult:
-        """BPF_PROG_TEST_RUN of one program on a packet (Ethernet frame)."""
-        return syscall.prog_test_run(self._prog_fds[program], packet, repeat)
+    def test_run(
+        self, program: str, packet: bytes, repeat: int = 1, *, ifindex: int = 0
+    ) -> syscall.TestRunResult:
+        """BPF_PROG_TEST_RUN of one program on a packet (Ethernet frame), on
+        the loopback device of the calling thread's netns, or on the device
+        ifindex of that netns (a program that consults the FIB)."""
+        ctx = syscall.skb_ctx(ifindex=ifindex) if ifindex else None
+        return syscall.prog_test_run(self._prog_fds[program], packet, repeat, ctx)
 
     # --- events ---
 
@@ -332,13 +354,9 @@ class Datapath:
             self.backends.upsert(b)
         for fe in svc.frontends:
             self.revnat.upsert(fe.rev_nat_id, fe.address, fe.port)
-        old_maglev = 0
-        for addr, port, proto in self.services.frontends_of(svc.service_id):
-            v = self.services.frontend(addr, port, proto)
-            if v is not None:
-                old_maglev = max(old_maglev, v.maglev_size)
         if svc.maglev:
-            self.maglev.set_table(svc.service_id, svc.maglev_table, old_maglev)
+            # A new table replaces the old one in one outer-map update.
+            self.maglev.set_table(svc.service_id, svc.maglev_table)
         self.srcrange.set_ranges(svc.service_id, svc.source_ranges)
         active = [b.id for b in svc.backends if b.state == 1]
         wanted = set()
@@ -355,8 +373,9 @@ class Datapath:
         for addr, port, proto in self.services.frontends_of(svc.service_id):
             if (addr, port, proto) not in wanted:
                 self.services.remove_frontend(addr, port, proto)
-        if not svc.maglev and old_maglev:
-            self.maglev.remove_table(svc.service_id, old_maglev)
+        if not svc.maglev:
+            # After the frontends stopped pointing at it.
+            self.maglev.remove_table(svc.service_id)
 
     def delete_service(self, service_id: int, rev_nat_ids: Iterable[int] = ()) -> bool:
         """Removes the service's frontends, Maglev table, source ranges,
@@ -364,14 +383,9 @@ class Datapath:
         of live connections still need them until they expire). Backends are
         removed with remove_backends() (they may serve other services)."""
         fronts = self.services.frontends_of(service_id)
-        old_maglev = 0
         for addr, port, proto in fronts:
-            v = self.services.frontend(addr, port, proto)
-            if v is not None:
-                old_maglev = max(old_maglev, v.maglev_size)
             self.services.remove_frontend(addr, port, proto)
-        if old_maglev:
-            self.maglev.remove_table(service_id, old_maglev)
+        self.maglev.remove_table(service_id)
         self.srcrange.set_ranges(service_id, ())
         self.affinity.purge(service_ids=[service_id])
         for rn in rev_nat_ids:

@@ -22,7 +22,7 @@ from flagella.datapath.bpf import syscall
 # Bump on any change of bpf/layout.h semantics. The pin folder name also
 # carries a hash of the ctypes layouts and map definitions, so a change of
 # sizes or fields always gets a new folder even if this is forgotten.
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: Maglev as a hash of maps; NodePort conntrack and NAT
 
 
 class DropReason(enum.IntEnum):
@@ -115,17 +115,21 @@ SVC_F_NODEPORT = 1 << 0
 SVC_F_MAGLEV = 1 << 1
 SVC_F_AFFINITY = 1 << 2
 SVC_F_SOURCE_RANGE = 1 << 3
+BACKEND_ACTIVE = 1  # lb.v1.BackendState.BACKEND_STATE_ACTIVE
+MAGLEV_SIZE_INDEX = 0  # index of M in a Maglev table; slot s is at 1 + s
 
 # conntrack
 CT_SCOPE_EGRESS = 0
 CT_SCOPE_INGRESS = 1
 CT_SCOPE_SERVICE = 2
+CT_SCOPE_NODEPORT = 3
 CT_F_SEEN_NON_SYN = 1 << 0
 CT_F_TX_CLOSING = 1 << 1
 CT_F_RX_CLOSING = 1 << 2
 CT_F_REPLY_SEEN = 1 << 3
 NAT_OUT = 0
 NAT_IN = 1
+NAT_F_NODEPORT = 1 << 0
 
 # config flags
 CFG_MASQUERADE4 = 1 << 0
@@ -138,7 +142,12 @@ POLICY_PREFIX_L3 = 104
 POLICY_PREFIX_PROTO = 112
 POLICY_PREFIX_FULL = 128
 
-_SCOPE_NAMES = {CT_SCOPE_EGRESS: "egress", CT_SCOPE_INGRESS: "ingress", CT_SCOPE_SERVICE: "service"}
+_SCOPE_NAMES = {
+    CT_SCOPE_EGRESS: "egress",
+    CT_SCOPE_INGRESS: "ingress",
+    CT_SCOPE_SERVICE: "service",
+    CT_SCOPE_NODEPORT: "nodeport",
+}
 _NAT_NAMES = {NAT_OUT: "out", NAT_IN: "in"}
 _PROTO_NAMES = {
     0: "any",
@@ -314,10 +323,6 @@ class RevNatValue(ctypes.Structure):
     _fields_ = [("addr", V6Addr), ("port", ctypes.c_uint16), ("pad", ctypes.c_uint16)]
 
 
-class MaglevKey(ctypes.Structure):
-    _fields_ = [("service_id", ctypes.c_uint32), ("slot", ctypes.c_uint32)]
-
-
 class AffinityKey(ctypes.Structure):
     _fields_ = [("client", V6Addr), ("service_id", ctypes.c_uint32)]
 
@@ -369,8 +374,8 @@ class NatValue(ctypes.Structure):
     _fields_ = [
         ("addr", V6Addr),
         ("port", ctypes.c_uint16),
-        ("pad", ctypes.c_uint16),
-        ("pad2", ctypes.c_uint32),
+        ("flags", ctypes.c_uint16),
+        ("rev_nat_id", ctypes.c_uint32),
         ("expires", ctypes.c_uint64),
     ]
 
@@ -557,10 +562,6 @@ def decode_revnat_value(v: RevNatValue) -> Fields:
     return {"address": get_addr(v.addr), "port": str(port_host(v.port))}
 
 
-def decode_maglev_key(k: MaglevKey) -> Fields:
-    return {"service_id": str(k.service_id), "slot": str(k.slot)}
-
-
 def decode_affinity_key(k: AffinityKey) -> Fields:
     return {"client": get_addr(k.client), "service_id": str(k.service_id)}
 
@@ -609,12 +610,19 @@ def decode_nat_key(k: CtKey) -> Fields:
     return out
 
 
+_NAT_FLAGS = {NAT_F_NODEPORT: "nodeport"}
+
+
 def decode_nat_value(v: NatValue) -> Fields:
-    return {
+    out = {
         "address": get_addr(v.addr),
         "port": str(port_host(v.port)),
         "expires_ns": str(v.expires),
+        "flags": _flags(v.flags, _NAT_FLAGS),
     }
+    if v.rev_nat_id:
+        out["rev_nat_id"] = str(v.rev_nat_id)
+    return out
 
 
 def decode_config(v: DpConfig) -> Fields:
@@ -656,7 +664,7 @@ class MapSizes:
     services: int = 64 * 1024
     backends: int = 64 * 1024
     revnat: int = 64 * 1024
-    maglev: int = 1 << 20
+    maglev: int = 64 * 1024  # services with a Maglev table (one inner array each)
     affinity: int = 64 * 1024
     srcrange: int = 16 * 1024
     ct: int = 256 * 1024
@@ -677,6 +685,9 @@ class MapSpec:
     flags: int
     decode_key: Callable[[ctypes.Structure], Fields] | None
     decode_value: Callable[[ctypes.Structure], Fields] | None
+    # Map-in-map: the template every inner map must match (its max_entries
+    # is a placeholder when it carries F_INNER_MAP).
+    inner: MapSpec | None = None
 
     @property
     def key_size(self) -> int:
@@ -709,8 +720,9 @@ def map_specs(sizes: MapSizes) -> tuple[MapSpec, ...]:
                 d(_decode_u32("backend_id")), d(decode_backend_value)),
         MapSpec("revnat", s.MAP_TYPE_HASH, U32, RevNatValue, sizes.revnat, 0,
                 d(_decode_u32("rev_nat_id")), d(decode_revnat_value)),
-        MapSpec("maglev", s.MAP_TYPE_HASH, MaglevKey, U32, sizes.maglev, s.F_NO_PREALLOC,
-                d(decode_maglev_key), d(_decode_u32("backend_id"))),
+        MapSpec("maglev", s.MAP_TYPE_HASH_OF_MAPS, U32, U32, sizes.maglev, s.F_NO_PREALLOC,
+                d(_decode_u32("service_id")), d(_decode_u32("map_id")),
+                inner=MAGLEV_INNER),
         MapSpec("affinity", s.MAP_TYPE_LRU_HASH, AffinityKey, AffinityValue, sizes.affinity, 0,
                 d(decode_affinity_key), d(decode_affinity_value)),
         MapSpec("srcrange", s.MAP_TYPE_LPM_TRIE, SrcRangeKey, U32, sizes.srcrange,
@@ -731,6 +743,19 @@ def _decoder(fn: Callable[..., Fields]) -> Callable[[ctypes.Structure], Fields]:
     return fn
 
 
+# One service's Maglev table: index -> backend id, index 0 holding M.
+MAGLEV_INNER = MapSpec(
+    "maglev_inner",
+    syscall.MAP_TYPE_ARRAY,
+    U32,
+    U32,
+    1,
+    syscall.F_INNER_MAP,
+    _decoder(_decode_u32("index")),
+    _decoder(_decode_u32("backend_id")),
+)
+
+
 def layout_version(sizes: MapSizes) -> str:
     """Name of the pin folder of this layout: v<LAYOUT_VERSION>-<hash>."""
     h = hashlib.sha256()
@@ -739,6 +764,11 @@ def layout_version(sizes: MapSizes) -> str:
             f"{spec.name}:{spec.map_type}:{spec.max_entries}:{spec.flags}:"
             f"{_describe(spec.key)}:{_describe(spec.value)};".encode()
         )
+        if spec.inner is not None:
+            i = spec.inner
+            h.update(
+                f"inner:{i.map_type}:{i.flags}:{_describe(i.key)}:{_describe(i.value)};".encode()
+            )
     h.update(_describe(FlowEvent).encode())
     return f"v{LAYOUT_VERSION}-{h.hexdigest()[:10]}"
 

@@ -3,14 +3,19 @@ backends, rev-NAT, Maglev tables, session affinity, source ranges."""
 
 from __future__ import annotations
 
+import array
+import collections
 import ctypes
+import dataclasses
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from flagella.datapath.bpf import layout as L
+from flagella.datapath.bpf import syscall
 from flagella.datapath.bpf.maps import BpfMap
 
-BACKEND_ACTIVE = 1  # lb.v1.BackendState.BACKEND_STATE_ACTIVE
+BACKEND_ACTIVE = L.BACKEND_ACTIVE
 AFFINITY_DEFAULT_TIMEOUT = 10800  # seconds, as Kubernetes
 MAX_REV_NAT_ID = (1 << 24) - 1
 
@@ -151,27 +156,100 @@ class RevNat(BpfMap[L.U32, L.RevNatValue]):
         return self.delete(L.U32(rev_nat_id))
 
 
-class Maglev(BpfMap[L.MaglevKey, L.U32]):
-    """Maglev tables: (service id, slot) -> backend id."""
+class Maglev(BpfMap[L.U32, L.U32]):
+    """Maglev tables (cilium_lb4_maglev): a hash of maps, service id -> an
+    array of 1 + M backend ids, [0] = M, [1 + slot] = the backend of slot.
+    Each service's array has its own M and exists only while the service
+    has a table; a new table is a new array swapped in by one update."""
 
-    def set_table(self, service_id: int, table: Sequence[int], old_size: int = 0) -> None:
-        pairs = [
-            (L.MaglevKey(service_id=service_id, slot=i), L.U32(bid)) for i, bid in enumerate(table)
-        ]
-        self.update_batch(pairs)
-        self.delete_many(
-            L.MaglevKey(service_id=service_id, slot=i) for i in range(len(table), old_size)
+    def _inner_spec(self, entries: int) -> L.MapSpec:
+        assert self.spec.inner is not None
+        return dataclasses.replace(self.spec.inner, max_entries=entries)
+
+    def set_table(self, service_id: int, table: Sequence[int]) -> bool:
+        """Writes the service's table: a new array, filled, then put in the
+        outer map (the old array goes once no packet uses it). The outer
+        write returns only after an RCU grace period (the kernel makes sure
+        no program still uses the old table), some milliseconds: a table
+        equal to the one in place is not written again (False)."""
+        if not table:
+            raise ValueError(f"service {service_id}: empty Maglev table")
+        values_list = array.array("I", [len(table)])
+        values_list.extend(table)
+        current = self.get(L.U32(service_id))
+        if current is not None and self._read(current.value) == values_list.tolist():
+            return False
+        n = len(values_list)
+        spec = self._inner_spec(n)
+        fd = syscall.map_create(
+            spec.map_type,
+            spec.key_size,
+            spec.value_size,
+            spec.max_entries,
+            flags=spec.flags,
+            name=f"maglev_{service_id}",
         )
+        try:
+            keys = (ctypes.c_uint32 * n).from_buffer(array.array("I", range(n)))
+            values = (ctypes.c_uint32 * n).from_buffer(values_list)
+            written = syscall.map_update_batch(fd, keys, values, n)
+            if written != n:
+                raise OSError(f"Maglev table of service {service_id}: {written} of {n} written")
+            self.update(L.U32(service_id), L.U32(fd))
+        finally:
+            os.close(fd)
+        return True
 
-    def table(self, service_id: int, size: int) -> list[int]:
+    def _read(self, map_id: int) -> list[int]:
+        """Every entry of an inner array, by its map id (one syscall)."""
+        fd = syscall.map_fd_by_id(map_id)
+        try:
+            n = syscall.map_info(fd).max_entries
+            keys = (ctypes.c_uint32 * n)()
+            values = (ctypes.c_uint32 * n)()
+            out_batch = ctypes.c_uint32()
+            got, _ = syscall.map_lookup_batch(fd, None, out_batch, keys, values, count=n)
+            return list(values[:got])
+        finally:
+            os.close(fd)
+
+    def table(self, service_id: int) -> list[int]:
+        """The service's table (backend id per slot); [] without one."""
+        v = self.get(L.U32(service_id))
+        if v is None:
+            return []
+        values = self._read(v.value)
+        return values[1 : 1 + values[L.MAGLEV_SIZE_INDEX]]
+
+    def size(self, service_id: int) -> int:
+        """M of the service's table; 0 without one."""
+        return len(self.table(service_id))
+
+    def service_ids(self) -> list[int]:
+        return sorted(k.value for k in self.keys())
+
+    def remove_table(self, service_id: int) -> bool:
+        return self.delete(L.U32(service_id))
+
+    def dump(self, limit: int = 0) -> list[tuple[L.Fields, L.Fields]]:
+        """One row per service: its inner map, M and slots per backend."""
         out = []
-        for i in range(size):
-            v = self.get(L.MaglevKey(service_id=service_id, slot=i))
-            out.append(v.value if v is not None else 0)
+        for k, v in self.items():
+            table = self.table(k.value)
+            shares = collections.Counter(table)
+            out.append(
+                (
+                    {"service_id": str(k.value)},
+                    {
+                        "map_id": str(v.value),
+                        "size": str(len(table)),
+                        "slots": ",".join(f"{b}:{n}" for b, n in sorted(shares.items())) or "-",
+                    },
+                )
+            )
+            if limit and len(out) >= limit:
+                break
         return out
-
-    def remove_table(self, service_id: int, size: int) -> int:
-        return self.delete_many(L.MaglevKey(service_id=service_id, slot=i) for i in range(size))
 
 
 class Affinity(BpfMap[L.AffinityKey, L.AffinityValue]):

@@ -12,6 +12,7 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import struct
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -41,6 +42,7 @@ MAP_TYPE_ARRAY = 2
 MAP_TYPE_PERCPU_ARRAY = 6
 MAP_TYPE_LRU_HASH = 9
 MAP_TYPE_LPM_TRIE = 11
+MAP_TYPE_HASH_OF_MAPS = 13
 MAP_TYPE_RINGBUF = 27
 
 MAP_TYPE_NAMES = {
@@ -49,6 +51,7 @@ MAP_TYPE_NAMES = {
     MAP_TYPE_PERCPU_ARRAY: "percpu_array",
     MAP_TYPE_LRU_HASH: "lru_hash",
     MAP_TYPE_LPM_TRIE: "lpm_trie",
+    MAP_TYPE_HASH_OF_MAPS: "hash_of_maps",
     MAP_TYPE_RINGBUF: "ringbuf",
 }
 
@@ -56,6 +59,7 @@ PROG_TYPE_SCHED_CLS = 3
 
 # flags
 F_NO_PREALLOC = 1
+F_INNER_MAP = 1 << 12  # an inner map template: inner maps may differ in max_entries
 ANY = 0
 NOEXIST = 1
 EXIST = 2
@@ -220,14 +224,23 @@ def _addr(obj: ctypes._CData | None) -> int:
 
 
 def map_create(
-    map_type: int, key_size: int, value_size: int, max_entries: int, *, flags: int, name: str
+    map_type: int,
+    key_size: int,
+    value_size: int,
+    max_entries: int,
+    *,
+    flags: int,
+    name: str,
+    inner_map_fd: int = 0,
 ) -> int:
+    """A new map; a map-in-map needs the fd of its inner map template."""
     attr = _MapCreateAttr(
         map_type=map_type,
         key_size=key_size,
         value_size=value_size,
         max_entries=max_entries,
         map_flags=flags,
+        inner_map_fd=inner_map_fd,
         map_name=name.encode()[: OBJ_NAME_LEN - 1],
     )
     return _call(MAP_CREATE, attr, f"create map {name}")
@@ -390,11 +403,27 @@ def prog_fd_by_id(prog: int) -> int:
     return _call(PROG_GET_FD_BY_ID, _GetIdAttr(id=prog), f"program {prog}")
 
 
+def map_fd_by_id(map_id: int) -> int:
+    """A descriptor of a map by id (an inner map of a map-in-map)."""
+    return _call(MAP_GET_FD_BY_ID, _GetIdAttr(id=map_id), f"map {map_id}")
+
+
 @dataclass(frozen=True)
 class TestRunResult:
     retval: int
     data: bytes
     duration_ns: int
+
+
+def skb_ctx(*, ifindex: int = 0, ingress_ifindex: int = 0, mark: int = 0) -> bytes:
+    """A struct __sk_buff prefix for a test run: the fields the kernel lets
+    a test set (ifindex makes the run happen on that device of the
+    caller's netns)."""
+    fields = [0] * 11  # len .. ifindex
+    fields[2] = mark
+    fields[9] = ingress_ifindex
+    fields[10] = ifindex
+    return struct.pack("<11I", *fields)
 
 
 def prog_test_run(fd: int, data: bytes, repeat: int = 1, ctx: bytes | None = None) -> TestRunResult:

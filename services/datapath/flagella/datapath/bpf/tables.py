@@ -326,11 +326,12 @@ class Conntrack(BpfMap[L.CtKey, L.CtEntry]):
         return self.delete_many([k for k, v in self.items() if v.expires <= now])
 
     def purge_backends(self, backend_ids: Iterable[int]) -> int:
-        """Deletes the service entries that chose these backends (their next
-        packet selects a live backend)."""
+        """Deletes the service (and NodePort) entries that chose these
+        backends (their next packet selects a live backend)."""
         ids = set(backend_ids)
+        scopes = (L.CT_SCOPE_SERVICE, L.CT_SCOPE_NODEPORT)
         return self.delete_many(
-            [k for k, v in self.items() if k.scope == L.CT_SCOPE_SERVICE and v.backend_id in ids]
+            [k for k, v in self.items() if k.scope in scopes and v.backend_id in ids]
         )
 
     def entries(self, scope: int | None = None) -> list[tuple[Tuple, int, L.CtEntry]]:
