@@ -1,0 +1,126 @@
+"""Where the CPU of one CNI ADD (and DEL) goes, per process: the
+`flagella-cni` plugin, the endpoint, ipam, policy and datapath services, and
+etcd, measured from /proc/<pid>/stat (and the children's rusage for the
+plugin) around a run of sequential ADDs through the real plugin.
+
+    python bench/cni_profile.py [--n 40] [--py-spy DIR]
+
+With --py-spy DIR, each service is also sampled by py-spy (`pip install
+py-spy`) during the ADDs, one flame graph per service in DIR. Needs root.
+Creates its own etcd, processes, network namespaces and pin folder, and
+removes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from harness.cluster import standalone_cluster  # noqa: E402
+from harness.cni import cni, netconf  # noqa: E402
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def children_cpu_s() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--n", type=int, default=40, help="ADDs (and DELs) to measure")
+    ap.add_argument("--py-spy", metavar="DIR", help="also record a py-spy flame graph per service")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        print("bench/cni_profile.py needs root", file=sys.stderr)
+        return 2
+    n = args.n
+    tmp = Path(tempfile.mkdtemp(prefix="flbench-cniprof-"))
+    with standalone_cluster(tmp) as cluster:
+        cluster.start(services=("ipam", "policy", "lb", "endpoint"))
+        node = cluster.add_node("prof")
+        conf = netconf(cluster.socket("endpoint"), node.name, {"app": "prof"})
+        pods = [cluster.pod(node, f"p{i}") for i in range(n + 1)]
+        assert node.process is not None
+        assert cluster.etcd.proc is not None
+        pids = {
+            "endpoint": cluster.services["endpoint"].pid,
+            "ipam": cluster.services["ipam"].pid,
+            "policy": cluster.services["policy"].pid,
+            "datapath": node.process.pid,
+            "lb": cluster.services["lb"].pid,
+            "etcd": cluster.etcd.proc.pid,
+        }
+
+        def run(command: str, i: int) -> float:
+            t = time.perf_counter()
+            rc, out = cni(
+                command,
+                conf,
+                container_id=f"prof-{i}",
+                netns=pods[i].path if command == "ADD" else "",
+                pod=("prof", f"p{i}") if command == "ADD" else None,
+            )
+            if rc != 0:
+                raise RuntimeError(f"{command} {i}: {out}")
+            return (time.perf_counter() - t) * 1000
+
+        run("ADD", n)  # warm-up: identity, policy, caches
+        run("DEL", n)
+        spies: list[subprocess.Popen[bytes]] = []
+        if args.py_spy:
+            out_dir = Path(args.py_spy)
+            out_dir.mkdir(parents=True, exist_ok=True)
+            for name in ("endpoint", "ipam", "policy", "datapath"):
+                spies.append(
+                    subprocess.Popen(
+                        [
+                            shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy"),
+                            "record", "--pid", str(pids[name]), "--rate", "250",
+                            "--format", "raw", "--output", str(out_dir / f"{name}.txt"),
+                            "--nonblocking",
+                        ],
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                    )
+                )  # fmt: skip
+            time.sleep(1.0)
+        for command in ("ADD", "DEL"):
+            before = {name: cpu_s(pid) for name, pid in pids.items()}
+            plugin_before = children_cpu_s()
+            wall = [run(command, i) for i in range(n)]
+            plugin = children_cpu_s() - plugin_before
+            after = {name: cpu_s(pid) for name, pid in pids.items()}
+            per = {name: (after[name] - before[name]) / n * 1000 for name in pids}
+            per["plugin"] = plugin / n * 1000
+            print(f"{command}: wall p50 {statistics.median(wall):.1f} ms over {n}")
+            print(f"  CPU ms per {command}: " + ", ".join(f"{k} {v:.1f}" for k, v in per.items()))
+            print(f"  total {sum(per.values()):.1f} ms")
+        for spy in spies:
+            spy.send_signal(signal.SIGINT)
+        for spy in spies:
+            spy.wait(30)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
