@@ -44,6 +44,33 @@ def children_cpu_s() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
+def start_spies(out_dir: Path, command: str, pids: dict[str, int]) -> list[subprocess.Popen[bytes]]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    spies = [
+        subprocess.Popen(
+            [
+                spy,
+                "record",
+                "--pid",
+                str(pids[name]),
+                "--rate",
+                "500",
+                "--format",
+                "raw",
+                "--output",
+                str(out_dir / f"{command.lower()}-{name}.txt"),
+                "--nonblocking",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for name in ("endpoint", "ipam", "policy", "datapath")
+    ]
+    time.sleep(1.0)  # attached
+    return spies
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=40, help="ADDs (and DELs) to measure")
@@ -85,39 +112,24 @@ def main() -> int:
 
         run("ADD", n)  # warm-up: identity, policy, caches
         run("DEL", n)
-        spies: list[subprocess.Popen[bytes]] = []
-        if args.py_spy:
-            out_dir = Path(args.py_spy)
-            out_dir.mkdir(parents=True, exist_ok=True)
-            for name in ("endpoint", "ipam", "policy", "datapath"):
-                spies.append(
-                    subprocess.Popen(
-                        [
-                            shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy"),
-                            "record", "--pid", str(pids[name]), "--rate", "250",
-                            "--format", "raw", "--output", str(out_dir / f"{name}.txt"),
-                            "--nonblocking",
-                        ],
-                        stdout=subprocess.DEVNULL,
-                        stderr=subprocess.DEVNULL,
-                    )
-                )  # fmt: skip
-            time.sleep(1.0)
+        out_dir = Path(args.py_spy) if args.py_spy else None
         for command in ("ADD", "DEL"):
+            # py-spy samples one command at a time, each into its own files.
+            spies = start_spies(out_dir, command, pids) if out_dir else []
             before = {name: cpu_s(pid) for name, pid in pids.items()}
             plugin_before = children_cpu_s()
             wall = [run(command, i) for i in range(n)]
             plugin = children_cpu_s() - plugin_before
             after = {name: cpu_s(pid) for name, pid in pids.items()}
+            for spy in spies:
+                spy.send_signal(signal.SIGINT)
+            for spy in spies:
+                spy.wait(30)
             per = {name: (after[name] - before[name]) / n * 1000 for name in pids}
             per["plugin"] = plugin / n * 1000
             print(f"{command}: wall p50 {statistics.median(wall):.1f} ms over {n}")
             print(f"  CPU ms per {command}: " + ", ".join(f"{k} {v:.1f}" for k, v in per.items()))
             print(f"  total {sum(per.values()):.1f} ms")
-        for spy in spies:
-            spy.send_signal(signal.SIGINT)
-        for spy in spies:
-            spy.wait(30)
     shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
