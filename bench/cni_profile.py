@@ -14,6 +14,8 @@ removes them.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import json
 import os
 import resource
 import shutil
@@ -75,13 +77,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=40, help="ADDs (and DELs) to measure")
     ap.add_argument("--py-spy", metavar="DIR", help="also record a py-spy flame graph per service")
+    ap.add_argument(
+        "--parallel", type=int, default=1, help="ADDs (and DELs) in flight at once (default 1)"
+    )
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("bench/cni_profile.py needs root", file=sys.stderr)
         return 2
     n = args.n
     tmp = Path(tempfile.mkdtemp(prefix="flbench-cniprof-"))
-    with standalone_cluster(tmp) as cluster:
+    with standalone_cluster(tmp, log_level="info") as cluster:
         cluster.start(services=("ipam", "policy", "lb", "endpoint"))
         node = cluster.add_node("prof")
         conf = netconf(cluster.socket("endpoint"), node.name, {"app": "prof"})
@@ -118,7 +123,10 @@ def main() -> int:
             spies = start_spies(out_dir, command, pids) if out_dir else []
             before = {name: cpu_s(pid) for name, pid in pids.items()}
             plugin_before = children_cpu_s()
-            wall = [run(command, i) for i in range(n)]
+            t0 = time.perf_counter()
+            with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
+                wall = list(pool.map(lambda i, c=command: run(c, i), range(n)))
+            rate = n / (time.perf_counter() - t0)
             plugin = children_cpu_s() - plugin_before
             after = {name: cpu_s(pid) for name, pid in pids.items()}
             for spy in spies:
@@ -127,9 +135,23 @@ def main() -> int:
                 spy.wait(30)
             per = {name: (after[name] - before[name]) / n * 1000 for name in pids}
             per["plugin"] = plugin / n * 1000
-            print(f"{command}: wall p50 {statistics.median(wall):.1f} ms over {n}")
+            print(
+                f"{command}: wall p50 {statistics.median(wall):.1f} ms over {n}, "
+                f"{args.parallel} in parallel: {rate:.1f}/s"
+            )
             print(f"  CPU ms per {command}: " + ", ".join(f"{k} {v:.1f}" for k, v in per.items()))
             print(f"  total {sum(per.values()):.1f} ms")
+        # The endpoint service's own step timings ("endpoint ready" lines).
+        steps: dict[str, list[float]] = {}
+        for line in cluster.services["endpoint"].logs().splitlines():
+            entry = json.loads(line) if line.startswith("{") else {}
+            if entry.get("msg") == "endpoint ready" and entry.get("container") != f"prof-{n}":
+                for step, ms in entry.get("took_ms", {}).items():
+                    steps.setdefault(step, []).append(ms)
+        print(
+            "CreateEndpoint steps, p50 ms: "
+            + ", ".join(f"{k} {statistics.median(v):.1f}" for k, v in steps.items())
+        )
     shutil.rmtree(tmp, ignore_errors=True)
     return 0
 

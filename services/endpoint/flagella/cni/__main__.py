@@ -1,15 +1,15 @@
 """flagella-cni: the CNI plugin (spec 1.1.0), a thin client of the endpoint
 service. The runtime runs it once per operation, so it stays on the standard
 library: gRPC over HTTP/2 from flagella.cni.rpc, the few messages it needs
-from flagella.cni.wire (no grpcio, no protobuf runtime)."""
+from flagella.cni.wire (no grpcio, no protobuf runtime), JSON from
+flagella.cni.cnijson (not even the json module's import)."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
-from flagella.cni import rpc, spec, wire
+from flagella.cni import cnijson, rpc, spec, wire
 from flagella.cni.spec import CniError, Invocation
 
 TYPE_CHECKING = False
@@ -61,14 +61,14 @@ def run(inv: Invocation, stdout: TextIO) -> None:
                 ),
             )
             result = {"cniVersion": spec.SPEC_VERSION, **wire.create_endpoint_result(resp)}
-            json.dump(spec.convert_result(result, conf.cni_version), stdout)
+            stdout.write(cnijson.dumps(spec.convert_result(result, conf.cni_version)))
         elif inv.command == "DEL":
             call("DeleteEndpoint", wire.delete_endpoint_request(inv.container_id, inv.ifname))
         elif inv.command == "CHECK":
             call(
                 "CheckEndpoint",
                 wire.check_endpoint_request(
-                    inv.container_id, inv.ifname, inv.netns, json.dumps(conf.prev_result)
+                    inv.container_id, inv.ifname, inv.netns, cnijson.dumps(conf.prev_result)
                 ),
             )
         elif inv.command == "GC":
@@ -98,12 +98,12 @@ def cni_main(environ: Mapping[str, str], stdin: BinaryIO, stdout: TextIO) -> int
         inv = spec.parse_invocation(environ, raw)
         version = inv.conf.cni_version
         if inv.command == "VERSION":
-            json.dump(spec.version_result(version), stdout)
+            stdout.write(cnijson.dumps(spec.version_result(version)))
             return 0
         run(inv, stdout)
         return 0
     except CniError as err:
-        json.dump(err.to_json(version), stdout)
+        stdout.write(cnijson.dumps(err.to_json(version)))
         return 1
 
 

@@ -5,12 +5,14 @@ beyond what it is given, no gRPC."""
 
 from __future__ import annotations
 
-import json
+import _socket
 import os
-import socket
+
+from flagella.cni import cnijson as json
 
 # Typing names only for the type checker: the plugin starts once per CNI
-# operation, and importing typing and dataclasses costs more than parsing.
+# operation, and importing typing and dataclasses costs more than parsing
+# (so does the json module: flagella.cni.cnijson stands in for it).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -204,7 +206,7 @@ def parse_netconf(stdin: bytes, command: str) -> NetConf:
     endpoint = raw.get("endpoint", DEFAULT_ENDPOINT_ADDRESS)
     if not isinstance(endpoint, str) or not endpoint:
         raise CniError(INVALID_NETWORK_CONFIG, "network config: endpoint must be an address string")
-    node = raw.get("node") or socket.gethostname()
+    node = raw.get("node") or _socket.gethostname()
     if not isinstance(node, str):
         raise CniError(INVALID_NETWORK_CONFIG, "network config: node must be a string")
     mtu = raw.get("mtu", 1500)

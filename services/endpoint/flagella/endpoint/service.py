@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
@@ -85,6 +86,19 @@ class RealizedEndpoint:
     ifname: str
     netns_path: str
     identity: int
+
+
+class StepTimer:
+    """Milliseconds per step of one operation, for its log line."""
+
+    def __init__(self) -> None:
+        self.steps: dict[str, float] = {}
+        self._last = time.monotonic()
+
+    def __call__(self, step: str) -> None:
+        now = time.monotonic()
+        self.steps[step] = round((now - self._last) * 1000, 1)
+        self._last = now
 
 
 A = TypeVar("A")
@@ -269,14 +283,17 @@ class EndpointService:
         return ep
 
     async def _create(self, ep: Endpoint, revision: int) -> Endpoint:
+        took = StepTimer()
         try:
             node = await self.ipam.node(ep.node)
+            took("node")
             allocated, (ep.identity, wanted) = await both(
                 self.ipam.allocate(
                     ep.node, ep.container_id, ep.ifname, pod_of(ep), self.settings.reservation_s
                 ),
                 self.policy.allocate_identity(identity_labels(ep), ep.node, owner_of(ep)),
             )
+            took("ipam+identity")
             await self._after(STEP_IPAM)
             await self._after(STEP_IDENTITY)
             ep.addresses = [
@@ -286,10 +303,12 @@ class EndpointService:
             ep.transition(State.REGENERATING, f"identity {ep.identity}")
             ep.steps += [STEP_DATAPATH, STEP_IPCACHE]
             revision = await self.store.update(ep, revision)
+            took("record")
             setup, _ = await both(
                 self.datapath.setup(node.datapath_address, ep, node.pod_cidrs),
                 self._upsert_ipcache(ep, node),
             )
+            took("datapath+ipcache")
             ep.host_ifname, ep.mac = setup.host_ifname, setup.container_mac
             await self._after(STEP_DATAPATH)
             await self._after(STEP_IPCACHE)
@@ -299,10 +318,12 @@ class EndpointService:
                 ),
                 self.ipam.commit(ep.node, ep.container_id, ep.ifname),
             )
+            took("policy+commit")
             await self._after("policy")
             ep.result = self._cni_result(ep, setup)
             ep.transition(State.READY, f"policy revision {ep.policy_revision} realized")
             await self.store.update(ep, revision)
+            took("ready")
         except BaseException as exc:
             reason = exc.details if isinstance(exc, FlagellaError) else repr(exc)
             log.warning(
@@ -318,6 +339,7 @@ class EndpointService:
                 "container": ep.container_id,
                 "identity": ep.identity,
                 "addresses": ep.addresses,
+                "took_ms": took.steps,
             },
         )
         return ep
