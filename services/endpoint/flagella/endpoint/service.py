@@ -88,6 +88,10 @@ class RealizedEndpoint:
     identity: int
 
 
+A = TypeVar("A")
+B = TypeVar("B")
+
+
 class StepTimer:
     """Milliseconds per step of one operation, for its log line."""
 
@@ -100,9 +104,13 @@ class StepTimer:
         self.steps[step] = round((now - self._last) * 1000, 1)
         self._last = now
 
-
-A = TypeVar("A")
-B = TypeVar("B")
+    async def track(self, name: str, step: Awaitable[A]) -> A:
+        """Await step, noting its own duration (steps run concurrently)."""
+        start = time.monotonic()
+        try:
+            return await step
+        finally:
+            self.steps[name] = round((time.monotonic() - start) * 1000, 1)
 
 
 async def both(first: Awaitable[A], second: Awaitable[B]) -> tuple[A, B]:
@@ -288,10 +296,16 @@ class EndpointService:
             node = await self.ipam.node(ep.node)
             took("node")
             allocated, (ep.identity, wanted) = await both(
-                self.ipam.allocate(
-                    ep.node, ep.container_id, ep.ifname, pod_of(ep), self.settings.reservation_s
+                took.track(
+                    "ipam",
+                    self.ipam.allocate(
+                        ep.node, ep.container_id, ep.ifname, pod_of(ep), self.settings.reservation_s
+                    ),
                 ),
-                self.policy.allocate_identity(identity_labels(ep), ep.node, owner_of(ep)),
+                took.track(
+                    "identity",
+                    self.policy.allocate_identity(identity_labels(ep), ep.node, owner_of(ep)),
+                ),
             )
             took("ipam+identity")
             await self._after(STEP_IPAM)
@@ -305,18 +319,23 @@ class EndpointService:
             revision = await self.store.update(ep, revision)
             took("record")
             setup, _ = await both(
-                self.datapath.setup(node.datapath_address, ep, node.pod_cidrs),
-                self._upsert_ipcache(ep, node),
+                took.track(
+                    "datapath", self.datapath.setup(node.datapath_address, ep, node.pod_cidrs)
+                ),
+                took.track("ipcache", self._upsert_ipcache(ep, node)),
             )
             took("datapath+ipcache")
             ep.host_ifname, ep.mac = setup.host_ifname, setup.container_mac
             await self._after(STEP_DATAPATH)
             await self._after(STEP_IPCACHE)
             ep.policy_revision, _ = await both(
-                self.datapath.wait_policy(
-                    node.datapath_address, ep.id, wanted, self.settings.policy_wait_s
+                took.track(
+                    "policy",
+                    self.datapath.wait_policy(
+                        node.datapath_address, ep.id, wanted, self.settings.policy_wait_s
+                    ),
                 ),
-                self.ipam.commit(ep.node, ep.container_id, ep.ifname),
+                took.track("commit", self.ipam.commit(ep.node, ep.container_id, ep.ifname)),
             )
             took("policy+commit")
             await self._after("policy")
