@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,9 +37,24 @@ from harness.cni import cni, netconf  # noqa: E402
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def cpu_s(pid: int) -> float:
+def cpu_s(pid: int, which: str = "all") -> float:
+    """CPU seconds of a process and its threads: user, system or both."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
+    user, system = int(fields[11]), int(fields[12])
+    return {"user": user, "system": system, "all": user + system}[which] / TICK
+
+
+def etcd_requests(endpoint: str) -> dict[str, float]:
+    """gRPC requests etcd has handled, by method (its /metrics)."""
+    with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("grpc_server_handled_total{"):
+            labels, _, value = line.rpartition(" ")
+            method = labels.split('grpc_method="', 1)[1].split('"', 1)[0]
+            out[method] = out.get(method, 0.0) + float(value)
+    return out
 
 
 def children_cpu_s() -> float:
@@ -122,13 +138,20 @@ def main() -> int:
             # py-spy samples one command at a time, each into its own files.
             spies = start_spies(out_dir, command, pids) if out_dir else []
             before = {name: cpu_s(pid) for name, pid in pids.items()}
+            system_before = {name: cpu_s(pid, "system") for name, pid in pids.items()}
             plugin_before = children_cpu_s()
+            etcd_before = etcd_requests(cluster.etcd.endpoint)
             t0 = time.perf_counter()
             with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
                 wall = list(pool.map(lambda i, c=command: run(c, i), range(n)))
             rate = n / (time.perf_counter() - t0)
             plugin = children_cpu_s() - plugin_before
+            etcd_after = etcd_requests(cluster.etcd.endpoint)
             after = {name: cpu_s(pid) for name, pid in pids.items()}
+            system = {
+                name: (cpu_s(pid, "system") - system_before[name]) / n * 1000
+                for name, pid in pids.items()
+            }
             for spy in spies:
                 spy.send_signal(signal.SIGINT)
             for spy in spies:
@@ -141,6 +164,18 @@ def main() -> int:
             )
             print(f"  CPU ms per {command}: " + ", ".join(f"{k} {v:.1f}" for k, v in per.items()))
             print(f"  total {sum(per.values()):.1f} ms")
+            print(
+                "  of which in the kernel: " + ", ".join(f"{k} {v:.1f}" for k, v in system.items())
+            )
+            calls = {
+                m: (etcd_after[m] - etcd_before.get(m, 0.0)) / n
+                for m in etcd_after
+                if etcd_after[m] > etcd_before.get(m, 0.0)
+            }
+            print(
+                f"  etcd requests per {command}: "
+                + ", ".join(f"{m} {c:.1f}" for m, c in sorted(calls.items()))
+            )
         # The endpoint service's own step timings ("endpoint ready" lines).
         steps: dict[str, list[float]] = {}
         for line in cluster.services["endpoint"].logs().splitlines():
