@@ -57,6 +57,11 @@ def etcd_requests(endpoint: str) -> dict[str, float]:
     return out
 
 
+def self_cpu_s() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
 def children_cpu_s() -> float:
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
     return ru.ru_utime + ru.ru_stime
@@ -140,12 +145,14 @@ def main() -> int:
             before = {name: cpu_s(pid) for name, pid in pids.items()}
             system_before = {name: cpu_s(pid, "system") for name, pid in pids.items()}
             plugin_before = children_cpu_s()
+            driver_before = self_cpu_s()
             etcd_before = etcd_requests(cluster.etcd.endpoint)
             t0 = time.perf_counter()
             with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
                 wall = list(pool.map(lambda i, c=command: run(c, i), range(n)))
             rate = n / (time.perf_counter() - t0)
             plugin = children_cpu_s() - plugin_before
+            driver = self_cpu_s() - driver_before
             etcd_after = etcd_requests(cluster.etcd.endpoint)
             after = {name: cpu_s(pid) for name, pid in pids.items()}
             system = {
@@ -158,6 +165,7 @@ def main() -> int:
                 spy.wait(30)
             per = {name: (after[name] - before[name]) / n * 1000 for name in pids}
             per["plugin"] = plugin / n * 1000
+            per["driver (this script)"] = driver / n * 1000
             print(
                 f"{command}: wall p50 {statistics.median(wall):.1f} ms over {n}, "
                 f"{args.parallel} in parallel: {rate:.1f}/s"

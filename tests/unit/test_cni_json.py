@@ -23,7 +23,9 @@ scalars = st.one_of(
 )
 values = st.recursive(
     scalars,
-    lambda inner: st.one_of(st.lists(inner, max_size=5), st.dictionaries(st.text(), inner, max_size=5)),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=5), st.dictionaries(st.text(), inner, max_size=5)
+    ),
     max_leaves=30,
 )
 
@@ -91,15 +93,18 @@ def test_specials_and_numbers() -> None:
     assert cnijson.dumps([math.nan, math.inf, -math.inf, (1, 2)]) == json.dumps(
         [math.nan, math.inf, -math.inf, (1, 2)]
     )
-    assert cnijson.dumps({1: "a", 2.5: "b", True: "c", None: "d"}) == json.dumps(
-        {1: "a", 2.5: "b", True: "c", None: "d"}
+    assert cnijson.dumps({3: "a", 2.5: "b", True: "c", None: "d"}) == json.dumps(
+        {3: "a", 2.5: "b", True: "c", None: "d"}
     )
 
 
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("{not json", "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
+        (
+            "{not json",
+            "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)",
+        ),
         ("", "Expecting value: line 1 column 1 (char 0)"),
         ('{"a": 1,\n "b" 2}', "Expecting ':' delimiter: line 2 column 6 (char 14)"),
         ("[1] x", "Extra data: line 1 column 5 (char 4)"),
