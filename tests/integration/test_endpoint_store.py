@@ -33,7 +33,8 @@ def new(cid: str) -> Endpoint:
 
 async def test_concurrent_creates_get_unique_ids(stores: list[EndpointStore]) -> None:
     created = await asyncio.gather(*(stores[i % 3].create(new(f"c{i}")) for i in range(60)))
-    ids = [ep.id for ep in created if ep is not None]
+    assert all(c.created for c in created)
+    ids = [c.endpoint.id for c in created]
     assert len(ids) == 60
     assert len(set(ids)) == 60
     listed = await stores[0].list_all()
@@ -46,14 +47,32 @@ async def test_concurrent_creates_get_unique_ids(stores: list[EndpointStore]) ->
 
 async def test_one_endpoint_per_attachment(stores: list[EndpointStore]) -> None:
     results = await asyncio.gather(*(s.create(new("same")) for s in stores))
-    assert sum(r is not None for r in results) == 1
+    assert sum(r.created for r in results) == 1
+    # The others got the winner's endpoint and revision, read in their own
+    # transaction.
+    (winner,) = [r for r in results if r.created]
+    for r in results:
+        assert (r.endpoint.id, r.revision) == (winner.endpoint.id, winner.revision)
+    found = await stores[0].get("same", "eth0")
+    assert found is not None
+    assert found[1] == winner.revision
+
+
+async def test_the_id_counter_is_remembered_and_refreshed(
+    stores: list[EndpointStore], etcd: EtcdServer
+) -> None:
+    first = await stores[0].create(new("a"))
+    other = await stores[1].create(new("b"))  # moves the counter behind stores[0]'s back
+    again = await stores[0].create(new("c"))  # stale copy: one retry, then the next id
+    assert [first.endpoint.id, other.endpoint.id, again.endpoint.id] == [1, 2, 3]
+    # A created endpoint's revision is its key's mod revision: usable for CAS.
+    await stores[0].update(again.endpoint, again.revision)
 
 
 async def test_update_is_compare_and_swap_and_delete_frees_the_id(
     stores: list[EndpointStore],
 ) -> None:
-    ep = await stores[0].create(new("cas"))
-    assert ep is not None
+    assert (await stores[0].create(new("cas"))).created
     found = await stores[0].get("cas", "eth0")
     assert found is not None
     current, rev = found

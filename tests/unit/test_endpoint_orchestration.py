@@ -4,7 +4,8 @@ the same, restore rolls back interrupted creates."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import pytest
@@ -19,6 +20,7 @@ from flagella.endpoint.service import (
     RealizedEndpoint,
     SetupResult,
 )
+from flagella.endpoint.store import Created
 
 
 class MemoryEtcdStore:
@@ -29,8 +31,11 @@ class MemoryEtcdStore:
         self.data: dict[tuple[str, str], tuple[bytes, int]] = {}
         self.rev = 0
         self.next_id = 1
+        self.writes = 0
+        self.reads = 0
 
     async def get(self, cid: str, ifname: str) -> tuple[Endpoint, int] | None:
+        self.reads += 1
         got = self.data.get((cid, ifname))
         return None if got is None else (Endpoint.from_json(got[0]), got[1])
 
@@ -44,17 +49,20 @@ class MemoryEtcdStore:
     async def list_all(self) -> list[Endpoint]:
         return [Endpoint.from_json(raw) for raw, _ in self.data.values()]
 
-    async def create(self, ep: Endpoint) -> Endpoint | None:
+    async def create(self, ep: Endpoint) -> Created:
         if ep.key in self.data:
-            return None
+            raw, rev = self.data[ep.key]
+            return Created(False, Endpoint.from_json(raw), rev)
         ep.id = self.next_id
         self.next_id += 1
         self.rev += 1
         self.data[ep.key] = (ep.to_json(), self.rev)
-        return ep
+        self.writes += 1
+        return Created(True, ep, self.rev)
 
     async def update(self, ep: Endpoint, revision: int) -> int:
         assert self.data[ep.key][1] == revision
+        self.writes += 1
         self.rev += 1
         self.data[ep.key] = (ep.to_json(), self.rev)
         return self.rev
@@ -74,6 +82,12 @@ class World:
     ipcache: dict[str, int] = field(default_factory=dict)
     veths: dict[int, int] = field(default_factory=dict)  # endpoint id -> identity
     next_ip: int = 5
+    # Called right after each acquisition (a crash could come next).
+    acquired: Callable[[str], None] | None = None
+
+    def took(self, what: str) -> None:
+        if self.acquired is not None:
+            self.acquired(what)
 
     def maybe_fail(self, step: str) -> None:
         if self.fail_at == step:
@@ -91,11 +105,13 @@ class World:
         if (cid, ifname) not in self.ips:
             self.ips[(cid, ifname)] = f"10.0.0.{self.next_ip}"
             self.next_ip += 1
+            self.took("ip")
         return [Allocated(self.ips[(cid, ifname)], "10.0.0.0/24")]
 
     async def commit(self, node: str, cid: str, ifname: str) -> None:
         self.maybe_fail("commit")
         self.committed.add((cid, ifname))
+        self.took("commit")
 
     async def release(self, node: str, cid: str, ifname: str) -> None:
         self.ips.pop((cid, ifname), None)
@@ -122,6 +138,7 @@ class World:
         self.maybe_fail("revision")
         identity = 256 + len(labels)
         self.refs[(owner, identity)] = 1
+        self.took("identity")
         return identity, 7
 
     async def release_identity(self, identity: int, node: str, owner: str) -> None:
@@ -133,6 +150,7 @@ class World:
     async def upsert_ipcache(self, prefix: str, identity: int, node: str, host_ip: str) -> None:
         self.maybe_fail("ipcache")
         self.ipcache[prefix] = identity
+        self.took("ipcache")
 
     async def delete_ipcache(self, prefix: str, identity: int) -> None:
         if self.ipcache.get(prefix) == identity:
@@ -142,6 +160,7 @@ class World:
     async def setup(self, address: str, ep: Endpoint, pod_cidrs: Sequence[str]) -> SetupResult:
         self.maybe_fail("setup")
         self.veths[ep.id] = ep.identity
+        self.took("veth")
         return SetupResult(
             f"lxc{ep.id:x}",
             "aa:aa",
@@ -313,3 +332,67 @@ async def test_restore_reconciles_ready_endpoints_with_ipam_and_datapath() -> No
     assert world.committed == {("c1", "eth0")}
     assert list(world.veths) == [ep.id]
     assert (await restarted.get("c1", "eth0")).state is State.READY
+
+
+async def test_an_add_writes_its_record_three_times_and_reads_nothing() -> None:
+    world = World()
+    svc, store = make(world)
+    await svc.create(REQ)
+    assert (store.writes, store.reads) == (3, 0)
+
+
+async def test_a_crash_right_after_any_acquisition_is_rolled_back_by_restore() -> None:
+    """At every moment a peer has just handed something out, the record in
+    the store already names the step (its intent): a service restarted from
+    that store and that world releases everything, and nothing else."""
+    world = World()
+    svc, store = make(world)
+    keeper = await svc.create(CreateRequest("keep", "/x", "eth0", "n1", labels={"app": "k"}))
+    kept = (dict(world.ips), dict(world.refs), dict(world.ipcache), dict(world.veths))
+    crashes: list[tuple[str, dict[tuple[str, str], tuple[bytes, int]], World]] = []
+
+    def crash_here(what: str) -> None:
+        # What a kill -9 now would leave: the store and the peers as they are.
+        frozen = World(
+            ips=dict(world.ips),
+            committed=set(world.committed),
+            refs=dict(world.refs),
+            ipcache=dict(world.ipcache),
+            veths=dict(world.veths),
+            next_ip=world.next_ip,
+        )
+        crashes.append((what, dict(store.data), frozen))
+
+    world.acquired = crash_here
+    await svc.create(REQ)
+    assert [what for what, _, _ in crashes] == ["ip", "identity", "veth", "ipcache", "commit"]
+    for what, data, frozen in crashes:
+        restarted_store = MemoryEtcdStore()
+        restarted_store.data = data
+        restarted = EndpointService(restarted_store, frozen, frozen, frozen)  # type: ignore[arg-type]
+        await restarted.restore()
+        assert frozen.holdings() == kept, what
+        assert [e.id for e in await restarted_store.list_all()] == [keeper.id], what
+
+
+async def test_concurrent_steps_are_both_finished_before_the_rollback() -> None:
+    """When ipam fails while the identity is still being allocated, the
+    rollback waits for it, so the reference it takes is released too."""
+    world = World(fail_at="allocate")
+    gate = asyncio.Event()
+    allocate_identity = world.allocate_identity
+
+    async def slow_identity(labels: dict[str, str], node: str, owner: str) -> tuple[int, int]:
+        await gate.wait()
+        return await allocate_identity(labels, node, owner)
+
+    world.allocate_identity = slow_identity  # type: ignore[method-assign]
+    svc, store = make(world)
+    task = asyncio.create_task(svc.create(REQ))
+    await asyncio.sleep(0.01)
+    assert not task.done()  # waiting for the identity, though ipam failed
+    gate.set()
+    with pytest.raises(Unavailable):
+        await task
+    assert world.holdings() == ({}, {}, {}, {})
+    assert store.data == {}

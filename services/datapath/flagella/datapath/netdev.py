@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 CLONE_NEWNET = 0x40000000
 NUD_PERMANENT = 0x80
+LOOPBACK_IFINDEX = 1
 RT_SCOPE_LINK = 253
 NETLINK_ROUTE = 0
 
@@ -155,23 +156,36 @@ async def _first(ipr: AsyncIPRoute, ifname: str) -> int | None:
     return int(found[0]) if found else None
 
 
+async def _link(ipr: AsyncIPRoute, ifname: str) -> Any | None:
+    """The link named ifname (one RTM_GETLINK), or None. Decoding a link is
+    the costly part of a lookup: callers keep what they need from it."""
+    try:
+        found = await _collect(await ipr.link("get", ifname=ifname))
+    except NetlinkError as exc:
+        if exc.code == errno.ENODEV:
+            return None
+        raise
+    return found[0] if found else None
+
+
+def _interface(link: Any, mtu: int, sandbox: str = "", name: str = "") -> Interface:
+    """An Interface from a link record read before the caller set its mtu
+    (and maybe its name); the mac address does not change."""
+    return Interface(
+        name=name or str(link.get("ifname")),
+        mac=str(link.get("address")),
+        ifindex=int(link["index"]),
+        mtu=mtu,
+        sandbox=sandbox,
+    )
+
+
 async def _collect(result: Any) -> list[Any]:
     """pyroute2 answers some requests with a list, others with an async
     iterator."""
     if hasattr(result, "__aiter__"):
         return [item async for item in result]
     return list(result)
-
-
-async def _describe(ipr: AsyncIPRoute, index: int, sandbox: str = "") -> Interface:
-    link = (await _collect(await ipr.link("get", index=index)))[0]
-    return Interface(
-        name=str(link.get("ifname")),
-        mac=str(link.get("address")),
-        ifindex=index,
-        mtu=int(link.get("mtu")),
-        sandbox=sandbox,
-    )
 
 
 def _gateway_for(addr: ipaddress.IPv4Interface | ipaddress.IPv6Interface) -> str:
@@ -187,17 +201,17 @@ async def setup_veth(spec: VethSpec) -> VethResult:
     tmp_name = f"tmp{spec.endpoint_id:x}"
     addrs = [ipaddress.ip_interface(a) for a in spec.addresses]
     async with iproute() as host, iproute(spec.netns_path) as pod:
-        host_index = await _first(host, host_name)
-        pod_index = await _first(pod, spec.ifname)
-        if host_index is not None and pod_index is None:
+        host_link = await _link(host, host_name)
+        pod_link = await _link(pod, spec.ifname)
+        if host_link is not None and pod_link is None:
             # Half a pair (e.g. a crash mid-setup): start over.
-            await host.link("del", index=host_index)
-            host_index = None
-        if host_index is None:
+            await host.link("del", index=int(host_link["index"]))
+            host_link = None
+        if host_link is None:
             stale = await _first(pod, tmp_name)
             if stale is not None:
                 await pod.link("del", index=stale)
-            if pod_index is not None:
+            if pod_link is not None:
                 raise NetdevError(
                     f"{spec.ifname} already exists in {spec.netns_path} and is not ours"
                 )
@@ -211,16 +225,18 @@ async def setup_veth(spec: VethSpec) -> VethResult:
             except NetlinkError as exc:
                 if exc.code != errno.EEXIST:
                     raise NetdevError(f"creating veth {host_name}: {exc}") from exc
-            host_index = await _first(host, host_name)
-            pod_index = await _first(pod, tmp_name)
-            if host_index is None or pod_index is None:
+            host_link = await _link(host, host_name)
+            pod_link = await _link(pod, tmp_name)
+            if host_link is None or pod_link is None:
                 raise NetdevError(f"veth {host_name} vanished while being set up")
-            await pod.link("set", index=pod_index, ifname=spec.ifname)
-        assert host_index is not None
-        assert pod_index is not None
+            await pod.link("set", index=int(pod_link["index"]), ifname=spec.ifname)
+        assert host_link is not None
+        assert pod_link is not None
+        host_index = int(host_link["index"])
+        pod_index = int(pod_link["index"])
 
         await host.link("set", index=host_index, mtu=spec.mtu, state="up")
-        host_if = await _describe(host, host_index)
+        host_if = _interface(host_link, spec.mtu)
         await write_sysctls(
             None,
             {
@@ -230,9 +246,8 @@ async def setup_veth(spec: VethSpec) -> VethResult:
             spec.proc_sys,
         )
 
-        lo = await _first(pod, "lo")
-        if lo is not None:
-            await pod.link("set", index=lo, state="up")
+        # The loopback device is ifindex 1 in every netns (LOOPBACK_IFINDEX).
+        await pod.link("set", index=LOOPBACK_IFINDEX, state="up")
         await write_sysctls(
             spec.netns_path,
             {f"net.ipv6.conf.{spec.ifname}.accept_dad": "0"}
@@ -272,7 +287,7 @@ async def setup_veth(spec: VethSpec) -> VethResult:
                 scope=RT_SCOPE_LINK,
                 family=family,
             )
-        pod_if = await _describe(pod, pod_index, sandbox=spec.netns_path)
+        pod_if = _interface(pod_link, spec.mtu, spec.netns_path, name=spec.ifname)
     return VethResult(
         host=host_if,
         container=pod_if,

@@ -402,7 +402,9 @@ class DatapathService:
                 mtu=req.mtu,
                 pod_cidrs=list(req.pod_cidrs),
             )
-            self.state.save(record)
+            # Durable (fsync) before going on; in a thread, so that other
+            # endpoints' calls are not held up meanwhile.
+            await asyncio.to_thread(self.state.save, record)
             try:
                 result = await netdev.setup_veth(
                     netdev.VethSpec(
@@ -421,7 +423,7 @@ class DatapathService:
             record.host_ifindex = result.host.ifindex
             record.host_mac = result.host.mac
             record.mac = result.container.mac
-            self.state.save(record)
+            await asyncio.to_thread(self.state.save, record)
             await self.writer.run(
                 self.bpf.endpoints.upsert,
                 req.endpoint_id,

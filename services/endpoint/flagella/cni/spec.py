@@ -5,12 +5,18 @@ beyond what it is given, no gRPC."""
 
 from __future__ import annotations
 
-import json
+import _socket
 import os
-import socket
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+
+from flagella.cni import cnijson as json
+
+# Typing names only for the type checker: the plugin starts once per CNI
+# operation, and importing typing and dataclasses costs more than parsing
+# (so does the json module: flagella.cni.cnijson stands in for it).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+    from typing import Any
 
 SPEC_VERSION = "1.1.0"
 SUPPORTED_VERSIONS = ("0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0")
@@ -50,16 +56,74 @@ def _version_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(p) for p in version.split("."))
 
 
-@dataclass(frozen=True)
-class Attachment:
+class _Record:
+    """A frozen record with value equality (what dataclasses would give,
+    without their import cost)."""
+
+    __slots__: tuple[str, ...] = ()
+    # The fields in order (positional arguments, repr).
+    _fields: tuple[str, ...] = ()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        names = self._fields
+        if len(args) > len(names):
+            raise TypeError(f"{type(self).__name__} takes {len(names)} fields")
+        values = dict(zip(names, args, strict=False))
+        for key, value in kwargs.items():
+            if key not in names or key in values:
+                raise TypeError(f"{type(self).__name__}: bad or repeated field {key!r}")
+            values[key] = value
+        missing = [n for n in names if n not in values]
+        if missing:
+            raise TypeError(f"{type(self).__name__}: missing {', '.join(missing)}")
+        for name in names:
+            object.__setattr__(self, name, values[name])
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"{type(self).__name__} is frozen")
+
+    def _values(self) -> tuple[object, ...]:
+        return tuple(getattr(self, n) for n in self._fields)
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        assert isinstance(other, _Record)
+        return self._values() == other._values()
+
+    def __hash__(self) -> int:
+        return hash(self._values())
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{n}={getattr(self, n)!r}" for n in self._fields if n != "raw")
+        return f"{type(self).__name__}({fields})"
+
+
+class Attachment(_Record):
+    _fields = ("container_id", "ifname")
+    __slots__ = _fields
     container_id: str
     ifname: str
 
 
-@dataclass(frozen=True)
-class NetConf:
+class NetConf(_Record):
     """The network configuration on stdin, with flagella's own fields."""
 
+    _fields = (
+        "cni_version",
+        "name",
+        "type",
+        "endpoint_address",
+        "node",
+        "mtu",
+        "timeout",
+        "resolve_labels_from_kubernetes",
+        "labels",
+        "prev_result",
+        "valid_attachments",
+        "raw",
+    )
+    __slots__ = _fields
     cni_version: str
     name: str
     type: str
@@ -71,11 +135,12 @@ class NetConf:
     labels: dict[str, str]
     prev_result: dict[str, Any] | None
     valid_attachments: tuple[Attachment, ...]
-    raw: dict[str, Any] = field(repr=False)
+    raw: dict[str, Any]
 
 
-@dataclass(frozen=True)
-class Invocation:
+class Invocation(_Record):
+    _fields = ("command", "container_id", "netns", "ifname", "args", "conf")
+    __slots__ = _fields
     command: str
     container_id: str
     netns: str
@@ -141,7 +206,7 @@ def parse_netconf(stdin: bytes, command: str) -> NetConf:
     endpoint = raw.get("endpoint", DEFAULT_ENDPOINT_ADDRESS)
     if not isinstance(endpoint, str) or not endpoint:
         raise CniError(INVALID_NETWORK_CONFIG, "network config: endpoint must be an address string")
-    node = raw.get("node") or socket.gethostname()
+    node = raw.get("node") or _socket.gethostname()
     if not isinstance(node, str):
         raise CniError(INVALID_NETWORK_CONFIG, "network config: node must be a string")
     mtu = raw.get("mtu", 1500)

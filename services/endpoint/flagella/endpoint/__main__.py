@@ -57,9 +57,10 @@ class EndpointApp:
         self.probes = Probes(runtime.readiness)
         self.ipam_channel = runtime.channel(cfg.ipam_address)
         self.policy_channel = runtime.channel(cfg.policy_address)
+        self.ipam = IpamPeer(self.ipam_channel)
         self.service = EndpointService(
             EndpointStore(self.etcd),
-            IpamPeer(self.ipam_channel),
+            self.ipam,
             PolicyPeer(self.policy_channel),
             DatapathPeers(runtime.channel),
             pod_labels=KubernetesPodLabels(cfg.kubeconfig) if cfg.kubeconfig else None,
@@ -72,6 +73,7 @@ class EndpointApp:
             fault_hook=fault_hook(cfg.fault_injection) if cfg.fault_injection else None,
         )
         self._sweeper: asyncio.Task[None] | None = None
+        self._node_watch: asyncio.Task[None] | None = None
 
     def register(self, server: grpc.aio.Server) -> None:
         endpoint_pb2_grpc.add_EndpointServiceServicer_to_server(
@@ -93,6 +95,9 @@ class EndpointApp:
         return (self.runtime.readiness.serving and not deps), deps
 
     async def start(self) -> None:
+        # The node mirror fills in the background; until it is synced, node
+        # lookups go to ipam.
+        self._node_watch = asyncio.create_task(self.ipam.follow_nodes(), name="node-watch")
         await self.etcd.wait_connected()
         self.probes.add("etcd", self.etcd.current_revision)
         await self.service.restore()
@@ -113,10 +118,11 @@ class EndpointApp:
                 log.info("sweep removed endpoints", extra={"ids": [ep.id for ep in removed]})
 
     async def stop(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
+        for task in (self._sweeper, self._node_watch):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self.probes.stop()
         await self.etcd.close()
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import enum
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 # Transitions kept per endpoint for GetEndpointLog.
@@ -97,8 +97,10 @@ class Endpoint:
         self.updated_at = time.time()
 
     def to_json(self) -> bytes:
-        data = asdict(self)
+        # What asdict() gives, without its deep copies: json only reads.
+        data = dict(vars(self))
         data["state"] = self.state.value
+        data["log"] = [vars(e) for e in self.log]
         return json.dumps(data, sort_keys=True).encode()
 
     @classmethod

@@ -5,6 +5,7 @@ service's protocols (service.py) to the generated stubs."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,7 +18,10 @@ from flagella.api.policy.v1 import policy_pb2, policy_pb2_grpc
 from flagella.common.errors import NotFound, Unavailable
 from flagella.common.peers import calling
 from flagella.endpoint.model import Endpoint
+from flagella.endpoint.nodes import NodeMirror
 from flagella.endpoint.service import Allocated, NodeInfo, RealizedEndpoint, SetupResult
+
+log = logging.getLogger(__name__)
 
 CALL_TIMEOUT = 10.0
 
@@ -28,22 +32,61 @@ def _duration(seconds: float) -> Duration:
     return d
 
 
+def node_info(node: ipam_pb2.Node) -> NodeInfo:
+    internal = [a.ip for a in node.addresses if a.type == ipam_pb2.NodeAddress.TYPE_INTERNAL_IP]
+    return NodeInfo(
+        name=node.name,
+        datapath_address=node.datapath_address,
+        host_ip=internal[0] if internal else "",
+        pod_cidrs=tuple(node.pod_cidrs),
+    )
+
+
 class IpamPeer:
-    def __init__(self, channel: grpc.aio.Channel) -> None:
+    def __init__(self, channel: grpc.aio.Channel, mirror: NodeMirror | None = None) -> None:
         self.stub = ipam_pb2_grpc.IpamServiceStub(channel)
+        # Filled by follow_nodes(); without it every lookup asks ipam.
+        self.mirror = mirror or NodeMirror()
 
     async def node(self, name: str) -> NodeInfo:
-        with calling("ipam"):
-            node = await self.stub.GetNode(ipam_pb2.GetNodeRequest(name=name), timeout=CALL_TIMEOUT)
-        if not node.datapath_address:
+        info = self.mirror.get(name)
+        if info is None:
+            with calling("ipam"):
+                node = await self.stub.GetNode(
+                    ipam_pb2.GetNodeRequest(name=name), timeout=CALL_TIMEOUT
+                )
+            info = node_info(node)
+        if not info.datapath_address:
             raise Unavailable(f"node {name} has no datapath registered")
-        internal = [a.ip for a in node.addresses if a.type == ipam_pb2.NodeAddress.TYPE_INTERNAL_IP]
-        return NodeInfo(
-            name=node.name,
-            datapath_address=node.datapath_address,
-            host_ip=internal[0] if internal else "",
-            pod_cidrs=tuple(node.pod_cidrs),
-        )
+        return info
+
+    async def follow_nodes(self, max_backoff: float = 5.0) -> None:
+        """Keep the node mirror: a full snapshot (since_revision 0) on every
+        (re)connect, so that no event missed while disconnected can leave a
+        stale entry; the mirror answers only while the stream is synced."""
+        delay = 0.1
+        while True:
+            try:
+                stream = self.stub.WatchNodes(ipam_pb2.WatchNodesRequest(since_revision=0))
+                async for event in stream:
+                    kind = event.kind
+                    if kind == ipam_pb2.NodeEvent.KIND_RESET:
+                        self.mirror.reset()
+                    elif kind == ipam_pb2.NodeEvent.KIND_UPSERT:
+                        self.mirror.upsert(node_info(event.node))
+                    elif kind == ipam_pb2.NodeEvent.KIND_DELETE:
+                        self.mirror.delete(event.node.name)
+                    elif kind == ipam_pb2.NodeEvent.KIND_SYNCED:
+                        self.mirror.synced()
+                        delay = 0.1
+                reason = "stream ended"
+            except grpc.aio.AioRpcError as exc:
+                reason = f"{exc.code().name}: {exc.details()}"
+            finally:
+                self.mirror.broken()
+            log.info("node watch broke", extra={"reason": reason, "retry_in_s": delay})
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, max_backoff)
 
     async def allocate(
         self, node: str, container_id: str, ifname: str, pod: str, expiration_s: float

@@ -3,9 +3,24 @@ orchestration across ipam, policy and the node's datapath, with rollback;
 delete, labels, restore and garbage collection.
 
 Crash safety: before each step with a side effect, the step is recorded in
-the endpoint's etcd record ("intent"); undoing a step is idempotent. So after
-a crash at any point, rolling back the recorded steps releases exactly what
-may have been acquired, and nothing leaks.
+the endpoint's etcd record ("intent"); undoing a step is idempotent, and a
+no-op when the step never ran. So after a crash at any point, rolling back
+the recorded steps releases exactly what may have been acquired, and nothing
+leaks.
+
+Because an undo is a no-op for a step that never ran, intents are recorded
+several at a time, each write before every step it covers, and the steps of
+a write that do not depend on each other run concurrently:
+
+    create the record, intents ipam + identity  (labels already resolved)
+    ipam allocate || policy allocate identity
+    write addresses, identity, intents datapath + ipcache
+    datapath setup || policy ipcache upsert
+    datapath wait for policy || ipam commit
+    write the ready record and its CNI result
+
+Three etcd writes per ADD (and no read), where one per step took six writes
+and three reads.
 """
 
 from __future__ import annotations
@@ -14,9 +29,10 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from flagella.common.errors import (
     Aborted,
@@ -72,6 +88,42 @@ class RealizedEndpoint:
     ifname: str
     netns_path: str
     identity: int
+
+
+A = TypeVar("A")
+B = TypeVar("B")
+
+
+class StepTimer:
+    """Milliseconds per step of one operation, for its log line."""
+
+    def __init__(self) -> None:
+        self.steps: dict[str, float] = {}
+        self._last = time.monotonic()
+
+    def __call__(self, step: str) -> None:
+        now = time.monotonic()
+        self.steps[step] = round((now - self._last) * 1000, 1)
+        self._last = now
+
+    async def track(self, name: str, step: Awaitable[A]) -> A:
+        """Await step, noting its own duration (steps run concurrently)."""
+        start = time.monotonic()
+        try:
+            return await step
+        finally:
+            self.steps[name] = round((time.monotonic() - start) * 1000, 1)
+
+
+async def both(first: Awaitable[A], second: Awaitable[B]) -> tuple[A, B]:
+    """Run two steps concurrently and wait for both to finish, whatever
+    happens to either: a rollback must never race a step still in flight.
+    The first step's error wins when both fail."""
+    a, b = await asyncio.gather(first, second, return_exceptions=True)
+    for result in (a, b):
+        if isinstance(result, BaseException):
+            raise result
+    return a, b  # type: ignore[return-value]
 
 
 class Ipam(Protocol):
@@ -198,14 +250,20 @@ class EndpointService:
 
     async def create(self, req: CreateRequest) -> Endpoint:
         async with self._lock(req.container_id, req.ifname):
-            found = await self.store.get(req.container_id, req.ifname)
-            if found is not None:
-                existing, _ = found
-                if existing.state is State.READY and existing.netns_path == req.netns_path:
-                    return existing  # a repeated ADD: same answer
+            # Labels first: no side effect, and the identity intent needs them.
+            labels = await self._labels_for(req)
+            for attempt in range(2):
+                ep = self._new_endpoint(req, labels)
+                created, found, revision = await self.store.create(ep)
+                if created:
+                    return await self._create(found, revision)
+                if found.state is State.READY and found.netns_path == req.netns_path:
+                    return found  # a repeated ADD: same answer
+                if attempt:
+                    break
                 # A crashed or superseded ADD: undo it before starting over.
-                await self._remove(existing, "superseded by a new ADD")
-            return await self._create(req)
+                await self._remove(found, "superseded by a new ADD")
+            raise Aborted("another ADD of this attachment is in progress; try again")
 
     async def _labels_for(self, req: CreateRequest) -> dict[str, str]:
         if req.labels or not req.resolve_labels_from_kubernetes:
@@ -217,7 +275,7 @@ class EndpointService:
             )
         return await self.pod_labels.labels(req.pod_namespace, req.pod_name)
 
-    async def _create(self, req: CreateRequest) -> Endpoint:
+    def _new_endpoint(self, req: CreateRequest, labels: dict[str, str]) -> Endpoint:
         ep = Endpoint(
             id=0,
             container_id=req.container_id,
@@ -226,50 +284,67 @@ class EndpointService:
             node=req.node,
             pod_name=req.pod_name,
             pod_namespace=req.pod_namespace,
-            labels=dict(req.labels),
+            labels=dict(labels),
             mtu=req.mtu,
         )
         ep.transition(State.WAITING_FOR_IDENTITY, "CNI ADD")
-        created = await self.store.create(ep)
-        if created is None:
-            raise Aborted("another ADD of this attachment is in progress; try again")
-        found = await self.store.get(ep.container_id, ep.ifname)
-        assert found is not None
-        ep, revision = found
+        # The intents of the first two steps go with the record itself.
+        ep.steps = [STEP_IPAM, STEP_IDENTITY]
+        return ep
+
+    async def _create(self, ep: Endpoint, revision: int) -> Endpoint:
+        took = StepTimer()
         try:
-            node = await self.ipam.node(req.node)
-            revision = await self._step(ep, revision, STEP_IPAM)
-            allocated = await self.ipam.allocate(
-                ep.node, ep.container_id, ep.ifname, pod_of(ep), self.settings.reservation_s
+            node = await self.ipam.node(ep.node)
+            took("node")
+            allocated, (ep.identity, wanted) = await both(
+                took.track(
+                    "ipam",
+                    self.ipam.allocate(
+                        ep.node, ep.container_id, ep.ifname, pod_of(ep), self.settings.reservation_s
+                    ),
+                ),
+                took.track(
+                    "identity",
+                    self.policy.allocate_identity(identity_labels(ep), ep.node, owner_of(ep)),
+                ),
             )
+            took("ipam+identity")
             await self._after(STEP_IPAM)
+            await self._after(STEP_IDENTITY)
             ep.addresses = [
                 f"{a.ip}/{32 if ipaddress.ip_address(a.ip).version == 4 else 128}"
                 for a in allocated
             ]
-            ep.labels = await self._labels_for(req)
-            revision = await self._step(ep, revision, STEP_IDENTITY)
-            ep.identity, wanted = await self.policy.allocate_identity(
-                identity_labels(ep), ep.node, owner_of(ep)
-            )
-            await self._after(STEP_IDENTITY)
             ep.transition(State.REGENERATING, f"identity {ep.identity}")
-            revision = await self._step(ep, revision, STEP_DATAPATH)
-            setup = await self.datapath.setup(node.datapath_address, ep, node.pod_cidrs)
+            ep.steps += [STEP_DATAPATH, STEP_IPCACHE]
+            revision = await self.store.update(ep, revision)
+            took("record")
+            setup, _ = await both(
+                took.track(
+                    "datapath", self.datapath.setup(node.datapath_address, ep, node.pod_cidrs)
+                ),
+                took.track("ipcache", self._upsert_ipcache(ep, node)),
+            )
+            took("datapath+ipcache")
             ep.host_ifname, ep.mac = setup.host_ifname, setup.container_mac
             await self._after(STEP_DATAPATH)
-            revision = await self._step(ep, revision, STEP_IPCACHE)
-            for address in ep.addresses:
-                await self.policy.upsert_ipcache(address, ep.identity, ep.node, node.host_ip)
             await self._after(STEP_IPCACHE)
-            ep.policy_revision = await self.datapath.wait_policy(
-                node.datapath_address, ep.id, wanted, self.settings.policy_wait_s
+            ep.policy_revision, _ = await both(
+                took.track(
+                    "policy",
+                    self.datapath.wait_policy(
+                        node.datapath_address, ep.id, wanted, self.settings.policy_wait_s
+                    ),
+                ),
+                took.track("commit", self.ipam.commit(ep.node, ep.container_id, ep.ifname)),
             )
+            took("policy+commit")
             await self._after("policy")
-            await self.ipam.commit(ep.node, ep.container_id, ep.ifname)
             ep.result = self._cni_result(ep, setup)
             ep.transition(State.READY, f"policy revision {ep.policy_revision} realized")
             await self.store.update(ep, revision)
+            took("ready")
         except BaseException as exc:
             reason = exc.details if isinstance(exc, FlagellaError) else repr(exc)
             log.warning(
@@ -285,19 +360,18 @@ class EndpointService:
                 "container": ep.container_id,
                 "identity": ep.identity,
                 "addresses": ep.addresses,
+                "took_ms": took.steps,
             },
         )
         return ep
 
+    async def _upsert_ipcache(self, ep: Endpoint, node: NodeInfo) -> None:
+        for address in ep.addresses:
+            await self.policy.upsert_ipcache(address, ep.identity, ep.node, node.host_ip)
+
     async def _after(self, step: str) -> None:
         if self.fault_hook is not None:
             await self.fault_hook(step)
-
-    async def _step(self, ep: Endpoint, revision: int, step: str) -> int:
-        """Record the intent of a step before doing it."""
-        if step not in ep.steps:
-            ep.steps.append(step)
-        return await self.store.update(ep, revision)
 
     def _cni_result(self, ep: Endpoint, setup: SetupResult) -> dict[str, object]:
         interfaces = [

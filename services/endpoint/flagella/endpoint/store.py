@@ -6,10 +6,14 @@
 
 An endpoint and its id are created in one transaction (the id is claimed
 create-if-absent), so two replicas never hand out one id and a crash never
-leaves an id without its endpoint.
+leaves an id without its endpoint. The counter is kept in memory between
+creates (its value and mod revision, the transaction's guard); a stale copy
+only costs a retry, and the failed transaction reads the current one.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 from flagella.common import etcd as e
 from flagella.common.errors import Aborted
@@ -27,9 +31,20 @@ def endpoint_key(container_id: str, ifname: str) -> str:
     return f"{ENDPOINTS}{container_id}/{ifname}"
 
 
+class Created(NamedTuple):
+    """The outcome of create: the new endpoint (created) or the one the
+    attachment already has (nothing written), with its mod revision."""
+
+    created: bool
+    endpoint: Endpoint
+    revision: int
+
+
 class EndpointStore:
     def __init__(self, etcd: e.Etcd) -> None:
         self.etcd = etcd
+        # (next id, mod revision of the counter) as last seen; None: read it.
+        self._counter: tuple[int, int] | None = None
 
     async def get(self, container_id: str, ifname: str) -> tuple[Endpoint, int] | None:
         """The endpoint and its mod revision (for compare-and-swap)."""
@@ -47,16 +62,19 @@ class EndpointStore:
         kvs, _ = await self.etcd.get_prefix(ENDPOINTS)
         return [Endpoint.from_json(kv.value) for kv in kvs]
 
-    async def create(self, ep: Endpoint) -> Endpoint | None:
-        """Store a new endpoint with a fresh id. None if the attachment
-        already has an endpoint (a concurrent ADD won)."""
+    async def create(self, ep: Endpoint) -> Created:
+        """Store a new endpoint with a fresh id, in one transaction; or, if
+        the attachment already has an endpoint, that one (read in the same
+        transaction)."""
         key = endpoint_key(ep.container_id, ep.ifname)
         for _ in range(64):
-            kv = await self.etcd.get(NEXT_ID)
-            candidate = int(kv.value) if kv is not None else 1
+            if self._counter is None:
+                kv = await self.etcd.get(NEXT_ID)
+                self._counter = (int(kv.value), kv.mod_revision) if kv is not None else (1, 0)
+            candidate, counter_revision = self._counter
             if candidate > MAX_ID:
                 candidate = 1
-            counter_guard = e.mod_revision_is(NEXT_ID, kv.mod_revision if kv else 0)
+            counter_guard = e.mod_revision_is(NEXT_ID, counter_revision)
             ep.id = candidate
             res = await self.etcd.txn(
                 [e.absent(key), e.absent(f"{IDS}{candidate}"), counter_guard],
@@ -65,18 +83,23 @@ class EndpointStore:
                     e.put_op(f"{IDS}{candidate}", f"{ep.container_id}/{ep.ifname}".encode()),
                     e.put_op(NEXT_ID, str(candidate + 1).encode()),
                 ],
-                [e.get_op(key), e.get_op(f"{IDS}{candidate}")],
+                [e.get_op(key), e.get_op(f"{IDS}{candidate}"), e.get_op(NEXT_ID)],
             )
             if res.succeeded:
-                return ep
-            existing, id_taken = res.ranges
+                self._counter = (candidate + 1, res.revision)
+                return Created(True, ep, res.revision)
+            existing, id_taken, counter = res.ranges
+            self._counter = (int(counter[0].value), counter[0].mod_revision) if counter else (1, 0)
             if existing:
-                return None
-            if id_taken:
+                return Created(
+                    False, Endpoint.from_json(existing[0].value), existing[0].mod_revision
+                )
+            if id_taken and self._counter[1] == counter_revision:
                 # A wrapped-around counter met a live id: step past it.
-                await self.etcd.txn(
+                step = await self.etcd.txn(
                     [counter_guard], [e.put_op(NEXT_ID, str(candidate + 1).encode())]
                 )
+                self._counter = (candidate + 1, step.revision) if step.succeeded else None
         raise Aborted("could not allocate an endpoint id: too much contention")
 
     async def update(self, ep: Endpoint, revision: int) -> int:

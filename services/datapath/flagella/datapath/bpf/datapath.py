@@ -264,13 +264,23 @@ class Datapath:
     def attach(self, ifindex: int) -> None:
         """from_container on the tc ingress and to_container on the tc egress
         of a pod's host-side veth (current netns). Replaces atomically."""
-        tc.attach(ifindex, self._prog_fds["from_container"], "from_container", tc.INGRESS)
-        tc.attach(ifindex, self._prog_fds["to_container"], "to_container", tc.EGRESS)
+        tc.attach_all(
+            ifindex,
+            [
+                (self._prog_fds["from_container"], "from_container", tc.INGRESS),
+                (self._prog_fds["to_container"], "to_container", tc.EGRESS),
+            ],
+        )
 
     def attach_netdev(self, ifindex: int) -> None:
         """from_netdev / to_netdev on the node's uplink (masquerade)."""
-        tc.attach(ifindex, self._prog_fds["from_netdev"], "from_netdev", tc.INGRESS)
-        tc.attach(ifindex, self._prog_fds["to_netdev"], "to_netdev", tc.EGRESS)
+        tc.attach_all(
+            ifindex,
+            [
+                (self._prog_fds["from_netdev"], "from_netdev", tc.INGRESS),
+                (self._prog_fds["to_netdev"], "to_netdev", tc.EGRESS),
+            ],
+        )
 
     def detach(self, ifindex: int) -> bool:
         """Removes the programs from both hooks (works for attach and

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,21 +44,28 @@ def _ensure_clsact(ipr: IPRoute, ifindex: int) -> None:
 
 def attach(ifindex: int, prog_fd: int, name: str, parent: int) -> None:
     """Attaches (or atomically replaces) the program on one hook."""
+    attach_all(ifindex, [(prog_fd, name, parent)])
+
+
+def attach_all(ifindex: int, hooks: Sequence[tuple[int, str, int]]) -> None:
+    """attach() for several (prog_fd, name, parent) hooks of one interface,
+    on one netlink socket and with one clsact."""
     with IPRoute() as ipr:
         _ensure_clsact(ipr, ifindex)
-        ipr.tc(
-            "replace-filter",
-            "bpf",
-            ifindex,
-            HANDLE,
-            fd=prog_fd,
-            name=name,
-            parent=parent,
-            prio=PRIO,
-            protocol=ETH_P_ALL,
-            classid=1,
-            direct_action=True,
-        )
+        for prog_fd, name, parent in hooks:
+            ipr.tc(
+                "replace-filter",
+                "bpf",
+                ifindex,
+                HANDLE,
+                fd=prog_fd,
+                name=name,
+                parent=parent,
+                prio=PRIO,
+                protocol=ETH_P_ALL,
+                classid=1,
+                direct_action=True,
+            )
 
 
 def detach(ifindex: int) -> bool:
