@@ -83,6 +83,9 @@ class Reconciler(Generic[K, V]):
         self.min_backoff = min_backoff
         self.max_backoff = max_backoff
         self._entries: dict[K, _Entry[V]] = {}
+        # Keys not yet realized, in the order they changed: a pass visits only
+        # these, so a burst of n changes costs O(n), not O(n * table size).
+        self._pending: dict[K, None] = {}
         self._revision = 0
         self._wake = asyncio.Event()
         self._progress = asyncio.Condition()
@@ -107,6 +110,7 @@ class Reconciler(Generic[K, V]):
             return entry.revision
         self._revision += 1
         self._entries[key] = _Entry(value, self._revision)
+        self._pending[key] = None
         self._wake.set()
         return self._revision
 
@@ -117,6 +121,7 @@ class Reconciler(Generic[K, V]):
             return entry.revision
         self._revision += 1
         self._entries[key] = _Entry(None, self._revision)
+        self._pending[key] = None
         self._wake.set()
         return self._revision
 
@@ -149,8 +154,9 @@ class Reconciler(Generic[K, V]):
     @property
     def realized_revision(self) -> int:
         """Every change up to this revision has been applied."""
-        pending = [e.revision for e in self._entries.values() if e.status is not Status.DONE]
-        return min(pending) - 1 if pending else self._revision
+        if not self._pending:
+            return self._revision
+        return min(self._entries[k].revision for k in self._pending) - 1
 
     async def wait_until_reconciled(
         self, revision: int | None = None, timeout: float | None = None
@@ -183,11 +189,7 @@ class Reconciler(Generic[K, V]):
         """Apply what is due. Returns seconds until the next retry, or None
         when nothing is left to do."""
         now = time.monotonic()
-        due = [
-            (k, e)
-            for k, e in self._entries.items()
-            if e.status is not Status.DONE and e.retry_at <= now
-        ]
+        due = [(k, e) for k in self._pending if (e := self._entries[k]).retry_at <= now]
         for key, entry in due:
             revision = entry.revision
             try:
@@ -217,13 +219,14 @@ class Reconciler(Generic[K, V]):
             current = self._entries.get(key)
             # A newer change to the key arrived meanwhile: leave it pending.
             if current is not None and current.revision == revision:
+                del self._pending[key]
                 if current.value is None:
                     del self._entries[key]
                 else:
                     current.status = Status.DONE
                     current.attempts = 0
                     current.error = ""
-        waiting = [e.retry_at for e in self._entries.values() if e.status is not Status.DONE]
+        waiting = [self._entries[k].retry_at for k in self._pending]
         if self._prune_requested and not waiting and self._prune_retry_at <= time.monotonic():
             await self._prune()
         async with self._progress:

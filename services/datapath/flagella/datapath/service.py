@@ -151,7 +151,9 @@ class ServiceOps:
 
     async def list_actual(self) -> Iterable[int]:
         def service_ids() -> set[int]:
-            return {v.service_id for k, v in self.svc.bpf.services.items() if k.slot == 0}
+            # A prune follows a full sync: read the map itself, not the index.
+            self.svc.bpf.services.reindex()
+            return self.svc.bpf.services.service_ids()
 
         return await self.svc.writer.run(service_ids)
 

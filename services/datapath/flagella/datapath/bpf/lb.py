@@ -66,9 +66,52 @@ def svc_key(address: str, port: int, protocol: int, slot: int = 0) -> L.SvcKey:
     return k
 
 
+FrontendKey = tuple[str, int, int]  # (address, port, protocol)
+
+
 class Services(BpfMap[L.SvcKey, L.SvcValue]):
     """cilium_lb4_services_v2: slot 0 of a frontend is the service entry,
-    slots 1..count the active backends (random selection)."""
+    slots 1..count the active backends (random selection).
+
+    Which frontends a service has is kept in an index (service id ->
+    frontends), built from the map by one walk at first use and then kept
+    by write_frontend/remove_frontend, this process being the map's only
+    writer: finding a service's frontends by walking the map on every
+    upsert made programming n services O(n^2)."""
+
+    _frontends: dict[int, set[FrontendKey]] | None = None
+
+    def _index(self) -> dict[int, set[FrontendKey]]:
+        if self._frontends is None:
+            index: dict[int, set[FrontendKey]] = {}
+            for k, v in self.items():
+                if k.slot == 0:
+                    fe = (L.get_addr(k.addr), L.port_host(k.dport), k.proto)
+                    index.setdefault(v.service_id, set()).add(fe)
+            self._frontends = index
+        return self._frontends
+
+    def _indexed(self, fe: FrontendKey, service_id: int, old: L.SvcValue | None) -> None:
+        index = self._index()
+        if old is not None and old.service_id != service_id:
+            self._unindexed(fe, old.service_id)
+        index.setdefault(service_id, set()).add(fe)
+
+    def _unindexed(self, fe: FrontendKey, service_id: int) -> None:
+        index = self._index()
+        owned = index.get(service_id)
+        if owned is not None:
+            owned.discard(fe)
+            if not owned:
+                del index[service_id]
+
+    def reindex(self) -> None:
+        """Rebuild the index from the map at next use."""
+        self._frontends = None
+
+    def clear(self) -> int:
+        self._frontends = None
+        return super().clear()
 
     def frontend(self, address: str, port: int, protocol: int) -> L.SvcValue | None:
         return self.get(svc_key(address, port, protocol))
@@ -106,6 +149,7 @@ class Services(BpfMap[L.SvcKey, L.SvcValue]):
             maglev_size=maglev_size,
         )
         self.update(svc_key(fe.address, fe.port, fe.protocol), master)
+        self._indexed((L.bytes_ip(L.ip_bytes(fe.address)), fe.port, fe.protocol), service_id, old)
         self.delete_many(
             svc_key(fe.address, fe.port, fe.protocol, i)
             for i in range(len(backend_ids) + 1, old_count + 1)
@@ -116,16 +160,17 @@ class Services(BpfMap[L.SvcKey, L.SvcValue]):
         if old is None:
             return False
         self.delete(svc_key(address, port, protocol))
+        self._unindexed((L.bytes_ip(L.ip_bytes(address)), port, protocol), old.service_id)
         self.delete_many(svc_key(address, port, protocol, i) for i in range(1, old.count + 1))
         return True
 
-    def frontends_of(self, service_id: int) -> list[tuple[str, int, int]]:
+    def frontends_of(self, service_id: int) -> list[FrontendKey]:
         """(address, port, protocol) of the service's frontends."""
-        return [
-            (L.get_addr(k.addr), L.port_host(k.dport), k.proto)
-            for k, v in self.items()
-            if k.slot == 0 and v.service_id == service_id
-        ]
+        return sorted(self._index().get(service_id, ()))
+
+    def service_ids(self) -> set[int]:
+        """Every service with a frontend in the map."""
+        return set(self._index())
 
 
 class Backends(BpfMap[L.U32, L.BackendValue]):
@@ -277,15 +322,36 @@ def srcrange_key(service_id: int, cidr: str) -> L.SrcRangeKey:
 
 
 class SourceRanges(BpfMap[L.SrcRangeKey, L.U32]):
-    """cilium_lb4_source_range: (service id, client prefix)."""
+    """cilium_lb4_source_range: (service id, client prefix). The keys of each
+    service are indexed (built by one walk at first use, then kept by
+    set_ranges) so that writing a service does not walk the whole map."""
+
+    _keys: dict[int, dict[bytes, L.SrcRangeKey]] | None = None
+
+    def _index(self) -> dict[int, dict[bytes, L.SrcRangeKey]]:
+        if self._keys is None:
+            index: dict[int, dict[bytes, L.SrcRangeKey]] = {}
+            for k in list(self.keys()):
+                index.setdefault(k.service_id, {})[bytes(k)] = k
+            self._keys = index
+        return self._keys
 
     def set_ranges(self, service_id: int, cidrs: Iterable[str]) -> None:
-        wanted = {bytes(srcrange_key(service_id, c)): srcrange_key(service_id, c) for c in cidrs}
+        index = self._index()
+        wanted = {bytes(k): k for k in (srcrange_key(service_id, c) for c in cidrs)}
         for k in wanted.values():
             self.update(k, L.U32(1))
-        for k in list(self.keys()):
-            if k.service_id == service_id and bytes(k) not in wanted:
+        for raw, k in list(index.get(service_id, {}).items()):
+            if raw not in wanted:
                 self.delete(k)
+        if wanted:
+            index[service_id] = wanted
+        else:
+            index.pop(service_id, None)
+
+    def clear(self) -> int:
+        self._keys = None
+        return super().clear()
 
     def ranges(self, service_id: int) -> list[str]:
         return [L.decode_srcrange_key(k)["cidr"] for k in self.keys() if k.service_id == service_id]
