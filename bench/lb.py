@@ -6,12 +6,14 @@
    event arrives on a WatchServices stream (the datapath's input), on an
    idle service, many times.
 3. Bulk: N services (10,000; 2,000 with --quick) upserted through gRPC with
-   64 calls in flight, until every one has arrived on a WatchServices
-   stream opened before the first upsert.
+   64 UpsertService calls in flight, until every one has arrived on a
+   WatchServices stream opened before the first upsert; then N more by
+   UpsertServices, 500 per call, two calls in flight.
 4. With the datapath (as root): time from an upsert that swaps a service's
    backend until a client pod's connections reach the new backend, and
    the time until N services (10,000; 1,000 with --quick) upserted into
-   the lb are programmed into a node's BPF maps. A node netns with its
+   the lb by UpsertServices (500 per call) are programmed into a node's
+   BPF maps. A node netns with its
    own datapath, pods as netns; all removed at the end.
 
 It starts its own etcd (Debian's) and lb process on free loopback ports and
@@ -162,8 +164,35 @@ async def bench_service(address: str, pid: int, n: int, latency_runs: int) -> di
             await asyncio.sleep(0.01)
         t_all = max(arrived[x] for x in names)
         lb_cpu_ms = (cpu_seconds(pid) - cpu0) * 1e3 / n
-        watcher.cancel()
         delays = sorted(arrived[x] - sent[x] for x in names)
+
+        # The same number again through UpsertServices, BATCH per call, two
+        # calls in flight, until all are on the stream.
+        first = 200_000
+        batch_names = {f"bench/s{i}" for i in range(first, first + n)}
+        sem = asyncio.Semaphore(2)
+
+        async def batch(start: int) -> None:
+            async with sem:
+                await stub.UpsertServices(
+                    pb.UpsertServicesRequest(
+                        services=[svc(i) for i in range(start, min(start + BATCH, first + n))]
+                    ),
+                    timeout=120,
+                )
+
+        cpu0 = cpu_seconds(pid)
+        tb = time.perf_counter()
+        await asyncio.gather(*(batch(s) for s in range(first, first + n, BATCH)))
+        tb_acked = time.perf_counter()
+        deadline = time.monotonic() + 120
+        while not batch_names <= arrived.keys():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{len(batch_names - arrived.keys())} services never arrived")
+            await asyncio.sleep(0.01)
+        tb_all = max(arrived[x] for x in batch_names)
+        batch_cpu_ms = (cpu_seconds(pid) - cpu0) * 1e3 / n
+        watcher.cancel()
 
         # A fresh stream's snapshot of everything.
         t1 = time.perf_counter()
@@ -186,9 +215,17 @@ async def bench_service(address: str, pid: int, n: int, latency_runs: int) -> di
         "bulk_upsert_to_watch_p50_ms": round(delays[len(delays) // 2] * 1e3, 1),
         "bulk_upsert_to_watch_p99_ms": round(delays[int(len(delays) * 0.99)] * 1e3, 1),
         "bulk_lb_cpu_per_service_ms": round(lb_cpu_ms, 2),
+        "batch_all_acked_s": round(tb_acked - tb, 2),
+        "batch_all_on_watch_s": round(tb_all - tb, 2),
+        "batch_upserts_per_s": round(n / (tb_all - tb), 1),
+        "batch_lb_cpu_per_service_ms": round(batch_cpu_ms, 2),
         "snapshot_services": count,
         "snapshot_stream_s": round(t_snapshot, 2),
     }
+
+
+# Services per UpsertServices call.
+BATCH = 500
 
 
 def dp_service(name: str, vip: str, backends: list[str]) -> pb.Service:
@@ -252,25 +289,26 @@ def bench_datapath(tmp: Path, quick: bool, n: int) -> dict[str, Any]:
         base = service_entries()
         t0 = time.perf_counter()
 
+        def bulk(i: int) -> pb.Service:
+            return dp_service(f"bulk/s{i}", f"10.98.{i // 250}.{i % 250 + 1}", [backends[i % 2].ip])
+
         async def upsert_all() -> None:
+            # As a bulk import or a Kubernetes resync would: UpsertServices,
+            # BATCH services per call, two calls in flight.
             async with grpc.aio.insecure_channel(cluster.services["lb"].address) as ch:
                 stub = lb_pb2_grpc.LoadBalancerServiceStub(ch)
-                sem = asyncio.Semaphore(64)
+                sem = asyncio.Semaphore(2)
 
-                async def one(i: int) -> None:
+                async def one(start: int) -> None:
                     async with sem:
-                        await stub.UpsertService(
-                            pb.UpsertServiceRequest(
-                                service=dp_service(
-                                    f"bulk/s{i}",
-                                    f"10.98.{i // 250}.{i % 250 + 1}",
-                                    [backends[i % 2].ip],
-                                )
+                        await stub.UpsertServices(
+                            pb.UpsertServicesRequest(
+                                services=[bulk(i) for i in range(start, min(start + BATCH, n))]
                             ),
-                            timeout=60,
+                            timeout=120,
                         )
 
-                await asyncio.gather(*(one(i) for i in range(n)))
+                await asyncio.gather(*(one(s) for s in range(0, n, BATCH)))
 
         asyncio.run(upsert_all())
         acked = time.perf_counter() - t0
@@ -346,6 +384,12 @@ def main() -> int:
         ("  upsert to watch event, p50", f"{results['bulk_upsert_to_watch_p50_ms']} ms"),
         ("  upsert to watch event, p99", f"{results['bulk_upsert_to_watch_p99_ms']} ms"),
         ("  lb process CPU per service", f"{results['bulk_lb_cpu_per_service_ms']} ms"),
+        (
+            f"{n} services by UpsertServices ({BATCH} per call): all on the stream",
+            f"{results['batch_all_on_watch_s']} s",
+        ),
+        ("  throughput", f"{results['batch_upserts_per_s']} services/s"),
+        ("  lb process CPU per service", f"{results['batch_lb_cpu_per_service_ms']} ms"),
         (
             f"snapshot of {results['snapshot_services']} on a new stream",
             f"{results['snapshot_stream_s']} s",

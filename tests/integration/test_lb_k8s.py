@@ -191,3 +191,37 @@ def test_relist_after_410_gone_and_stale_services_removed_at_start(
     assert kube_api.gone_sent >= 1, "\n".join(kube_api.requests)
     assert sum("watch=" not in r for r in kube_api.requests) > lists
     c.close()
+
+
+def test_initial_sync_of_many_services_in_batches_with_one_invalid(
+    etcd: EtcdServer,
+    spawn: Callable[..., ServiceProcess],
+    kube_api: KubeListWatchServer,
+    tmp_path: Path,
+) -> None:
+    """1,200 Services at start are written in batches (more than one, as a
+    batch holds at most 1,000); one whose ClusterIP another (API) service
+    already has makes its batch fall back to one Service at a time, so every
+    other Service is still written and only that one is left out."""
+    for i in range(1200):
+        kube_api.apply(
+            "services", k8s_service("bulk", f"s{i}", f"10.97.{i // 250}.{i % 250 + 1}", PORTS)
+        )
+    kube_api.apply("services", k8s_service("bulk", "clash", "10.97.200.1", PORTS))
+    api_lb = spawn("lb", "--etcd-endpoints", etcd.endpoint)
+    c0 = LbClient(api_lb.address)
+    c0.upsert(service("api/holder", "10.97.200.1", 80))
+    c0.close()
+    api_lb.stop()
+
+    kubeconfig = kube_api.write_kubeconfig(tmp_path / "kubeconfig")
+    lb = spawn("lb", "--etcd-endpoints", etcd.endpoint, "--kubeconfig", str(kubeconfig))
+    c = LbClient(lb.address)
+    wait_for(lambda: len(c.list("bulk").services) == 1200, timeout=60)
+    names = {s.name for s in c.list("bulk").services}
+    assert names == {f"bulk/s{i}:http" for i in range(1200)}
+    assert c.get("api/holder").source == "api"
+    log = lb.logs()
+    assert "kubernetes batch not written whole" in log
+    assert "kubernetes service rejected" in log
+    c.close()

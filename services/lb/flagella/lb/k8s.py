@@ -40,7 +40,14 @@ from flagella.common.errors import FlagellaError, InvalidArgument
 from flagella.common.server import FatalError
 from flagella.lb.model import Algorithm, BackendState, Protocol, ServiceSpec, ServiceType, Source
 from flagella.lb.service import LbService
-from flagella.lb.validation import Limits, RawBackend, RawService, build_spec
+from flagella.lb.validation import (
+    MAX_BATCH,
+    Limits,
+    RawBackend,
+    RawService,
+    build_spec,
+    check_batch,
+)
 
 log = logging.getLogger(__name__)
 
@@ -384,8 +391,7 @@ class KubernetesWatcher:
             await asyncio.sleep(1.0)
             await self._queue.put(_Event("services", "RELIST", items=list(self._services.values())))
             return
-        for key in sorted(self._services):
-            await self._sync_one(key)
+        await self._write_batched(sorted(self._services))
         wanted = {n for names in self._written.values() for n in names}
         for rec in records:
             if rec.source is Source.KUBERNETES and rec.name not in wanted:
@@ -408,6 +414,44 @@ class KubernetesWatcher:
                     extra={"service": raw.name, "reason": exc.details},
                 )
         return specs
+
+    async def _write_batched(self, keys: list[str]) -> None:
+        """The initial sync's writes, many services per UpsertServices-like
+        batch (thousands of Services arrive at once); a batch that is
+        rejected as a whole falls back to one Service at a time, where each
+        rejection is logged and retried as usual."""
+        pending: list[tuple[str, dict[str, ServiceSpec]]] = []
+        count = 0
+
+        async def flush() -> None:
+            specs = [spec for _, named in pending for spec in named.values()]
+            try:
+                check_batch(specs)
+                await self.service.upsert_many(specs)
+            except FlagellaError as exc:
+                log.info(
+                    "kubernetes batch not written whole, one by one",
+                    extra={"services": len(specs), "reason": exc.details},
+                )
+                for key, _ in pending:
+                    await self._sync_one(key)
+            else:
+                for key, named in pending:
+                    if named:
+                        self._written[key] = set(named)
+
+        for key in keys:
+            named = self._specs(key)
+            if self._written.get(key, set()) - set(named):
+                await self._sync_one(key)  # has names to delete: the careful path
+                continue
+            if pending and count + len(named) > MAX_BATCH:
+                await flush()
+                pending, count = [], 0
+            pending.append((key, named))
+            count += len(named)
+        if pending:
+            await flush()
 
     async def _sync_one(self, key: str) -> None:
         specs = self._specs(key)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from flagella.common.errors import (
     Aborted,
     FailedPrecondition,
+    FlagellaError,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
@@ -40,7 +41,7 @@ from flagella.lb.model import (
     Source,
 )
 from flagella.lb.store import LbStore, SpaceKeys, UpsertPlan
-from flagella.lb.validation import Limits
+from flagella.lb.validation import Limits, in_batch
 
 log = logging.getLogger(__name__)
 
@@ -223,11 +224,7 @@ class LbService:
     async def upsert(self, spec: ServiceSpec) -> tuple[ServiceRecord, bool]:
         """Create or replace the service spec.name. Returns the stored record
         and whether it was created."""
-        explicit_np = (
-            (spec.frontend.protocol, spec.node_port)
-            if spec.type is ServiceType.NODE_PORT and spec.node_port
-            else None
-        )
+        explicit_np = _explicit_node_port(spec)
         optimistic = spec.name not in self._known
         for _ in range(MAX_ATTEMPTS):
             if optimistic:
@@ -290,6 +287,96 @@ class LbService:
         raise Aborted(
             f"service {spec.name!r} kept changing concurrently; retry", field="service.name"
         )
+
+    async def upsert_many(self, specs: Sequence[ServiceSpec]) -> list[tuple[ServiceRecord, bool]]:
+        """upsert() of many services (distinct names, frontends and explicit
+        node ports, checked by the caller). Every one is checked against the
+        store first, in a few round trips: a frontend or node port held by
+        another service, or a name managed by another source, raises (its
+        field under services[i]) before anything is stored. Then the new and
+        changed services are committed several per transaction; a chunk
+        whose transaction fails (another writer got in between) is committed
+        one by one through upsert()."""
+        found = await self.store.lookup_many(
+            [(s.name, s.frontend, _explicit_node_port(s)) for s in specs]
+        )
+        currents = await self.store.get_many_by_id(
+            [f.name_id for f in found if f.name_id is not None]
+        )
+        results: list[tuple[ServiceRecord, bool] | None] = [None] * len(specs)
+        todo: list[tuple[int, ServiceSpec, ServiceRecord | None]] = []
+        for i, (spec, seen) in enumerate(zip(specs, found, strict=True)):
+            current = currents.get(seen.name_id) if seen.name_id is not None else None
+            if seen.name_id is not None and (current is None or current.name != spec.name):
+                todo.append((i, spec, None))  # changing under us: see racing below
+                continue
+            try:
+                if current is not None and current.source is not spec.source:
+                    raise FailedPrecondition(
+                        f"service {spec.name!r} is managed by {current.source.value}",
+                        field="service.name",
+                    )
+                if seen.frontend_owner not in (None, spec.name):
+                    raise _frontend_taken(spec.frontend, seen.frontend_owner)
+                if _explicit_node_port(spec) is not None and seen.node_port_owner not in (
+                    None,
+                    spec.name,
+                ):
+                    raise _node_port_taken(spec.node_port, seen.node_port_owner)
+            except FlagellaError as exc:
+                raise in_batch(exc, i) from None
+            if current is not None and current.same_spec(spec):
+                self._known.add(spec.name)
+                results[i] = (current, False)
+            else:
+                todo.append((i, spec, current))
+
+        chunk: list[tuple[int, UpsertPlan]] = []
+        ops = 0
+        racing: list[int] = []
+        for i, spec, current in todo:
+            if current is None and found[i].name_id is not None:
+                racing.append(i)
+                continue
+            plan = await self._plan(spec, current)
+            size = keys.commit_op_count(plan)
+            if chunk and ops + size > keys.MAX_TXN_OPS:
+                await self._commit_chunk(specs, chunk, results)
+                chunk, ops = [], 0
+            chunk.append((i, plan))
+            ops += size
+        if chunk:
+            await self._commit_chunk(specs, chunk, results)
+        for i in racing:
+            try:
+                results[i] = await self.upsert(specs[i])
+            except FlagellaError as exc:
+                raise in_batch(exc, i) from None
+        done = [r for r in results if r is not None]
+        assert len(done) == len(specs), "every service of the batch has its result"
+        return done
+
+    async def _commit_chunk(
+        self,
+        specs: Sequence[ServiceSpec],
+        chunk: Sequence[tuple[int, UpsertPlan]],
+        results: list[tuple[ServiceRecord, bool] | None],
+    ) -> None:
+        succeeded, revision = await self.store.commit_many([plan for _, plan in chunk])
+        if not succeeded:
+            log.info(
+                "batch chunk contested, committing its services one by one",
+                extra={"services": len(chunk)},
+            )
+        for i, plan in chunk:
+            if succeeded:
+                self._known.add(plan.record.name)
+                results[i] = (plan.record.with_revision(revision), plan.previous is None)
+                continue
+            try:
+                results[i] = await self.upsert(specs[i])
+            except FlagellaError as exc:
+                raise in_batch(exc, i) from None
 
     async def _plan(self, spec: ServiceSpec, current: ServiceRecord | None) -> UpsertPlan:
         if current is None:
@@ -389,6 +476,12 @@ class LbService:
                 yield WatchItem(
                     ev.kind, ev.revision, deleted=deleted, removed_backend_ids=tuple(removed)
                 )
+
+
+def _explicit_node_port(spec: ServiceSpec) -> tuple[Protocol, int] | None:
+    if spec.type is ServiceType.NODE_PORT and spec.node_port:
+        return spec.frontend.protocol, spec.node_port
+    return None
 
 
 def _fe_text(fe: Frontend) -> str:

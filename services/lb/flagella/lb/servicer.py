@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 import grpc
 
 from flagella.api.lb.v1 import lb_pb2, lb_pb2_grpc
-from flagella.common.errors import InvalidArgument
+from flagella.common.errors import FlagellaError, InvalidArgument
 from flagella.common.etcd import StreamKind
 from flagella.lb.model import (
     Algorithm,
@@ -20,7 +20,16 @@ from flagella.lb.model import (
     Source,
 )
 from flagella.lb.service import LbService, WatchItem
-from flagella.lb.validation import Limits, RawBackend, RawService, build_spec, validate_frontend
+from flagella.lb.validation import (
+    MAX_BATCH,
+    Limits,
+    RawBackend,
+    RawService,
+    build_spec,
+    check_batch,
+    in_batch,
+    validate_frontend,
+)
 
 pb = lb_pb2
 
@@ -183,6 +192,29 @@ class LbServicer(lb_pb2_grpc.LoadBalancerServiceServicer):
         spec = build_spec(raw_from_proto(request.service), self.limits)
         record, created = await self.service.upsert(spec)
         return pb.UpsertServiceResponse(service=service_to_proto(record), created=created)
+
+    async def UpsertServices(
+        self, request: lb_pb2.UpsertServicesRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> lb_pb2.UpsertServicesResponse:
+        if not request.services:
+            raise InvalidArgument("at least one service is required", field="services")
+        if len(request.services) > MAX_BATCH:
+            raise InvalidArgument(
+                f"{len(request.services)} services: at most {MAX_BATCH} per call", field="services"
+            )
+        specs = []
+        for i, svc in enumerate(request.services):
+            try:
+                specs.append(build_spec(raw_from_proto(svc), self.limits))
+            except FlagellaError as exc:
+                raise in_batch(exc, i) from None
+        check_batch(specs)
+        results = await self.service.upsert_many(specs)
+        return pb.UpsertServicesResponse(
+            results=[
+                pb.UpsertServiceResponse(service=service_to_proto(r), created=c) for r, c in results
+            ]
+        )
 
     async def GetService(
         self, request: lb_pb2.GetServiceRequest, context: grpc.aio.ServicerContext[Any, Any]

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import aetcd.rpc as etcd_rpc
 
@@ -52,6 +52,10 @@ BACKEND_BLOCKS = PREFIX + "ids/backend-blocks/"
 SEED_KEY = PREFIX + "config/maglev-hash-seed"
 # Services read per etcd request (a record is ~0.3-100 KiB).
 PAGE_SIZE = 500
+# etcd's default --max-txn-ops: compares, and writes, per transaction.
+MAX_TXN_OPS = 128
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -271,40 +275,16 @@ class LbStore:
 
     async def commit(self, plan: UpsertPlan) -> CommitResult:
         rec, prev = plan.record, plan.previous
-        owner = rec.name.encode()
-        compare: list[Any] = []
-        success: list[Any] = [put_op(service_key(rec.id), rec.to_json())]
+        compare, success = _commit_ops(plan)
         failure: list[Any] = [get_op(name_key(rec.name)), get_op(frontend_key(rec.frontend))]
         if prev is None:
-            compare += [absent(name_key(rec.name)), absent(service_key(rec.id))]
-            success.append(put_op(name_key(rec.name), str(rec.id).encode()))
             failure.append(get_op(service_key(rec.id)))
-        else:
-            compare.append(mod_revision_is(service_key(prev.id), prev.revision))
         if prev is None or prev.rev_nat_id != rec.rev_nat_id:
-            compare.append(absent(revnat_key(rec.rev_nat_id)))
-            success.append(put_op(revnat_key(rec.rev_nat_id), owner))
             failure.append(get_op(revnat_key(rec.rev_nat_id)))
-        if prev is None or prev.frontend != rec.frontend:
-            compare.append(absent(frontend_key(rec.frontend)))
-            success.append(put_op(frontend_key(rec.frontend), owner))
-            if prev is not None:
-                success.append(delete_op(frontend_key(prev.frontend)))
         new_np = _node_port(rec)
-        old_np = _node_port(prev) if prev is not None else None
-        if new_np != old_np:
-            if new_np is not None:
-                compare.append(absent(node_port_key(*new_np)))
-                success.append(put_op(node_port_key(*new_np), owner))
-            if old_np is not None:
-                success.append(delete_op(node_port_key(*old_np)))
         if new_np is not None:
             failure.append(get_op(node_port_key(*new_np)))
-        for block in plan.new_blocks:
-            compare.append(absent(block_key(block)))
-            success.append(put_op(block_key(block), owner))
-            failure.append(get_op(block_key(block)))
-        success += [delete_op(block_key(b)) for b in plan.release_blocks]
+        failure += [get_op(block_key(block)) for block in plan.new_blocks]
 
         result = await self.etcd.txn(compare, success, failure)
         if result.succeeded:
@@ -323,6 +303,57 @@ class LbStore:
         for block in plan.new_blocks:
             if next(ranges):
                 out.blocks_taken.append(block)
+        return out
+
+    async def commit_many(self, plans: Sequence[UpsertPlan]) -> tuple[bool, int]:
+        """Commit several plans in one transaction: all or none. Returns
+        (succeeded, revision); on failure the caller commits them one by one
+        to find out which one was contested."""
+        compare: list[Any] = []
+        success: list[Any] = []
+        for plan in plans:
+            c, s = _commit_ops(plan)
+            compare += c
+            success += s
+        result = await self.etcd.txn(compare, success, [])
+        return result.succeeded, result.revision
+
+    async def lookup_many(
+        self, wanted: Sequence[tuple[str, Frontend, tuple[Protocol, int] | None]]
+    ) -> list[Lookup]:
+        """lookup() of many services, in as few round trips as the etcd
+        transaction limit allows."""
+        out: list[Lookup] = []
+        for chunk in _chunks(wanted, MAX_TXN_OPS // 3):
+            ops: list[Any] = []
+            for name, frontend, node_port in chunk:
+                ops += [get_op(name_key(name)), get_op(frontend_key(frontend))]
+                if node_port is not None:
+                    ops.append(get_op(node_port_key(*node_port)))
+            result = await self.etcd.txn([], ops)
+            ranges = iter(result.ranges)
+            for _, _, node_port in chunk:
+                name_id = _text(next(ranges))
+                frontend_owner = _text(next(ranges))
+                node_port_owner = _text(next(ranges)) if node_port is not None else None
+                out.append(
+                    Lookup(
+                        name_id=None if name_id is None else int(name_id),
+                        frontend_owner=frontend_owner,
+                        node_port_owner=node_port_owner,
+                        revision=result.revision,
+                    )
+                )
+        return out
+
+    async def get_many_by_id(self, service_ids: Sequence[int]) -> dict[int, ServiceRecord]:
+        out: dict[int, ServiceRecord] = {}
+        for chunk in _chunks(service_ids, MAX_TXN_OPS):
+            result = await self.etcd.txn([], [get_op(service_key(i)) for i in chunk])
+            for kvs in result.ranges:
+                if kvs:
+                    rec = ServiceRecord.from_json(kvs[0].value, kvs[0].mod_revision)
+                    out[rec.id] = rec
         return out
 
     async def delete(self, record: ServiceRecord) -> bool:
@@ -397,6 +428,53 @@ class LbStore:
                 last = max(last, 0)  # the snapshot broke off: start it again
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, max_delay)
+
+
+def _commit_ops(plan: UpsertPlan) -> tuple[list[Any], list[Any]]:
+    """The compares and writes that store a plan: ids and keys it newly
+    takes must be absent, the record it replaces unchanged."""
+    rec, prev = plan.record, plan.previous
+    owner = rec.name.encode()
+    compare: list[Any] = []
+    success: list[Any] = [put_op(service_key(rec.id), rec.to_json())]
+    if prev is None:
+        compare += [absent(name_key(rec.name)), absent(service_key(rec.id))]
+        success.append(put_op(name_key(rec.name), str(rec.id).encode()))
+    else:
+        compare.append(mod_revision_is(service_key(prev.id), prev.revision))
+    if prev is None or prev.rev_nat_id != rec.rev_nat_id:
+        compare.append(absent(revnat_key(rec.rev_nat_id)))
+        success.append(put_op(revnat_key(rec.rev_nat_id), owner))
+    if prev is None or prev.frontend != rec.frontend:
+        compare.append(absent(frontend_key(rec.frontend)))
+        success.append(put_op(frontend_key(rec.frontend), owner))
+        if prev is not None:
+            success.append(delete_op(frontend_key(prev.frontend)))
+    new_np = _node_port(rec)
+    old_np = _node_port(prev) if prev is not None else None
+    if new_np != old_np:
+        if new_np is not None:
+            compare.append(absent(node_port_key(*new_np)))
+            success.append(put_op(node_port_key(*new_np), owner))
+        if old_np is not None:
+            success.append(delete_op(node_port_key(*old_np)))
+    for block in plan.new_blocks:
+        compare.append(absent(block_key(block)))
+        success.append(put_op(block_key(block), owner))
+    success += [delete_op(block_key(b)) for b in plan.release_blocks]
+    return compare, success
+
+
+def commit_op_count(plan: UpsertPlan) -> int:
+    """How many operations (the larger of compares and writes) a plan adds
+    to a transaction."""
+    compare, success = _commit_ops(plan)
+    return max(len(compare), len(success))
+
+
+def _chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
 
 
 def _node_port(record: ServiceRecord | None) -> tuple[Protocol, int] | None:

@@ -12,7 +12,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from flagella.common.errors import InvalidArgument
+from flagella.common.errors import FlagellaError, InvalidArgument
 from flagella.lb.maglev import SUPPORTED_SIZES, supported_sizes_text
 from flagella.lb.model import (
     MAX_AFFINITY_TIMEOUT_S,
@@ -248,3 +248,45 @@ def build_spec(raw: RawService, limits: Limits) -> ServiceSpec:
         source_ranges=source_ranges,
         source=raw.source,
     )
+
+
+MAX_BATCH = 1000
+
+
+def in_batch(exc: FlagellaError, index: int) -> FlagellaError:
+    """The error of one service of an UpsertServices batch, its field moved
+    from service.<...> to services[index].<...>."""
+    field = exc.field or "service"
+    if field == "service" or field.startswith("service."):
+        field = f"services[{index}]" + field[len("service") :]
+    else:
+        field = f"services[{index}].{field}"
+    return type(exc)(exc.message, field=field)
+
+
+def check_batch(specs: Sequence[ServiceSpec]) -> None:
+    """Names, frontends and explicit node ports must be distinct within one
+    batch (each belongs to one service)."""
+    names: dict[str, int] = {}
+    frontends: dict[Frontend, int] = {}
+    node_ports: dict[tuple[Protocol, int], int] = {}
+    for i, spec in enumerate(specs):
+        if spec.name in names:
+            raise InvalidArgument(
+                f"{spec.name!r} is also services[{names[spec.name]}]", field=f"services[{i}].name"
+            )
+        names[spec.name] = i
+        if spec.frontend in frontends:
+            raise InvalidArgument(
+                f"the frontend is also that of services[{frontends[spec.frontend]}]",
+                field=f"services[{i}].frontend",
+            )
+        frontends[spec.frontend] = i
+        if spec.type is ServiceType.NODE_PORT and spec.node_port:
+            np = (spec.frontend.protocol, spec.node_port)
+            if np in node_ports:
+                raise InvalidArgument(
+                    f"node port {spec.node_port} is also that of services[{node_ports[np]}]",
+                    field=f"services[{i}].node_port",
+                )
+            node_ports[np] = i

@@ -26,21 +26,21 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66lagella/lb/v1/lb.proto\x12\x0e\x66lagella.lb.v1\x1a\x1egoogle/protobuf/duration.proto\"U\n\x08\x46rontend\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\x12*\n\x08protocol\x18\x03 \x01(\x0e\x32\x18.flagella.lb.v1.Protocol\"\x7f\n\x07\x42\x61\x63kend\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04port\x18\x03 \x01(\r\x12\x0e\n\x06weight\x18\x04 \x01(\r\x12+\n\x05state\x18\x05 \x01(\x0e\x32\x1c.flagella.lb.v1.BackendState\x12\x0c\n\x04node\x18\x06 \x01(\t\"\x9c\x01\n\x0fSessionAffinity\x12\x32\n\x04type\x18\x01 \x01(\x0e\x32$.flagella.lb.v1.SessionAffinity.Type\x12*\n\x07timeout\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\")\n\x04Type\x12\r\n\tTYPE_NONE\x10\x00\x12\x12\n\x0eTYPE_CLIENT_IP\x10\x01\"\x9c\x03\n\x07Service\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\n\n\x02id\x18\x03 \x01(\r\x12\x12\n\nrev_nat_id\x18\x04 \x01(\r\x12*\n\x08\x66rontend\x18\x05 \x01(\x0b\x32\x18.flagella.lb.v1.Frontend\x12)\n\x04type\x18\x06 \x01(\x0e\x32\x1b.flagella.lb.v1.ServiceType\x12\x11\n\tnode_port\x18\x07 \x01(\r\x12)\n\x08\x62\x61\x63kends\x18\x08 \x03(\x0b\x32\x17.flagella.lb.v1.Backend\x12,\n\talgorithm\x18\t \x01(\x0e\x32\x19.flagella.lb.v1.Algorithm\x12\x39\n\x10session_affinity\x18\n \x01(\x0b\x32\x1f.flagella.lb.v1.SessionAffinity\x12\x15\n\rsource_ranges\x18\x0b \x03(\t\x12\x10\n\x08revision\x18\x0c \x01(\x03\x12\x0e\n\x06source\x18\r \x01(\t\x12\x19\n\x11maglev_table_size\x18\x0e \x01(\r\"@\n\x14UpsertServiceRequest\x12(\n\x07service\x18\x01 \x01(\x0b\x32\x17.flagella.lb.v1.Service\"R\n\x15UpsertServiceResponse\x12(\n\x07service\x18\x01 \x01(\x0b\x32\x17.flagella.lb.v1.Service\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"e\n\x11GetServiceRequest\x12\x0e\n\x04name\x18\x01 \x01(\tH\x00\x12\x0c\n\x02id\x18\x02 \x01(\rH\x00\x12,\n\x08\x66rontend\x18\x03 \x01(\x0b\x32\x18.flagella.lb.v1.FrontendH\x00\x42\x04\n\x02\x62y\"$\n\x14\x44\x65leteServiceRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"(\n\x15\x44\x65leteServiceResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"(\n\x13ListServicesRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\"S\n\x14ListServicesResponse\x12)\n\x08services\x18\x01 \x03(\x0b\x32\x17.flagella.lb.v1.Service\x12\x10\n\x08revision\x18\x02 \x01(\x03\"M\n\x14WatchServicesRequest\x12\x16\n\x0esince_revision\x18\x01 \x01(\x03\x12\x1d\n\x15include_maglev_tables\x18\x02 \x01(\x08\"\xac\x02\n\x0cServiceEvent\x12/\n\x04kind\x18\x01 \x01(\x0e\x32!.flagella.lb.v1.ServiceEvent.Kind\x12(\n\x07service\x18\x02 \x01(\x0b\x32\x17.flagella.lb.v1.Service\x12\x31\n\x0cmaglev_table\x18\x03 \x01(\x0b\x32\x1b.flagella.lb.v1.MaglevTable\x12\x10\n\x08revision\x18\x04 \x01(\x03\x12\x1b\n\x13removed_backend_ids\x18\x05 \x03(\r\"_\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0e\n\nKIND_RESET\x10\x01\x12\x0f\n\x0bKIND_UPSERT\x10\x02\x12\x0f\n\x0bKIND_DELETE\x10\x03\x12\x0f\n\x0bKIND_SYNCED\x10\x04\"%\n\x15GetMaglevTableRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"D\n\x0bMaglevTable\x12\x12\n\nservice_id\x18\x01 \x01(\r\x12\x0c\n\x04size\x18\x02 \x01(\r\x12\x13\n\x0b\x62\x61\x63kend_ids\x18\x03 \x03(\r*H\n\x08Protocol\x12\x18\n\x14PROTOCOL_UNSPECIFIED\x10\x00\x12\x10\n\x0cPROTOCOL_TCP\x10\x06\x12\x10\n\x0cPROTOCOL_UDP\x10\x11*d\n\x0bServiceType\x12\x1c\n\x18SERVICE_TYPE_UNSPECIFIED\x10\x00\x12\x1b\n\x17SERVICE_TYPE_CLUSTER_IP\x10\x01\x12\x1a\n\x16SERVICE_TYPE_NODE_PORT\x10\x02*R\n\tAlgorithm\x12\x19\n\x15\x41LGORITHM_UNSPECIFIED\x10\x00\x12\x14\n\x10\x41LGORITHM_RANDOM\x10\x01\x12\x14\n\x10\x41LGORITHM_MAGLEV\x10\x02*\xa4\x01\n\x0c\x42\x61\x63kendState\x12\x1d\n\x19\x42\x41\x43KEND_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x42\x41\x43KEND_STATE_ACTIVE\x10\x01\x12\x1d\n\x19\x42\x41\x43KEND_STATE_TERMINATING\x10\x02\x12\x1d\n\x19\x42\x41\x43KEND_STATE_QUARANTINED\x10\x03\x12\x1d\n\x19\x42\x41\x43KEND_STATE_MAINTENANCE\x10\x04\x32\xa3\x04\n\x13LoadBalancerService\x12\\\n\rUpsertService\x12$.flagella.lb.v1.UpsertServiceRequest\x1a%.flagella.lb.v1.UpsertServiceResponse\x12H\n\nGetService\x12!.flagella.lb.v1.GetServiceRequest\x1a\x17.flagella.lb.v1.Service\x12\\\n\rDeleteService\x12$.flagella.lb.v1.DeleteServiceRequest\x1a%.flagella.lb.v1.DeleteServiceResponse\x12Y\n\x0cListServices\x12#.flagella.lb.v1.ListServicesRequest\x1a$.flagella.lb.v1.ListServicesResponse\x12U\n\rWatchServices\x12$.flagella.lb.v1.WatchServicesRequest\x1a\x1c.flagella.lb.v1.ServiceEvent0\x01\x12T\n\x0eGetMaglevTable\x12%.flagella.lb.v1.GetMaglevTableRequest\x1a\x1b.flagella.lb.v1.MaglevTableb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66lagella/lb/v1/lb.proto\x12\x0e\x66lagella.lb.v1\x1a\x1egoogle/protobuf/duration.proto\"U\n\x08\x46rontend\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\x12*\n\x08protocol\x18\x03 \x01(\x0e\x32\x18.flagella.lb.v1.Protocol\"\x7f\n\x07\x42\x61\x63kend\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04port\x18\x03 \x01(\r\x12\x0e\n\x06weight\x18\x04 \x01(\r\x12+\n\x05state\x18\x05 \x01(\x0e\x32\x1c.flagella.lb.v1.BackendState\x12\x0c\n\x04node\x18\x06 \x01(\t\"\x9c\x01\n\x0fSessionAffinity\x12\x32\n\x04type\x18\x01 \x01(\x0e\x32$.flagella.lb.v1.SessionAffinity.Type\x12*\n\x07timeout\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\")\n\x04Type\x12\r\n\tTYPE_NONE\x10\x00\x12\x12\n\x0eTYPE_CLIENT_IP\x10\x01\"\x9c\x03\n\x07Service\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\n\n\x02id\x18\x03 \x01(\r\x12\x12\n\nrev_nat_id\x18\x04 \x01(\r\x12*\n\x08\x66rontend\x18\x05 \x01(\x0b\x32\x18.flagella.lb.v1.Frontend\x12)\n\x04type\x18\x06 \x01(\x0e\x32\x1b.flagella.lb.v1.ServiceType\x12\x11\n\tnode_port\x18\x07 \x01(\r\x12)\n\x08\x62\x61\x63kends\x18\x08 \x03(\x0b\x32\x17.flagella.lb.v1.Backend\x12,\n\talgorithm\x18\t \x01(\x0e\x32\x19.flagella.lb.v1.Algorithm\x12\x39\n\x10session_affinity\x18\n \x01(\x0b\x32\x1f.flagella.lb.v1.SessionAffinity\x12\x15\n\rsource_ranges\x18\x0b \x03(\t\x12\x10\n\x08revision\x18\x0c \x01(\x03\x12\x0e\n\x06source\x18\r \x01(\t\x12\x19\n\x11maglev_table_size\x18\x0e \x01(\r\"@\n\x14UpsertServiceRequest\x12(\n\x07service\x18\x01 \x01(\x0b\x32\x17.flagella.lb.v1.Service\"R\n\x15UpsertServiceResponse\x12(\n\x07service\x18\x01 \x01(\x0b\x32\x17.flagella.lb.v1.Service\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"B\n\x15UpsertServicesRequest\x12)\n\x08services\x18\x01 \x03(\x0b\x32\x17.flagella.lb.v1.Service\"P\n\x16UpsertServicesResponse\x12\x36\n\x07results\x18\x01 \x03(\x0b\x32%.flagella.lb.v1.UpsertServiceResponse\"e\n\x11GetServiceRequest\x12\x0e\n\x04name\x18\x01 \x01(\tH\x00\x12\x0c\n\x02id\x18\x02 \x01(\rH\x00\x12,\n\x08\x66rontend\x18\x03 \x01(\x0b\x32\x18.flagella.lb.v1.FrontendH\x00\x42\x04\n\x02\x62y\"$\n\x14\x44\x65leteServiceRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"(\n\x15\x44\x65leteServiceResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"(\n\x13ListServicesRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\"S\n\x14ListServicesResponse\x12)\n\x08services\x18\x01 \x03(\x0b\x32\x17.flagella.lb.v1.Service\x12\x10\n\x08revision\x18\x02 \x01(\x03\"M\n\x14WatchServicesRequest\x12\x16\n\x0esince_revision\x18\x01 \x01(\x03\x12\x1d\n\x15include_maglev_tables\x18\x02 \x01(\x08\"\xac\x02\n\x0cServiceEvent\x12/\n\x04kind\x18\x01 \x01(\x0e\x32!.flagella.lb.v1.ServiceEvent.Kind\x12(\n\x07service\x18\x02 \x01(\x0b\x32\x17.flagella.lb.v1.Service\x12\x31\n\x0cmaglev_table\x18\x03 \x01(\x0b\x32\x1b.flagella.lb.v1.MaglevTable\x12\x10\n\x08revision\x18\x04 \x01(\x03\x12\x1b\n\x13removed_backend_ids\x18\x05 \x03(\r\"_\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0e\n\nKIND_RESET\x10\x01\x12\x0f\n\x0bKIND_UPSERT\x10\x02\x12\x0f\n\x0bKIND_DELETE\x10\x03\x12\x0f\n\x0bKIND_SYNCED\x10\x04\"%\n\x15GetMaglevTableRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"D\n\x0bMaglevTable\x12\x12\n\nservice_id\x18\x01 \x01(\r\x12\x0c\n\x04size\x18\x02 \x01(\r\x12\x13\n\x0b\x62\x61\x63kend_ids\x18\x03 \x03(\r*H\n\x08Protocol\x12\x18\n\x14PROTOCOL_UNSPECIFIED\x10\x00\x12\x10\n\x0cPROTOCOL_TCP\x10\x06\x12\x10\n\x0cPROTOCOL_UDP\x10\x11*d\n\x0bServiceType\x12\x1c\n\x18SERVICE_TYPE_UNSPECIFIED\x10\x00\x12\x1b\n\x17SERVICE_TYPE_CLUSTER_IP\x10\x01\x12\x1a\n\x16SERVICE_TYPE_NODE_PORT\x10\x02*R\n\tAlgorithm\x12\x19\n\x15\x41LGORITHM_UNSPECIFIED\x10\x00\x12\x14\n\x10\x41LGORITHM_RANDOM\x10\x01\x12\x14\n\x10\x41LGORITHM_MAGLEV\x10\x02*\xa4\x01\n\x0c\x42\x61\x63kendState\x12\x1d\n\x19\x42\x41\x43KEND_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x42\x41\x43KEND_STATE_ACTIVE\x10\x01\x12\x1d\n\x19\x42\x41\x43KEND_STATE_TERMINATING\x10\x02\x12\x1d\n\x19\x42\x41\x43KEND_STATE_QUARANTINED\x10\x03\x12\x1d\n\x19\x42\x41\x43KEND_STATE_MAINTENANCE\x10\x04\x32\x84\x05\n\x13LoadBalancerService\x12\\\n\rUpsertService\x12$.flagella.lb.v1.UpsertServiceRequest\x1a%.flagella.lb.v1.UpsertServiceResponse\x12_\n\x0eUpsertServices\x12%.flagella.lb.v1.UpsertServicesRequest\x1a&.flagella.lb.v1.UpsertServicesResponse\x12H\n\nGetService\x12!.flagella.lb.v1.GetServiceRequest\x1a\x17.flagella.lb.v1.Service\x12\\\n\rDeleteService\x12$.flagella.lb.v1.DeleteServiceRequest\x1a%.flagella.lb.v1.DeleteServiceResponse\x12Y\n\x0cListServices\x12#.flagella.lb.v1.ListServicesRequest\x1a$.flagella.lb.v1.ListServicesResponse\x12U\n\rWatchServices\x12$.flagella.lb.v1.WatchServicesRequest\x1a\x1c.flagella.lb.v1.ServiceEvent0\x01\x12T\n\x0eGetMaglevTable\x12%.flagella.lb.v1.GetMaglevTableRequest\x1a\x1b.flagella.lb.v1.MaglevTableb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'flagella.lb.v1.lb_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PROTOCOL']._serialized_start=1816
-  _globals['_PROTOCOL']._serialized_end=1888
-  _globals['_SERVICETYPE']._serialized_start=1890
-  _globals['_SERVICETYPE']._serialized_end=1990
-  _globals['_ALGORITHM']._serialized_start=1992
-  _globals['_ALGORITHM']._serialized_end=2074
-  _globals['_BACKENDSTATE']._serialized_start=2077
-  _globals['_BACKENDSTATE']._serialized_end=2241
+  _globals['_PROTOCOL']._serialized_start=1966
+  _globals['_PROTOCOL']._serialized_end=2038
+  _globals['_SERVICETYPE']._serialized_start=2040
+  _globals['_SERVICETYPE']._serialized_end=2140
+  _globals['_ALGORITHM']._serialized_start=2142
+  _globals['_ALGORITHM']._serialized_end=2224
+  _globals['_BACKENDSTATE']._serialized_start=2227
+  _globals['_BACKENDSTATE']._serialized_end=2391
   _globals['_FRONTEND']._serialized_start=75
   _globals['_FRONTEND']._serialized_end=160
   _globals['_BACKEND']._serialized_start=162
@@ -55,26 +55,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_UPSERTSERVICEREQUEST']._serialized_end=929
   _globals['_UPSERTSERVICERESPONSE']._serialized_start=931
   _globals['_UPSERTSERVICERESPONSE']._serialized_end=1013
-  _globals['_GETSERVICEREQUEST']._serialized_start=1015
-  _globals['_GETSERVICEREQUEST']._serialized_end=1116
-  _globals['_DELETESERVICEREQUEST']._serialized_start=1118
-  _globals['_DELETESERVICEREQUEST']._serialized_end=1154
-  _globals['_DELETESERVICERESPONSE']._serialized_start=1156
-  _globals['_DELETESERVICERESPONSE']._serialized_end=1196
-  _globals['_LISTSERVICESREQUEST']._serialized_start=1198
-  _globals['_LISTSERVICESREQUEST']._serialized_end=1238
-  _globals['_LISTSERVICESRESPONSE']._serialized_start=1240
-  _globals['_LISTSERVICESRESPONSE']._serialized_end=1323
-  _globals['_WATCHSERVICESREQUEST']._serialized_start=1325
-  _globals['_WATCHSERVICESREQUEST']._serialized_end=1402
-  _globals['_SERVICEEVENT']._serialized_start=1405
-  _globals['_SERVICEEVENT']._serialized_end=1705
-  _globals['_SERVICEEVENT_KIND']._serialized_start=1610
-  _globals['_SERVICEEVENT_KIND']._serialized_end=1705
-  _globals['_GETMAGLEVTABLEREQUEST']._serialized_start=1707
-  _globals['_GETMAGLEVTABLEREQUEST']._serialized_end=1744
-  _globals['_MAGLEVTABLE']._serialized_start=1746
-  _globals['_MAGLEVTABLE']._serialized_end=1814
-  _globals['_LOADBALANCERSERVICE']._serialized_start=2244
-  _globals['_LOADBALANCERSERVICE']._serialized_end=2791
+  _globals['_UPSERTSERVICESREQUEST']._serialized_start=1015
+  _globals['_UPSERTSERVICESREQUEST']._serialized_end=1081
+  _globals['_UPSERTSERVICESRESPONSE']._serialized_start=1083
+  _globals['_UPSERTSERVICESRESPONSE']._serialized_end=1163
+  _globals['_GETSERVICEREQUEST']._serialized_start=1165
+  _globals['_GETSERVICEREQUEST']._serialized_end=1266
+  _globals['_DELETESERVICEREQUEST']._serialized_start=1268
+  _globals['_DELETESERVICEREQUEST']._serialized_end=1304
+  _globals['_DELETESERVICERESPONSE']._serialized_start=1306
+  _globals['_DELETESERVICERESPONSE']._serialized_end=1346
+  _globals['_LISTSERVICESREQUEST']._serialized_start=1348
+  _globals['_LISTSERVICESREQUEST']._serialized_end=1388
+  _globals['_LISTSERVICESRESPONSE']._serialized_start=1390
+  _globals['_LISTSERVICESRESPONSE']._serialized_end=1473
+  _globals['_WATCHSERVICESREQUEST']._serialized_start=1475
+  _globals['_WATCHSERVICESREQUEST']._serialized_end=1552
+  _globals['_SERVICEEVENT']._serialized_start=1555
+  _globals['_SERVICEEVENT']._serialized_end=1855
+  _globals['_SERVICEEVENT_KIND']._serialized_start=1760
+  _globals['_SERVICEEVENT_KIND']._serialized_end=1855
+  _globals['_GETMAGLEVTABLEREQUEST']._serialized_start=1857
+  _globals['_GETMAGLEVTABLEREQUEST']._serialized_end=1894
+  _globals['_MAGLEVTABLE']._serialized_start=1896
+  _globals['_MAGLEVTABLE']._serialized_end=1964
+  _globals['_LOADBALANCERSERVICE']._serialized_start=2394
+  _globals['_LOADBALANCERSERVICE']._serialized_end=3038
 # @@protoc_insertion_point(module_scope)

@@ -316,6 +316,50 @@ class UpsertServiceResponse(_message.Message):
 Global___UpsertServiceResponse: _TypeAlias = UpsertServiceResponse  # noqa: Y015
 
 @_typing.final
+class UpsertServicesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SERVICES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def services(self) -> _containers.RepeatedCompositeFieldContainer[Global___Service]:
+        """At most 1,000."""
+
+    def __init__(
+        self,
+        *,
+        services: _abc.Iterable[Global___Service] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["services", b"services"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpsertServicesRequest: _TypeAlias = UpsertServicesRequest  # noqa: Y015
+
+@_typing.final
+class UpsertServicesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___UpsertServiceResponse]:
+        """One per request service, in order."""
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___UpsertServiceResponse] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpsertServicesResponse: _TypeAlias = UpsertServicesResponse  # noqa: Y015
+
+@_typing.final
 class GetServiceRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -40,6 +40,11 @@ class LoadBalancerServiceStub:
                 request_serializer=flagella_dot_lb_dot_v1_dot_lb__pb2.UpsertServiceRequest.SerializeToString,
                 response_deserializer=flagella_dot_lb_dot_v1_dot_lb__pb2.UpsertServiceResponse.FromString,
                 _registered_method=True)
+        self.UpsertServices = channel.unary_unary(
+                '/flagella.lb.v1.LoadBalancerService/UpsertServices',
+                request_serializer=flagella_dot_lb_dot_v1_dot_lb__pb2.UpsertServicesRequest.SerializeToString,
+                response_deserializer=flagella_dot_lb_dot_v1_dot_lb__pb2.UpsertServicesResponse.FromString,
+                _registered_method=True)
         self.GetService = channel.unary_unary(
                 '/flagella.lb.v1.LoadBalancerService/GetService',
                 request_serializer=flagella_dot_lb_dot_v1_dot_lb__pb2.GetServiceRequest.SerializeToString,
@@ -72,6 +77,17 @@ class LoadBalancerServiceServicer:
 
     def UpsertService(self, request, context):
         """Creates or replaces the service with this name (namespace/name).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpsertServices(self, request, context):
+        """Many services in one call (a bulk import, a Kubernetes resync): each is
+        stored as UpsertService would store it, several per etcd transaction.
+        The whole batch is checked first (fields, duplicates inside the batch,
+        frontends and node ports held by other services): an error names
+        services[i] and nothing is stored.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -116,6 +132,11 @@ def add_LoadBalancerServiceServicer_to_server(servicer, server):
                     servicer.UpsertService,
                     request_deserializer=flagella_dot_lb_dot_v1_dot_lb__pb2.UpsertServiceRequest.FromString,
                     response_serializer=flagella_dot_lb_dot_v1_dot_lb__pb2.UpsertServiceResponse.SerializeToString,
+            ),
+            'UpsertServices': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpsertServices,
+                    request_deserializer=flagella_dot_lb_dot_v1_dot_lb__pb2.UpsertServicesRequest.FromString,
+                    response_serializer=flagella_dot_lb_dot_v1_dot_lb__pb2.UpsertServicesResponse.SerializeToString,
             ),
             'GetService': grpc.unary_unary_rpc_method_handler(
                     servicer.GetService,
@@ -170,6 +191,33 @@ class LoadBalancerService:
             '/flagella.lb.v1.LoadBalancerService/UpsertService',
             flagella_dot_lb_dot_v1_dot_lb__pb2.UpsertServiceRequest.SerializeToString,
             flagella_dot_lb_dot_v1_dot_lb__pb2.UpsertServiceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpsertServices(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagella.lb.v1.LoadBalancerService/UpsertServices',
+            flagella_dot_lb_dot_v1_dot_lb__pb2.UpsertServicesRequest.SerializeToString,
+            flagella_dot_lb_dot_v1_dot_lb__pb2.UpsertServicesResponse.FromString,
             options,
             channel_credentials,
             insecure,

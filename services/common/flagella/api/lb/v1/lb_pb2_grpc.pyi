@@ -37,6 +37,13 @@ class LoadBalancerServiceStub:
     def __new__(cls, channel: _aio.Channel) -> LoadBalancerServiceAsyncStub: ...
     UpsertService: _grpc.UnaryUnaryMultiCallable[_lb_pb2.UpsertServiceRequest, _lb_pb2.UpsertServiceResponse]
     """Creates or replaces the service with this name (namespace/name)."""
+    UpsertServices: _grpc.UnaryUnaryMultiCallable[_lb_pb2.UpsertServicesRequest, _lb_pb2.UpsertServicesResponse]
+    """Many services in one call (a bulk import, a Kubernetes resync): each is
+    stored as UpsertService would store it, several per etcd transaction.
+    The whole batch is checked first (fields, duplicates inside the batch,
+    frontends and node ports held by other services): an error names
+    services[i] and nothing is stored.
+    """
     GetService: _grpc.UnaryUnaryMultiCallable[_lb_pb2.GetServiceRequest, _lb_pb2.Service]
     DeleteService: _grpc.UnaryUnaryMultiCallable[_lb_pb2.DeleteServiceRequest, _lb_pb2.DeleteServiceResponse]
     ListServices: _grpc.UnaryUnaryMultiCallable[_lb_pb2.ListServicesRequest, _lb_pb2.ListServicesResponse]
@@ -50,6 +57,13 @@ class LoadBalancerServiceAsyncStub(LoadBalancerServiceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     UpsertService: _aio.UnaryUnaryMultiCallable[_lb_pb2.UpsertServiceRequest, _lb_pb2.UpsertServiceResponse]  # type: ignore[assignment]
     """Creates or replaces the service with this name (namespace/name)."""
+    UpsertServices: _aio.UnaryUnaryMultiCallable[_lb_pb2.UpsertServicesRequest, _lb_pb2.UpsertServicesResponse]  # type: ignore[assignment]
+    """Many services in one call (a bulk import, a Kubernetes resync): each is
+    stored as UpsertService would store it, several per etcd transaction.
+    The whole batch is checked first (fields, duplicates inside the batch,
+    frontends and node ports held by other services): an error names
+    services[i] and nothing is stored.
+    """
     GetService: _aio.UnaryUnaryMultiCallable[_lb_pb2.GetServiceRequest, _lb_pb2.Service]  # type: ignore[assignment]
     DeleteService: _aio.UnaryUnaryMultiCallable[_lb_pb2.DeleteServiceRequest, _lb_pb2.DeleteServiceResponse]  # type: ignore[assignment]
     ListServices: _aio.UnaryUnaryMultiCallable[_lb_pb2.ListServicesRequest, _lb_pb2.ListServicesResponse]  # type: ignore[assignment]
@@ -66,6 +80,19 @@ class LoadBalancerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_lb_pb2.UpsertServiceResponse, _abc.Awaitable[_lb_pb2.UpsertServiceResponse]]:
         """Creates or replaces the service with this name (namespace/name)."""
+
+    @_abc_1.abstractmethod
+    def UpsertServices(
+        self,
+        request: _lb_pb2.UpsertServicesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_lb_pb2.UpsertServicesResponse, _abc.Awaitable[_lb_pb2.UpsertServicesResponse]]:
+        """Many services in one call (a bulk import, a Kubernetes resync): each is
+        stored as UpsertService would store it, several per etcd transaction.
+        The whole batch is checked first (fields, duplicates inside the batch,
+        frontends and node ports held by other services): an error names
+        services[i] and nothing is stored.
+        """
 
     @_abc_1.abstractmethod
     def GetService(
