@@ -305,10 +305,11 @@ class LbService:
         )
         results: list[tuple[ServiceRecord, bool] | None] = [None] * len(specs)
         todo: list[tuple[int, ServiceSpec, ServiceRecord | None]] = []
+        racing: list[int] = []
         for i, (spec, seen) in enumerate(zip(specs, found, strict=True)):
             current = currents.get(seen.name_id) if seen.name_id is not None else None
             if seen.name_id is not None and (current is None or current.name != spec.name):
-                todo.append((i, spec, None))  # changing under us: see racing below
+                racing.append(i)  # changed between the two reads: upsert() sorts it out
                 continue
             try:
                 if current is not None and current.source is not spec.source:
@@ -333,12 +334,11 @@ class LbService:
 
         chunk: list[tuple[int, UpsertPlan]] = []
         ops = 0
-        racing: list[int] = []
         for i, spec, current in todo:
-            if current is None and found[i].name_id is not None:
-                racing.append(i)
-                continue
-            plan = await self._plan(spec, current)
+            try:
+                plan = await self._plan(spec, current)
+            except FlagellaError as exc:
+                raise in_batch(exc, i) from None
             size = keys.commit_op_count(plan)
             if chunk and ops + size > keys.MAX_TXN_OPS:
                 await self._commit_chunk(specs, chunk, results)
