@@ -16,6 +16,7 @@ from flagella.datapath.bpf import (
     DropReason,
     Frontend,
     PolicyEntry,
+    Programs,
     Service,
     frontend_rev_nat_id,
     maglev_slot,
@@ -345,3 +346,35 @@ def test_maglev_tables_of_hundreds_of_services(dp: Datapath) -> None:
     for i in range(n):
         dp.delete_service(1000 + i)
     assert dp.maglev.count() == 0
+
+
+def test_frontends_of_a_service_survive_a_reopen_and_a_move(
+    dp: Datapath, bpf_programs: Programs
+) -> None:
+    """The datapath finds a service's frontends through an index kept
+    beside the map: a new process on the same pins rebuilds it from the map,
+    and a frontend taken over by another service leaves the first one's."""
+    ready(dp, POD_B)
+    fe = [
+        Frontend(f"10.96.5.{i}", 80, 6, rev_nat_id=frontend_rev_nat_id(40 + i, 0)) for i in range(3)
+    ]
+    be = (Backend(70, POD_B.ip, 8080),)
+    dp.upsert_service(Service(40, tuple(fe[:2]), be))
+    dp.upsert_service(Service(41, (fe[2],), be))
+    assert dp.services.frontends_of(40) == [(fe[0].address, 80, 6), (fe[1].address, 80, 6)]
+
+    again = Datapath.load(dp.folder.parent, programs=bpf_programs, sizes=dp.sizes)
+    try:
+        assert again.services.frontends_of(40) == [(fe[0].address, 80, 6), (fe[1].address, 80, 6)]
+        assert again.services.service_ids() == {40, 41}
+        # Service 41 takes over 10.96.5.1 from 40; 40 keeps only 10.96.5.0.
+        again.upsert_service(Service(41, (fe[2], fe[1]), be))
+        assert again.services.frontends_of(40) == [(fe[0].address, 80, 6)]
+        assert again.services.frontends_of(41) == [(fe[1].address, 80, 6), (fe[2].address, 80, 6)]
+        # Deleting 40 removes only what it still has.
+        assert again.delete_service(40)
+        assert again.services.frontend(fe[0].address, 80, 6) is None
+        assert again.services.frontend(fe[1].address, 80, 6) is not None
+        assert again.services.service_ids() == {41}
+    finally:
+        again.close()
