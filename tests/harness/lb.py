@@ -4,8 +4,10 @@ reading what it stored in etcd, and applying its watch stream."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -13,6 +15,8 @@ import grpc
 from flagella.api.lb.v1 import lb_pb2 as pb
 from flagella.api.lb.v1 import lb_pb2_grpc
 from flagella.common.etcd import Etcd
+from harness.etcd import EtcdServer
+from harness.procs import ServiceProcess
 
 LB_PREFIX = "flagella/lb/v1/"
 
@@ -139,3 +143,21 @@ def wait_for(cond: Any, timeout: float = 20.0, interval: float = 0.05) -> Any:
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout}s")
         time.sleep(interval)
+
+
+@contextlib.contextmanager
+def lb_with_etcd(tmp: Path, *args: str) -> Iterator[tuple[EtcdServer, LbClient]]:
+    """A fresh etcd and one lb process on it (extra lb flags in args), and a
+    client; all stopped and removed at the end."""
+    etcd = EtcdServer(tmp / "etcd").start()
+    proc = ServiceProcess("lb", ["--etcd-endpoints", etcd.endpoint, *args], log_dir=tmp)
+    client = None
+    try:
+        proc.start().wait_serving()
+        client = LbClient(proc.address)
+        yield etcd, client
+    finally:
+        if client is not None:
+            client.close()
+        proc.stop()
+        etcd.cleanup()

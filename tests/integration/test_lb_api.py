@@ -9,8 +9,7 @@ from typing import Any
 import grpc
 import pytest
 from harness.etcd import EtcdServer
-from harness.lb import LbClient, etcd_dump, rpc_error, service
-from harness.procs import ServiceProcess
+from harness.lb import LbClient, etcd_dump, lb_with_etcd, rpc_error, service
 
 from flagella.api.lb.v1 import lb_pb2 as pb
 from flagella.lb.maglev import DEFAULT_SEED, MaglevBackend, backend_key, lookup_table, parse_seed
@@ -21,23 +20,10 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def lb(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EtcdServer, LbClient]]:
     """One etcd and one lb process for the module (tests use distinct names)."""
-    tmp = tmp_path_factory.mktemp("lb-api")
-    etcd = EtcdServer(tmp / "etcd").start()
-    proc = ServiceProcess(
-        "lb",
-        ["--etcd-endpoints", etcd.endpoint, "--node-port-range", "30000-30009"],
-        log_dir=tmp,
-    )
-    client = None
-    try:
-        proc.start().wait_serving()
-        client = LbClient(proc.address)
-        yield etcd, client
-    finally:
-        if client is not None:
-            client.close()
-        proc.stop()
-        etcd.cleanup()
+    with lb_with_etcd(
+        tmp_path_factory.mktemp("lb-api"), "--node-port-range", "30000-30009"
+    ) as suite:
+        yield suite
 
 
 def test_create_get_update_list_delete(lb: tuple[EtcdServer, LbClient]) -> None:

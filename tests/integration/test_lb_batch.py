@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 from harness.etcd import EtcdServer
-from harness.lb import LbClient, etcd_dump, rpc_error, service
+from harness.lb import LbClient, etcd_dump, lb_with_etcd, rpc_error, service
 from harness.procs import ServiceProcess
 
 from flagella.api.lb.v1 import lb_pb2 as pb
@@ -23,23 +23,11 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def lb(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EtcdServer, LbClient]]:
-    tmp = tmp_path_factory.mktemp("lb-batch")
-    etcd = EtcdServer(tmp / "etcd").start()
-    proc = ServiceProcess(
-        "lb",
-        ["--etcd-endpoints", etcd.endpoint, "--node-port-range", "30000-30099"],
-        log_dir=tmp,
-    )
-    client = None
-    try:
-        proc.start().wait_serving()
-        client = LbClient(proc.address)
-        yield etcd, client
-    finally:
-        if client is not None:
-            client.close()
-        proc.stop()
-        etcd.cleanup()
+    """One etcd and one lb process for the module (tests use distinct names)."""
+    with lb_with_etcd(
+        tmp_path_factory.mktemp("lb-batch"), "--node-port-range", "30000-30099"
+    ) as suite:
+        yield suite
 
 
 def batch(c: LbClient, services: list[pb.Service]) -> pb.UpsertServicesResponse:
