@@ -88,12 +88,16 @@ print(json.dumps(out))
 """
 
 # A long-lived TCP stream: echo round trips every interval; prints one line
-# per round trip ("ok N" or "fail N reason") until killed.
+# per round trip ("ok N" or "fail N reason") until killed. With "hello", it
+# first says HELLO and prints the first word of the answer (which backend
+# of a service holds the connection).
 STREAM = r"""
 import socket, sys, time
 host, port, interval = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 s = socket.create_connection((host, port), timeout=5)
 s.settimeout(5)
+if sys.argv[4:] == ["hello"]:
+    s.sendall(b"HELLO\n"); print(s.recv(4096).decode().split()[0], flush=True)
 i = 0
 while True:
     i += 1
@@ -206,8 +210,11 @@ class Netns:
         )
         return out.returncode == 0
 
-    def stream(self, host: str, port: int, interval: float = 0.05) -> subprocess.Popen[str]:
-        return self.popen(sys.executable, "-u", "-c", STREAM, host, str(port), str(interval))
+    def stream(
+        self, host: str, port: int, interval: float = 0.05, *, hello: bool = False
+    ) -> subprocess.Popen[str]:
+        args = [host, str(port), str(interval)] + (["hello"] if hello else [])
+        return self.popen(sys.executable, "-u", "-c", STREAM, *args)
 
     def cleanup(self) -> None:
         for proc in self._procs:
