@@ -6,7 +6,7 @@ import contextlib
 import errno
 import os
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -345,10 +345,42 @@ class Datapath:
         self.policy.clear_endpoint(endpoint_id)
         return n
 
-    def upsert_service(self, svc: Service) -> None:
+    def apply_services(
+        self, changes: Sequence[tuple[int, Service | None, Sequence[int]]]
+    ) -> list[BaseException | None]:
+        """Many service changes at once, in order: (service id, the service
+        to write, or None to delete it with the given rev-NAT ids). The
+        backends and rev-NAT entries of every written service go first, a
+        few batch syscalls for all (what the services' frontends will point
+        at); then each service as upsert_service/delete_service. One outcome
+        per change: None, or the error that change met (the others are
+        still applied)."""
+        upserts = [svc for _, svc, _ in changes if svc is not None]
+        try:
+            self.backends.upsert_many(b for svc in upserts for b in svc.backends)
+            self.revnat.upsert_many(
+                (fe.rev_nat_id, fe.address, fe.port) for svc in upserts for fe in svc.frontends
+            )
+            shared_written = True
+        except Exception:
+            shared_written = False  # each service writes its own: errors per service
+        out: list[BaseException | None] = []
+        for service_id, svc, rev_nat_ids in changes:
+            try:
+                if svc is None:
+                    self.delete_service(service_id, rev_nat_ids)
+                else:
+                    self.upsert_service(svc, shared_written=shared_written)
+                out.append(None)
+            except Exception as exc:
+                out.append(exc)
+        return out
+
+    def upsert_service(self, svc: Service, *, shared_written: bool = False) -> None:
         """Writes a service: backends, rev-NAT, Maglev table, source ranges,
         then every frontend (slots before the service entry); frontends of
-        the service that are no longer listed are removed."""
+        the service that are no longer listed are removed. shared_written:
+        the backends and rev-NAT entries are already written."""
         flags = 0
         maglev_size = 0
         if svc.maglev:
@@ -360,10 +392,11 @@ class Datapath:
             flags |= L.SVC_F_AFFINITY
         if svc.source_ranges:
             flags |= L.SVC_F_SOURCE_RANGE
-        for b in svc.backends:
-            self.backends.upsert(b)
-        for fe in svc.frontends:
-            self.revnat.upsert(fe.rev_nat_id, fe.address, fe.port)
+        if not shared_written:
+            for b in svc.backends:
+                self.backends.upsert(b)
+            for fe in svc.frontends:
+                self.revnat.upsert(fe.rev_nat_id, fe.address, fe.port)
         if svc.maglev:
             # A new table replaces the old one in one outer-map update.
             self.maglev.set_table(svc.service_id, svc.maglev_table)

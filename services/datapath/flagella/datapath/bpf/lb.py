@@ -10,6 +10,7 @@ import dataclasses
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from flagella.datapath.bpf import layout as L
 from flagella.datapath.bpf import syscall
@@ -173,6 +174,12 @@ class Services(BpfMap[L.SvcKey, L.SvcValue]):
         return set(self._index())
 
 
+def _write_all(m: BpfMap[L.U32, Any], pairs: Sequence[tuple[L.U32, Any]]) -> None:
+    written = m.update_batch(pairs)
+    if written != len(pairs):
+        raise OSError(f"map {m.name}: {written} of {len(pairs)} entries written")
+
+
 class Backends(BpfMap[L.U32, L.BackendValue]):
     """cilium_lb4_backends: backend id -> address, port."""
 
@@ -180,6 +187,15 @@ class Backends(BpfMap[L.U32, L.BackendValue]):
         v = L.BackendValue(port=L.port_be(b.port), proto=b.protocol, state=b.state)
         L.set_addr(v.addr, b.address)
         self.update(L.U32(b.id), v)
+
+    def upsert_many(self, backends: Iterable[Backend]) -> None:
+        """upsert() of many, in batches (a backend listed twice: the last)."""
+        values: dict[int, L.BackendValue] = {}
+        for b in backends:
+            v = L.BackendValue(port=L.port_be(b.port), proto=b.protocol, state=b.state)
+            L.set_addr(v.addr, b.address)
+            values[b.id] = v
+        _write_all(self, [(L.U32(i), v) for i, v in values.items()])
 
     def remove(self, backend_id: int) -> bool:
         return self.delete(L.U32(backend_id))
@@ -196,6 +212,15 @@ class RevNat(BpfMap[L.U32, L.RevNatValue]):
         v = L.RevNatValue(port=L.port_be(port))
         L.set_addr(v.addr, address)
         self.update(L.U32(rev_nat_id), v)
+
+    def upsert_many(self, entries: Iterable[tuple[int, str, int]]) -> None:
+        """upsert() of many (rev-NAT id, address, port), in batches."""
+        values: dict[int, L.RevNatValue] = {}
+        for rev_nat_id, address, port in entries:
+            v = L.RevNatValue(port=L.port_be(port))
+            L.set_addr(v.addr, address)
+            values[rev_nat_id] = v
+        _write_all(self, [(L.U32(i), v) for i, v in values.items()])
 
     def remove(self, rev_nat_id: int) -> bool:
         return self.delete(L.U32(rev_nat_id))
