@@ -332,18 +332,19 @@ class LbService:
             else:
                 todo.append((i, spec, current))
 
-        chunk: list[tuple[int, UpsertPlan]] = []
+        chunk: list[tuple[int, UpsertPlan, keys.CommitOps]] = []
         ops = 0
         for i, spec, current in todo:
             try:
                 plan = await self._plan(spec, current)
             except FlagellaError as exc:
                 raise in_batch(exc, i) from None
-            size = keys.commit_op_count(plan)
+            plan_ops = keys.commit_ops(plan)
+            size = keys.commit_op_count(plan_ops)
             if chunk and ops + size > keys.MAX_TXN_OPS:
                 await self._commit_chunk(specs, chunk, results)
                 chunk, ops = [], 0
-            chunk.append((i, plan))
+            chunk.append((i, plan, plan_ops))
             ops += size
         if chunk:
             await self._commit_chunk(specs, chunk, results)
@@ -359,16 +360,18 @@ class LbService:
     async def _commit_chunk(
         self,
         specs: Sequence[ServiceSpec],
-        chunk: Sequence[tuple[int, UpsertPlan]],
+        chunk: Sequence[tuple[int, UpsertPlan, keys.CommitOps]],
         results: list[tuple[ServiceRecord, bool] | None],
     ) -> None:
-        succeeded, revision = await self.store.commit_many([plan for _, plan in chunk])
+        succeeded, revision = await self.store.commit_many(
+            [plan for _, plan, _ in chunk], [ops for _, _, ops in chunk]
+        )
         if not succeeded:
             log.info(
                 "batch chunk contested, committing its services one by one",
                 extra={"services": len(chunk)},
             )
-        for i, plan in chunk:
+        for i, plan, _ in chunk:
             if succeeded:
                 self._known.add(plan.record.name)
                 results[i] = (plan.record.with_revision(revision), plan.previous is None)

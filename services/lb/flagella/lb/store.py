@@ -275,7 +275,7 @@ class LbStore:
 
     async def commit(self, plan: UpsertPlan) -> CommitResult:
         rec, prev = plan.record, plan.previous
-        compare, success = _commit_ops(plan)
+        compare, success = commit_ops(plan)
         failure: list[Any] = [get_op(name_key(rec.name)), get_op(frontend_key(rec.frontend))]
         if prev is None:
             failure.append(get_op(service_key(rec.id)))
@@ -305,14 +305,16 @@ class LbStore:
                 out.blocks_taken.append(block)
         return out
 
-    async def commit_many(self, plans: Sequence[UpsertPlan]) -> tuple[bool, int]:
+    async def commit_many(
+        self, plans: Sequence[UpsertPlan], ops: Sequence[CommitOps] | None = None
+    ) -> tuple[bool, int]:
         """Commit several plans in one transaction: all or none. Returns
         (succeeded, revision); on failure the caller commits them one by one
-        to find out which one was contested."""
+        to find out which one was contested. ops: commit_ops() of each plan,
+        when the caller already has them."""
         compare: list[Any] = []
         success: list[Any] = []
-        for plan in plans:
-            c, s = _commit_ops(plan)
+        for c, s in ops if ops is not None else [commit_ops(plan) for plan in plans]:
             compare += c
             success += s
         result = await self.etcd.txn(compare, success, [])
@@ -430,7 +432,11 @@ class LbStore:
                 delay = min(delay * 2, max_delay)
 
 
-def _commit_ops(plan: UpsertPlan) -> tuple[list[Any], list[Any]]:
+# The compares and the writes of one plan.
+CommitOps = tuple[list[Any], list[Any]]
+
+
+def commit_ops(plan: UpsertPlan) -> CommitOps:
     """The compares and writes that store a plan: ids and keys it newly
     takes must be absent, the record it replaces unchanged."""
     rec, prev = plan.record, plan.previous
@@ -465,11 +471,10 @@ def _commit_ops(plan: UpsertPlan) -> tuple[list[Any], list[Any]]:
     return compare, success
 
 
-def commit_op_count(plan: UpsertPlan) -> int:
+def commit_op_count(ops: CommitOps) -> int:
     """How many operations (the larger of compares and writes) a plan adds
     to a transaction."""
-    compare, success = _commit_ops(plan)
-    return max(len(compare), len(success))
+    return max(len(ops[0]), len(ops[1]))
 
 
 def _chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
