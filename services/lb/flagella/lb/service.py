@@ -114,6 +114,10 @@ class TableCache:
         return table
 
 
+# Transactions of one UpsertServices call in flight at once.
+COMMITS_IN_FLIGHT = 4
+
+
 class LbService:
     def __init__(
         self, store: LbStore, limits: Limits, seed: bytes, *, cache_slots: int = 32 << 20
@@ -332,22 +336,45 @@ class LbService:
             else:
                 todo.append((i, spec, current))
 
+        # Chunks are committed while the next ones are planned, a few
+        # transactions in flight (etcd commits concurrent ones together).
+        # A failure is raised once the chunks in flight have finished.
+        commits: set[asyncio.Task[None]] = set()
+        error: BaseException | None = None
+
+        async def settle(limit: int) -> None:
+            nonlocal commits, error
+            while len(commits) > limit:
+                done, commits = await asyncio.wait(commits, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if error is None and task.exception() is not None:
+                        error = task.exception()
+
         chunk: list[tuple[int, UpsertPlan, keys.CommitOps]] = []
         ops = 0
-        for i, spec, current in todo:
-            try:
-                plan = await self._plan(spec, current)
-            except FlagellaError as exc:
-                raise in_batch(exc, i) from None
-            plan_ops = keys.commit_ops(plan)
-            size = keys.commit_op_count(plan_ops)
-            if chunk and ops + size > keys.MAX_TXN_OPS:
-                await self._commit_chunk(specs, chunk, results)
-                chunk, ops = [], 0
-            chunk.append((i, plan, plan_ops))
-            ops += size
-        if chunk:
-            await self._commit_chunk(specs, chunk, results)
+        try:
+            for i, spec, current in todo:
+                try:
+                    plan = await self._plan(spec, current)
+                except FlagellaError as exc:
+                    raise in_batch(exc, i) from None
+                plan_ops = keys.commit_ops(plan)
+                size = keys.commit_op_count(plan_ops)
+                if chunk and ops + size > keys.MAX_TXN_OPS:
+                    commits.add(asyncio.create_task(self._commit_chunk(specs, chunk, results)))
+                    chunk, ops = [], 0
+                    await settle(COMMITS_IN_FLIGHT - 1)
+                    if error is not None:
+                        break
+                chunk.append((i, plan, plan_ops))
+                ops += size
+            else:
+                if chunk:
+                    commits.add(asyncio.create_task(self._commit_chunk(specs, chunk, results)))
+        finally:
+            await settle(0)
+        if error is not None:
+            raise error
         for i in racing:
             try:
                 results[i] = await self.upsert(specs[i])

@@ -323,10 +323,12 @@ class LbStore:
     async def lookup_many(
         self, wanted: Sequence[tuple[str, Frontend, tuple[Protocol, int] | None]]
     ) -> list[Lookup]:
-        """lookup() of many services, in as few round trips as the etcd
-        transaction limit allows."""
-        out: list[Lookup] = []
-        for chunk in _chunks(wanted, MAX_TXN_OPS // 3):
+        """lookup() of many services, in as few transactions as the etcd
+        transaction limit allows, sent together."""
+
+        async def one(
+            chunk: Sequence[tuple[str, Frontend, tuple[Protocol, int] | None]],
+        ) -> list[Lookup]:
             ops: list[Any] = []
             for name, frontend, node_port in chunk:
                 ops += [get_op(name_key(name)), get_op(frontend_key(frontend))]
@@ -334,6 +336,7 @@ class LbStore:
                     ops.append(get_op(node_port_key(*node_port)))
             result = await self.etcd.txn([], ops)
             ranges = iter(result.ranges)
+            out: list[Lookup] = []
             for _, _, node_port in chunk:
                 name_id = _text(next(ranges))
                 frontend_owner = _text(next(ranges))
@@ -346,12 +349,22 @@ class LbStore:
                         revision=result.revision,
                     )
                 )
-        return out
+            return out
+
+        parts = await asyncio.gather(*(one(c) for c in _chunks(wanted, MAX_TXN_OPS // 3)))
+        return [lookup for part in parts for lookup in part]
 
     async def get_many_by_id(self, service_ids: Sequence[int]) -> dict[int, ServiceRecord]:
+        """The records of these ids (those that exist), the transactions sent
+        together."""
+        results = await asyncio.gather(
+            *(
+                self.etcd.txn([], [get_op(service_key(i)) for i in chunk])
+                for chunk in _chunks(service_ids, MAX_TXN_OPS)
+            )
+        )
         out: dict[int, ServiceRecord] = {}
-        for chunk in _chunks(service_ids, MAX_TXN_OPS):
-            result = await self.etcd.txn([], [get_op(service_key(i)) for i in chunk])
+        for result in results:
             for kvs in result.ranges:
                 if kvs:
                     rec = ServiceRecord.from_json(kvs[0].value, kvs[0].mod_revision)
