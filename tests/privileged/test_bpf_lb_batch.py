@@ -10,7 +10,14 @@ import pytest
 from harness.bpf import POD_A
 
 from flagella.common.reconcile import Reconciler
-from flagella.datapath.bpf import Backend, Datapath, Frontend, Service, frontend_rev_nat_id
+from flagella.datapath.bpf import (
+    Backend,
+    Datapath,
+    Frontend,
+    Programs,
+    Service,
+    frontend_rev_nat_id,
+)
 from flagella.datapath.bpf import layout as L
 from flagella.datapath.bpf import packets as P
 from flagella.datapath.service import MapWriter, ServiceOps
@@ -78,6 +85,57 @@ def test_apply_services_writes_a_batch_and_isolates_a_bad_one(dp: Datapath) -> N
         assert dp.backends.lookup(s.backends[1].id) == (s.backends[1].address, 8080)
         dst = reaches(dp, s.frontends[0].address, 41000 + i)
         assert dst in {b.address for b in s.backends}, f"service {i}"
+
+
+def test_apply_services_moves_a_frontend_and_drops_a_maglev_table(
+    dp: Datapath, bpf_programs: Programs
+) -> None:
+    """In one batch, after a restart (new process on the same pins): a
+    frontend leaves one service for another listed after it, a service
+    that had a Maglev table written by the previous process loses it, and
+    two services naming the same frontend are written in order (the last
+    one wins)."""
+    POD_A.add(dp)
+    dp.policy.apply(POD_A.endpoint_id, [], 1, ingress_enforced=False, egress_enforced=False)
+    x, y, z = (Frontend(f"10.96.7.{i}", 80, 6, frontend_rev_nat_id(60 + i, 0)) for i in range(3))
+    a_backends = (Backend(600, "10.2.7.1", 8080),)
+    b_backends = (Backend(610, "10.2.7.2", 8080),)
+    dp.upsert_service(Service(60, (x, y), a_backends, maglev=True, maglev_table=(600,) * 251))
+    dp.upsert_service(Service(61, (z,), b_backends))
+    assert dp.maglev.service_ids() == [60]
+
+    again = Datapath.load(dp.folder.parent, programs=bpf_programs, sizes=dp.sizes)
+    try:
+        outcomes = again.apply_services(
+            [
+                (60, Service(60, (x,), a_backends), []),
+                (61, Service(61, (z, y), b_backends), []),
+            ]
+        )
+        assert outcomes == [None, None]
+        assert again.maglev.service_ids() == []
+        assert again.services.frontends_of(60) == [(x.address, 80, 6)]
+        assert again.services.frontends_of(61) == [(y.address, 80, 6), (z.address, 80, 6)]
+        y_entry = again.services.frontend(y.address, 80, 6)
+        assert y_entry is not None
+        assert y_entry.service_id == 61
+        assert reaches(again, y.address, 42000) == "10.2.7.2"
+        assert reaches(again, x.address, 42001) == "10.2.7.1"
+
+        w = Frontend("10.96.7.9", 80, 6, frontend_rev_nat_id(70, 0))
+        outcomes = again.apply_services(
+            [
+                (70, Service(70, (w,), (Backend(700, "10.2.7.3", 8080),)), []),
+                (71, Service(71, (w,), (Backend(710, "10.2.7.4", 8080),)), []),
+            ]
+        )
+        assert outcomes == [None, None]
+        w_entry = again.services.frontend(w.address, 80, 6)
+        assert w_entry is not None
+        assert w_entry.service_id == 71
+        assert reaches(again, w.address, 42002) == "10.2.7.4"
+    finally:
+        again.close()
 
 
 async def test_services_reconciler_writes_through_batches(dp: Datapath) -> None:
