@@ -12,12 +12,16 @@
 4. With the datapath (as root): time from an upsert that swaps a service's
    backend until a client pod's connections reach the new backend, and
    the time until N services (10,000; 1,000 with --quick) upserted into
-   the lb by UpsertServices (500 per call) are programmed into a node's
-   BPF maps. A node netns with its
+   the lb by UpsertServices (500 per call, requests built beforehand) are
+   programmed into a node's BPF maps. A node netns with its
    own datapath, pods as netns; all removed at the end.
 
 It starts its own etcd (Debian's) and lb process on free loopback ports and
-removes them at the end. Usage: python bench/lb.py [--quick] [--json]
+removes them at the end. The datapath part also reports the services/s
+rate and the CPU per service of the lb, etcd and the datapath over the
+interval (/proc/<pid>/stat); with BENCH_LB_PY_SPY=<dir>, py-spy profiles of
+the lb and the datapath over it. Usage:
+python bench/lb.py [--quick] [--json] [--services N] [--no-datapath | --datapath-only]
 """
 
 from __future__ import annotations
