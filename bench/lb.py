@@ -12,12 +12,16 @@
 4. With the datapath (as root): time from an upsert that swaps a service's
    backend until a client pod's connections reach the new backend, and
    the time until N services (10,000; 1,000 with --quick) upserted into
-   the lb by UpsertServices (500 per call) are programmed into a node's
-   BPF maps. A node netns with its
+   the lb by UpsertServices (500 per call, requests built beforehand) are
+   programmed into a node's BPF maps. A node netns with its
    own datapath, pods as netns; all removed at the end.
 
 It starts its own etcd (Debian's) and lb process on free loopback ports and
-removes them at the end. Usage: python bench/lb.py [--quick] [--json]
+removes them at the end. The datapath part also reports the services/s
+rate and the CPU per service of the lb, etcd and the datapath over the
+interval (/proc/<pid>/stat); with BENCH_LB_PY_SPY=<dir>, py-spy profiles of
+the lb and the datapath over it. Usage:
+python bench/lb.py [--quick] [--json] [--services N] [--no-datapath | --datapath-only]
 """
 
 from __future__ import annotations
@@ -26,7 +30,10 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -238,6 +245,44 @@ def dp_service(name: str, vip: str, backends: list[str]) -> pb.Service:
     )
 
 
+def start_py_spy(pids: dict[str, int]) -> list[subprocess.Popen[bytes]]:
+    """With BENCH_LB_PY_SPY=<dir>: a py-spy flame graph of each process
+    (lb, datapath) while the bulk is programmed (py-spy must be installed)."""
+    folder = os.environ.get("BENCH_LB_PY_SPY")
+    if not folder:
+        return []
+    spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or "py-spy"
+    args = ["--format", "raw", "--nonblocking", "-o", f"{folder}/"]
+    spies = []
+    for name in ("lb", "datapath"):
+        if pids.get(name):
+            spies.append(
+                subprocess.Popen(
+                    [
+                        spy,
+                        "record",
+                        "--pid",
+                        str(pids[name]),
+                        "--rate",
+                        "200",
+                        *args[:-1],
+                        f"{args[-1]}{name}.txt",
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+    time.sleep(1)  # attached before the first upsert
+    return spies
+
+
+def stop_py_spy(spies: list[subprocess.Popen[bytes]]) -> None:
+    for p in spies:
+        p.send_signal(signal.SIGINT)
+    for p in spies:
+        p.wait(30)
+
+
 def bench_datapath(tmp: Path, quick: bool, n: int) -> dict[str, Any]:
     """Upsert-to-traffic time and N services programmed into a node's maps."""
     out: dict[str, Any] = {}
@@ -287,10 +332,20 @@ def bench_datapath(tmp: Path, quick: bool, n: int) -> dict[str, Any]:
             return next(m.entries for m in st.maps if m.name == "services")
 
         base = service_entries()
-        t0 = time.perf_counter()
+        pids = {
+            "lb": cluster.services["lb"].pid,
+            "etcd": cluster.etcd.proc.pid if cluster.etcd.proc else 0,
+            "datapath": node.process.pid if node.process else 0,
+        }
 
         def bulk(i: int) -> pb.Service:
             return dp_service(f"bulk/s{i}", f"10.98.{i // 250}.{i % 250 + 1}", [backends[i % 2].ip])
+
+        # Built before the clock starts: the figure is from the lb's input on.
+        requests = [
+            pb.UpsertServicesRequest(services=[bulk(i) for i in range(s, min(s + BATCH, n))])
+            for s in range(0, n, BATCH)
+        ]
 
         async def upsert_all() -> None:
             # As a bulk import or a Kubernetes resync would: UpsertServices,
@@ -299,17 +354,15 @@ def bench_datapath(tmp: Path, quick: bool, n: int) -> dict[str, Any]:
                 stub = lb_pb2_grpc.LoadBalancerServiceStub(ch)
                 sem = asyncio.Semaphore(2)
 
-                async def one(start: int) -> None:
+                async def one(request: pb.UpsertServicesRequest) -> None:
                     async with sem:
-                        await stub.UpsertServices(
-                            pb.UpsertServicesRequest(
-                                services=[bulk(i) for i in range(start, min(start + BATCH, n))]
-                            ),
-                            timeout=120,
-                        )
+                        await stub.UpsertServices(request, timeout=120)
 
-                await asyncio.gather(*(one(s) for s in range(0, n, BATCH)))
+                await asyncio.gather(*(one(r) for r in requests))
 
+        cpu0 = {who: cpu_seconds(p) for who, p in pids.items() if p}
+        spies = start_py_spy(pids)
+        t0 = time.perf_counter()
         asyncio.run(upsert_all())
         acked = time.perf_counter() - t0
         # Each service is one frontend entry plus one backend slot. Counting
@@ -318,12 +371,39 @@ def bench_datapath(tmp: Path, quick: bool, n: int) -> dict[str, Any]:
             if time.perf_counter() - t0 > 600:
                 raise RuntimeError("services never all programmed")
             time.sleep(0.25)
+        t_done = time.perf_counter() - t0
+        stop_py_spy(spies)
+        for who, c0 in cpu0.items():
+            out[f"datapath_services_cpu_{who}_ms_per_service"] = round(
+                (cpu_seconds(pids[who]) - c0) * 1e3 / n, 3
+            )
         out["datapath_services"] = n
         out["datapath_services_acked_s"] = round(acked, 2)
-        out["datapath_services_programmed_s"] = round(time.perf_counter() - t0, 2)
+        out["datapath_services_programmed_s"] = round(t_done, 2)
+        out["datapath_services_per_s"] = round(n / t_done, 1)
         answer = client.ns.request("tcp", f"10.98.{(n - 1) // 250}.{(n - 1) % 250 + 1}", 80)
         out["datapath_last_service_answers"] = bool(answer)
     return out
+
+
+def run_service_part(tmp: Path, n: int, quick: bool, results: dict[str, Any]) -> None:
+    etcd = EtcdServer(tmp / "etcd").start()
+    proc = ServiceProcess(
+        "lb",
+        [
+            "--etcd-endpoints",
+            etcd.endpoint,
+            "--log-level",
+            os.environ.get("BENCH_LB_LOG_LEVEL", "warning"),
+        ],
+        log_dir=tmp,
+    )
+    try:
+        proc.start().wait_serving()
+        results.update(asyncio.run(bench_service(proc.address, proc.pid, n, 20 if quick else 100)))
+    finally:
+        proc.stop()
+        etcd.cleanup()
 
 
 def main() -> int:
@@ -332,69 +412,59 @@ def main() -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--services", type=int, default=0, help="bulk size (default 10,000)")
     ap.add_argument("--no-datapath", action="store_true", help="skip the datapath part (root)")
+    ap.add_argument(
+        "--datapath-only", action="store_true", help="only the datapath part (root; no Maglev)"
+    )
     args = ap.parse_args()
     n = args.services or (2000 if args.quick else 10000)
 
     results: dict[str, Any] = {"quick": args.quick}
-    results.update(bench_maglev(args.quick))
+    if not args.datapath_only:
+        results.update(bench_maglev(args.quick))
     with tempfile.TemporaryDirectory(prefix="flagella-bench-lb-") as tmp:
-        etcd = EtcdServer(Path(tmp) / "etcd").start()
-        proc = ServiceProcess(
-            "lb",
-            [
-                "--etcd-endpoints",
-                etcd.endpoint,
-                "--log-level",
-                os.environ.get("BENCH_LB_LOG_LEVEL", "warning"),
-            ],
-            log_dir=Path(tmp),
-        )
-        try:
-            proc.start().wait_serving()
-            results.update(
-                asyncio.run(bench_service(proc.address, proc.pid, n, 20 if args.quick else 100))
-            )
-        finally:
-            proc.stop()
-            etcd.cleanup()
+        if not args.datapath_only:
+            run_service_part(Path(tmp), n, args.quick, results)
         if os.geteuid() == 0 and not args.no_datapath:
             results.update(bench_datapath(Path(tmp), args.quick, 1000 if args.quick else n))
 
     if args.json:
         print(json.dumps(results))
         return 0
-    print("Maglev table build (pure Python, median of runs)")
-    print(f"{'M':>7} {'backends':>9} {'weights':>8} {'median ms':>10} {'min ms':>8}")
-    for key, value in results.items():
-        if key.startswith("maglev_") and key.endswith("_build_ms"):
-            parts = key.split("_")
-            m, b = parts[1][1:], parts[2][1:]
-            weighted = "mixed" if "weighted" in key else "equal"
-            mn = results[key.replace("_build_ms", "_build_min_ms")]
-            print(f"{m:>7} {b:>9} {weighted:>8} {value:>10} {mn:>8}")
-    print()
-    print("lb service (real etcd, real lb process, gRPC)")
-    rows = [
-        ("one upsert acknowledged, p50", f"{results['upsert_ack_p50_ms']} ms"),
-        ("one upsert to its watch event, p50", f"{results['upsert_to_watch_event_p50_ms']} ms"),
-        ("one upsert to its watch event, max", f"{results['upsert_to_watch_event_max_ms']} ms"),
-        (f"{n} services: all acknowledged", f"{results['bulk_all_acked_s']} s"),
-        (f"{n} services: all on the watch stream", f"{results['bulk_all_on_watch_s']} s"),
-        ("  throughput", f"{results['bulk_upserts_per_s']} services/s"),
-        ("  upsert to watch event, p50", f"{results['bulk_upsert_to_watch_p50_ms']} ms"),
-        ("  upsert to watch event, p99", f"{results['bulk_upsert_to_watch_p99_ms']} ms"),
-        ("  lb process CPU per service", f"{results['bulk_lb_cpu_per_service_ms']} ms"),
-        (
-            f"{n} services by UpsertServices ({BATCH} per call): all on the stream",
-            f"{results['batch_all_on_watch_s']} s",
-        ),
-        ("  throughput", f"{results['batch_upserts_per_s']} services/s"),
-        ("  lb process CPU per service", f"{results['batch_lb_cpu_per_service_ms']} ms"),
-        (
-            f"snapshot of {results['snapshot_services']} on a new stream",
-            f"{results['snapshot_stream_s']} s",
-        ),
-    ]
+    rows: list[tuple[str, str]] = []
+    if "maglev_m16381_b10_build_ms" in results:
+        print("Maglev table build (pure Python, median of runs)")
+        print(f"{'M':>7} {'backends':>9} {'weights':>8} {'median ms':>10} {'min ms':>8}")
+        for key, value in results.items():
+            if key.startswith("maglev_") and key.endswith("_build_ms"):
+                parts = key.split("_")
+                m, b = parts[1][1:], parts[2][1:]
+                weighted = "mixed" if "weighted" in key else "equal"
+                mn = results[key.replace("_build_ms", "_build_min_ms")]
+                print(f"{m:>7} {b:>9} {weighted:>8} {value:>10} {mn:>8}")
+        print()
+    if "upsert_ack_p50_ms" in results:
+        print("lb service (real etcd, real lb process, gRPC)")
+        rows += [
+            ("one upsert acknowledged, p50", f"{results['upsert_ack_p50_ms']} ms"),
+            ("one upsert to its watch event, p50", f"{results['upsert_to_watch_event_p50_ms']} ms"),
+            ("one upsert to its watch event, max", f"{results['upsert_to_watch_event_max_ms']} ms"),
+            (f"{n} services: all acknowledged", f"{results['bulk_all_acked_s']} s"),
+            (f"{n} services: all on the watch stream", f"{results['bulk_all_on_watch_s']} s"),
+            ("  throughput", f"{results['bulk_upserts_per_s']} services/s"),
+            ("  upsert to watch event, p50", f"{results['bulk_upsert_to_watch_p50_ms']} ms"),
+            ("  upsert to watch event, p99", f"{results['bulk_upsert_to_watch_p99_ms']} ms"),
+            ("  lb process CPU per service", f"{results['bulk_lb_cpu_per_service_ms']} ms"),
+            (
+                f"{n} services by UpsertServices ({BATCH} per call): all on the stream",
+                f"{results['batch_all_on_watch_s']} s",
+            ),
+            ("  throughput", f"{results['batch_upserts_per_s']} services/s"),
+            ("  lb process CPU per service", f"{results['batch_lb_cpu_per_service_ms']} ms"),
+            (
+                f"snapshot of {results['snapshot_services']} on a new stream",
+                f"{results['snapshot_stream_s']} s",
+            ),
+        ]
     if "upsert_to_traffic_p50_ms" in results:
         rows += [
             (
@@ -413,7 +483,12 @@ def main() -> int:
                 f"{results['datapath_services']} services programmed in BPF",
                 f"{results['datapath_services_programmed_s']} s",
             ),
+            ("  rate", f"{results['datapath_services_per_s']} services/s"),
         ]
+        for proc in ("lb", "etcd", "datapath"):
+            key = f"datapath_services_cpu_{proc}_ms_per_service"
+            if key in results:
+                rows.append((f"  {proc} CPU per service", f"{results[key]} ms"))
     for label, value in rows:
         print(f"{label:<44} {value:>16}")
     return 0

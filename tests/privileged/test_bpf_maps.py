@@ -186,3 +186,21 @@ def test_events_of_drops_can_be_switched_off(dp: Datapath) -> None:
         dp.test_run("from_container", P.build(POD_A.ip, POD_B.ip))
         assert ev.read() == []
     assert dp.metrics.drops(133) == 2
+
+
+def test_entry_counts_of_hash_maps_across_batches_and_of_arrays(dp: Datapath) -> None:
+    """count() reads hash maps in batch lookups without decoding them: the
+    same number as a walk of the entries, over several batches; arrays
+    count every slot (what ListMaps reports)."""
+    assert dp.backends.count() == 0
+    dp.backends.upsert_many(
+        Backend(i + 1, f"10.3.{i // 250}.{i % 250 + 1}", 8080) for i in range(9000)
+    )
+    assert dp.backends.count() == 9000 == sum(1 for _ in dp.backends.items())
+    dp.backends.delete_many([L.U32(i + 1) for i in range(0, 9000, 2)])
+    assert dp.backends.count() == 4500 == len(list(dp.backends.keys()))
+    metrics = dp.maps["metrics"]
+    assert metrics.count() == metrics.max_entries == 768
+    status = {m.name: m for m in dp.map_status()}
+    assert status["backends"].entries == 4500
+    assert status["metrics"].entries == 768

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import pytest
 
@@ -149,3 +149,102 @@ async def test_unchanged_realized_value_is_not_rewritten(
     assert r.upsert("a", 1) == rev
     await r.reconcile_once()
     assert target.calls == [("update", "a")]
+
+
+class BatchTarget(FakeTarget):
+    """A target that also writes many keys per call (as the datapath's
+    services do on its map thread), one outcome per key."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[list[str]] = []
+        self.broken = False  # the whole call fails
+
+    async def apply_batch(
+        self, changes: Sequence[tuple[str, int | None]]
+    ) -> list[BaseException | None]:
+        self.batches.append([k for k, _ in changes])
+        if self.broken:
+            raise OSError("map thread gone")
+        out: list[BaseException | None] = []
+        for key, value in changes:
+            try:
+                self._maybe_fail(key)
+            except OSError as exc:
+                out.append(exc)
+                continue
+            if value is None:
+                self.data.pop(key, None)
+            else:
+                self.data[key] = value
+            out.append(None)
+        return out
+
+
+async def test_batch_target_gets_a_pass_in_few_calls() -> None:
+    target = BatchTarget()
+    r: Reconciler[str, int] = Reconciler("test", target, batch_size=40)
+    for i in range(100):
+        r.upsert(f"k{i}", i)
+    r.delete("k3")  # the key's latest change is what is applied
+    assert await r.reconcile_once() is None
+    assert [len(b) for b in target.batches] == [40, 40, 20]
+    assert target.calls == []  # never one key at a time
+    assert target.data == {f"k{i}": i for i in range(100) if i != 3}
+    assert r.realized_revision == r.revision
+    assert r.status().pending == 0
+
+
+async def test_batch_failure_of_one_key_retries_only_that_key() -> None:
+    target = BatchTarget()
+    r: Reconciler[str, int] = Reconciler("test", target, min_backoff=0.01, max_backoff=0.05)
+    target.fail["bad"] = 2
+    r.start()
+    try:
+        r.upsert("a", 1)
+        rev = r.upsert("bad", 2)
+        r.upsert("c", 3)
+        await r.wait_until_reconciled(rev, timeout=5)
+        assert target.data == {"a": 1, "bad": 2, "c": 3}
+        assert target.batches[0] == ["a", "bad", "c"]
+        assert target.batches[1:] == [["bad"], ["bad"]]
+        assert "cannot write bad" in r.status().last_error
+    finally:
+        await r.stop()
+
+
+async def test_batch_call_failing_whole_leaves_every_key_pending() -> None:
+    target = BatchTarget()
+    r: Reconciler[str, int] = Reconciler("test", target, min_backoff=0.01, max_backoff=0.05)
+    target.broken = True
+    r.upsert("a", 1)
+    r.upsert("b", 2)
+    await r.reconcile_once()
+    assert r.status().errors == 2
+    assert r.realized_revision == 0
+    target.broken = False
+    await asyncio.sleep(0.02)
+    await r.reconcile_once()
+    assert target.data == {"a": 1, "b": 2}
+    assert r.status().errors == 0
+
+
+async def test_batch_newer_change_during_apply_stays_pending() -> None:
+    target = BatchTarget()
+    r: Reconciler[str, int] = Reconciler("test", target)
+    real = target.apply_batch
+
+    async def changing(changes: Sequence[tuple[str, int | None]]) -> list[BaseException | None]:
+        if len(target.batches) == 0:
+            r.upsert("k", 2)  # arrives while the first batch is written
+        return await real(changes)
+
+    target.apply_batch = changing  # type: ignore[method-assign]
+    r.upsert("k", 1)
+    r.upsert("j", 1)
+    await r.reconcile_once()
+    assert target.data == {"k": 1, "j": 1}
+    assert r.status().pending == 1
+    await r.reconcile_once()
+    assert target.data == {"k": 2, "j": 1}
+    assert r.realized_revision == r.revision

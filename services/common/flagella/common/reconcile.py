@@ -7,6 +7,11 @@ deletes are idempotent (deleting a missing key counts as success), failures
 are retried per key with exponential backoff, and after a full sync from the
 source of truth a prune deletes whatever the target holds that is not
 desired. Callers wait for their change with wait_until_reconciled(revision).
+
+Operations that can write many keys at once (BatchOperations: one trip to
+a map-writing thread, batched syscalls) get every due change of a pass in
+one apply_batch call, up to batch_size at a time; the outcome is still per
+key (a failed key is retried alone, the others are done).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import contextlib
 import enum
 import logging
 import time
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -39,6 +44,17 @@ class Operations(Protocol[K_contra, V_contra]):
 
     async def list_actual(self) -> Iterable[Any]:
         """Every key the target holds now, for pruning."""
+
+
+class BatchOperations(Operations[K_contra, V_contra], Protocol):
+    """Operations that also apply many changes in one call."""
+
+    async def apply_batch(
+        self, changes: Sequence[tuple[K_contra, V_contra | None]]
+    ) -> Sequence[BaseException | None]:
+        """Apply each (key, value) change, a None value being a delete, in
+        order; one outcome per change: None when applied, else its error
+        (the others are still applied)."""
 
 
 class Status(enum.Enum):
@@ -77,9 +93,11 @@ class Reconciler(Generic[K, V]):
         *,
         min_backoff: float = 0.05,
         max_backoff: float = 5.0,
+        batch_size: int = 1000,
     ) -> None:
         self.name = name
         self.ops = ops
+        self.batch_size = batch_size
         self.min_backoff = min_backoff
         self.max_backoff = max_backoff
         self._entries: dict[K, _Entry[V]] = {}
@@ -190,42 +208,34 @@ class Reconciler(Generic[K, V]):
         when nothing is left to do."""
         now = time.monotonic()
         due = [(k, e) for k in self._pending if (e := self._entries[k]).retry_at <= now]
-        for key, entry in due:
-            revision = entry.revision
-            try:
-                if entry.value is None:
-                    await self.ops.delete(key)
-                else:
-                    await self.ops.update(key, entry.value)
-            except Exception as exc:
-                current = self._entries.get(key)
-                if current is not None and current.revision == revision:
-                    current.status = Status.ERROR
-                    current.attempts += 1
-                    backoff = min(self.min_backoff * 2 ** (current.attempts - 1), self.max_backoff)
-                    current.retry_at = time.monotonic() + backoff
-                    current.error = repr(exc)
-                    self._last_error = f"{key!r}: {exc!r}"
-                    log.warning(
-                        "reconcile failed",
-                        extra={
-                            "reconciler": self.name,
-                            "key": repr(key),
-                            "error": repr(exc),
-                            "attempt": current.attempts,
-                        },
-                    )
-                continue
-            current = self._entries.get(key)
-            # A newer change to the key arrived meanwhile: leave it pending.
-            if current is not None and current.revision == revision:
-                del self._pending[key]
-                if current.value is None:
-                    del self._entries[key]
-                else:
-                    current.status = Status.DONE
-                    current.attempts = 0
-                    current.error = ""
+        apply_batch = getattr(self.ops, "apply_batch", None)
+        if apply_batch is not None:
+            for start in range(0, len(due), self.batch_size):
+                part = due[start : start + self.batch_size]
+                changes = [(k, e.value) for k, e in part]
+                try:
+                    outcomes: Sequence[BaseException | None] = await apply_batch(changes)
+                except Exception as exc:
+                    outcomes = [exc] * len(part)
+                if len(outcomes) != len(part):
+                    lost = RuntimeError(f"{len(outcomes)} outcomes for {len(part)} changes")
+                    outcomes = [lost] * len(part)
+                for (key, entry), outcome in zip(part, outcomes, strict=True):
+                    self._settle(key, entry.revision, outcome)
+                if start + self.batch_size < len(due):
+                    async with self._progress:
+                        self._progress.notify_all()
+        else:
+            for key, entry in due:
+                error: BaseException | None = None
+                try:
+                    if entry.value is None:
+                        await self.ops.delete(key)
+                    else:
+                        await self.ops.update(key, entry.value)
+                except Exception as exc:
+                    error = exc
+                self._settle(key, entry.revision, error)
         waiting = [self._entries[k].retry_at for k in self._pending]
         if self._prune_requested and not waiting and self._prune_retry_at <= time.monotonic():
             await self._prune()
@@ -234,6 +244,37 @@ class Reconciler(Generic[K, V]):
         if self._prune_requested and not waiting:
             waiting = [self._prune_retry_at]
         return max(min(waiting) - time.monotonic(), 0.0) if waiting else None
+
+    def _settle(self, key: K, revision: int, outcome: BaseException | None) -> None:
+        """Record the outcome of applying the key's change at revision."""
+        current = self._entries.get(key)
+        # A newer change to the key arrived meanwhile: leave it pending.
+        if current is None or current.revision != revision:
+            return
+        if outcome is not None:
+            current.status = Status.ERROR
+            current.attempts += 1
+            backoff = min(self.min_backoff * 2 ** (current.attempts - 1), self.max_backoff)
+            current.retry_at = time.monotonic() + backoff
+            current.error = repr(outcome)
+            self._last_error = f"{key!r}: {outcome!r}"
+            log.warning(
+                "reconcile failed",
+                extra={
+                    "reconciler": self.name,
+                    "key": repr(key),
+                    "error": repr(outcome),
+                    "attempt": current.attempts,
+                },
+            )
+            return
+        del self._pending[key]
+        if current.value is None:
+            del self._entries[key]
+        else:
+            current.status = Status.DONE
+            current.attempts = 0
+            current.error = ""
 
     async def _prune(self) -> None:
         """Delete every target key that is not desired. Runs only once all

@@ -18,7 +18,7 @@ import ipaddress
 import logging
 import os
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -148,6 +148,33 @@ class ServiceOps:
         old = self.applied.pop(key, None)
         rev_nat_ids = [fe.rev_nat_id for fe in old.frontends] if old else []
         await self.svc.writer.run(self.svc.bpf.delete_service, key, rev_nat_ids)
+
+    async def apply_batch(
+        self, changes: Sequence[tuple[int, BpfService | None]]
+    ) -> Sequence[BaseException | None]:
+        """Every change of a reconciler pass in one trip to the map thread
+        (Datapath.apply_services: backends and rev-NAT entries of all in a
+        few batch syscalls). A deleted service's rev-NAT ids are removed
+        unless a service written in the same batch uses them (ids freed and
+        taken again between two passes)."""
+        written = {fe.rev_nat_id for _, svc in changes if svc is not None for fe in svc.frontends}
+        work: list[tuple[int, BpfService | None, list[int]]] = []
+        for key, svc in changes:
+            if svc is None:
+                old = self.applied.get(key)
+                gone = [fe.rev_nat_id for fe in old.frontends] if old else []
+                work.append((key, None, [r for r in gone if r not in written]))
+            else:
+                work.append((key, svc, []))
+        outcomes = await self.svc.writer.run(self.svc.bpf.apply_services, work)
+        for (key, svc, _), outcome in zip(work, outcomes, strict=True):
+            if outcome is not None:
+                continue
+            if svc is None:
+                self.applied.pop(key, None)
+            else:
+                self.applied[key] = svc
+        return outcomes
 
     async def list_actual(self) -> Iterable[int]:
         def service_ids() -> set[int]:

@@ -114,6 +114,10 @@ class TableCache:
         return table
 
 
+# Transactions of one UpsertServices call in flight at once.
+COMMITS_IN_FLIGHT = 4
+
+
 class LbService:
     def __init__(
         self, store: LbStore, limits: Limits, seed: bytes, *, cache_slots: int = 32 << 20
@@ -332,21 +336,45 @@ class LbService:
             else:
                 todo.append((i, spec, current))
 
-        chunk: list[tuple[int, UpsertPlan]] = []
+        # Chunks are committed while the next ones are planned, a few
+        # transactions in flight (etcd commits concurrent ones together).
+        # A failure is raised once the chunks in flight have finished.
+        commits: set[asyncio.Task[None]] = set()
+        error: BaseException | None = None
+
+        async def settle(limit: int) -> None:
+            nonlocal commits, error
+            while len(commits) > limit:
+                done, commits = await asyncio.wait(commits, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if error is None and task.exception() is not None:
+                        error = task.exception()
+
+        chunk: list[tuple[int, UpsertPlan, keys.CommitOps]] = []
         ops = 0
-        for i, spec, current in todo:
-            try:
-                plan = await self._plan(spec, current)
-            except FlagellaError as exc:
-                raise in_batch(exc, i) from None
-            size = keys.commit_op_count(plan)
-            if chunk and ops + size > keys.MAX_TXN_OPS:
-                await self._commit_chunk(specs, chunk, results)
-                chunk, ops = [], 0
-            chunk.append((i, plan))
-            ops += size
-        if chunk:
-            await self._commit_chunk(specs, chunk, results)
+        try:
+            for i, spec, current in todo:
+                try:
+                    plan = await self._plan(spec, current)
+                except FlagellaError as exc:
+                    raise in_batch(exc, i) from None
+                plan_ops = keys.commit_ops(plan)
+                size = keys.commit_op_count(plan_ops)
+                if chunk and ops + size > keys.MAX_TXN_OPS:
+                    commits.add(asyncio.create_task(self._commit_chunk(specs, chunk, results)))
+                    chunk, ops = [], 0
+                    await settle(COMMITS_IN_FLIGHT - 1)
+                    if error is not None:
+                        break
+                chunk.append((i, plan, plan_ops))
+                ops += size
+            else:
+                if chunk:
+                    commits.add(asyncio.create_task(self._commit_chunk(specs, chunk, results)))
+        finally:
+            await settle(0)
+        if error is not None:
+            raise error
         for i in racing:
             try:
                 results[i] = await self.upsert(specs[i])
@@ -359,16 +387,18 @@ class LbService:
     async def _commit_chunk(
         self,
         specs: Sequence[ServiceSpec],
-        chunk: Sequence[tuple[int, UpsertPlan]],
+        chunk: Sequence[tuple[int, UpsertPlan, keys.CommitOps]],
         results: list[tuple[ServiceRecord, bool] | None],
     ) -> None:
-        succeeded, revision = await self.store.commit_many([plan for _, plan in chunk])
+        succeeded, revision = await self.store.commit_many(
+            [plan for _, plan, _ in chunk], [ops for _, _, ops in chunk]
+        )
         if not succeeded:
             log.info(
                 "batch chunk contested, committing its services one by one",
                 extra={"services": len(chunk)},
             )
-        for i, plan in chunk:
+        for i, plan, _ in chunk:
             if succeeded:
                 self._known.add(plan.record.name)
                 results[i] = (plan.record.with_revision(revision), plan.previous is None)

@@ -275,7 +275,7 @@ class LbStore:
 
     async def commit(self, plan: UpsertPlan) -> CommitResult:
         rec, prev = plan.record, plan.previous
-        compare, success = _commit_ops(plan)
+        compare, success = commit_ops(plan)
         failure: list[Any] = [get_op(name_key(rec.name)), get_op(frontend_key(rec.frontend))]
         if prev is None:
             failure.append(get_op(service_key(rec.id)))
@@ -305,14 +305,16 @@ class LbStore:
                 out.blocks_taken.append(block)
         return out
 
-    async def commit_many(self, plans: Sequence[UpsertPlan]) -> tuple[bool, int]:
+    async def commit_many(
+        self, plans: Sequence[UpsertPlan], ops: Sequence[CommitOps] | None = None
+    ) -> tuple[bool, int]:
         """Commit several plans in one transaction: all or none. Returns
         (succeeded, revision); on failure the caller commits them one by one
-        to find out which one was contested."""
+        to find out which one was contested. ops: commit_ops() of each plan,
+        when the caller already has them."""
         compare: list[Any] = []
         success: list[Any] = []
-        for plan in plans:
-            c, s = _commit_ops(plan)
+        for c, s in ops if ops is not None else [commit_ops(plan) for plan in plans]:
             compare += c
             success += s
         result = await self.etcd.txn(compare, success, [])
@@ -321,10 +323,12 @@ class LbStore:
     async def lookup_many(
         self, wanted: Sequence[tuple[str, Frontend, tuple[Protocol, int] | None]]
     ) -> list[Lookup]:
-        """lookup() of many services, in as few round trips as the etcd
-        transaction limit allows."""
-        out: list[Lookup] = []
-        for chunk in _chunks(wanted, MAX_TXN_OPS // 3):
+        """lookup() of many services, in as few transactions as the etcd
+        transaction limit allows, sent together."""
+
+        async def one(
+            chunk: Sequence[tuple[str, Frontend, tuple[Protocol, int] | None]],
+        ) -> list[Lookup]:
             ops: list[Any] = []
             for name, frontend, node_port in chunk:
                 ops += [get_op(name_key(name)), get_op(frontend_key(frontend))]
@@ -332,6 +336,7 @@ class LbStore:
                     ops.append(get_op(node_port_key(*node_port)))
             result = await self.etcd.txn([], ops)
             ranges = iter(result.ranges)
+            out: list[Lookup] = []
             for _, _, node_port in chunk:
                 name_id = _text(next(ranges))
                 frontend_owner = _text(next(ranges))
@@ -344,12 +349,22 @@ class LbStore:
                         revision=result.revision,
                     )
                 )
-        return out
+            return out
+
+        parts = await asyncio.gather(*(one(c) for c in _chunks(wanted, MAX_TXN_OPS // 3)))
+        return [lookup for part in parts for lookup in part]
 
     async def get_many_by_id(self, service_ids: Sequence[int]) -> dict[int, ServiceRecord]:
+        """The records of these ids (those that exist), the transactions sent
+        together."""
+        results = await asyncio.gather(
+            *(
+                self.etcd.txn([], [get_op(service_key(i)) for i in chunk])
+                for chunk in _chunks(service_ids, MAX_TXN_OPS)
+            )
+        )
         out: dict[int, ServiceRecord] = {}
-        for chunk in _chunks(service_ids, MAX_TXN_OPS):
-            result = await self.etcd.txn([], [get_op(service_key(i)) for i in chunk])
+        for result in results:
             for kvs in result.ranges:
                 if kvs:
                     rec = ServiceRecord.from_json(kvs[0].value, kvs[0].mod_revision)
@@ -430,7 +445,11 @@ class LbStore:
                 delay = min(delay * 2, max_delay)
 
 
-def _commit_ops(plan: UpsertPlan) -> tuple[list[Any], list[Any]]:
+# The compares and the writes of one plan.
+CommitOps = tuple[list[Any], list[Any]]
+
+
+def commit_ops(plan: UpsertPlan) -> CommitOps:
     """The compares and writes that store a plan: ids and keys it newly
     takes must be absent, the record it replaces unchanged."""
     rec, prev = plan.record, plan.previous
@@ -465,11 +484,10 @@ def _commit_ops(plan: UpsertPlan) -> tuple[list[Any], list[Any]]:
     return compare, success
 
 
-def commit_op_count(plan: UpsertPlan) -> int:
+def commit_op_count(ops: CommitOps) -> int:
     """How many operations (the larger of compares and writes) a plan adds
     to a transaction."""
-    compare, success = _commit_ops(plan)
-    return max(len(compare), len(success))
+    return max(len(ops[0]), len(ops[1]))
 
 
 def _chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:

@@ -6,7 +6,7 @@ import contextlib
 import errno
 import os
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +17,7 @@ from flagella.datapath.bpf.events import EventReader
 from flagella.datapath.bpf.lb import (
     Affinity,
     Backends,
+    FrontendWrite,
     Maglev,
     RevNat,
     Service,
@@ -345,10 +346,73 @@ class Datapath:
         self.policy.clear_endpoint(endpoint_id)
         return n
 
+    def apply_services(
+        self, changes: Sequence[tuple[int, Service | None, Sequence[int]]]
+    ) -> list[BaseException | None]:
+        """Many service changes at once: (service id, the service to write,
+        or None to delete it with the given rev-NAT ids). In the order of
+        upsert_service, for all together: the backends and rev-NAT entries
+        of every written service (batch syscalls), then deletes, Maglev
+        tables and source ranges service by service, then the frontends of
+        all (every backend slot, then every service entry, in batches), then
+        what each service no longer has. One outcome per change: None, or
+        the error that change met (the others are still applied); a failed
+        batch write is retried service by service so that the error lands
+        on the service that has it."""
+        upserts = [svc for _, svc, _ in changes if svc is not None]
+        try:
+            self.backends.upsert_many(b for svc in upserts for b in svc.backends)
+            self.revnat.upsert_many(
+                (fe.rev_nat_id, fe.address, fe.port) for svc in upserts for fe in svc.frontends
+            )
+            shared_written = True
+        except Exception:
+            shared_written = False  # each service writes its own: errors per service
+        out: list[BaseException | None] = [None] * len(changes)
+        ready: list[tuple[int, Service, list[FrontendWrite]]] = []
+        deleted: list[int] = []
+        for pos, (service_id, svc, rev_nat_ids) in enumerate(changes):
+            try:
+                if svc is None:
+                    self.delete_service(service_id, rev_nat_ids, purge_affinity=False)
+                    deleted.append(service_id)
+                else:
+                    ready.append((pos, svc, self._prepare_service(svc, shared_written)))
+            except Exception as exc:
+                out[pos] = exc
+        if deleted:
+            self.affinity.purge(service_ids=deleted)
+        writes = [w for _, _, ws in ready for w in ws]
+        distinct = {
+            (L.ip_bytes(w.frontend.address), w.frontend.port, w.frontend.protocol) for w in writes
+        }
+        batched = False
+        if len(distinct) == len(writes):  # else: in order, the last write wins
+            try:
+                self.services.write_frontends(writes)
+                batched = True
+            except Exception:
+                batched = False
+        for pos, svc, ws in ready:
+            try:
+                if not batched:
+                    self.services.write_frontends(ws)
+                self._finish_service(svc)
+            except Exception as exc:
+                out[pos] = exc
+        return out
+
     def upsert_service(self, svc: Service) -> None:
         """Writes a service: backends, rev-NAT, Maglev table, source ranges,
         then every frontend (slots before the service entry); frontends of
         the service that are no longer listed are removed."""
+        self.services.write_frontends(self._prepare_service(svc, shared_written=False))
+        self._finish_service(svc)
+
+    def _prepare_service(self, svc: Service, shared_written: bool) -> list[FrontendWrite]:
+        """What comes before a service's frontends (its backends and rev-NAT
+        entries unless shared_written, its Maglev table and source ranges);
+        returns the frontend writes."""
         flags = 0
         maglev_size = 0
         if svc.maglev:
@@ -360,26 +424,27 @@ class Datapath:
             flags |= L.SVC_F_AFFINITY
         if svc.source_ranges:
             flags |= L.SVC_F_SOURCE_RANGE
-        for b in svc.backends:
-            self.backends.upsert(b)
-        for fe in svc.frontends:
-            self.revnat.upsert(fe.rev_nat_id, fe.address, fe.port)
+        if not shared_written:
+            for b in svc.backends:
+                self.backends.upsert(b)
+            for fe in svc.frontends:
+                self.revnat.upsert(fe.rev_nat_id, fe.address, fe.port)
         if svc.maglev:
             # A new table replaces the old one in one outer-map update.
             self.maglev.set_table(svc.service_id, svc.maglev_table)
         self.srcrange.set_ranges(svc.service_id, svc.source_ranges)
         active = [b.id for b in svc.backends if b.state == 1]
-        wanted = set()
-        for fe in svc.frontends:
-            wanted.add((L.bytes_ip(L.ip_bytes(fe.address)), fe.port, fe.protocol))
-            self.services.write_frontend(
-                fe,
-                svc.service_id,
-                active,
-                flags=flags,
-                affinity_timeout=svc.affinity_timeout,
-                maglev_size=maglev_size,
-            )
+        return [
+            FrontendWrite(fe, svc.service_id, active, flags, svc.affinity_timeout, maglev_size)
+            for fe in svc.frontends
+        ]
+
+    def _finish_service(self, svc: Service) -> None:
+        """After a service's frontends are written: those it no longer lists
+        go, and its Maglev table if it has none now."""
+        wanted = {
+            (L.bytes_ip(L.ip_bytes(fe.address)), fe.port, fe.protocol) for fe in svc.frontends
+        }
         for addr, port, proto in self.services.frontends_of(svc.service_id):
             if (addr, port, proto) not in wanted:
                 self.services.remove_frontend(addr, port, proto)
@@ -387,17 +452,22 @@ class Datapath:
             # After the frontends stopped pointing at it.
             self.maglev.remove_table(svc.service_id)
 
-    def delete_service(self, service_id: int, rev_nat_ids: Iterable[int] = ()) -> bool:
+    def delete_service(
+        self, service_id: int, rev_nat_ids: Iterable[int] = (), *, purge_affinity: bool = True
+    ) -> bool:
         """Removes the service's frontends, Maglev table, source ranges,
-        affinity entries and the given rev-NAT ids (kept by default: replies
-        of live connections still need them until they expire). Backends are
-        removed with remove_backends() (they may serve other services)."""
+        affinity entries (unless purge_affinity is False: the caller purges
+        many services' at once) and the given rev-NAT ids (kept by default:
+        replies of live connections still need them until they expire).
+        Backends are removed with remove_backends() (they may serve other
+        services)."""
         fronts = self.services.frontends_of(service_id)
         for addr, port, proto in fronts:
             self.services.remove_frontend(addr, port, proto)
         self.maglev.remove_table(service_id)
         self.srcrange.set_ranges(service_id, ())
-        self.affinity.purge(service_ids=[service_id])
+        if purge_affinity:
+            self.affinity.purge(service_ids=[service_id])
         for rn in rev_nat_ids:
             self.revnat.remove(rn)
         return bool(fronts)

@@ -10,6 +10,7 @@ import dataclasses
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from flagella.datapath.bpf import layout as L
 from flagella.datapath.bpf import syscall
@@ -69,13 +70,31 @@ def svc_key(address: str, port: int, protocol: int, slot: int = 0) -> L.SvcKey:
 FrontendKey = tuple[str, int, int]  # (address, port, protocol)
 
 
+@dataclass(frozen=True)
+class FrontendWrite:
+    """One frontend of a service to write (Services.write_frontends)."""
+
+    frontend: Frontend
+    service_id: int
+    backend_ids: Sequence[int]
+    flags: int
+    affinity_timeout: int
+    maglev_size: int
+
+
+def _write_all(m: BpfMap[Any, Any], pairs: Sequence[tuple[Any, Any]]) -> None:
+    written = m.update_batch(pairs)
+    if written != len(pairs):
+        raise OSError(f"map {m.name}: {written} of {len(pairs)} entries written")
+
+
 class Services(BpfMap[L.SvcKey, L.SvcValue]):
     """cilium_lb4_services_v2: slot 0 of a frontend is the service entry,
     slots 1..count the active backends (random selection).
 
     Which frontends a service has is kept in an index (service id ->
     frontends), built from the map by one walk at first use and then kept
-    by write_frontend/remove_frontend, this process being the map's only
+    by write_frontends/remove_frontend, this process being the map's only
     writer: finding a service's frontends by walking the map on every
     upsert made programming n services O(n^2)."""
 
@@ -116,44 +135,49 @@ class Services(BpfMap[L.SvcKey, L.SvcValue]):
     def frontend(self, address: str, port: int, protocol: int) -> L.SvcValue | None:
         return self.get(svc_key(address, port, protocol))
 
-    def write_frontend(
-        self,
-        fe: Frontend,
-        service_id: int,
-        backend_ids: Sequence[int],
-        *,
-        flags: int,
-        affinity_timeout: int,
-        maglev_size: int,
-    ) -> None:
-        """Backend slots first, then the service entry, then stale slots
-        go: a packet always sees a consistent service."""
-        old = self.frontend(fe.address, fe.port, fe.protocol)
-        old_count = old.count if old is not None else 0
-        slots = [
-            (
-                svc_key(fe.address, fe.port, fe.protocol, i + 1),
-                L.SvcValue(backend_id=bid, rev_nat_id=fe.rev_nat_id, service_id=service_id),
+    def write_frontends(self, items: Sequence[FrontendWrite]) -> None:
+        """Writes frontends (distinct) in an order that keeps every service
+        consistent for packets: all backend slots (batch syscalls), then all
+        service entries, then slots beyond a frontend's new count go. Raises
+        on a failed write (map full): what was written is left for the
+        caller to rewrite."""
+        olds: list[L.SvcValue | None] = []
+        slots: list[tuple[L.SvcKey, L.SvcValue]] = []
+        masters: list[tuple[L.SvcKey, L.SvcValue]] = []
+        for w in items:
+            fe = w.frontend
+            key = svc_key(fe.address, fe.port, fe.protocol)
+            olds.append(self.get(key))
+            slots += [
+                (
+                    svc_key(fe.address, fe.port, fe.protocol, i + 1),
+                    L.SvcValue(backend_id=bid, rev_nat_id=fe.rev_nat_id, service_id=w.service_id),
+                )
+                for i, bid in enumerate(w.backend_ids)
+            ]
+            master = L.SvcValue(
+                count=len(w.backend_ids),
+                rev_nat_id=fe.rev_nat_id,
+                service_id=w.service_id,
+                flags=w.flags | (L.SVC_F_NODEPORT if fe.nodeport else 0),
+                affinity_timeout=w.affinity_timeout,
+                maglev_size=w.maglev_size,
             )
-            for i, bid in enumerate(backend_ids)
-        ]
-        self.update_batch(slots)
-        if fe.nodeport:
-            flags |= L.SVC_F_NODEPORT
-        master = L.SvcValue(
-            count=len(backend_ids),
-            rev_nat_id=fe.rev_nat_id,
-            service_id=service_id,
-            flags=flags,
-            affinity_timeout=affinity_timeout,
-            maglev_size=maglev_size,
-        )
-        self.update(svc_key(fe.address, fe.port, fe.protocol), master)
-        self._indexed((L.bytes_ip(L.ip_bytes(fe.address)), fe.port, fe.protocol), service_id, old)
-        self.delete_many(
-            svc_key(fe.address, fe.port, fe.protocol, i)
-            for i in range(len(backend_ids) + 1, old_count + 1)
-        )
+            masters.append((key, master))
+        _write_all(self, slots)
+        _write_all(self, masters)
+        stale = []
+        for w, old in zip(items, olds, strict=True):
+            fe = w.frontend
+            self._indexed(
+                (L.bytes_ip(L.ip_bytes(fe.address)), fe.port, fe.protocol), w.service_id, old
+            )
+            old_count = old.count if old is not None else 0
+            stale += [
+                svc_key(fe.address, fe.port, fe.protocol, i)
+                for i in range(len(w.backend_ids) + 1, old_count + 1)
+            ]
+        self.delete_many(stale)
 
     def remove_frontend(self, address: str, port: int, protocol: int) -> bool:
         old = self.frontend(address, port, protocol)
@@ -181,6 +205,15 @@ class Backends(BpfMap[L.U32, L.BackendValue]):
         L.set_addr(v.addr, b.address)
         self.update(L.U32(b.id), v)
 
+    def upsert_many(self, backends: Iterable[Backend]) -> None:
+        """upsert() of many, in batches (a backend listed twice: the last)."""
+        values: dict[int, L.BackendValue] = {}
+        for b in backends:
+            v = L.BackendValue(port=L.port_be(b.port), proto=b.protocol, state=b.state)
+            L.set_addr(v.addr, b.address)
+            values[b.id] = v
+        _write_all(self, [(L.U32(i), v) for i, v in values.items()])
+
     def remove(self, backend_id: int) -> bool:
         return self.delete(L.U32(backend_id))
 
@@ -197,6 +230,15 @@ class RevNat(BpfMap[L.U32, L.RevNatValue]):
         L.set_addr(v.addr, address)
         self.update(L.U32(rev_nat_id), v)
 
+    def upsert_many(self, entries: Iterable[tuple[int, str, int]]) -> None:
+        """upsert() of many (rev-NAT id, address, port), in batches."""
+        values: dict[int, L.RevNatValue] = {}
+        for rev_nat_id, address, port in entries:
+            v = L.RevNatValue(port=L.port_be(port))
+            L.set_addr(v.addr, address)
+            values[rev_nat_id] = v
+        _write_all(self, [(L.U32(i), v) for i, v in values.items()])
+
     def remove(self, rev_nat_id: int) -> bool:
         return self.delete(L.U32(rev_nat_id))
 
@@ -205,7 +247,23 @@ class Maglev(BpfMap[L.U32, L.U32]):
     """Maglev tables (cilium_lb4_maglev): a hash of maps, service id -> an
     array of 1 + M backend ids, [0] = M, [1 + slot] = the backend of slot.
     Each service's array has its own M and exists only while the service
-    has a table; a new table is a new array swapped in by one update."""
+    has a table; a new table is a new array swapped in by one update.
+
+    Which services have a table is kept in a set (built from the map at
+    first use, then kept by set_table/remove_table, this process being the
+    map's only writer), so removing the table of a service that has none,
+    as every upsert of a non-Maglev service does, costs no syscall."""
+
+    _ids: set[int] | None = None
+
+    def _with_table(self) -> set[int]:
+        if self._ids is None:
+            self._ids = {k.value for k in self.keys()}
+        return self._ids
+
+    def clear(self) -> int:
+        self._ids = None
+        return super().clear()
 
     def _inner_spec(self, entries: int) -> L.MapSpec:
         assert self.spec.inner is not None
@@ -243,6 +301,7 @@ class Maglev(BpfMap[L.U32, L.U32]):
             self.update(L.U32(service_id), L.U32(fd))
         finally:
             os.close(fd)
+        self._with_table().add(service_id)
         return True
 
     def _read(self, map_id: int) -> list[int]:
@@ -274,6 +333,10 @@ class Maglev(BpfMap[L.U32, L.U32]):
         return sorted(k.value for k in self.keys())
 
     def remove_table(self, service_id: int) -> bool:
+        ids = self._with_table()
+        if service_id not in ids:
+            return False
+        ids.discard(service_id)
         return self.delete(L.U32(service_id))
 
     def dump(self, limit: int = 0) -> list[tuple[L.Fields, L.Fields]]:
