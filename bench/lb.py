@@ -129,6 +129,16 @@ async def bench_service(address: str, pid: int, n: int, latency_runs: int) -> di
                         fut.set_result(now)
 
         watcher = asyncio.create_task(follow())
+
+        async def all_arrived(wanted: set[str]) -> float:
+            """When the last of wanted arrived on the stream (waits for it)."""
+            deadline = time.monotonic() + 120
+            while not wanted <= arrived.keys():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{len(wanted - arrived.keys())} services never arrived")
+                await asyncio.sleep(0.01)
+            return max(arrived[x] for x in wanted)
+
         await synced.wait()
 
         # Upsert -> event on the stream, one at a time on an idle service.
@@ -164,12 +174,7 @@ async def bench_service(address: str, pid: int, n: int, latency_runs: int) -> di
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(64)))
         t_acked = time.perf_counter()
-        deadline = time.monotonic() + 120
-        while not names <= arrived.keys():
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{len(names - arrived.keys())} services never arrived")
-            await asyncio.sleep(0.01)
-        t_all = max(arrived[x] for x in names)
+        t_all = await all_arrived(names)
         lb_cpu_ms = (cpu_seconds(pid) - cpu0) * 1e3 / n
         delays = sorted(arrived[x] - sent[x] for x in names)
 
@@ -192,12 +197,7 @@ async def bench_service(address: str, pid: int, n: int, latency_runs: int) -> di
         tb = time.perf_counter()
         await asyncio.gather(*(batch(s) for s in range(first, first + n, BATCH)))
         tb_acked = time.perf_counter()
-        deadline = time.monotonic() + 120
-        while not batch_names <= arrived.keys():
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{len(batch_names - arrived.keys())} services never arrived")
-            await asyncio.sleep(0.01)
-        tb_all = max(arrived[x] for x in batch_names)
+        tb_all = await all_arrived(batch_names)
         batch_cpu_ms = (cpu_seconds(pid) - cpu0) * 1e3 / n
         watcher.cancel()
 
