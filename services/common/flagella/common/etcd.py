@@ -22,6 +22,7 @@ import aetcd.exceptions
 import aetcd.rpc as etcd_rpc
 import grpc
 
+from flagella.common.backoff import Backoff, retry
 from flagella.common.errors import Unavailable
 
 log = logging.getLogger(__name__)
@@ -252,14 +253,12 @@ class Etcd:
 
     async def wait_connected(self, *, max_delay: float = 5.0) -> int:
         """Retry connect() with backoff until etcd answers."""
-        delay = 0.1
-        while True:
-            try:
-                return await self.connect()
-            except Unavailable as exc:
-                log.warning("waiting for etcd", extra={"reason": exc.message, "retry_in_s": delay})
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, max_delay)
+        return await retry(
+            self.connect,
+            what="waiting for etcd",
+            retry_on=(Unavailable,),
+            backoff=Backoff(0.1, max_delay),
+        )
 
     async def _rotate(self) -> None:
         if len(self.endpoints) > 1:

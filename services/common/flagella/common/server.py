@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from flagella.common.config import ServiceConfig, load_config
 from flagella.common.errors import ConfigError, FlagellaError
 from flagella.common.logs import setup_logging
+from flagella.common.tasks import TaskGroup
 from flagella.common.tracing import Tracing, setup_tracing
 
 log = logging.getLogger(__name__)
@@ -216,18 +217,16 @@ class Probes:
     """Background checks of dependencies that gate readiness: a dependency
     that goes away makes the service NOT_SERVING until it is back."""
 
-    def __init__(self, readiness: Readiness) -> None:
+    def __init__(self, readiness: Readiness, tasks: TaskGroup | None = None) -> None:
         self.readiness = readiness
-        self._tasks: list[asyncio.Task[None]] = []
+        self.tasks = tasks or TaskGroup("probes")
 
     def add(
         self, name: str, check: Callable[[], Awaitable[object]], *, interval: float = 2.0
     ) -> None:
         """Run check() every interval as readiness condition `name`; a
         FlagellaError (e.g. Unavailable) marks it failing."""
-        self._tasks.append(
-            asyncio.create_task(self._run(name, check, interval), name=f"probe-{name}")
-        )
+        self.tasks.spawn(f"probe-{name}", self._run(name, check, interval))
 
     async def _run(
         self, name: str, check: Callable[[], Awaitable[object]], interval: float
@@ -242,12 +241,7 @@ class Probes:
             await asyncio.sleep(interval)
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._tasks.clear()
+        await self.tasks.stop()
 
 
 # --- the service plug ---
@@ -262,6 +256,9 @@ class Runtime(Generic[C]):
     tracing: Tracing
     readiness: Readiness
     environ: Mapping[str, str]
+    # The service's background tasks: stopped after the server, before
+    # the service's own stop().
+    tasks: TaskGroup = field(default_factory=lambda: TaskGroup("runtime"))
     _channels: list[grpc.aio.Channel] = field(default_factory=list)
 
     def channel(self, target: str) -> grpc.aio.Channel:
@@ -354,6 +351,7 @@ async def serve(runtime: Runtime[C], service: App) -> None:
                     await task
         await runtime.readiness.set_stopping()
         await server.stop(cfg.shutdown_grace)
+        await runtime.tasks.stop()
         with contextlib.suppress(Exception):
             await service.stop()
         await runtime.close_channels()
