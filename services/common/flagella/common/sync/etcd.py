@@ -1,0 +1,171 @@
+"""A table fed by an etcd key range: a paged snapshot at one revision, a
+watch from the next revision on, a resume from the last revision seen when
+the watch breaks, and a fresh snapshot (swapped in as a diff) when etcd has
+compacted the revision away.
+
+The decoding of keys and values into typed records is the store's (a
+Codec); the source only moves whole revisions into the table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Hashable, Mapping
+from typing import Generic, Protocol, TypeVar
+
+from flagella.common.backoff import Backoff
+from flagella.common.errors import Unavailable
+from flagella.common.etcd import (
+    Compacted,
+    Etcd,
+    EventType,
+    FutureRevision,
+    KeyValue,
+    WatchEvent,
+    prefix_end,
+)
+from flagella.common.sync.table import Sink, Table
+
+log = logging.getLogger(__name__)
+
+K = TypeVar("K", bound=Hashable)
+R = TypeVar("R")
+R_co = TypeVar("R_co", covariant=True)
+
+
+class Codec(Protocol[K, R_co]):
+    """How a store's keys and values become a table's keys and records."""
+
+    def key(self, key: str) -> K | None:
+        """The table key of an etcd key; None: not a key of this table."""
+
+    def decode(self, key: K, kv: KeyValue) -> R_co | None:
+        """The record of a key-value; None: skip it (logged by the codec)."""
+
+
+class EtcdSource(Generic[K, R]):
+    """Keeps sink (usually a Table) in step with the keys in
+    [start, range_end) of etcd. run() until cancelled."""
+
+    def __init__(
+        self,
+        etcd: Etcd,
+        sink: Sink[K, R],
+        codec: Codec[K, R],
+        *,
+        prefix: str = "",
+        start: str = "",
+        range_end: bytes = b"",
+        page_size: int = 1000,
+        backoff: Backoff | None = None,
+        name: str = "",
+    ) -> None:
+        if prefix:
+            start, range_end = prefix, prefix_end(prefix)
+        if not start or not range_end:
+            raise ValueError("give a prefix, or start and range_end")
+        self.etcd = etcd
+        self.sink = sink
+        self.codec = codec
+        self.start = start
+        self.range_end = range_end
+        self.page_size = page_size
+        self.backoff = backoff or Backoff(0.1, 5.0)
+        self.name = name or start
+        self.revision = 0
+        self.snapshots = 0  # full reads, for tests and status
+        if isinstance(sink, Table):
+            sink.history = self.read_at
+            sink.confirm = self.confirm
+
+    async def read(self, revision: int = 0) -> tuple[list[tuple[K, R, int]], int]:
+        """Every record of the range at revision (0: now), and that
+        revision. Raises Unavailable, Compacted, FutureRevision."""
+        records: list[tuple[K, R, int]] = []
+        read_at = revision
+        async for kvs, page_revision in self.etcd.range_pages(
+            self.start, self.range_end, revision=revision, page_size=self.page_size
+        ):
+            read_at = page_revision
+            for kv in kvs:
+                key = self.codec.key(kv.key)
+                if key is None:
+                    continue
+                record = self.codec.decode(key, kv)
+                if record is not None:
+                    records.append((key, record, kv.mod_revision))
+        return records, read_at
+
+    async def read_at(self, revision: int) -> Mapping[K, tuple[R, int]] | None:
+        """The range as it was at revision, or None when etcd no longer has
+        it (the table's history, for subscribers resuming from long ago)."""
+        try:
+            records, _ = await self.read(revision)
+        except (Compacted, FutureRevision):
+            return None
+        return {key: (record, rev) for key, record, rev in records}
+
+    async def confirm(self, revision: int) -> None:
+        """Advance the sink to revision if nothing of the range changed up to
+        it (a reader waits for a revision that wrote other keys); if
+        something did, its events are on their way and advance it."""
+        since = self.revision
+        if not since or revision <= since:
+            return
+        try:
+            unchanged = await self.etcd.range_unchanged(self.start, self.range_end, since, revision)
+        except Unavailable:
+            return
+        if unchanged:
+            # Events that arrived meanwhile are of later revisions.
+            self.sink.advance(revision)
+            self.revision = max(self.revision, revision)
+
+    async def snapshot(self) -> None:
+        records, revision = await self.read()
+        self.sink.replace(records, revision)
+        self.revision = revision
+        self.snapshots += 1
+
+    async def run(self) -> None:
+        while True:
+            try:
+                if self.revision == 0:
+                    await self.snapshot()
+                await self._watch()
+            except Compacted as exc:
+                log.info(
+                    "watch revision compacted: reading a fresh snapshot",
+                    extra={"range": self.name, "revision": self.revision, "compacted": str(exc)},
+                )
+                self.sink.set_live(False, "compacted")
+                self.revision = 0
+            except Unavailable as exc:
+                self.sink.set_live(False, exc.message)
+                delay = self.backoff.next()
+                log.warning(
+                    "etcd watch interrupted",
+                    extra={"range": self.name, "reason": exc.message, "retry_in_s": delay},
+                )
+                await asyncio.sleep(delay)
+
+    async def _watch(self) -> None:
+        async with self.etcd.watch_keys(self.start, self.range_end, self.revision + 1) as watch:
+            self.sink.set_live(True)
+            async for batch in watch:
+                self.backoff.reset()
+                self.sink.commit(self._updates(batch.events), batch.revision)
+                self.revision = max(self.revision, batch.revision)
+
+    def _updates(self, events: list[WatchEvent]) -> list[tuple[K, R | None, int]]:
+        updates: list[tuple[K, R | None, int]] = []
+        for ev in events:
+            key = self.codec.key(ev.kv.key)
+            if key is None:
+                continue
+            # A value that does not decode counts as no record: the table
+            # must not keep a stale one.
+            record = None if ev.type is EventType.DELETE else self.codec.decode(key, ev.kv)
+            updates.append((key, record, ev.revision))
+        return updates

@@ -1,0 +1,78 @@
+"""The server side of every Watch* RPC: one contract, one loop.
+
+    since 0: RESET, UPSERT of every record, SYNCED at the snapshot's
+    revision; since > 0: SYNCED at since, then either the changes after it
+    or (when they cannot be told) RESET and a snapshot, then SYNCED; then
+    UPSERTs and DELETEs as they happen, in revision order, each batch
+    closed by SYNCED at its revision when the stream asks for it
+    (sync_batches), and SYNCED every `heartbeat` seconds when idle.
+
+A client that resumes from the last revision it knows complete (a SYNCED,
+or the revision of an event followed by one of a higher revision) misses
+nothing (stream.py is that client).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Hashable
+from typing import Protocol, TypeVar
+
+from flagella.common.sync.table import Batch, Change
+
+K = TypeVar("K", bound=Hashable)
+R = TypeVar("R")
+M = TypeVar("M")
+M_co = TypeVar("M_co", covariant=True)
+
+
+class Feed(Protocol[K, R]):
+    """Batches to stream: a Table's Subscription, or a service's own view
+    over its tables (filtered for one node, say)."""
+
+    async def next(self, timeout: float | None = None) -> Batch[K, R] | None:
+        """The next batch (the first one a snapshot or the changes after the
+        client's revision); None after timeout seconds without any."""
+
+
+class WatchMessages(Protocol[K, R, M_co]):
+    """The RPC's event messages."""
+
+    def reset(self, revision: int) -> M_co: ...
+
+    async def upsert(self, change: Change[K, R]) -> M_co: ...
+
+    async def delete(self, change: Change[K, R]) -> M_co: ...
+
+    def synced(self, revision: int) -> M_co: ...
+
+
+async def serve_watch(
+    feed: Feed[K, R],
+    messages: WatchMessages[K, R, M],
+    *,
+    since: int = 0,
+    heartbeat: float,
+    sync_batches: bool = False,
+) -> AsyncIterator[M]:
+    if since > 0:
+        yield messages.synced(since)
+    batch = await feed.next(None)
+    assert batch is not None
+    first = True
+    revision = batch.revision
+    while True:
+        if batch is not None:
+            if batch.snapshot:
+                yield messages.reset(batch.revision)
+            for change in batch.changes:
+                if change.record is None:
+                    yield await messages.delete(change)
+                else:
+                    yield await messages.upsert(change)
+            if first or sync_batches or batch.snapshot or not batch.changes:
+                yield messages.synced(batch.revision)
+            revision = batch.revision
+            first = False
+        else:
+            yield messages.synced(revision)
+        batch = await feed.next(heartbeat)

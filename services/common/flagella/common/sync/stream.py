@@ -1,0 +1,151 @@
+"""A table fed by a peer's Watch* stream (the xDS pattern).
+
+Every flagella Watch* RPC speaks one contract (served by serve.py): RESET
+(a full snapshot follows), UPSERT..., SYNCED at a revision; then UPSERTs
+and DELETEs as they happen, SYNCED after a batch (when the stream says so)
+and as a heartbeat when idle. The source buffers a snapshot and swaps it in
+whole at its SYNCED, and applies each delta as it comes.
+
+On a broken stream it reconnects with since_revision = the last SYNCED,
+where its state was exactly the server's. Deltas applied after that SYNCED
+may be part of a batch it did not get whole, so it keeps the record each
+such key had at the SYNCED; the server answers a resume with SYNCED at
+since, every key whose record differs from the one at since, and SYNCED:
+a key it kept that the server does not name is unchanged since, and gets
+its kept record back. (The server answers a RESET and a snapshot when it
+cannot resume.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable, Hashable
+from typing import Any, Generic, Protocol, TypeVar
+
+import grpc
+
+from flagella.common.backoff import Backoff
+from flagella.common.sync.table import Sink
+
+log = logging.getLogger(__name__)
+
+K = TypeVar("K", bound=Hashable)
+R = TypeVar("R")
+M_contra = TypeVar("M_contra", contravariant=True)
+K_co = TypeVar("K_co", bound=Hashable, covariant=True)
+R_co = TypeVar("R_co", covariant=True)
+
+# The kinds every watch event enum shares (NodeEvent.Kind, EventKind,
+# ServiceEvent.Kind).
+RESET, UPSERT, DELETE, SYNCED = 1, 2, 3, 4
+
+
+class StreamCodec(Protocol[M_contra, K_co, R_co]):
+    """How a stream's event messages become a table's keys and records."""
+
+    def key(self, event: M_contra) -> K_co:
+        """The key of an UPSERT or DELETE event."""
+
+    def decode(self, event: M_contra) -> R_co | None:
+        """The record of an UPSERT event; None: no record (logged by the
+        codec), as if deleted."""
+
+
+# Opens the stream, resuming after the given revision (0: from scratch).
+OpenStream = Callable[[int], AsyncIterator[Any]]
+
+
+class StreamSource(Generic[K, R]):
+    def __init__(
+        self,
+        name: str,
+        open_stream: OpenStream,
+        sink: Sink[K, R],
+        codec: StreamCodec[Any, K, R],
+        *,
+        backoff: Backoff | None = None,
+    ) -> None:
+        self.name = name
+        self.open_stream = open_stream
+        self.sink = sink
+        self.codec = codec
+        self.backoff = backoff or Backoff(0.1, 5.0)
+        # The last revision the sink is complete at: where a new stream resumes.
+        self.revision = 0
+        self.synced = asyncio.Event()
+        self.connected = False
+        self.last_error = ""
+        self.snapshots = 0  # RESETs received, for tests and status
+        # Keys changed since the last SYNCED, with their record at it.
+        self._kept: dict[K, R | None] = {}
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self._follow()
+                reason = "stream ended"
+            except grpc.aio.AioRpcError as exc:
+                reason = f"{exc.code().name}: {exc.details()}"
+            self.connected = False
+            self.last_error = reason
+            self.sink.set_live(False, reason)
+            delay = self.backoff.next()
+            log.warning(
+                "watch stream broke",
+                extra={
+                    "stream": self.name,
+                    "reason": reason,
+                    "resume_from": self.revision,
+                    "retry_in_s": delay,
+                },
+            )
+            await asyncio.sleep(delay)
+
+    async def _follow(self) -> None:
+        snapshot: dict[K, tuple[R, int]] | None = None
+        resuming = self.revision > 0
+        named: set[K] = set()
+        async for event in self.open_stream(self.revision):
+            self.connected = True
+            kind = int(event.kind)
+            revision = int(event.revision)
+            if kind in (UPSERT, DELETE) and snapshot is None:
+                key = self.codec.key(event)
+                record = self.codec.decode(event) if kind == UPSERT else None
+                if key not in self._kept:
+                    self._kept[key] = self.sink.get(key)
+                named.add(key)
+                self.sink.commit([(key, record, revision)], revision)
+            elif kind == RESET:
+                snapshot = {}
+                self.snapshots += 1
+            elif kind == UPSERT and snapshot is not None:
+                key, record = self.codec.key(event), self.codec.decode(event)
+                if record is not None:
+                    snapshot[key] = (record, revision)
+                else:
+                    snapshot.pop(key, None)
+            elif kind == DELETE and snapshot is not None:
+                snapshot.pop(self.codec.key(event), None)
+            elif kind == SYNCED:
+                if resuming and revision == self.revision and snapshot is None:
+                    resuming = False  # the server takes the resume: deltas follow
+                    continue
+                if snapshot is not None:
+                    self.sink.replace(((k, r, rev) for k, (r, rev) in snapshot.items()), revision)
+                    snapshot = None
+                else:
+                    restore = [
+                        (k, rec, revision) for k, rec in self._kept.items() if k not in named
+                    ]
+                    if restore:
+                        self.sink.commit(restore, revision)
+                    self.sink.advance(revision)
+                self._kept.clear()
+                named.clear()
+                resuming = False
+                self.revision = revision
+                self.sink.set_live(True)
+                self.synced.set()
+                self.backoff.reset()
