@@ -149,6 +149,7 @@ async def test_snapshot_read_in_pages_at_one_revision(client: Etcd) -> None:
         assert source.snapshots == 1
         records, revision = await source.read()
         assert revision == table.revision
+        assert sorted(k for k, _, _ in records) == sorted(table.keys())
 
 
 async def test_resyncs_with_a_diff_after_the_revision_was_compacted(client: Etcd) -> None:
