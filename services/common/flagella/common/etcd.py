@@ -585,41 +585,14 @@ class Etcd:
         max_delay: float = 5.0,
         prev_kv: bool = False,
     ) -> AsyncIterator[StreamEvent]:
-        """The watch-stream contract of flagella's Watch* RPCs over one prefix.
+        """The watch-stream contract of flagella's Watch* RPCs over the raw
+        key-values of one prefix (a table of the prefix served by
+        serve_watch: see flagella.common.sync). With prev_kv, each delta
+        carries the value the stream had sent for the key in `prev`."""
+        from flagella.common.sync.etcd import prefix_stream
 
-        since_revision 0 (or compacted): RESET, UPSERT of every key, SYNCED at
-        the snapshot's revision, then deltas. Otherwise SYNCED at
-        since_revision and the deltas after it. etcd outages are ridden out
-        by re-watching from the last revision seen. With prev_kv, each delta
-        carries the key's previous value in `prev`.
-        """
-        last = since_revision
-        if last > 0:
-            yield StreamEvent(StreamKind.SYNCED, last)
-        delay = 0.1
-        while True:
-            try:
-                if last <= 0:
-                    kvs, revision = await self.get_prefix(prefix)
-                    yield StreamEvent(StreamKind.RESET, revision)
-                    for kv in kvs:
-                        yield StreamEvent(StreamKind.UPSERT, kv.mod_revision, kv)
-                    yield StreamEvent(StreamKind.SYNCED, revision)
-                    last = revision
-                async for event in self.watch_prefix(prefix, last + 1, prev_kv=prev_kv):
-                    delay = 0.1
-                    last = event.revision
-                    kind = StreamKind.UPSERT if event.type is EventType.PUT else StreamKind.DELETE
-                    yield StreamEvent(kind, event.revision, event.kv, event.prev)
-            except Compacted:
-                log.info("watch revision compacted, resyncing", extra={"prefix": prefix})
-                last = 0
-            except Unavailable as exc:
-                log.warning(
-                    "etcd watch interrupted", extra={"prefix": prefix, "reason": exc.message}
-                )
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, max_delay)
+        async for event in prefix_stream(self, prefix, since_revision, max_delay=max_delay):
+            yield event if prev_kv else StreamEvent(event.kind, event.revision, event.kv)
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Hashable, Mapping
+from collections.abc import AsyncIterator, Hashable, Mapping
 from typing import Generic, Protocol, TypeVar
 
 from flagella.common.backoff import Backoff
@@ -22,10 +22,14 @@ from flagella.common.etcd import (
     EventType,
     FutureRevision,
     KeyValue,
+    StreamEvent,
+    StreamKind,
     WatchEvent,
     prefix_end,
 )
-from flagella.common.sync.table import Sink, Table
+from flagella.common.sync.serve import serve_watch
+from flagella.common.sync.table import Change, Sink, Table
+from flagella.common.tasks import TaskGroup
 
 log = logging.getLogger(__name__)
 
@@ -169,3 +173,48 @@ class EtcdSource(Generic[K, R]):
             record = None if ev.type is EventType.DELETE else self.codec.decode(key, ev.kv)
             updates.append((key, record, ev.revision))
         return updates
+
+
+class RawCodec:
+    """Every key of a prefix, as its etcd key-value."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+
+    def key(self, key: str) -> str | None:
+        return key if key.startswith(self.prefix) else None
+
+    def decode(self, key: str, kv: KeyValue) -> KeyValue:
+        return kv
+
+
+class _RawMessages:
+    def reset(self, revision: int) -> StreamEvent:
+        return StreamEvent(StreamKind.RESET, revision)
+
+    async def upsert(self, change: Change[str, KeyValue]) -> StreamEvent:
+        return StreamEvent(StreamKind.UPSERT, change.revision, change.record, change.prev)
+
+    async def delete(self, change: Change[str, KeyValue]) -> StreamEvent:
+        gone = KeyValue(change.key, b"", 0, change.revision, 0, 0)
+        return StreamEvent(StreamKind.DELETE, change.revision, gone, change.prev)
+
+    def synced(self, revision: int) -> StreamEvent:
+        return StreamEvent(StreamKind.SYNCED, revision)
+
+
+async def prefix_stream(
+    etcd: Etcd, prefix: str, since: int = 0, *, max_delay: float = 5.0
+) -> AsyncIterator[StreamEvent]:
+    """The key-values of one prefix as a Watch* stream (see serve.py), for a
+    consumer that follows a prefix with no table of its own."""
+    table: Table[str, KeyValue] = Table(prefix)
+    source = EtcdSource(
+        etcd, table, RawCodec(prefix), prefix=prefix, backoff=Backoff(0.1, max_delay)
+    )
+    async with TaskGroup(f"stream {prefix}") as tasks:
+        tasks.spawn(f"source {prefix}", source.run())
+        async for event in serve_watch(
+            table.subscribe(since), _RawMessages(), since=since, heartbeat=None
+        ):
+            yield event

@@ -51,7 +51,7 @@ async def serve_watch(
     messages: WatchMessages[K, R, M],
     *,
     since: int = 0,
-    heartbeat: float,
+    heartbeat: float | None,
     sync_batches: bool = False,
 ) -> AsyncIterator[M]:
     if since > 0:
