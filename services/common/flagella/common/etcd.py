@@ -24,6 +24,7 @@ import grpc
 
 from flagella.common.backoff import Backoff, retry
 from flagella.common.errors import Unavailable
+from flagella.common.tasks import TaskGroup
 
 log = logging.getLogger(__name__)
 
@@ -695,13 +696,13 @@ class LeaseKeeper:
         self.ttl = ttl
         self.on_new_lease = on_new_lease
         self.lease_id = 0
-        self._task: asyncio.Task[None] | None = None
+        self.tasks = TaskGroup("lease")
         self.healthy = asyncio.Event()
 
     async def start(self) -> int:
         self.lease_id = await self.etcd.grant_lease(self.ttl)
         self.healthy.set()
-        self._task = asyncio.create_task(self._keep(), name=f"lease-{self.lease_id:x}")
+        self.tasks.spawn(f"lease-{self.lease_id:x}", self._keep())
         return self.lease_id
 
     async def _keep(self) -> None:
@@ -724,11 +725,7 @@ class LeaseKeeper:
                 self.healthy.clear()
 
     async def stop(self, *, revoke: bool = True) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self.tasks.stop()
         if revoke and self.lease_id:
             with contextlib.suppress(Unavailable):
                 await self.etcd.revoke_lease(self.lease_id)
