@@ -47,8 +47,10 @@ class Backoff:
 
     def nominal(self, attempt: int) -> float:
         """The delay before jitter for the attempt-th retry (0-based)."""
-        # Cap the exponent so that a long outage cannot overflow the float.
-        return min(self.initial * self.multiplier ** min(attempt, 64), self.maximum)
+        try:
+            return min(self.initial * self.multiplier**attempt, self.maximum)
+        except OverflowError:  # a long outage: far past the cap
+            return self.maximum
 
     def next(self) -> float:
         """The next delay (and count one more attempt)."""
