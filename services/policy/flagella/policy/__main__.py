@@ -11,8 +11,9 @@ from flagella.common.etcd import Etcd
 from flagella.common.server import Probes, Runtime
 from flagella.common.server import main as serve_main
 from flagella.policy.config import PolicyConfig
-from flagella.policy.service import PolicyService, Settings
+from flagella.policy.service import PolicyService
 from flagella.policy.servicer import PolicyServicer
+from flagella.policy.settings import Settings
 from flagella.policy.store import PolicyStore
 
 

@@ -12,6 +12,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from flagella.api.policy.v1 import policy_pb2 as pb
 from flagella.api.policy.v1 import policy_pb2_grpc
 from flagella.common.errors import InvalidArgument
+from flagella.policy.allocator import IdentityView
 from flagella.policy.labels import Label, LabelError, LabelSet, label_set, split_label
 from flagella.policy.resolve import PolicyContent, PolicyEntry, ResolvedPolicy
 from flagella.policy.rules import (
@@ -30,14 +31,9 @@ from flagella.policy.rules import (
     parse_document,
 )
 from flagella.policy.selector import Entity
-from flagella.policy.service import (
-    EventKind,
-    IdentityView,
-    IPCacheEvent,
-    PolicyEvent,
-    PolicyService,
-)
+from flagella.policy.service import PolicyService
 from flagella.policy.state import IPEntry
+from flagella.policy.streams import EventKind, IPCacheEvent, PolicyEvent
 
 Ctx = Any
 

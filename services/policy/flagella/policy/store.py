@@ -24,6 +24,10 @@ from flagella.common.etcd import (
 from flagella.policy import keys
 from flagella.policy.rules import Rule, rule_to_json
 
+# How many times an operation tries a transaction that lost a race before it
+# answers Unavailable (the caller may retry).
+MAX_ATTEMPTS = 64
+
 
 @dataclass(frozen=True, slots=True)
 class Event:
