@@ -8,7 +8,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from flagella.common.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from flagella.common.errors import NotFound, ResourceExhausted, Unavailable
 from flagella.common.etcd import KeyValue
 from flagella.policy import keys
 from flagella.policy.identities import (
@@ -20,12 +20,11 @@ from flagella.policy.identities import (
     reserved_identity_of,
     reserved_labels,
 )
-from flagella.policy.labels import SOURCE_CIDR, Label, LabelSet, format_labels, label_set
+from flagella.policy.labels import Label, LabelSet, format_labels, label_set
 from flagella.policy.leases import NodeLeases
 from flagella.policy.mirror import Mirror
 from flagella.policy.state import PolicyState
 from flagella.policy.store import MAX_ATTEMPTS, PolicyStore
-from flagella.policy.validation import check_node, check_owner
 
 log = logging.getLogger(__name__)
 
@@ -117,15 +116,9 @@ class IdentityAllocator:
         one on that identity and node, nothing is written and the answer's
         revision is the one that took it (idempotent). Without, the node's
         anonymous count goes up by one."""
-        check_node(node)
-        check_owner(owner)
         ls = labels
         label_string = format_labels(ls)
         reserved = reserved_identity_of(ls)
-        if any(lb.source == SOURCE_CIDR for lb in ls):
-            raise InvalidArgument(
-                "CIDR identities are local: they come from CIDR rules", field="labels"
-            )
         self.leases.touch(node)
         # What we know: from the mirror first, then from failed transactions.
         known: tuple[int, int] | None = (
@@ -244,10 +237,6 @@ class IdentityAllocator:
         """Drops one reference of node (owner's, or one of the anonymous
         count when owner is empty); True when it was the node's last, of
         any owner or none. Releasing what is not held is a no-op (False)."""
-        check_node(node)
-        check_owner(owner)
-        if ident == 0:
-            raise InvalidArgument("required", field="id")
         label_string = self._label_string_of(ident)
         if label_string is None:
             kv = await self.store.get_identity(ident) if is_global(ident) else None

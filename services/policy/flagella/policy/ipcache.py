@@ -6,14 +6,13 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from flagella.common.errors import InvalidArgument, NotFound, Unavailable
+from flagella.common.errors import NotFound, Unavailable
 from flagella.policy import keys
-from flagella.policy.identities import format_prefix, is_global, parse_prefix
+from flagella.policy.identities import is_global
 from flagella.policy.leases import NodeLeases
 from flagella.policy.mirror import Mirror
 from flagella.policy.state import IPEntry, PolicyState
 from flagella.policy.store import MAX_ATTEMPTS, PolicyStore
-from flagella.policy.validation import check_node, check_prefix
 
 log = logging.getLogger(__name__)
 
@@ -32,28 +31,15 @@ class IPCache:
         return self.mirror.state
 
     async def upsert_ipcache(self, entry: IPEntry) -> IPEntry:
-        prefix = check_prefix(entry.prefix, "entry.prefix")
-        if entry.identity == 0:
-            raise InvalidArgument("required", field="entry.identity")
+        """Puts entry (its prefix normalized: see validation.check_prefix), on
+        the lease of its node if it names one. The identity must exist."""
+        prefix = entry.prefix
         if self.state.info(entry.identity) is None:
             kv = (
                 await self.store.get_identity(entry.identity) if is_global(entry.identity) else None
             )
             if kv is None:
                 raise NotFound(f"identity {entry.identity} does not exist", field="entry.identity")
-        if entry.node:
-            check_node(entry.node, "entry.node")
-        if entry.host_ip:
-            try:
-                host_ip = format_prefix(parse_prefix(entry.host_ip))
-            except ValueError:
-                raise InvalidArgument(
-                    f"{entry.host_ip!r} is not an IP address", field="entry.host_ip"
-                ) from None
-            if "/" in host_ip:
-                raise InvalidArgument(
-                    f"{entry.host_ip!r} is not an IP address", field="entry.host_ip"
-                )
         value = keys.dumps(
             {
                 "identity": entry.identity,
@@ -82,8 +68,9 @@ class IPCache:
                 self.leases.lost(lease)
         raise Unavailable("ipcache update kept conflicting; retry", field="entry")
 
-    async def delete_ipcache(self, prefix_text: str, expected_identity: int) -> bool:
-        prefix = check_prefix(prefix_text, "prefix")
+    async def delete_ipcache(self, prefix: str, expected_identity: int) -> bool:
+        """Deletes the entry of prefix (normalized: see validation.check_prefix),
+        only if it maps to expected_identity when that is given."""
         for _ in range(MAX_ATTEMPTS):
             kv = await self.store.get_ip(prefix)
             if kv is None:

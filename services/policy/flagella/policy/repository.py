@@ -7,11 +7,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 
-from flagella.common.errors import InvalidArgument, NotFound
+from flagella.common.errors import NotFound
 from flagella.policy.identities import IdentityInfo, kind_of
 from flagella.policy.labels import LabelSet
 from flagella.policy.mirror import Mirror
-from flagella.policy.rules import Rule, check_unique, compile_rule
+from flagella.policy.rules import Rule, compile_rule
 from flagella.policy.state import PolicyState
 from flagella.policy.store import PolicyStore
 
@@ -31,9 +31,6 @@ class RuleRepository:
 
     async def put_rules(self, rules: Sequence[Rule]) -> tuple[list[str], int]:
         """Stores rules (already validated) in one transaction."""
-        if not rules:
-            raise InvalidArgument("no rules given", field="rules")
-        check_unique([("", r) for r in rules])
         for r in rules:
             compile_rule(r)
         now = time.time()
@@ -50,8 +47,6 @@ class RuleRepository:
         return rule
 
     async def delete_rule(self, name: str) -> tuple[bool, int]:
-        if not name:
-            raise InvalidArgument("required", field="name")
         deleted, revision = await self.store.delete_rule(name)
         if not deleted:
             # Nothing was written: the revision may be another service's.

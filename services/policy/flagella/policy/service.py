@@ -5,7 +5,7 @@ mirror of etcd (flagella.policy.mirror), the store's transactions
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Sequence
 
 from flagella.policy.allocator import Allocation, IdentityAllocator, IdentityView
 from flagella.policy.gc import GarbageCollector
@@ -21,7 +21,6 @@ from flagella.policy.state import IPEntry, PolicyState
 from flagella.policy.store import PolicyStore
 from flagella.policy.streams import IPCacheEvent, PolicyEvent, Streams
 from flagella.policy.trace import Trace, resolved_policy, trace_packet
-from flagella.policy.validation import identity_labels
 
 
 class PolicyService:
@@ -59,9 +58,6 @@ class PolicyService:
 
     # --- identities ---
 
-    def identity_labels(self, labels: Iterable[Label], field: str = "labels") -> LabelSet:
-        return identity_labels(labels, self.label_filter, field)
-
     async def allocate_identity(self, labels: LabelSet, node: str, owner: str = "") -> Allocation:
         return await self.identities.allocate_identity(labels, node, owner)
 
@@ -82,8 +78,8 @@ class PolicyService:
     async def upsert_ipcache(self, entry: IPEntry) -> IPEntry:
         return await self.ipcache.upsert_ipcache(entry)
 
-    async def delete_ipcache(self, prefix_text: str, expected_identity: int) -> bool:
-        return await self.ipcache.delete_ipcache(prefix_text, expected_identity)
+    async def delete_ipcache(self, prefix: str, expected_identity: int) -> bool:
+        return await self.ipcache.delete_ipcache(prefix, expected_identity)
 
     def list_ipcache(self) -> tuple[list[IPEntry], int]:
         return self.ipcache.list_ipcache()

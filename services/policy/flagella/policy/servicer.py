@@ -1,5 +1,5 @@
-"""gRPC handlers of flagella.policy.v1: proto <-> domain and validation.
-The logic is in flagella.policy.service."""
+"""gRPC handlers of flagella.policy.v1: proto <-> domain and validation
+(flagella.policy.validation). The logic is in flagella.policy.service."""
 
 from __future__ import annotations
 
@@ -34,6 +34,16 @@ from flagella.policy.selector import Entity
 from flagella.policy.service import PolicyService
 from flagella.policy.state import IPEntry
 from flagella.policy.streams import EventKind, IPCacheEvent, PolicyEvent
+from flagella.policy.validation import (
+    check_allocatable,
+    check_ip_entry,
+    check_node,
+    check_owner,
+    check_prefix,
+    check_rules,
+    identity_labels,
+    lookup_labels,
+)
 
 Ctx = Any
 
@@ -322,7 +332,12 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
     async def AllocateIdentity(
         self, request: pb.AllocateIdentityRequest, context: Ctx
     ) -> pb.AllocateIdentityResponse:
-        labels = self.service.identity_labels(labels_from_pb(request.labels, "labels"))
+        labels = identity_labels(
+            labels_from_pb(request.labels, "labels"), self.service.label_filter
+        )
+        check_node(request.node)
+        check_owner(request.owner)
+        check_allocatable(labels)
         alloc = await self.service.allocate_identity(labels, request.node, request.owner)
         return pb.AllocateIdentityResponse(
             identity=identity_pb(alloc.identity), created=alloc.created
@@ -331,6 +346,10 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
     async def ReleaseIdentity(
         self, request: pb.ReleaseIdentityRequest, context: Ctx
     ) -> pb.ReleaseIdentityResponse:
+        check_node(request.node)
+        check_owner(request.owner)
+        if request.id == 0:
+            raise InvalidArgument("required", field="id")
         released = await self.service.release_identity(request.id, request.node, request.owner)
         return pb.ReleaseIdentityResponse(released=released)
 
@@ -346,14 +365,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         raise InvalidArgument("give an id or labels", field="by")
 
     def _lookup_labels(self, labels: Sequence[pb.Label], field: str) -> LabelSet:
-        domain = labels_from_pb(labels, field)
-        try:
-            ls = self.service.label_filter.filter(label_set(domain))
-        except LabelError as exc:
-            raise InvalidArgument(str(exc), field=field) from None
-        if not ls:
-            raise InvalidArgument("no identity-relevant labels", field=field)
-        return ls
+        return lookup_labels(labels_from_pb(labels, field), self.service.label_filter, field)
 
     async def ListIdentities(
         self, request: pb.ListIdentitiesRequest, context: Ctx
@@ -372,15 +384,15 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         if not request.HasField("entry"):
             raise InvalidArgument("required", field="entry")
         e = request.entry
-        stored = await self.service.upsert_ipcache(
-            IPEntry(e.prefix, e.identity, e.node, e.host_ip, e.source)
-        )
+        entry = check_ip_entry(IPEntry(e.prefix, e.identity, e.node, e.host_ip, e.source))
+        stored = await self.service.upsert_ipcache(entry)
         return pb.UpsertIPCacheResponse(entry=ip_entry_pb(stored))
 
     async def DeleteIPCache(
         self, request: pb.DeleteIPCacheRequest, context: Ctx
     ) -> pb.DeleteIPCacheResponse:
-        deleted = await self.service.delete_ipcache(request.prefix, request.expected_identity)
+        prefix = check_prefix(request.prefix, "prefix")
+        deleted = await self.service.delete_ipcache(prefix, request.expected_identity)
         return pb.DeleteIPCacheResponse(deleted=deleted)
 
     async def ListIPCache(
@@ -409,7 +421,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
             rules = parse_document(request.document)
         else:
             raise InvalidArgument("give rules or a document", field="source")
-        names, revision = await self.service.put_rules(rules)
+        names, revision = await self.service.put_rules(check_rules(rules))
         return pb.PutRulesResponse(names=names, revision=revision)
 
     async def GetRule(self, request: pb.GetRuleRequest, context: Ctx) -> pb.Rule:
@@ -420,6 +432,8 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
     async def DeleteRule(
         self, request: pb.DeleteRuleRequest, context: Ctx
     ) -> pb.DeleteRuleResponse:
+        if not request.name:
+            raise InvalidArgument("required", field="name")
         deleted, revision = await self.service.delete_rule(request.name)
         return pb.DeleteRuleResponse(deleted=deleted, revision=revision)
 
@@ -465,5 +479,6 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
     ) -> AsyncIterator[pb.PolicyEvent]:
         if request.since_revision < 0:
             raise InvalidArgument("must not be negative", field="since_revision")
+        check_node(request.node)
         async for event in self.service.watch_policy(request.node, request.since_revision):
             yield policy_event_pb(event, self.contents)

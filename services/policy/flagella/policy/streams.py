@@ -17,7 +17,6 @@ from flagella.policy.mirror import Mirror
 from flagella.policy.resolve import PolicyContent, ResolvedPolicy
 from flagella.policy.settings import Settings
 from flagella.policy.state import IPEntry, PolicyState
-from flagella.policy.validation import check_node
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +125,6 @@ class Streams:
             sub.close()
 
     async def watch_policy(self, node: str, since: int) -> AsyncIterator[PolicyEvent]:
-        check_node(node)
         sub = self.mirror.subscribe()
         keeper = asyncio.create_task(self.leases.keep_alive(node), name=f"keepalive-{node}")
         try:
