@@ -37,7 +37,7 @@ class PolicyApp:
         cfg = runtime.config
         self.etcd = Etcd(cfg.etcd_endpoints, timeout=cfg.etcd_timeout)
         self.probes = Probes(runtime.readiness)
-        self.service = PolicyService(PolicyStore(self.etcd), settings_of(cfg))
+        self.service = PolicyService(PolicyStore(self.etcd), settings_of(cfg), tasks=runtime.tasks)
 
     def register(self, server: grpc.aio.Server) -> None:
         policy_pb2_grpc.add_PolicyServiceServicer_to_server(PolicyServicer(self.service), server)

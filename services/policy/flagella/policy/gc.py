@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 
 from flagella.common.errors import Unavailable
 from flagella.policy.leases import NodeLeases
 from flagella.policy.mirror import Mirror
-from flagella.policy.settings import Settings
 from flagella.policy.state import PolicyState
 from flagella.policy.store import PolicyStore
 
@@ -22,32 +20,24 @@ class GarbageCollector:
     hold nothing, each only once it was seen so in two rounds."""
 
     def __init__(
-        self, store: PolicyStore, mirror: Mirror, leases: NodeLeases, settings: Settings
+        self, store: PolicyStore, mirror: Mirror, leases: NodeLeases, *, interval: float
     ) -> None:
         self.store = store
         self.mirror = mirror
         self.leases = leases
-        self.settings = settings
-        self._gc_marks: dict[int, int] = {}
-        self._lease_marks: set[int] = set()
-        self._gc_task: asyncio.Task[None] | None = None
+        self.interval = interval
+        # Identities seen unreferenced last round: id -> mod revision then.
+        self._unreferenced: dict[int, int] = {}
 
     @property
     def state(self) -> PolicyState:
         return self.mirror.state
 
-    def start(self) -> None:
-        self._gc_task = asyncio.create_task(self._gc_loop(), name="policy-gc")
-
-    async def stop(self) -> None:
-        if self._gc_task is not None:
-            self._gc_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._gc_task
-
-    async def _gc_loop(self) -> None:
+    async def run(self) -> None:
+        """A round every interval, until cancelled (jittered, so that
+        replicas started together spread their rounds)."""
         while True:
-            await asyncio.sleep(self.settings.gc_interval * random.uniform(0.9, 1.1))
+            await asyncio.sleep(self.interval * random.uniform(0.9, 1.1))
             try:
                 await self.collect_garbage()
             except Unavailable as exc:
@@ -62,7 +52,7 @@ class GarbageCollector:
         marks: dict[int, int] = {}
         for gid in state.unreferenced_identities():
             marks[gid.id] = gid.mod_revision
-            if self._gc_marks.get(gid.id) != gid.mod_revision:
+            if self._unreferenced.get(gid.id) != gid.mod_revision:
                 continue
             index = state.labels_index.get(gid.label_string)
             if index is None or index[0] != gid.id:
@@ -75,17 +65,5 @@ class GarbageCollector:
                     "identity garbage-collected",
                     extra={"identity": gid.id, "labels": gid.label_string},
                 )
-        self._gc_marks = marks
-        revoked = 0
-        mine = self.leases.current_leases()
-        empty = {
-            lease
-            for leases in state.node_leases.values()
-            for lease in leases
-            if state.lease_keys.get(lease, 0) <= 1 and lease not in mine
-        }
-        for lease in empty & self._lease_marks:
-            await self.store.revoke(lease)
-            revoked += 1
-        self._lease_marks = empty - self._lease_marks
-        return freed, revoked
+        self._unreferenced = marks
+        return freed, await self.leases.revoke_idle()

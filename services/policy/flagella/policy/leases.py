@@ -1,21 +1,40 @@
-"""The etcd leases a node's identity references and ipcache entries hang on
-(the store layer: the service asks for "a lease for node N")."""
+"""The etcd leases a node's identity references and ipcache entries hang on.
+
+Part of the store layer: the service asks for "a lease for node N" and
+hands the NodeLease it gets to the store's writes; only this module and
+flagella.policy.store handle etcd lease ids."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket
 import time
+from collections.abc import Callable, Mapping
+from typing import Protocol
 
 from flagella.common.errors import Unavailable
-from flagella.policy.mirror import Mirror
-from flagella.policy.settings import Settings
+from flagella.common.tasks import TaskGroup
 from flagella.policy.store import NodeLease, PolicyStore
 
 log = logging.getLogger(__name__)
+
+
+class LeaseView(Protocol):
+    """What the leases read of a replica's mirror of etcd
+    (flagella.policy.state.PolicyState)."""
+
+    @property
+    def revision(self) -> int: ...
+
+    @property
+    def node_leases(self) -> Mapping[str, Mapping[int, int]]:
+        """node -> lease -> mod revision of its record."""
+
+    @property
+    def lease_keys(self) -> Mapping[int, int]:
+        """lease -> mirrored keys attached to it (its record among them)."""
 
 
 class NodeLeases:
@@ -29,23 +48,29 @@ class NodeLeases:
     dying loses nothing, and a node that shows no sign of life for the TTL
     loses its references."""
 
-    def __init__(self, store: PolicyStore, mirror: Mirror, settings: Settings) -> None:
+    def __init__(
+        self,
+        store: PolicyStore,
+        view: Callable[[], LeaseView],
+        tasks: TaskGroup,
+        *,
+        ttl: int,
+        keys_per_lease: int,
+    ) -> None:
         self.store = store
-        self.mirror = mirror
-        self.ttl = settings.node_lease_ttl
-        self.cap = settings.keys_per_lease
+        self.view = view
+        self.tasks = tasks
+        self.ttl = ttl
+        self.cap = keys_per_lease
         self.replica = f"{socket.gethostname()}:{os.getpid()}"
         self._current: dict[str, NodeLease] = {}
         self._attached: dict[int, int] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._refreshed: dict[str, float] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    def current_leases(self) -> set[int]:
-        return {lease.lease for lease in self._current.values()}
+        self._idle_marks: set[int] = set()
 
     def _alive(self, lease: NodeLease) -> bool:
-        state = self.mirror.state
+        state = self.view()
         if lease.record_revision > state.revision:
             return True  # granted after what the mirror has seen
         return lease.lease in state.node_leases.get(lease.node, {})
@@ -85,7 +110,7 @@ class NodeLeases:
     async def refresh(self, node: str) -> None:
         """Keeps every lease of node alive for another TTL."""
         self._refreshed[node] = time.monotonic()
-        for lease in list(self.mirror.state.node_leases.get(node, {})):
+        for lease in list(self.view().node_leases.get(node, {})):
             try:
                 await self.store.keepalive(lease)
             except Unavailable as exc:
@@ -100,9 +125,7 @@ class NodeLeases:
         if time.monotonic() - self._refreshed.get(node, 0.0) < self.ttl / 3:
             return
         self._refreshed[node] = time.monotonic()
-        task = asyncio.create_task(self.refresh(node), name=f"refresh-{node}")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.tasks.spawn(f"refresh-{node}", self.refresh(node))
 
     async def keep_alive(self, node: str) -> None:
         """While running (a WatchPolicy stream of node is open), keeps the
@@ -111,9 +134,22 @@ class NodeLeases:
             await self.refresh(node)
             await asyncio.sleep(max(self.ttl / 3, 0.5))
 
-    async def stop(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+    async def revoke_idle(self) -> int:
+        """One round of lease garbage collection: revokes the leases that
+        held nothing but their record in this round and the last (except
+        this replica's current ones, which new keys may be joining).
+        Returns how many."""
+        state = self.view()
+        mine = {lease.lease for lease in self._current.values()}
+        idle = {
+            lease
+            for leases in state.node_leases.values()
+            for lease in leases
+            if state.lease_keys.get(lease, 0) <= 1 and lease not in mine
+        }
+        revoked = 0
+        for lease in idle & self._idle_marks:
+            await self.store.revoke(lease)
+            revoked += 1
+        self._idle_marks = idle - self._idle_marks
+        return revoked

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 
+from flagella.common.tasks import TaskGroup
 from flagella.policy.allocator import Allocation, IdentityAllocator, IdentityView
 from flagella.policy.gc import GarbageCollector
 from flagella.policy.ipcache import IPCache
@@ -24,10 +25,19 @@ from flagella.policy.trace import Trace, resolved_policy, trace_packet
 
 
 class PolicyService:
-    def __init__(self, store: PolicyStore, settings: Settings | None = None) -> None:
+    def __init__(
+        self,
+        store: PolicyStore,
+        settings: Settings | None = None,
+        *,
+        tasks: TaskGroup | None = None,
+    ) -> None:
         self.store = store
         self.settings = settings or Settings()
         s = self.settings
+        # Background work (garbage collection, lease refreshes): the
+        # runtime's group when given, stopped before the service.
+        self.tasks = tasks or TaskGroup("policy")
         self.label_filter = (
             LabelFilter(s.label_filter) if s.label_filter is not None else LabelFilter()
         )
@@ -36,12 +46,18 @@ class PolicyService:
             lambda: PolicyState(budget=s.budget, allow_localhost=s.allow_localhost),
             wait_timeout=s.wait_timeout,
         )
-        self.leases = NodeLeases(store, self.mirror, s)
+        self.leases = NodeLeases(
+            store,
+            lambda: self.mirror.state,
+            self.tasks,
+            ttl=s.node_lease_ttl,
+            keys_per_lease=s.keys_per_lease,
+        )
         self.identities = IdentityAllocator(store, self.mirror, self.leases)
         self.ipcache = IPCache(store, self.mirror, self.leases)
         self.rules = RuleRepository(store, self.mirror)
         self.streams = Streams(self.mirror, self.leases, s)
-        self.gc = GarbageCollector(store, self.mirror, self.leases, s)
+        self.gc = GarbageCollector(store, self.mirror, self.leases, interval=s.gc_interval)
 
     @property
     def state(self) -> PolicyState:
@@ -49,11 +65,10 @@ class PolicyService:
 
     async def start(self) -> None:
         await self.mirror.start()
-        self.gc.start()
+        self.tasks.supervise("policy-gc", self.gc.run)
 
     async def stop(self) -> None:
-        await self.gc.stop()
-        await self.leases.stop()
+        await self.tasks.stop()
         await self.mirror.stop()
 
     # --- identities ---
