@@ -9,8 +9,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from flagella.common.errors import NotFound, ResourceExhausted, Unavailable
-from flagella.common.etcd import KeyValue
-from flagella.policy import keys
 from flagella.policy.identities import (
     MAX_GLOBAL,
     MIN_GLOBAL,
@@ -20,11 +18,23 @@ from flagella.policy.identities import (
     reserved_identity_of,
     reserved_labels,
 )
-from flagella.policy.labels import Label, LabelSet, format_labels, label_set
+from flagella.policy.labels import Label, LabelSet, format_labels
 from flagella.policy.leases import NodeLeases
 from flagella.policy.mirror import Mirror
 from flagella.policy.state import PolicyState
-from flagella.policy.store import MAX_ATTEMPTS, PolicyStore
+from flagella.policy.store import (
+    MAX_ATTEMPTS,
+    IdentityCreated,
+    IdTaken,
+    LabelsEntry,
+    LabelsMoved,
+    LabelsTaken,
+    LeaseLost,
+    PolicyStore,
+    Reference,
+    ReferenceMoved,
+    ReferenceTaken,
+)
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +52,6 @@ class IdentityView:
 class Allocation:
     identity: IdentityView
     created: bool
-
-
-def _first(ranges: list[list[KeyValue]], index: int) -> KeyValue | None:
-    if index < len(ranges) and ranges[index]:
-        return ranges[index][0]
-    return None
 
 
 class IdentityAllocator:
@@ -121,16 +125,10 @@ class IdentityAllocator:
         reserved = reserved_identity_of(ls)
         self.leases.touch(node)
         # What we know: from the mirror first, then from failed transactions.
-        known: tuple[int, int] | None = (
-            (reserved, 0) if reserved is not None else self.state.labels_index.get(label_string)
+        known: LabelsEntry | None = (
+            LabelsEntry(reserved, 0) if reserved is not None else self._labels_entry(label_string)
         )
-        ref: tuple[int, int, int] | None  # (mod_revision, refs, lease)
-        if owner:
-            held = self.state.owner_ref(label_string, node, owner)
-            ref = (held.mod_revision, 1, held.lease) if held else None
-        else:
-            cached = self.state.refs.get((label_string, node))
-            ref = (cached.mod_revision, cached.refs, cached.lease) if cached else None
+        ref = self._cached_reference(label_string, node, owner)
         for _ in range(MAX_ATTEMPTS):
             # (an owner's repeat writes nothing: it needs no lease)
             needs_lease = known is None or ref is None or not owner
@@ -140,86 +138,63 @@ class IdentityAllocator:
                 ident = self._candidate()
                 self._inflight.add(ident)
                 try:
-                    result = await self.store.create_identity(
+                    created = await self.store.create_identity(
                         ident, label_string, [str(lb) for lb in ls], lease, owner
                     )
                 finally:
                     self._inflight.discard(ident)
-                if result.succeeded:
-                    self.leases.attached(lease)
-                    log.info(
-                        "identity created",
-                        extra={"identity": ident, "labels": label_string, "node": node},
-                    )
-                    return await self._allocated(ident, ls, node, result.revision, created=True)
-                labels_kv = _first(result.ranges, 0)
-                id_kv = _first(result.ranges, 1)
-                if labels_kv is not None:
-                    known = (int(keys.loads(labels_kv.value)["id"]), labels_kv.mod_revision)
-                    if owner:
-                        ref = _owned_of(
-                            await self.store.get_owned_reference(label_string, node, owner)
+                match created:
+                    case IdentityCreated(revision):
+                        self.leases.attached(lease)
+                        log.info(
+                            "identity created",
+                            extra={"identity": ident, "labels": label_string, "node": node},
                         )
-                    else:
-                        ref = _ref_of(await self.store.get_reference(label_string, node))
-                elif id_kv is not None:
-                    self._taken.add(ident)
-                else:
-                    self.leases.lost(lease)
+                        return await self._allocated(ident, ls, node, revision, created=True)
+                    case LabelsTaken(taken_labels, taken_ref):
+                        known, ref = taken_labels, taken_ref
+                    case IdTaken():
+                        self._taken.add(ident)
+                    case LeaseLost():
+                        self.leases.lost(lease)
                 continue
-            ident, labels_revision = known
+            ident = known.id
+            labels_revision = None if reserved is not None else known.revision
             if owner:
-                result = await self.store.take_owned_reference(
+                taken = await self.store.take_owned_reference(
                     label_string,
                     ident,
                     node,
                     owner,
-                    held_revision=ref[0] if ref else 0,
-                    guard=lease,
-                    labels_revision=None if reserved is not None else labels_revision,
+                    held=ref,
+                    lease=lease,
+                    labels_revision=labels_revision,
                 )
-                if result.succeeded and ref is not None:
+                if isinstance(taken, ReferenceTaken) and ref is not None:
                     # Already held: the revision that took it.
-                    return await self._allocated(ident, ls, node, ref[0], created=False)
+                    return await self._allocated(ident, ls, node, ref.revision, created=False)
             else:
-                refs = ref[1] if ref else 0
-                result = await self.store.set_reference(
-                    label_string,
-                    ident,
-                    node,
-                    refs + 1,
-                    guard=lease,
-                    ref_revision=ref[0] if ref else 0,
-                    lease=ref[2] if ref else 0,
-                    labels_revision=None if reserved is not None else labels_revision,
+                assert lease is not None
+                taken = await self.store.add_reference(
+                    label_string, ident, lease, held=ref, labels_revision=labels_revision
                 )
-            if result.succeeded:
-                if ref is None and lease is not None:
-                    self.leases.attached(lease)
-                return await self._allocated(ident, ls, node, result.revision, created=False)
-            labels_kv = _first(result.ranges, 0)
-            ref_kv = _first(result.ranges, 1)
-            fresh_ref = _owned_of(ref_kv) if owner else _ref_of(ref_kv)
-            if reserved is None:
-                if labels_kv is None:
-                    known = None  # garbage-collected meanwhile: create again
-                    ref = fresh_ref
-                    continue
-                fresh_known = (int(keys.loads(labels_kv.value)["id"]), labels_kv.mod_revision)
-                if fresh_known != known:
-                    known, ref = fresh_known, fresh_ref
-                    continue
-            if fresh_ref != ref:
-                ref = fresh_ref
-                if owner and ref_kv is not None and int(keys.loads(ref_kv.value)["id"]) == ident:
-                    # The owner holds it (read with the labels, in one
-                    # transaction): the mirror had not seen it yet.
-                    return await self._allocated(
-                        ident, ls, node, ref_kv.mod_revision, created=False
-                    )
-                continue
-            if lease is not None:
-                self.leases.lost(lease)  # only the node's lease can have failed
+            match taken:
+                case ReferenceTaken(revision):
+                    if ref is None and lease is not None:
+                        self.leases.attached(lease)
+                    return await self._allocated(ident, ls, node, revision, created=False)
+                case LabelsMoved(moved_labels, moved_ref):
+                    # (labels None: garbage-collected meanwhile, create again)
+                    known, ref = moved_labels, moved_ref
+                case ReferenceMoved(moved_ref):
+                    ref = moved_ref
+                    if owner and ref is not None and ref.id == ident:
+                        # The owner holds it (read with the labels, in one
+                        # transaction): the mirror had not seen it yet.
+                        return await self._allocated(ident, ls, node, ref.revision, created=False)
+                case LeaseLost():
+                    if lease is not None:
+                        self.leases.lost(lease)
         raise Unavailable("identity allocation kept conflicting; retry", field="labels")
 
     async def _allocated(
@@ -239,66 +214,61 @@ class IdentityAllocator:
         any owner or none. Releasing what is not held is a no-op (False)."""
         label_string = self._label_string_of(ident)
         if label_string is None:
-            kv = await self.store.get_identity(ident) if is_global(ident) else None
-            if kv is None:
+            stored = await self.store.get_identity(ident) if is_global(ident) else None
+            if stored is None:
                 return False
-            label_string = format_labels(
-                label_set(Label.parse(t) for t in keys.loads(kv.value)["labels"])
-            )
+            label_string = format_labels(stored.labels)
         if owner:
             return await self._release_owned(ident, label_string, node, owner)
-        cached = self.state.refs.get((label_string, node))
-        ref = (cached.mod_revision, cached.refs, cached.lease) if cached else None
+        ref = self._cached_reference(label_string, node, "")
         if ref is None:
-            ref = _ref_of(await self.store.get_reference(label_string, node))
+            ref = await self.store.get_reference(label_string, node)
         for _ in range(MAX_ATTEMPTS):
             if ref is None:
                 return False
-            refs = ref[1] - 1
-            result = await self.store.set_reference(
-                label_string,
-                ident,
-                node,
-                refs,
-                guard=None,
-                ref_revision=ref[0],
-                lease=ref[2],
-                labels_revision=None,
-            )
-            if result.succeeded:
-                await self.mirror.wait_for(result.revision)
-                last = refs <= 0 and not _first(result.ranges, 0)
-                if last:
-                    log.info("identity released by node", extra={"identity": ident, "node": node})
-                return last
-            ref = _ref_of(_first(result.ranges, 1))
+            dropped = await self.store.drop_reference(label_string, ident, node, held=ref)
+            if isinstance(dropped, ReferenceMoved):
+                ref = dropped.ref
+                continue
+            await self.mirror.wait_for(dropped.revision)
+            if dropped.last:
+                log.info("identity released by node", extra={"identity": ident, "node": node})
+            return dropped.last
         raise Unavailable("identity release kept conflicting; retry", field="id")
 
     async def _release_owned(self, ident: int, label_string: str, node: str, owner: str) -> bool:
-        held = self.state.owner_ref(label_string, node, owner)
-        revision = held.mod_revision if held else 0
-        if not revision:
+        held = self._cached_reference(label_string, node, owner)
+        if held is None:
             # Not in the mirror: it may be newer than what the mirror saw.
-            kv = await self.store.get_owned_reference(label_string, node, owner)
-            revision = kv.mod_revision if kv else 0
-        own_key = keys.owner_key(label_string, node, owner)
+            held = await self.store.get_reference(label_string, node, owner)
         for _ in range(MAX_ATTEMPTS):
-            if not revision:
+            if held is None:
                 return False
-            result = await self.store.drop_owned_reference(
-                label_string, node, owner, revision=revision
-            )
-            if result.succeeded:
-                await self.mirror.wait_for(result.revision)
-                anonymous = _first(result.ranges, 0)
-                others = [kv for kv in result.ranges[1] if kv.key != own_key]
-                last = anonymous is None and not others
-                if last:
-                    log.info("identity released by node", extra={"identity": ident, "node": node})
-                return last
-            kv = _first(result.ranges, 0)
-            revision = kv.mod_revision if kv else 0
+            dropped = await self.store.drop_owned_reference(label_string, node, owner, held=held)
+            if isinstance(dropped, ReferenceMoved):
+                held = dropped.ref
+                continue
+            await self.mirror.wait_for(dropped.revision)
+            if dropped.last:
+                log.info("identity released by node", extra={"identity": ident, "node": node})
+            return dropped.last
         raise Unavailable("identity release kept conflicting; retry", field="id")
+
+    def _labels_entry(self, label_string: str) -> LabelsEntry | None:
+        """The identity the mirror has the labels map to."""
+        found = self.state.labels_index.get(label_string)
+        return LabelsEntry(*found) if found is not None else None
+
+    def _cached_reference(self, label_string: str, node: str, owner: str) -> Reference | None:
+        """The node's anonymous count (owner's reference, for an owner) as
+        the mirror has it."""
+        if owner:
+            held = self.state.owner_ref(label_string, node, owner)
+            return Reference(held.id, 1, held.mod_revision, held.lease) if held else None
+        cached = self.state.refs.get((label_string, node))
+        return (
+            Reference(cached.id, cached.refs, cached.mod_revision, cached.lease) if cached else None
+        )
 
     def _label_string_of(self, ident: int) -> str | None:
         if ident in RESERVED_NAMES:
@@ -311,9 +281,9 @@ class IdentityAllocator:
         if view is not None:
             return view
         if is_global(ident):
-            kv = await self.store.get_identity(ident)
-            if kv is not None:
-                await self.mirror.wait_for(kv.mod_revision)
+            stored = await self.store.get_identity(ident)
+            if stored is not None:
+                await self.mirror.wait_for(stored.revision)
                 view = self._view(ident)
                 if view is not None:
                     return view
@@ -324,9 +294,9 @@ class IdentityAllocator:
         mirror does not know them yet."""
         ident = self.state.identity_of_labels(labels)
         if ident is None:
-            kv = await self.store.get_labels(format_labels(labels))
-            if kv is not None:
-                await self.mirror.wait_for(kv.mod_revision)
+            entry = await self.store.get_labels(format_labels(labels))
+            if entry is not None:
+                await self.mirror.wait_for(entry.revision)
                 ident = self.state.identity_of_labels(labels)
         view = self._view(ident) if ident is not None else None
         if view is None:
@@ -345,16 +315,3 @@ class IdentityAllocator:
             if view is not None:
                 out.append(view)
         return out, state.revision
-
-
-def _ref_of(kv: KeyValue | None) -> tuple[int, int, int] | None:
-    if kv is None:
-        return None
-    return kv.mod_revision, int(keys.loads(kv.value)["refs"]), kv.lease
-
-
-def _owned_of(kv: KeyValue | None) -> tuple[int, int, int] | None:
-    """An owner's reference as _ref_of gives a count: (mod_revision, 1, lease)."""
-    if kv is None:
-        return None
-    return kv.mod_revision, 1, kv.lease

@@ -7,12 +7,11 @@ import logging
 from dataclasses import replace
 
 from flagella.common.errors import NotFound, Unavailable
-from flagella.policy import keys
 from flagella.policy.identities import is_global
 from flagella.policy.leases import NodeLeases
 from flagella.policy.mirror import Mirror
 from flagella.policy.state import IPEntry, PolicyState
-from flagella.policy.store import MAX_ATTEMPTS, PolicyStore
+from flagella.policy.store import MAX_ATTEMPTS, IPEntryStored, PolicyStore
 
 log = logging.getLogger(__name__)
 
@@ -33,37 +32,24 @@ class IPCache:
     async def upsert_ipcache(self, entry: IPEntry) -> IPEntry:
         """Puts entry (its prefix normalized: see validation.check_prefix), on
         the lease of its node if it names one. The identity must exist."""
-        prefix = entry.prefix
         if self.state.info(entry.identity) is None:
-            kv = (
+            stored = (
                 await self.store.get_identity(entry.identity) if is_global(entry.identity) else None
             )
-            if kv is None:
+            if stored is None:
                 raise NotFound(f"identity {entry.identity} does not exist", field="entry.identity")
-        value = keys.dumps(
-            {
-                "identity": entry.identity,
-                "node": entry.node,
-                "hostIP": entry.host_ip,
-                "source": entry.source or "endpoint",
-            }
-        )
+        entry = replace(entry, source=entry.source or "endpoint")
         for _ in range(MAX_ATTEMPTS):
             lease = None
             if entry.node:
                 self.leases.touch(entry.node)
                 lease = await self.leases.lease_for(entry.node)
-            result = await self.store.put_ip(prefix, value, lease)
-            if result.succeeded:
-                if lease is not None and prefix not in self.state.ip:
+            put = await self.store.put_ip(entry, lease)
+            if isinstance(put, IPEntryStored):
+                if lease is not None and entry.prefix not in self.state.ip:
                     self.leases.attached(lease)
-                await self.mirror.wait_for(result.revision)
-                return replace(
-                    entry,
-                    prefix=prefix,
-                    source=entry.source or "endpoint",
-                    revision=result.revision,
-                )
+                await self.mirror.wait_for(put.revision)
+                return replace(entry, revision=put.revision)
             if lease is not None:
                 self.leases.lost(lease)
         raise Unavailable("ipcache update kept conflicting; retry", field="entry")
@@ -72,14 +58,14 @@ class IPCache:
         """Deletes the entry of prefix (normalized: see validation.check_prefix),
         only if it maps to expected_identity when that is given."""
         for _ in range(MAX_ATTEMPTS):
-            kv = await self.store.get_ip(prefix)
-            if kv is None:
+            current = await self.store.get_ip(prefix)
+            if current is None:
                 return False
-            if expected_identity and int(keys.loads(kv.value)["identity"]) != expected_identity:
+            if expected_identity and current.identity != expected_identity:
                 return False
-            result = await self.store.delete_ip(prefix, revision=kv.mod_revision)
-            if result.succeeded:
-                await self.mirror.wait_for(result.revision)
+            revision = await self.store.delete_ip(prefix, revision=current.revision)
+            if revision is not None:
+                await self.mirror.wait_for(revision)
                 return True
         raise Unavailable("ipcache delete kept conflicting; retry", field="prefix")
 
