@@ -21,20 +21,19 @@ from flagella.policy.identities import (
 from flagella.policy.labels import Label, LabelSet, format_labels
 from flagella.policy.leases import NodeLeases
 from flagella.policy.mirror import Mirror
-from flagella.policy.state import PolicyState
-from flagella.policy.store import (
-    MAX_ATTEMPTS,
+from flagella.policy.outcomes import (
     IdentityCreated,
     IdTaken,
     LabelsEntry,
     LabelsMoved,
     LabelsTaken,
     LeaseLost,
-    PolicyStore,
     Reference,
     ReferenceMoved,
     ReferenceTaken,
 )
+from flagella.policy.state import PolicyState
+from flagella.policy.store import MAX_ATTEMPTS, PolicyStore
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,9 @@ from flagella.common.errors import NotFound, Unavailable
 from flagella.policy.identities import is_global
 from flagella.policy.leases import NodeLeases
 from flagella.policy.mirror import Mirror
+from flagella.policy.outcomes import IPEntryStored
 from flagella.policy.state import IPEntry, PolicyState
-from flagella.policy.store import MAX_ATTEMPTS, IPEntryStored, PolicyStore
+from flagella.policy.store import MAX_ATTEMPTS, PolicyStore
 
 log = logging.getLogger(__name__)
 

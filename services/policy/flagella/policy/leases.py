@@ -16,7 +16,8 @@ from typing import Protocol
 
 from flagella.common.errors import Unavailable
 from flagella.common.tasks import TaskGroup
-from flagella.policy.store import NodeLease, PolicyStore
+from flagella.policy.outcomes import NodeLease
+from flagella.policy.store import PolicyStore
 
 log = logging.getLogger(__name__)
 
