@@ -118,7 +118,8 @@ class IdentityAllocator:
         With an owner, the reference is the owner's: if it already holds
         one on that identity and node, nothing is written and the answer's
         revision is the one that took it (idempotent). Without, the node's
-        anonymous count goes up by one."""
+        anonymous count goes up by one. (labels, node and owner were
+        validated by the servicer: flagella.policy.validation.)"""
         ls = labels
         label_string = format_labels(ls)
         reserved = reserved_identity_of(ls)
@@ -193,7 +194,7 @@ class IdentityAllocator:
                         return await self._allocated(ident, ls, node, ref.revision, created=False)
                 case LeaseLost():
                     if lease is not None:
-                        self.leases.lost(lease)
+                        self.leases.lost(lease)  # only the node's lease can have failed
         raise Unavailable("identity allocation kept conflicting; retry", field="labels")
 
     async def _allocated(

@@ -25,6 +25,9 @@ from flagella.policy.trace import Trace, resolved_policy, trace_packet
 
 
 class PolicyService:
+    """What the servicer calls: each method hands its (validated) inputs to
+    the module whose job it is."""
+
     def __init__(
         self,
         store: PolicyStore,
@@ -35,9 +38,11 @@ class PolicyService:
         self.store = store
         self.settings = settings or Settings()
         s = self.settings
-        # Background work (garbage collection, lease refreshes): the
-        # runtime's group when given, stopped before the service.
+        # Background work (garbage collection, lease refreshes): in the
+        # runtime's group when given (the runtime stops it before the
+        # service), else in one of our own.
         self.tasks = tasks or TaskGroup("policy")
+        self._own_tasks = tasks is None
         self.label_filter = (
             LabelFilter(s.label_filter) if s.label_filter is not None else LabelFilter()
         )
@@ -68,7 +73,8 @@ class PolicyService:
         self.tasks.supervise("policy-gc", self.gc.run)
 
     async def stop(self) -> None:
-        await self.tasks.stop()
+        if self._own_tasks:
+            await self.tasks.stop()
         await self.mirror.stop()
 
     # --- identities ---
