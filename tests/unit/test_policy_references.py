@@ -11,8 +11,8 @@ from policy_world import FakeKV, World
 
 from flagella.common.errors import InvalidArgument
 from flagella.policy import keys
-from flagella.policy.service import MAX_OWNER, check_owner
 from flagella.policy.state import PolicyState
+from flagella.policy.validation import MAX_OWNER, check_owner
 
 OWNER = "3f2a9c0d1e4b5a6978b0c1d2e3f4a5b6c7d8e9f00112233445566778899aabbc/eth0"
 

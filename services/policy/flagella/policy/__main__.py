@@ -11,8 +11,9 @@ from flagella.common.etcd import Etcd
 from flagella.common.server import Probes, Runtime
 from flagella.common.server import main as serve_main
 from flagella.policy.config import PolicyConfig
-from flagella.policy.service import PolicyService, Settings
+from flagella.policy.service import PolicyService
 from flagella.policy.servicer import PolicyServicer
+from flagella.policy.settings import Settings
 from flagella.policy.store import PolicyStore
 
 
@@ -36,7 +37,7 @@ class PolicyApp:
         cfg = runtime.config
         self.etcd = Etcd(cfg.etcd_endpoints, timeout=cfg.etcd_timeout)
         self.probes = Probes(runtime.readiness)
-        self.service = PolicyService(PolicyStore(self.etcd), settings_of(cfg))
+        self.service = PolicyService(PolicyStore(self.etcd), settings_of(cfg), tasks=runtime.tasks)
 
     def register(self, server: grpc.aio.Server) -> None:
         policy_pb2_grpc.add_PolicyServiceServicer_to_server(PolicyServicer(self.service), server)

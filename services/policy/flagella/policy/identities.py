@@ -106,6 +106,15 @@ def reserved_identity_of(labels: LabelSet) -> int | None:
     return None
 
 
+def kind_of(labels: LabelSet) -> Kind:
+    """The kind of identity a label set names (for selectors and traces)."""
+    if reserved_identity_of(labels) is not None:
+        return Kind.RESERVED
+    if any(lb.source == SOURCE_CIDR for lb in labels):
+        return Kind.CIDR
+    return Kind.GLOBAL
+
+
 def is_global(ident: int) -> bool:
     return MIN_GLOBAL <= ident <= MAX_GLOBAL
 

@@ -1,6 +1,11 @@
 """etcd state of the policy service: every read and transaction, on the
 layout of flagella.policy.keys. Multi-key changes are single transactions,
-so a crash never leaves half of one behind."""
+so a crash never leaves half of one behind.
+
+Reads and transactions answer in the typed records and outcomes of
+flagella.policy.outcomes: keys, etcd values and transaction results stay in
+this module (the mirror, which decodes every key it follows, gets the raw
+key-values of snapshot and watch)."""
 
 from __future__ import annotations
 
@@ -22,7 +27,31 @@ from flagella.common.etcd import (
     put_op,
 )
 from flagella.policy import keys
+from flagella.policy.labels import Label, label_set
+from flagella.policy.outcomes import (
+    CreateOutcome,
+    DropOutcome,
+    IdentityCreated,
+    IdTaken,
+    IPEntryStored,
+    LabelsEntry,
+    LabelsMoved,
+    LabelsTaken,
+    LeaseLost,
+    NodeLease,
+    Reference,
+    ReferenceDropped,
+    ReferenceMoved,
+    ReferenceTaken,
+    StoredIdentity,
+    TakeOutcome,
+)
 from flagella.policy.rules import Rule, rule_to_json
+from flagella.policy.state import IPEntry
+
+# How many times an operation tries a transaction that lost a race before it
+# answers Unavailable (the caller may retry).
+MAX_ATTEMPTS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,12 +66,28 @@ class Event:
         return self.kv.mod_revision
 
 
-@dataclass(frozen=True, slots=True)
-class NodeLease:
-    node: str
-    lease: int
-    record_key: str
-    record_revision: int
+# --- decoding ---
+
+
+def _first(result: TxnResult, index: int) -> KeyValue | None:
+    """The first key-value of the index-th read of a transaction."""
+    if index < len(result.ranges) and result.ranges[index]:
+        return result.ranges[index][0]
+    return None
+
+
+def _labels_entry(kv: KeyValue | None) -> LabelsEntry | None:
+    if kv is None:
+        return None
+    return LabelsEntry(int(keys.loads(kv.value)["id"]), kv.mod_revision)
+
+
+def _reference(kv: KeyValue | None) -> Reference | None:
+    """An anonymous count ({"id", "refs"}) or an owner's reference ({"id"})."""
+    if kv is None:
+        return None
+    value = keys.loads(kv.value)
+    return Reference(int(value["id"]), int(value.get("refs", 1)), kv.mod_revision, kv.lease)
 
 
 def _node_guard(lease: NodeLease | None) -> list[object]:
@@ -50,6 +95,27 @@ def _node_guard(lease: NodeLease | None) -> list[object]:
     if lease is None:
         return []
     return [mod_revision_is(lease.record_key, lease.record_revision)]
+
+
+def _revision_of(ref: Reference | None) -> int:
+    return ref.revision if ref is not None else 0
+
+
+def _take_failed(
+    result: TxnResult, *, held: Reference | None, labels_revision: int | None
+) -> LabelsMoved | ReferenceMoved | LeaseLost:
+    """Which compare of a reference write failed, from its reads
+    [labels/<labels>, the reference]: the labels' (checked when
+    labels_revision is given), the reference's, or else the lease's."""
+    labels_kv = _first(result, 0)
+    ref = _reference(_first(result, 1))
+    if labels_revision is not None and (
+        labels_kv is None or labels_kv.mod_revision != labels_revision
+    ):
+        return LabelsMoved(_labels_entry(labels_kv), ref)
+    if _revision_of(ref) != _revision_of(held):
+        return ReferenceMoved(ref)
+    return LeaseLost()
 
 
 class PolicyStore:
@@ -71,7 +137,7 @@ class PolicyStore:
             if keys.parse_key(event.kv.key).kind:
                 yield Event(event.type is EventType.DELETE, event.kv)
 
-    # --- node leases ---
+    # --- node leases (flagella.policy.leases) ---
 
     async def grant_node_lease(self, node: str, ttl: int, replica: str) -> NodeLease:
         lease = await self.etcd.grant_lease(ttl)
@@ -94,76 +160,68 @@ class PolicyStore:
         ident: int,
         labels: str,
         label_list: Sequence[str],
-        node: NodeLease | None,
+        lease: NodeLease,
         owner: str = "",
-    ) -> TxnResult:
+    ) -> CreateOutcome:
         """Creates id/<ident> and labels/<labels> and the node's first
         reference (owner's, or the anonymous count when owner is empty), if
-        neither exists (and the node's lease is alive). On failure, ranges
-        are [labels/<labels>, id/<ident>]."""
+        neither exists and the node's lease is alive."""
         labels_key = keys.labels_key(labels)
         id_key = keys.id_key(ident)
-        ops = [
-            put_op(id_key, keys.dumps({"labels": list(label_list)})),
-            put_op(labels_key, keys.dumps({"id": ident})),
-        ]
-        if node is not None and owner:
-            ops.append(
-                put_op(
-                    keys.owner_key(labels, node.node, owner),
-                    keys.dumps({"id": ident}),
-                    node.lease,
-                )
-            )
-        elif node is not None:
-            ops.append(
-                put_op(
-                    keys.ref_key(labels, node.node),
-                    keys.dumps({"id": ident, "refs": 1}),
-                    node.lease,
-                )
-            )
-        return await self.etcd.txn(
-            [absent(labels_key), absent(id_key), *_node_guard(node)],
-            ops,
-            [get_op(labels_key), get_op(id_key)],
+        if owner:
+            ref_key = keys.owner_key(labels, lease.node, owner)
+            ref_value = keys.dumps({"id": ident})
+        else:
+            ref_key = keys.ref_key(labels, lease.node)
+            ref_value = keys.dumps({"id": ident, "refs": 1})
+        result = await self.etcd.txn(
+            [absent(labels_key), absent(id_key), *_node_guard(lease)],
+            [
+                put_op(id_key, keys.dumps({"labels": list(label_list)})),
+                put_op(labels_key, keys.dumps({"id": ident})),
+                put_op(ref_key, ref_value, lease.lease),
+            ],
+            [get_op(labels_key), get_op(id_key), get_op(ref_key)],
         )
+        if result.succeeded:
+            return IdentityCreated(result.revision)
+        taken = _labels_entry(_first(result, 0))
+        if taken is not None:
+            return LabelsTaken(taken, _reference(_first(result, 2)))
+        if _first(result, 1) is not None:
+            return IdTaken()
+        return LeaseLost()
 
-    async def set_reference(
+    async def add_reference(
         self,
         labels: str,
         ident: int,
-        node: str,
-        refs: int,
+        lease: NodeLease,
         *,
-        guard: NodeLease | None,
-        ref_revision: int,
-        lease: int,
+        held: Reference | None,
         labels_revision: int | None,
-    ) -> TxnResult:
-        """Sets node's anonymous reference count on an identity, if the
-        count is still at ref_revision (0: absent), the identity still maps
-        the labels (labels key at labels_revision; None for reserved ids) and
-        the guard lease of the node is alive. The count keeps its lease, or
-        takes the guard's when new. refs 0 deletes it; then, on success,
-        ranges are [one key of an owner's reference of node, if any]. On
-        failure, ranges are [labels/<labels>, value/<labels>/<node>]."""
-        ref_key = keys.ref_key(labels, node)
+    ) -> TakeOutcome:
+        """One more anonymous reference of the node on an identity: its
+        count becomes held's + 1 (1 when held is None), if the count is
+        still held, the identity still maps the labels (labels key at
+        labels_revision; None for reserved ids) and the node's lease is
+        alive. A count keeps its lease; a new one takes the node's."""
+        ref_key = keys.ref_key(labels, lease.node)
         labels_key = keys.labels_key(labels)
-        compare = [mod_revision_is(ref_key, ref_revision)]
+        compare = [mod_revision_is(ref_key, _revision_of(held))]
         if labels_revision is not None:
             compare.append(mod_revision_is(labels_key, labels_revision))
-        if refs > 0:
-            compare += _node_guard(guard)
-            if not lease and guard is not None:
-                lease = guard.lease
-            ops = [put_op(ref_key, keys.dumps({"id": ident, "refs": refs}), lease)]
-        else:
-            ops = [
-                get_prefix_op(keys.owners_prefix(labels, node), limit=1, keys_only=True),
-                delete_op(ref_key),
-            ]
-        return await self.etcd.txn(compare, ops, [get_op(labels_key), get_op(ref_key)])
+        compare += _node_guard(lease)
+        refs = held.refs + 1 if held is not None else 1
+        bound = held.lease if held is not None and held.lease else lease.lease
+        result = await self.etcd.txn(
+            compare,
+            [put_op(ref_key, keys.dumps({"id": ident, "refs": refs}), bound)],
+            [get_op(labels_key), get_op(ref_key)],
+        )
+        if result.succeeded:
+            return ReferenceTaken(result.revision)
+        return _take_failed(result, held=held, labels_revision=labels_revision)
 
     async def take_owned_reference(
         self,
@@ -172,60 +230,93 @@ class PolicyStore:
         node: str,
         owner: str,
         *,
-        held_revision: int,
-        guard: NodeLease | None,
+        held: Reference | None,
+        lease: NodeLease | None,
         labels_revision: int | None,
-    ) -> TxnResult:
-        """Owner's reference of node on an identity. held_revision 0: takes
-        it (one new key on the guard's lease), if the owner holds none, the
+    ) -> TakeOutcome:
+        """Owner's reference of node on an identity. held None: takes it
+        (one new key on the node's lease), if the owner holds none, the
         identity still maps the labels (labels key at labels_revision; None
-        for reserved ids) and the guard lease is alive. Otherwise: checks,
-        writing nothing, that the owner's reference is still the one at
-        held_revision (and the identity still maps the labels). On failure,
-        ranges are [labels/<labels>, the owner's reference]."""
+        for reserved ids) and the lease is alive. Otherwise: checks, writing
+        nothing, that the owner's reference is still held (and the identity
+        still maps the labels)."""
         key = keys.owner_key(labels, node, owner)
         labels_key = keys.labels_key(labels)
-        compare = [mod_revision_is(key, held_revision)]
+        compare = [mod_revision_is(key, _revision_of(held))]
         if labels_revision is not None:
             compare.append(mod_revision_is(labels_key, labels_revision))
         ops = []
-        if not held_revision:
-            if guard is None:
+        if held is None:
+            if lease is None:
                 raise ValueError("a new reference needs the node's lease")
-            compare += _node_guard(guard)
-            ops.append(put_op(key, keys.dumps({"id": ident}), guard.lease))
-        return await self.etcd.txn(compare, ops, [get_op(labels_key), get_op(key)])
+            compare += _node_guard(lease)
+            ops.append(put_op(key, keys.dumps({"id": ident}), lease.lease))
+        result = await self.etcd.txn(compare, ops, [get_op(labels_key), get_op(key)])
+        if result.succeeded:
+            return ReferenceTaken(result.revision)
+        return _take_failed(result, held=held, labels_revision=labels_revision)
+
+    async def drop_reference(
+        self, labels: str, ident: int, node: str, *, held: Reference
+    ) -> DropOutcome:
+        """One anonymous reference fewer of node on an identity: its count
+        becomes held's - 1 (deleted at 0, keeping its lease otherwise), if
+        it is still held."""
+        ref_key = keys.ref_key(labels, node)
+        refs = held.refs - 1
+        if refs > 0:
+            ops = [put_op(ref_key, keys.dumps({"id": ident, "refs": refs}), held.lease)]
+        else:
+            ops = [
+                get_prefix_op(keys.owners_prefix(labels, node), limit=1, keys_only=True),
+                delete_op(ref_key),
+            ]
+        result = await self.etcd.txn(
+            [mod_revision_is(ref_key, held.revision)], ops, [get_op(ref_key)]
+        )
+        if not result.succeeded:
+            return ReferenceMoved(_reference(_first(result, 0)))
+        # At 0, the read before the delete: an owner's reference of node.
+        last = refs <= 0 and _first(result, 0) is None
+        return ReferenceDropped(result.revision, last)
 
     async def drop_owned_reference(
-        self, labels: str, node: str, owner: str, *, revision: int
-    ) -> TxnResult:
+        self, labels: str, node: str, owner: str, *, held: Reference
+    ) -> DropOutcome:
         """Deletes owner's reference of node on the identity of labels if it
-        is still at revision. On success, ranges are [the node's anonymous
-        count, up to two keys of owners' references of node (the owner's
-        own among them, as they were before the delete)]; on failure, [the
-        owner's reference]."""
+        is still held."""
         key = keys.owner_key(labels, node, owner)
-        return await self.etcd.txn(
-            [mod_revision_is(key, revision)],
+        result = await self.etcd.txn(
+            [mod_revision_is(key, held.revision)],
             [
                 get_op(keys.ref_key(labels, node)),
+                # up to two: the owner's own (read before the delete) and another
                 get_prefix_op(keys.owners_prefix(labels, node), limit=2, keys_only=True),
                 delete_op(key),
             ],
             [get_op(key)],
         )
+        if not result.succeeded:
+            return ReferenceMoved(_reference(_first(result, 0)))
+        anonymous = _first(result, 0)
+        others = [kv for kv in result.ranges[1] if kv.key != key]
+        return ReferenceDropped(result.revision, anonymous is None and not others)
 
-    async def get_owned_reference(self, labels: str, node: str, owner: str) -> KeyValue | None:
-        return await self.etcd.get(keys.owner_key(labels, node, owner))
+    async def get_reference(self, labels: str, node: str, owner: str = "") -> Reference | None:
+        """The node's anonymous count on the identity of labels, or the
+        owner's reference when owner is given."""
+        key = keys.owner_key(labels, node, owner) if owner else keys.ref_key(labels, node)
+        return _reference(await self.etcd.get(key))
 
-    async def get_reference(self, labels: str, node: str) -> KeyValue | None:
-        return await self.etcd.get(keys.ref_key(labels, node))
+    async def get_identity(self, ident: int) -> StoredIdentity | None:
+        kv = await self.etcd.get(keys.id_key(ident))
+        if kv is None:
+            return None
+        labels = label_set(Label.parse(t) for t in keys.loads(kv.value)["labels"])
+        return StoredIdentity(ident, labels, kv.mod_revision)
 
-    async def get_identity(self, ident: int) -> KeyValue | None:
-        return await self.etcd.get(keys.id_key(ident))
-
-    async def get_labels(self, labels: str) -> KeyValue | None:
-        return await self.etcd.get(keys.labels_key(labels))
+    async def get_labels(self, labels: str) -> LabelsEntry | None:
+        return _labels_entry(await self.etcd.get(keys.labels_key(labels)))
 
     async def delete_identity(
         self, ident: int, labels: str, *, id_revision: int, labels_revision: int
@@ -245,17 +336,42 @@ class PolicyStore:
 
     # --- ipcache ---
 
-    async def put_ip(self, prefix: str, value: bytes, node: NodeLease | None) -> TxnResult:
-        return await self.etcd.txn(
-            _node_guard(node), [put_op(keys.ip_key(prefix), value, node.lease if node else 0)]
+    async def put_ip(self, entry: IPEntry, lease: NodeLease | None) -> IPEntryStored | LeaseLost:
+        """Puts entry (on the node's lease when given, if it is alive)."""
+        value = keys.dumps(
+            {
+                "identity": entry.identity,
+                "node": entry.node,
+                "hostIP": entry.host_ip,
+                "source": entry.source,
+            }
+        )
+        result = await self.etcd.txn(
+            _node_guard(lease),
+            [put_op(keys.ip_key(entry.prefix), value, lease.lease if lease else 0)],
+        )
+        return IPEntryStored(result.revision) if result.succeeded else LeaseLost()
+
+    async def get_ip(self, prefix: str) -> IPEntry | None:
+        kv = await self.etcd.get(keys.ip_key(prefix))
+        if kv is None:
+            return None
+        value = keys.loads(kv.value)
+        return IPEntry(
+            prefix=prefix,
+            identity=int(value["identity"]),
+            node=value.get("node", ""),
+            host_ip=value.get("hostIP", ""),
+            source=value.get("source", ""),
+            revision=kv.mod_revision,
         )
 
-    async def get_ip(self, prefix: str) -> KeyValue | None:
-        return await self.etcd.get(keys.ip_key(prefix))
-
-    async def delete_ip(self, prefix: str, *, revision: int) -> TxnResult:
+    async def delete_ip(self, prefix: str, *, revision: int) -> int | None:
+        """Deletes the entry of prefix if it is still at revision; the
+        revision of the delete, or None when it changed."""
         key = keys.ip_key(prefix)
-        return await self.etcd.txn([mod_revision_is(key, revision)], [delete_op(key)])
+        result = await self.etcd.txn([mod_revision_is(key, revision)], [delete_op(key)])
+        return result.revision if result.succeeded else None
 
     # --- rules ---
 

@@ -1,0 +1,306 @@
+"""Proto <-> domain conversion for the servicer (flagella.policy.servicer),
+with the structural checks of rules given as protos."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from flagella.api.policy.v1 import policy_pb2 as pb
+from flagella.common.errors import InvalidArgument
+from flagella.policy.allocator import IdentityView
+from flagella.policy.labels import Label, LabelError, split_label
+from flagella.policy.resolve import PolicyContent, PolicyEntry, ResolvedPolicy
+from flagella.policy.rules import (
+    CIDRSpec,
+    Expression,
+    PeerSpec,
+    PortSpec,
+    Protocol,
+    Rule,
+    SelectorSpec,
+    check_cidr,
+    check_name,
+    check_namespace,
+    check_port,
+    check_selector,
+)
+from flagella.policy.selector import Entity
+from flagella.policy.state import IPEntry
+from flagella.policy.streams import EventKind, IPCacheEvent, PolicyEvent
+
+_EVENT_KINDS = {
+    EventKind.RESET: pb.EVENT_KIND_RESET,
+    EventKind.UPSERT: pb.EVENT_KIND_UPSERT,
+    EventKind.DELETE: pb.EVENT_KIND_DELETE,
+    EventKind.SYNCED: pb.EVENT_KIND_SYNCED,
+}
+_OPERATORS = {
+    pb.LabelSelectorRequirement.OPERATOR_IN: "In",
+    pb.LabelSelectorRequirement.OPERATOR_NOT_IN: "NotIn",
+    pb.LabelSelectorRequirement.OPERATOR_EXISTS: "Exists",
+    pb.LabelSelectorRequirement.OPERATOR_DOES_NOT_EXIST: "DoesNotExist",
+}
+_OPERATOR_PB = {v: k for k, v in _OPERATORS.items()}
+_ENTITIES = {
+    pb.ENTITY_ALL: Entity.ALL,
+    pb.ENTITY_WORLD: Entity.WORLD,
+    pb.ENTITY_CLUSTER: Entity.CLUSTER,
+    pb.ENTITY_HOST: Entity.HOST,
+    pb.ENTITY_REMOTE_NODE: Entity.REMOTE_NODE,
+    pb.ENTITY_INIT: Entity.INIT,
+    pb.ENTITY_HEALTH: Entity.HEALTH,
+    pb.ENTITY_UNMANAGED: Entity.UNMANAGED,
+}
+_ENTITY_PB = {v: k for k, v in _ENTITIES.items()}
+PROTOCOLS = {int(p): p for p in Protocol}
+
+
+# --- labels and identities ---
+
+
+def labels_from_pb(labels: Sequence[pb.Label], field: str) -> list[Label]:
+    out = []
+    for i, label in enumerate(labels):
+        source, key = label.source, label.key
+        if not source:
+            source, key, _ = split_label(key)
+        try:
+            out.append(Label.make(source, key, label.value))
+        except LabelError as exc:
+            raise InvalidArgument(str(exc), field=f"{field}[{i}]") from None
+    return out
+
+
+def label_pb(label: Label) -> pb.Label:
+    return pb.Label(source=label.source, key=label.key, value=label.value)
+
+
+def identity_pb(view: IdentityView) -> pb.Identity:
+    return pb.Identity(
+        id=view.id,
+        labels=[label_pb(lb) for lb in view.labels],
+        reserved=view.reserved,
+        referenced_by=list(view.referenced_by),
+        revision=view.revision,
+    )
+
+
+# --- rules ---
+
+
+def _selector_from_pb(sel: pb.EndpointSelector, path: str) -> SelectorSpec:
+    exprs = []
+    for i, e in enumerate(sel.match_expressions):
+        if e.operator not in _OPERATORS:
+            raise InvalidArgument(
+                "operator is required (In, NotIn, Exists, DoesNotExist)",
+                field=f"{path}.match_expressions[{i}].operator",
+            )
+        exprs.append(Expression(e.key, _OPERATORS[e.operator], tuple(e.values)))
+    spec = SelectorSpec(tuple(sorted(sel.match_labels.items())), tuple(exprs))
+    check_selector(spec, path, labels_path="match_labels", exprs_path="match_expressions")
+    return spec
+
+
+def _peer_from_pb(peer: pb.PeerRule, path: str) -> PeerSpec:
+    endpoints = tuple(
+        _selector_from_pb(s, f"{path}.endpoints[{i}]") for i, s in enumerate(peer.endpoints)
+    )
+    cidrs = []
+    for i, c in enumerate(peer.cidrs):
+        spec = CIDRSpec(c.cidr, tuple(getattr(c, "except")))
+        check_cidr(spec, f"{path}.cidrs[{i}]", cidr_field="cidr", except_field="except")
+        cidrs.append(spec)
+    entities = []
+    for i, e in enumerate(peer.entities):
+        if e not in _ENTITIES:
+            raise InvalidArgument("unknown entity", field=f"{path}.entities[{i}]")
+        entities.append(_ENTITIES[e])
+    to_ports = []
+    for i, pr in enumerate(peer.to_ports):
+        ports = []
+        for j, p in enumerate(pr.ports):
+            pp = f"{path}.to_ports[{i}].ports[{j}]"
+            if p.protocol not in PROTOCOLS:
+                raise InvalidArgument("unknown protocol", field=f"{pp}.protocol")
+            spec_p = PortSpec(p.port, p.end_port, PROTOCOLS[p.protocol])
+            check_port(spec_p, pp, end_field="end_port")
+            ports.append(spec_p)
+        to_ports.append(tuple(ports))
+    return PeerSpec(endpoints, tuple(cidrs), tuple(entities), tuple(to_ports))
+
+
+def rule_from_pb(rule: pb.Rule, path: str) -> Rule:
+    name, namespace = rule.name, rule.namespace
+    if "/" in name:
+        ns, _, name = name.partition("/")
+        if namespace and namespace != ns:
+            raise InvalidArgument(
+                f"name says namespace {ns!r}, namespace says {namespace!r}", field=f"{path}.name"
+            )
+        namespace = ns
+    check_name(name, f"{path}.name")
+    check_namespace(namespace, f"{path}.namespace")
+    if not rule.HasField("endpoint_selector"):
+        raise InvalidArgument("required", field=f"{path}.endpoint_selector")
+
+    def peers(items: Sequence[pb.PeerRule], fld: str) -> tuple[PeerSpec, ...]:
+        return tuple(_peer_from_pb(p, f"{path}.{fld}[{i}]") for i, p in enumerate(items))
+
+    return Rule(
+        name=name,
+        namespace=namespace,
+        endpoint_selector=_selector_from_pb(rule.endpoint_selector, f"{path}.endpoint_selector"),
+        ingress=peers(rule.ingress, "ingress"),
+        ingress_deny=peers(rule.ingress_deny, "ingress_deny"),
+        egress=peers(rule.egress, "egress"),
+        egress_deny=peers(rule.egress_deny, "egress_deny"),
+        enforce_ingress=rule.enforce_ingress,
+        enforce_egress=rule.enforce_egress,
+        description=rule.description,
+        labels=tuple(sorted(rule.labels.items())),
+    )
+
+
+def _selector_pb(spec: SelectorSpec) -> pb.EndpointSelector:
+    return pb.EndpointSelector(
+        match_labels=dict(spec.match_labels),
+        match_expressions=[
+            pb.LabelSelectorRequirement(
+                key=e.key, operator=_OPERATOR_PB[e.operator], values=list(e.values)
+            )
+            for e in spec.match_expressions
+        ],
+    )
+
+
+def _cidr_pb(c: CIDRSpec) -> pb.CIDRRule:
+    out = pb.CIDRRule(cidr=c.cidr)
+    getattr(out, "except").extend(c.excepts)  # "except" is a Python keyword
+    return out
+
+
+def _peer_pb(peer: PeerSpec) -> pb.PeerRule:
+    return pb.PeerRule(
+        endpoints=[_selector_pb(s) for s in peer.endpoints],
+        cidrs=[_cidr_pb(c) for c in peer.cidrs],
+        entities=[_ENTITY_PB[e] for e in peer.entities],
+        to_ports=[
+            pb.PortRule(
+                ports=[
+                    pb.PortProtocol(port=p.port, end_port=p.end_port, protocol=int(p.protocol))  # type: ignore[arg-type]
+                    for p in pr
+                ]
+            )
+            for pr in peer.to_ports
+        ],
+    )
+
+
+def rule_pb(rule: Rule) -> pb.Rule:
+    updated = Timestamp()
+    if rule.updated_at:
+        updated.FromNanoseconds(int(rule.updated_at * 1e9))
+    return pb.Rule(
+        name=rule.key,
+        namespace=rule.namespace,
+        endpoint_selector=_selector_pb(rule.endpoint_selector),
+        ingress=[_peer_pb(p) for p in rule.ingress],
+        ingress_deny=[_peer_pb(p) for p in rule.ingress_deny],
+        egress=[_peer_pb(p) for p in rule.egress],
+        egress_deny=[_peer_pb(p) for p in rule.egress_deny],
+        enforce_ingress=rule.enforce_ingress,
+        enforce_egress=rule.enforce_egress,
+        description=rule.description,
+        labels=dict(rule.labels),
+        revision=rule.revision,
+        updated_at=updated if rule.updated_at else None,
+    )
+
+
+# --- policies and the ipcache ---
+
+
+def _entry_pb(e: PolicyEntry) -> pb.PolicyEntry:
+    return pb.PolicyEntry(
+        identity=e.identity,
+        port=e.port,
+        end_port=e.end_port,
+        protocol=int(e.protocol),  # type: ignore[arg-type]
+        direction=int(e.direction),  # type: ignore[arg-type]
+        verdict=int(e.verdict),  # type: ignore[arg-type]
+        derived_from=e.derived_from,
+    )
+
+
+def content_bytes(c: PolicyContent) -> bytes:
+    """A ResolvedPolicy without identity and revision, serialized."""
+    return pb.ResolvedPolicy(
+        ingress_enforced=c.ingress_enforced,
+        egress_enforced=c.egress_enforced,
+        entries=[_entry_pb(e) for e in c.entries],
+        error=c.error,
+    ).SerializeToString()
+
+
+class ContentCache:
+    """Serialized policy contents by content object: identities that share
+    a signature share one content, so each is encoded once. Holds the
+    content it caches (so its id is not reused while cached)."""
+
+    def __init__(self, size: int = 4096) -> None:
+        self.size = size
+        self._cache: OrderedDict[int, tuple[PolicyContent, bytes]] = OrderedDict()
+
+    def get(self, c: PolicyContent) -> bytes:
+        hit = self._cache.get(id(c))
+        if hit is not None and hit[0] is c:
+            self._cache.move_to_end(id(c))
+            return hit[1]
+        raw = content_bytes(c)
+        self._cache[id(c)] = (c, raw)
+        if len(self._cache) > self.size:
+            self._cache.popitem(last=False)
+        return raw
+
+
+def policy_pb(policy: ResolvedPolicy, cache: ContentCache | None = None) -> pb.ResolvedPolicy:
+    c = policy.content
+    raw = cache.get(c) if cache is not None else content_bytes(c)
+    out = pb.ResolvedPolicy.FromString(raw)
+    out.identity = policy.identity
+    out.revision = policy.revision
+    return out
+
+
+def ip_entry_pb(e: IPEntry) -> pb.IPCacheEntry:
+    return pb.IPCacheEntry(
+        prefix=e.prefix,
+        identity=e.identity,
+        node=e.node,
+        host_ip=e.host_ip,
+        source=e.source,
+        revision=e.revision,
+    )
+
+
+def ip_event_pb(ev: IPCacheEvent) -> pb.IPCacheEvent:
+    out = pb.IPCacheEvent(kind=_EVENT_KINDS[ev.kind], revision=ev.revision)
+    if ev.entry is not None:
+        out.entry.CopyFrom(ip_entry_pb(ev.entry))
+    elif ev.prefix:
+        out.entry.prefix = ev.prefix
+    return out
+
+
+def policy_event_pb(ev: PolicyEvent, cache: ContentCache | None = None) -> pb.PolicyEvent:
+    out = pb.PolicyEvent(kind=_EVENT_KINDS[ev.kind], identity=ev.identity, revision=ev.revision)
+    if ev.policy is not None:
+        c = ev.policy.content
+        out.policy.MergeFromString(cache.get(c) if cache is not None else content_bytes(c))
+        out.policy.identity = ev.policy.identity
+        out.policy.revision = ev.policy.revision
+    return out

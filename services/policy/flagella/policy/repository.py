@@ -1,0 +1,64 @@
+"""The rule repository: put, get, delete and list network policy rules."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+
+from flagella.common.errors import NotFound
+from flagella.policy.identities import IdentityInfo, kind_of
+from flagella.policy.labels import LabelSet
+from flagella.policy.mirror import Mirror
+from flagella.policy.rules import Rule, compile_rule
+from flagella.policy.state import PolicyState
+from flagella.policy.store import PolicyStore
+
+log = logging.getLogger(__name__)
+
+
+class RuleRepository:
+    """Network policy rules stored in etcd, read from the mirror."""
+
+    def __init__(self, store: PolicyStore, mirror: Mirror) -> None:
+        self.store = store
+        self.mirror = mirror
+
+    @property
+    def state(self) -> PolicyState:
+        return self.mirror.state
+
+    async def put_rules(self, rules: Sequence[Rule]) -> tuple[list[str], int]:
+        """Stores rules (already validated) in one transaction."""
+        for r in rules:
+            compile_rule(r)
+        now = time.time()
+        stamped = [replace(r, updated_at=now) for r in rules]
+        revision = await self.store.put_rules(stamped)
+        await self.mirror.wait_for(revision)
+        log.info("rules stored", extra={"rules": [r.key for r in rules], "revision": revision})
+        return [r.key for r in rules], revision
+
+    def get_rule(self, name: str) -> Rule:
+        rule = self.state.rules.get(name)
+        if rule is None:
+            raise NotFound(f"no rule named {name!r}", field="name")
+        return rule
+
+    async def delete_rule(self, name: str) -> tuple[bool, int]:
+        deleted, revision = await self.store.delete_rule(name)
+        if not deleted:
+            # Nothing was written: the revision may be another service's.
+            return False, self.state.revision
+        await self.mirror.wait_for(revision)
+        return deleted, revision
+
+    def list_rules(self, selecting: LabelSet) -> tuple[list[Rule], int]:
+        state = self.state
+        if selecting:
+            info = IdentityInfo.make(0, selecting, kind_of(selecting))
+            rules = [c.rule for c in state.resolver.rules_selecting(info)]
+        else:
+            rules = [state.rules[k] for k in sorted(state.rules)]
+        return rules, state.revision

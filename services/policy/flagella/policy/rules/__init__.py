@@ -1,0 +1,82 @@
+"""Network policy rules: the model (model), field checks (validate), the
+input formats (flagella_policy, k8s, and document, the entry point for
+YAML/JSON text), the JSON stored in etcd (codec) and compilation for
+resolution (compile). The names other modules use are re-exported here.
+"""
+
+from flagella.policy.rules.codec import rule_from_json, rule_to_json
+from flagella.policy.rules.compile import (
+    Clause,
+    CompiledRule,
+    PortKey,
+    compile_rule,
+    peer_selector,
+    subject_selector,
+)
+from flagella.policy.rules.document import parse_document
+from flagella.policy.rules.flagella_policy import parse_flagella_policy
+from flagella.policy.rules.k8s import parse_k8s_network_policy
+from flagella.policy.rules.model import (
+    PORT_PROTOCOLS,
+    CIDRSpec,
+    Direction,
+    Expression,
+    PeerSpec,
+    PortSpec,
+    Protocol,
+    Rule,
+    SelectorSpec,
+    Verdict,
+)
+from flagella.policy.rules.validate import (
+    ENTITY_NAMES,
+    MAX_RULES_PER_PUT,
+    PROTOCOL_NAMES,
+    check_cidr,
+    check_label_value,
+    check_name,
+    check_namespace,
+    check_port,
+    check_selector,
+    check_unique,
+    fail,
+    parse_network,
+    selector_key,
+)
+
+__all__ = [
+    "ENTITY_NAMES",
+    "MAX_RULES_PER_PUT",
+    "PORT_PROTOCOLS",
+    "PROTOCOL_NAMES",
+    "CIDRSpec",
+    "Clause",
+    "CompiledRule",
+    "Direction",
+    "Expression",
+    "PeerSpec",
+    "PortKey",
+    "PortSpec",
+    "Protocol",
+    "Rule",
+    "SelectorSpec",
+    "Verdict",
+    "check_cidr",
+    "check_label_value",
+    "check_name",
+    "check_namespace",
+    "check_port",
+    "check_selector",
+    "check_unique",
+    "compile_rule",
+    "fail",
+    "parse_document",
+    "parse_flagella_policy",
+    "parse_k8s_network_policy",
+    "parse_network",
+    "peer_selector",
+    "rule_from_json",
+    "rule_to_json",
+    "selector_key",
+    "subject_selector",
+]

@@ -1,0 +1,112 @@
+"""The JSON form of a rule stored in etcd (flagella/policy/v1/rules/...)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from flagella.policy.rules.model import (
+    CIDRSpec,
+    Expression,
+    PeerSpec,
+    PortSpec,
+    Protocol,
+    Rule,
+    SelectorSpec,
+)
+from flagella.policy.selector import Entity
+
+
+def _selector_json(s: SelectorSpec) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if s.match_labels:
+        out["matchLabels"] = dict(s.match_labels)
+    if s.match_expressions:
+        out["matchExpressions"] = [
+            {
+                "key": e.key,
+                "operator": e.operator,
+                **({"values": list(e.values)} if e.values else {}),
+            }
+            for e in s.match_expressions
+        ]
+    return out
+
+
+def _peer_json(p: PeerSpec) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if p.endpoints:
+        out["endpoints"] = [_selector_json(s) for s in p.endpoints]
+    if p.cidrs:
+        out["cidrs"] = [
+            {"cidr": c.cidr, **({"except": list(c.excepts)} if c.excepts else {})} for c in p.cidrs
+        ]
+    if p.entities:
+        out["entities"] = [e.value for e in p.entities]
+    if p.to_ports:
+        out["toPorts"] = [
+            [{"port": x.port, "endPort": x.end_port, "protocol": x.protocol.name} for x in pr]
+            for pr in p.to_ports
+        ]
+    return out
+
+
+def rule_to_json(rule: Rule) -> bytes:
+    doc = {
+        "name": rule.name,
+        "namespace": rule.namespace,
+        "endpointSelector": _selector_json(rule.endpoint_selector),
+        "ingress": [_peer_json(p) for p in rule.ingress],
+        "ingressDeny": [_peer_json(p) for p in rule.ingress_deny],
+        "egress": [_peer_json(p) for p in rule.egress],
+        "egressDeny": [_peer_json(p) for p in rule.egress_deny],
+        "enforceIngress": rule.enforce_ingress,
+        "enforceEgress": rule.enforce_egress,
+        "description": rule.description,
+        "labels": dict(rule.labels),
+        "updatedAt": rule.updated_at,
+    }
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _selector_from(d: Mapping[str, Any]) -> SelectorSpec:
+    return SelectorSpec(
+        tuple(sorted(d.get("matchLabels", {}).items())),
+        tuple(
+            Expression(e["key"], e["operator"], tuple(e.get("values", ())))
+            for e in d.get("matchExpressions", ())
+        ),
+    )
+
+
+def _peer_from(d: Mapping[str, Any]) -> PeerSpec:
+    return PeerSpec(
+        tuple(_selector_from(s) for s in d.get("endpoints", ())),
+        tuple(CIDRSpec(c["cidr"], tuple(c.get("except", ()))) for c in d.get("cidrs", ())),
+        tuple(Entity(e) for e in d.get("entities", ())),
+        tuple(
+            tuple(PortSpec(x["port"], x["endPort"], Protocol[x["protocol"]]) for x in pr)
+            for pr in d.get("toPorts", ())
+        ),
+    )
+
+
+def rule_from_json(raw: bytes, *, revision: int = 0, create_revision: int = 0) -> Rule:
+    d = json.loads(raw)
+    return Rule(
+        name=d["name"],
+        namespace=d.get("namespace", ""),
+        endpoint_selector=_selector_from(d.get("endpointSelector", {})),
+        ingress=tuple(_peer_from(p) for p in d.get("ingress", ())),
+        ingress_deny=tuple(_peer_from(p) for p in d.get("ingressDeny", ())),
+        egress=tuple(_peer_from(p) for p in d.get("egress", ())),
+        egress_deny=tuple(_peer_from(p) for p in d.get("egressDeny", ())),
+        enforce_ingress=bool(d.get("enforceIngress", False)),
+        enforce_egress=bool(d.get("enforceEgress", False)),
+        description=d.get("description", ""),
+        labels=tuple(sorted(d.get("labels", {}).items())),
+        revision=revision,
+        create_revision=create_revision,
+        updated_at=float(d.get("updatedAt", 0.0)),
+    )

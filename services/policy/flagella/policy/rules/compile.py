@@ -1,0 +1,163 @@
+"""Compilation of a rule for resolution: its subject selector and one
+clause (selectors, ports, verdict) per peer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from flagella.policy.identities import IPNetwork
+from flagella.policy.labels import DEFAULT_SOURCE, NAMESPACE_KEY, SOURCE_ANY, SOURCE_RESERVED
+from flagella.policy.rules.model import (
+    PORT_PROTOCOLS,
+    Direction,
+    PortSpec,
+    Protocol,
+    Rule,
+    SelectorSpec,
+    Verdict,
+)
+from flagella.policy.rules.validate import parse_network, selector_key
+from flagella.policy.selector import (
+    WILDCARD,
+    CIDRSelector,
+    Entity,
+    EntitySelector,
+    LabelSelector,
+    Op,
+    Requirement,
+    Selector,
+)
+
+PortKey = tuple[int, int, Protocol]  # (port, end_port, protocol)
+
+
+@dataclass(frozen=True, slots=True)
+class Clause:
+    """One peer clause of one rule, ready to expand into entries."""
+
+    rule: str
+    direction: Direction
+    verdict: Verdict
+    selectors: tuple[Selector, ...]
+    ports: tuple[PortKey, ...]
+    # Position in the rule, for traces: e.g. "ingress[0]".
+    where: str = ""
+
+
+@dataclass(frozen=True)
+class CompiledRule:
+    key: str
+    rule: Rule
+    subject: LabelSelector
+    # May select reserved identities (its selector names a reserved: key).
+    selects_reserved: bool
+    enforces_ingress: bool
+    enforces_egress: bool
+    clauses: tuple[Clause, ...]
+    peer_selectors: frozenset[Selector] = field(default_factory=frozenset)
+    prefixes: frozenset[IPNetwork] = field(default_factory=frozenset)
+
+
+def _requirements(spec: SelectorSpec) -> list[Requirement]:
+    reqs = []
+    for key, value in spec.match_labels:
+        source, k = selector_key(key, "")
+        reqs.append(Requirement(source, k, Op.IN, (value,)))
+    for e in spec.match_expressions:
+        source, k = selector_key(e.key, "")
+        reqs.append(Requirement(source, k, Op(e.operator), tuple(sorted(set(e.values)))))
+    return reqs
+
+
+def subject_selector(spec: SelectorSpec, namespace: str) -> LabelSelector:
+    """A rule's endpointSelector; a namespaced rule only selects endpoints
+    of its namespace (the namespace label is set, overriding any other)."""
+    reqs = _requirements(spec)
+    if namespace:
+        reqs = [
+            r
+            for r in reqs
+            if not (r.key == NAMESPACE_KEY and r.source in (DEFAULT_SOURCE, SOURCE_ANY))
+        ]
+        reqs.append(Requirement(DEFAULT_SOURCE, NAMESPACE_KEY, Op.IN, (namespace,)))
+    return LabelSelector.of(reqs)
+
+
+def peer_selector(spec: SelectorSpec, namespace: str) -> LabelSelector:
+    """A from/toEndpoints selector, scoped as Cilium scopes it: in a
+    namespaced rule, to the rule's namespace unless the selector names a
+    namespace itself or a reserved label; in a cluster-wide rule an empty
+    selector means every endpoint of the cluster (every pod namespace)."""
+    sel = LabelSelector.of(_requirements(spec))
+    if sel.names_source(SOURCE_RESERVED) or sel.has_key(NAMESPACE_KEY):
+        return sel
+    if namespace:
+        return LabelSelector.of(
+            [*sel.requirements, Requirement(DEFAULT_SOURCE, NAMESPACE_KEY, Op.IN, (namespace,))]
+        )
+    if sel.is_empty:
+        return LabelSelector.of([Requirement(DEFAULT_SOURCE, NAMESPACE_KEY, Op.EXISTS)])
+    return sel
+
+
+def _expand_ports(to_ports: tuple[tuple[PortSpec, ...], ...]) -> tuple[PortKey, ...]:
+    specs = [p for pr in to_ports for p in pr]
+    if not specs:
+        return ((0, 0, Protocol.ANY),)
+    out: set[PortKey] = set()
+    for p in specs:
+        end = p.end_port if p.end_port > p.port else 0
+        if p.protocol is Protocol.ANY and p.port:
+            out.update((p.port, end, proto) for proto in PORT_PROTOCOLS)
+        else:
+            out.add((p.port, end, p.protocol))
+    return tuple(sorted(out))
+
+
+def compile_rule(rule: Rule) -> CompiledRule:
+    ns = rule.namespace
+    clauses: list[Clause] = []
+    prefixes: set[IPNetwork] = set()
+    groups = (
+        ("ingress", rule.ingress, Direction.INGRESS, Verdict.ALLOW),
+        ("ingressDeny", rule.ingress_deny, Direction.INGRESS, Verdict.DENY),
+        ("egress", rule.egress, Direction.EGRESS, Verdict.ALLOW),
+        ("egressDeny", rule.egress_deny, Direction.EGRESS, Verdict.DENY),
+    )
+    for name, peers, direction, verdict in groups:
+        for i, peer in enumerate(peers):
+            sels: list[Selector] = [peer_selector(s, ns) for s in peer.endpoints]
+            for c in peer.cidrs:
+                net = parse_network(c.cidr, "")
+                excepts = tuple(sorted({parse_network(e, "") for e in c.excepts}, key=str))
+                prefixes.add(net)
+                prefixes.update(excepts)
+                sels.append(CIDRSelector(net, excepts))
+            for entity in peer.entities:
+                sels.append(WILDCARD if entity is Entity.ALL else EntitySelector(entity))
+            if not sels and peer.to_ports:
+                sels.append(WILDCARD)
+            if WILDCARD in sels:
+                sels = [WILDCARD]
+            clauses.append(
+                Clause(
+                    rule=rule.key,
+                    direction=direction,
+                    verdict=verdict,
+                    selectors=tuple(dict.fromkeys(sels)),
+                    ports=_expand_ports(peer.to_ports),
+                    where=f"{name}[{i}]",
+                )
+            )
+    subject = subject_selector(rule.endpoint_selector, ns)
+    return CompiledRule(
+        key=rule.key,
+        rule=rule,
+        subject=subject,
+        selects_reserved=subject.names_source(SOURCE_RESERVED),
+        enforces_ingress=bool(rule.ingress or rule.ingress_deny or rule.enforce_ingress),
+        enforces_egress=bool(rule.egress or rule.egress_deny or rule.enforce_egress),
+        clauses=tuple(clauses),
+        peer_selectors=frozenset(s for c in clauses for s in c.selectors if s is not WILDCARD),
+        prefixes=frozenset(p for p in prefixes if p.prefixlen > 0),
+    )

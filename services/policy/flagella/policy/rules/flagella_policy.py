@@ -1,0 +1,148 @@
+"""FlagellaNetworkPolicy documents (and CiliumNetworkPolicy /
+CiliumClusterwideNetworkPolicy, which have the same fields)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from flagella.policy.rules.fields import Doc, parse_metadata, parse_ports, parse_selector
+from flagella.policy.rules.model import CIDRSpec, Direction, PeerSpec, Protocol, Rule
+from flagella.policy.rules.validate import (
+    ENTITY_NAMES,
+    check_cidr,
+    fail,
+    join,
+    parse_network,
+)
+from flagella.policy.selector import Entity
+
+
+def _cidr_list(value: Any, path: str) -> list[CIDRSpec]:
+    out = []
+    for i, raw in enumerate(Doc.seq(value, path)):
+        p = f"{path}[{i}]"
+        text = Doc.string(raw, p)
+        parse_network(text, p)
+        out.append(CIDRSpec(text))
+    return out
+
+
+def _cidr_set(value: Any, path: str) -> list[CIDRSpec]:
+    out = []
+    for i, raw in enumerate(Doc.seq(value, path)):
+        p = f"{path}[{i}]"
+        obj = Doc.mapping(raw, p)
+        Doc.only(obj, p, ("cidr", "except"), cidrGroupRef="CIDR groups are not supported")
+        if "cidr" not in obj:
+            raise fail(f"{p}.cidr", "required")
+        spec = CIDRSpec(
+            Doc.string(obj["cidr"], f"{p}.cidr"),
+            tuple(
+                Doc.string(e, f"{p}.except[{j}]")
+                for j, e in enumerate(Doc.seq(obj.get("except"), f"{p}.except"))
+            ),
+        )
+        check_cidr(spec, p, cidr_field="cidr", except_field="except")
+        out.append(spec)
+    return out
+
+
+def _entities(value: Any, path: str) -> tuple[Entity, ...]:
+    out = []
+    for i, raw in enumerate(Doc.seq(value, path)):
+        name = Doc.string(raw, f"{path}[{i}]")
+        if name not in ENTITY_NAMES:
+            raise fail(
+                f"{path}[{i}]",
+                f"unknown entity {name!r} ({', '.join(sorted(ENTITY_NAMES))})",
+            )
+        out.append(ENTITY_NAMES[name])
+    return tuple(out)
+
+
+_UNSUPPORTED_PEER = {
+    "fromRequires": "fromRequires is not supported",
+    "toRequires": "toRequires is not supported",
+    "toFQDNs": "FQDN rules are not supported",
+    "toServices": "toServices is not supported",
+    "fromGroups": "groups are not supported",
+    "toGroups": "groups are not supported",
+    "fromNodes": "node selectors are not supported",
+    "toNodes": "node selectors are not supported",
+    "icmps": "ICMP type rules are not supported; use protocol ICMP in the proto API",
+    "authentication": "authentication is not supported",
+}
+
+
+def _peer_doc(value: Any, path: str, direction: Direction) -> PeerSpec:
+    obj = Doc.mapping(value if value is not None else {}, path)
+    pre = "from" if direction is Direction.INGRESS else "to"
+    fields = (f"{pre}Endpoints", f"{pre}CIDR", f"{pre}CIDRSet", f"{pre}Entities", "toPorts")
+    Doc.only(obj, path, fields, **_UNSUPPORTED_PEER)
+    endpoints = tuple(
+        parse_selector(raw, f"{path}.{pre}Endpoints[{i}]")
+        for i, raw in enumerate(Doc.seq(obj.get(f"{pre}Endpoints"), f"{path}.{pre}Endpoints"))
+    )
+    cidrs = _cidr_list(obj.get(f"{pre}CIDR"), f"{path}.{pre}CIDR")
+    cidrs += _cidr_set(obj.get(f"{pre}CIDRSet"), f"{path}.{pre}CIDRSet")
+    entities = _entities(obj.get(f"{pre}Entities"), f"{path}.{pre}Entities")
+    to_ports = []
+    for i, raw in enumerate(Doc.seq(obj.get("toPorts"), f"{path}.toPorts")):
+        p = f"{path}.toPorts[{i}]"
+        pr = Doc.mapping(raw, p)
+        Doc.only(
+            pr,
+            p,
+            ("ports",),
+            rules="L7 rules are not supported",
+            originatingTLS="TLS interception is not supported",
+            terminatingTLS="TLS interception is not supported",
+            serverNames="server names are not supported",
+            listener="listeners are not supported",
+        )
+        to_ports.append(parse_ports(pr.get("ports"), f"{p}.ports", default_protocol=Protocol.ANY))
+    return PeerSpec(endpoints, tuple(cidrs), entities, tuple(to_ports))
+
+
+def parse_flagella_policy(obj: Mapping[str, Any], path: str, *, cluster_wide: bool = False) -> Rule:
+    """A FlagellaNetworkPolicy (or CiliumNetworkPolicy /
+    CiliumClusterwideNetworkPolicy, same fields)."""
+    Doc.only(obj, path, ("apiVersion", "kind", "metadata", "spec", "status"))
+    name, namespace, labels = parse_metadata(obj, path)
+    if cluster_wide:
+        namespace = ""
+    sp = join(path, "spec")
+    if "spec" not in obj:
+        raise fail(sp, "required")
+    spec = Doc.mapping(obj["spec"], sp)
+    Doc.only(
+        spec,
+        sp,
+        ("endpointSelector", "ingress", "ingressDeny", "egress", "egressDeny", "description"),
+        nodeSelector="node selectors (host policies) are not supported",
+        enableDefaultDeny="enableDefaultDeny is not supported",
+        labels="rule labels go in metadata.labels",
+    )
+    if "endpointSelector" not in spec:
+        raise fail(f"{sp}.endpointSelector", "required")
+    selector = parse_selector(spec["endpointSelector"], f"{sp}.endpointSelector")
+
+    def peers(fld: str, direction: Direction) -> tuple[PeerSpec, ...]:
+        return tuple(
+            _peer_doc(raw, f"{sp}.{fld}[{i}]", direction)
+            for i, raw in enumerate(Doc.seq(spec.get(fld), f"{sp}.{fld}"))
+        )
+
+    description = Doc.string(spec.get("description") or "", f"{sp}.description")
+    return Rule(
+        name=name,
+        namespace=namespace,
+        endpoint_selector=selector,
+        ingress=peers("ingress", Direction.INGRESS),
+        ingress_deny=peers("ingressDeny", Direction.INGRESS),
+        egress=peers("egress", Direction.EGRESS),
+        egress_deny=peers("egressDeny", Direction.EGRESS),
+        description=description,
+        labels=labels,
+    )

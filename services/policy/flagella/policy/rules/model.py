@@ -1,0 +1,112 @@
+"""The rule model: FlagellaNetworkPolicy, the core of CiliumNetworkPolicy, as
+every input format (documents, the proto API) produces it and the store
+keeps it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from flagella.policy.selector import Entity
+
+
+class Protocol(enum.IntEnum):
+    ANY = 0
+    ICMP = 1
+    TCP = 6
+    UDP = 17
+    SCTP = 132
+
+
+# ANY on a given port means each of these (Cilium expands it the same way).
+PORT_PROTOCOLS = (Protocol.TCP, Protocol.UDP, Protocol.SCTP)
+
+
+class Direction(enum.IntEnum):
+    INGRESS = 1
+    EGRESS = 2
+
+
+class Verdict(enum.IntEnum):
+    ALLOW = 1
+    DENY = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Expression:
+    key: str
+    operator: str  # In, NotIn, Exists, DoesNotExist
+    values: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class SelectorSpec:
+    """A label selector as written (keys without a source mean k8s)."""
+
+    match_labels: tuple[tuple[str, str], ...] = ()
+    match_expressions: tuple[Expression, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PortSpec:
+    port: int = 0
+    end_port: int = 0
+    protocol: Protocol = Protocol.ANY
+
+
+@dataclass(frozen=True, slots=True)
+class CIDRSpec:
+    cidr: str
+    excepts: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PeerSpec:
+    """One peer clause: who (endpoints, CIDRs, entities) on which ports. With
+    ports only it means any peer on those ports; entirely empty it selects
+    nothing (and still makes the direction default-deny)."""
+
+    endpoints: tuple[SelectorSpec, ...] = ()
+    cidrs: tuple[CIDRSpec, ...] = ()
+    entities: tuple[Entity, ...] = ()
+    to_ports: tuple[tuple[PortSpec, ...], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    name: str
+    namespace: str = ""
+    endpoint_selector: SelectorSpec = SelectorSpec()
+    ingress: tuple[PeerSpec, ...] = ()
+    ingress_deny: tuple[PeerSpec, ...] = ()
+    egress: tuple[PeerSpec, ...] = ()
+    egress_deny: tuple[PeerSpec, ...] = ()
+    enforce_ingress: bool = False
+    enforce_egress: bool = False
+    description: str = ""
+    labels: tuple[tuple[str, str], ...] = ()
+    # Set by the store.
+    revision: int = 0
+    create_revision: int = 0
+    updated_at: float = 0.0
+
+    @property
+    def key(self) -> str:
+        """The unique name: namespace/name, or name for a cluster-wide rule."""
+        return f"{self.namespace}/{self.name}" if self.namespace else self.name
+
+    def content(self) -> Rule:
+        """The rule without what the store sets, for comparisons."""
+        return Rule(
+            name=self.name,
+            namespace=self.namespace,
+            endpoint_selector=self.endpoint_selector,
+            ingress=self.ingress,
+            ingress_deny=self.ingress_deny,
+            egress=self.egress,
+            egress_deny=self.egress_deny,
+            enforce_ingress=self.enforce_ingress,
+            enforce_egress=self.enforce_egress,
+            description=self.description,
+            labels=self.labels,
+        )

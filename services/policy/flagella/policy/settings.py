@@ -1,0 +1,20 @@
+"""Settings of the policy service's logic (from PolicyConfig:
+flagella.policy.__main__.settings_of)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flagella.policy.resolve import DEFAULT_BUDGET
+
+
+@dataclass(frozen=True)
+class Settings:
+    node_lease_ttl: int = 900
+    keys_per_lease: int = 1000
+    gc_interval: float = 60.0
+    budget: int = DEFAULT_BUDGET
+    allow_localhost: bool = True
+    label_filter: tuple[str, ...] | None = None
+    watch_heartbeat: float = 30.0
+    wait_timeout: float = 10.0
