@@ -1,16 +1,19 @@
-"""Keeps a replica's PolicyState in step with etcd: a consistent snapshot
-of the mirrored keys, then one range watch; fans changes out to the watch
-streams; lets writers wait until their write is visible locally."""
+"""Keeps a replica's PolicyState in step with etcd: the mirror is the sink
+of the store's EtcdSource (flagella.common.sync), which reads the mirrored
+keys at one revision and then watches them; each etcd response is applied
+and committed whole. It fans changes out to the watch streams and lets
+writers wait until their write is visible locally."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
+from flagella.common.backoff import retry
 from flagella.common.errors import Unavailable
-from flagella.common.etcd import Compacted
+from flagella.common.etcd import KeyValue
+from flagella.common.tasks import TaskGroup
 from flagella.policy.state import Change, PolicyState
 from flagella.policy.store import PolicyStore
 
@@ -41,7 +44,7 @@ class Subscription:
             merged.merge(change)
         return merged
 
-    async def next(self, timeout: float) -> Change | None:
+    async def next(self, timeout: float | None) -> Change | None:
         """What changed since the last call, or None after timeout seconds
         of nothing."""
         try:
@@ -62,54 +65,43 @@ StateFactory = Callable[[], PolicyState]
 
 class Mirror:
     def __init__(
-        self, store: PolicyStore, make_state: StateFactory, *, wait_timeout: float = 10.0
+        self,
+        store: PolicyStore,
+        make_state: StateFactory,
+        *,
+        tasks: TaskGroup,
+        wait_timeout: float = 10.0,
     ) -> None:
-        self.store = store
         self.make_state = make_state
         self.wait_timeout = wait_timeout
+        # The owner's (the service's) task group: it stops the source.
+        self.tasks = tasks
         self.state = make_state()
+        self.source = store.mirror_source(self)
         self._subscribers: set[Subscription] = set()
-        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
-        self._task: asyncio.Task[None] | None = None
-        self._seen = 0
-        self._commit_handle: asyncio.Handle | None = None
+        self._changed = asyncio.Event()
         self.synced = asyncio.Event()
 
     # --- life cycle ---
 
     async def start(self) -> None:
         """Loads the snapshot (waiting for etcd) and starts following."""
-        await self._load()
-        self._task = asyncio.create_task(self._follow(), name="policy-mirror")
+        await retry(self.source.snapshot, what="reading the policy state", retry_on=(Unavailable,))
+        self.tasks.spawn("policy-mirror", self.source.run())
 
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        for _, fut in self._waiters:
-            if not fut.done():
-                fut.set_exception(Unavailable("policy service stopping"))
-        self._waiters.clear()
+    # --- the sink the store's source writes to ---
 
-    async def _load(self) -> None:
-        delay = 0.1
-        while True:
-            try:
-                kvs, revision = await self.store.snapshot()
-                break
-            except Unavailable as exc:
-                log.warning("cannot read policy state", extra={"reason": exc.message})
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+    def get(self, key: str) -> KeyValue | None:
+        """The mirror keeps decoded state, not key-values."""
+        return None
+
+    def replace(self, records: Iterable[tuple[str, KeyValue, int]], revision: int) -> None:
         state = self.make_state()
-        for kv in kvs:
+        for _, kv, _ in records:
             state.put(kv)
         state.commit(revision)
         first = not self.synced.is_set()
         self.state = state
-        self._seen = revision
         log.info(
             "policy state loaded",
             extra={
@@ -122,69 +114,35 @@ class Mirror:
         if not first:
             self._notify(Change(revision=revision, full=True))
         self.synced.set()
-        self._release_waiters()
+        self._wake()
 
-    async def _follow(self) -> None:
-        delay = 0.1
-        start = self.state.revision + 1
-        while True:
-            try:
-                async for event in self.store.watch(start):
-                    delay = 0.1
-                    if event.deleted:
-                        self.state.delete(event.kv.key, event.revision)
-                    else:
-                        self.state.put(event.kv)
-                    self._seen = max(self._seen, event.revision)
-                    if self._commit_handle is None:
-                        # Runs once this task stops getting events without
-                        # waiting: all events of one etcd watch response
-                        # (one or more whole revisions) are applied by then.
-                        self._commit_handle = asyncio.get_running_loop().call_soon(self._commit)
-            except Compacted:
-                log.warning("policy watch fell behind a compaction: reloading")
-                self._cancel_commit()
-                await self._load()
-                start = self.state.revision + 1
-            except Unavailable as exc:
-                log.warning("policy watch interrupted", extra={"reason": exc.message})
-                # Watch again from the last revision seen: if it was not
-                # committed it may be partial, and replaying it is harmless.
-                self._cancel_commit()
-                start = max(self.state.revision + 1, self._seen)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+    def commit(self, updates: Iterable[tuple[str, KeyValue | None, int]], revision: int) -> None:
+        state = self.state
+        for key, kv, rev in updates:
+            if kv is None:
+                state.delete(key, rev)
+            else:
+                state.put(kv)
+        self._notify(state.commit(revision))
+        self._wake()
 
-    def _cancel_commit(self) -> None:
-        if self._commit_handle is not None:
-            self._commit_handle.cancel()
-            self._commit_handle = None
+    def advance(self, revision: int) -> None:
+        if revision > self.state.revision:
+            self._notify(self.state.commit(revision))
+            self._wake()
 
-    # --- commits and fan-out ---
+    def set_live(self, live: bool, reason: str = "") -> None:
+        """(Readiness follows etcd through the service's probe.)"""
 
-    def _commit(self) -> None:
-        self._commit_handle = None
-        if self._seen <= self.state.revision:
-            return
-        change = self.state.commit(self._seen)
-        self._notify(change)
-        self._release_waiters()
+    # --- fan-out and waiting ---
 
     def _notify(self, change: Change) -> None:
         for sub in list(self._subscribers):
             sub.push(change)
 
-    def _release_waiters(self) -> None:
-        if not self._waiters:
-            return
-        keep = []
-        for revision, fut in self._waiters:
-            if revision <= self.state.revision:
-                if not fut.done():
-                    fut.set_result(None)
-            else:
-                keep.append((revision, fut))
-        self._waiters = keep
+    def _wake(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
 
     def subscribe(self) -> Subscription:
         sub = Subscription(self)
@@ -195,16 +153,16 @@ class Mirror:
         """Returns once the local state includes revision (a write to the
         mirrored keys this replica or another made). Raises Unavailable
         after timeout (default wait_timeout)."""
+
+        async def wait() -> None:
+            while self.state.revision < revision:
+                await self._changed.wait()
+
         if revision <= self.state.revision:
             return
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append((revision, fut))
         try:
-            await asyncio.wait_for(
-                asyncio.shield(fut), self.wait_timeout if timeout is None else timeout
-            )
+            await asyncio.wait_for(wait(), self.wait_timeout if timeout is None else timeout)
         except TimeoutError:
-            self._waiters = [(r, f) for r, f in self._waiters if f is not fut]
             raise Unavailable(
                 f"this replica has not seen etcd revision {revision} yet (at "
                 f"{self.state.revision}); retry"
@@ -213,9 +171,9 @@ class Mirror:
     async def historic(self, revision: int) -> PolicyState:
         """The state as it was at an older revision, rebuilt from etcd's
         history. Raises Compacted or FutureRevision."""
-        kvs, _ = await self.store.snapshot(revision)
+        records, _ = await self.source.read(revision)
         state = self.make_state()
-        for kv in kvs:
+        for _, kv, _ in records:
             state.put(kv)
         state.commit(revision)
         return state

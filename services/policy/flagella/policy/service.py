@@ -49,6 +49,7 @@ class PolicyService:
         self.mirror = Mirror(
             store,
             lambda: PolicyState(budget=s.budget, allow_localhost=s.allow_localhost),
+            tasks=self.tasks,
             wait_timeout=s.wait_timeout,
         )
         self.leases = NodeLeases(
@@ -75,7 +76,6 @@ class PolicyService:
     async def stop(self) -> None:
         if self._own_tasks:
             await self.tasks.stop()
-        await self.mirror.stop()
 
     # --- identities ---
 

@@ -9,12 +9,10 @@ key-values of snapshot and watch)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 from flagella.common.etcd import (
     Etcd,
-    EventType,
     KeyValue,
     TxnResult,
     absent,
@@ -26,6 +24,7 @@ from flagella.common.etcd import (
     prefix_end,
     put_op,
 )
+from flagella.common.sync import EtcdSource, Sink
 from flagella.policy import keys
 from flagella.policy.labels import Label, label_set
 from flagella.policy.outcomes import (
@@ -54,16 +53,14 @@ from flagella.policy.state import IPEntry
 MAX_ATTEMPTS = 64
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
-    """A watch event on the mirrored range."""
+class _MirroredKeys:
+    """The mirror's codec: the keys flagella.policy.keys knows, raw."""
 
-    deleted: bool
-    kv: KeyValue
+    def key(self, key: str) -> str | None:
+        return key if keys.parse_key(key).kind else None
 
-    @property
-    def revision(self) -> int:
-        return self.kv.mod_revision
+    def decode(self, key: str, kv: KeyValue) -> KeyValue:
+        return kv
 
 
 # --- decoding ---
@@ -124,18 +121,19 @@ class PolicyStore:
 
     # --- mirror ---
 
-    async def snapshot(self, revision: int = 0) -> tuple[list[KeyValue], int]:
-        """Every mirrored key at one revision (0: now)."""
-        lists, rev = await self.etcd.get_prefixes(keys.MIRRORED_PREFIXES, revision=revision)
-        return [kv for lst in lists for kv in lst], rev
-
-    async def watch(self, start_revision: int) -> AsyncIterator[Event]:
-        """Changes to the mirrored keys from start_revision on."""
-        async for event in self.etcd.watch_range(
-            keys.RULES_PREFIX, prefix_end(keys.IP_PREFIX), start_revision
-        ):
-            if keys.parse_key(event.kv.key).kind:
-                yield Event(event.type is EventType.DELETE, event.kv)
+    def mirror_source(self, sink: Sink[str, KeyValue]) -> EtcdSource[str, KeyValue]:
+        """What keeps a replica's mirror in step: every mirrored key, as its
+        raw key-value (the mirror decodes them), read in pages at one
+        revision and watched as one key range [RULES_PREFIX, end of
+        IP_PREFIX) (keys of others in between are ignored)."""
+        return EtcdSource(
+            self.etcd,
+            sink,
+            _MirroredKeys(),
+            start=keys.RULES_PREFIX,
+            range_end=prefix_end(keys.IP_PREFIX),
+            name="policy",
+        )
 
     # --- node leases (flagella.policy.leases) ---
 

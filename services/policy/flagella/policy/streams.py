@@ -1,24 +1,34 @@
-"""The watch streams (WatchIPCache, WatchPolicy): a snapshot or a resume
-from a revision, then deltas and SYNCED marks, fed by the mirror."""
+"""The watch streams (WatchIPCache, WatchPolicy), served by the sync layer's
+serve_watch: each stream follows a view derived from the mirror (the
+ipcache, or the resolved policies of one node's identities) through a
+ViewFeed, which remembers what it sent and turns each committed change of
+the mirror into the changes of the view."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 from flagella.common.errors import Unavailable
 from flagella.common.etcd import Compacted, FutureRevision
+from flagella.common.sync import Batch, Change, serve_watch
+from flagella.common.tasks import TaskGroup
 from flagella.policy.leases import NodeLeases
 from flagella.policy.mirror import Mirror
 from flagella.policy.resolve import PolicyContent, ResolvedPolicy
 from flagella.policy.settings import Settings
+from flagella.policy.state import Change as StateChange
 from flagella.policy.state import IPEntry, PolicyState
 
 log = logging.getLogger(__name__)
+
+# Prefixes or identities: sortable, for a stable order of events.
+K = TypeVar("K", str, int)
+V = TypeVar("V")
 
 
 class EventKind:
@@ -44,25 +54,101 @@ class PolicyEvent:
     policy: ResolvedPolicy | None = None
 
 
-class Streams:
-    """The watch streams: the ipcache, and the resolved policies of a
-    node's identities."""
+class View(Protocol[K, V]):
+    """A view of the policy state one stream follows."""
 
-    def __init__(self, mirror: Mirror, leases: NodeLeases, settings: Settings) -> None:
+    def all(self, state: PolicyState) -> dict[K, V]: ...
+
+    def candidates(self, state: PolicyState, change: StateChange, sent: dict[K, V]) -> set[K]:
+        """The keys whose value may differ after change."""
+
+    def value(self, state: PolicyState, key: K) -> V | None: ...
+
+    def must_sync(self, change: StateChange) -> bool:
+        """Whether a change with nothing to send still ends in SYNCED (so
+        that a client waiting for its revision sees it)."""
+
+
+class IPCacheView:
+    def all(self, state: PolicyState) -> dict[str, IPEntry]:
+        return state.ipcache()
+
+    def candidates(
+        self, state: PolicyState, change: StateChange, sent: dict[str, IPEntry]
+    ) -> set[str]:
+        if change.full:
+            return set(change.ipcache) | sent.keys() | state.ipcache().keys()
+        return set(change.ipcache)
+
+    def value(self, state: PolicyState, key: str) -> IPEntry | None:
+        return state.ipcache_entry(key)
+
+    def must_sync(self, change: StateChange) -> bool:
+        return False
+
+
+class NodePolicyView:
+    """The resolved policies of the identities the node references."""
+
+    def __init__(self, node: str) -> None:
+        self.node = node
+
+    def all(self, state: PolicyState) -> dict[int, PolicyContent]:
+        return state.node_policies(self.node)
+
+    def candidates(
+        self, state: PolicyState, change: StateChange, sent: dict[int, PolicyContent]
+    ) -> set[int]:
+        on_node = state.node_refs.get(self.node, {})
+        if change.full:
+            return set(sent) | set(on_node)
+        candidates = set(change.nodes.get(self.node, ()))
+        dirty = change.dirty
+        if len(dirty) <= len(sent) + len(on_node):
+            candidates |= {i for i in dirty if i in sent or i in on_node}
+        else:
+            candidates |= {i for i in (*sent, *on_node) if i in dirty}
+        return candidates
+
+    def value(self, state: PolicyState, key: int) -> PolicyContent | None:
+        if key not in state.node_refs.get(self.node, {}):
+            return None
+        return state.resolver.content(key)
+
+    def must_sync(self, change: StateChange) -> bool:
+        # A reference of the node changed (a count went up): nothing to
+        # send, but a datapath waiting for the allocation's revision is not
+        # left hanging.
+        return self.node in change.nodes
+
+
+def _differs(before: V | None, after: V) -> bool:
+    # Resolved contents are shared objects: identity first, then equality.
+    return before is None or (before is not after and before != after)
+
+
+class ViewFeed(Generic[K, V]):
+    """A Feed (flagella.common.sync.serve) of one stream's view: what the
+    client holds (sent), and the changes of the view since."""
+
+    def __init__(self, mirror: Mirror, view: View[K, V], since: int) -> None:
         self.mirror = mirror
-        self.leases = leases
-        self.settings = settings
+        self.view: View[K, V] = view
+        self.since = since
+        self.sub = mirror.subscribe()
+        self.sent: dict[K, V] | None = None
+        self.revision = 0
 
-    @property
-    def state(self) -> PolicyState:
-        return self.mirror.state
+    def close(self) -> None:
+        self.sub.close()
 
-    async def _baseline(self, since: int) -> PolicyState | None:
+    async def _baseline(self) -> PolicyState | None:
         """The state a client resuming from since holds, or None when it
         must start over."""
+        since = self.since
         if since <= 0:
             return None
-        if since > self.state.revision:
+        if since > self.mirror.state.revision:
             # The client saw a newer revision elsewhere: give this replica a
             # moment to catch up. (If nothing of ours changed up to since,
             # it never will, and need not: the diff below is exact anyway.)
@@ -73,155 +159,127 @@ class Streams:
         except (Compacted, FutureRevision):
             return None
 
+    def _diff(self, before: dict[K, V], keys: set[K], state: PolicyState) -> list[Change[K, V]]:
+        changes = []
+        for key in sorted(keys):
+            old, new = before.get(key), self.view.value(state, key)
+            if new is None:
+                if old is not None:
+                    changes.append(Change(key, None, old, state.revision))
+            elif _differs(old, new):
+                changes.append(Change(key, new, old, state.revision))
+        return changes
+
+    async def _first(self) -> Batch[K, V]:
+        baseline = await self._baseline()
+        state = self.mirror.state
+        current = self.view.all(state)
+        self.sent, self.revision = dict(current), state.revision
+        if baseline is None:
+            return Batch(
+                state.revision,
+                tuple(Change(k, current[k], None, state.revision) for k in sorted(current)),
+                snapshot=True,
+            )
+        old = self.view.all(baseline)
+        return Batch(state.revision, tuple(self._diff(old, old.keys() | current.keys(), state)))
+
+    async def next(self, timeout: float | None = None) -> Batch[K, V] | None:
+        if self.sent is None:
+            return await self._first()
+        sent = self.sent
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            left = None if deadline is None else max(deadline - loop.time(), 0.0)
+            change = await self.sub.next(left)
+            state = self.mirror.state
+            if change is None:
+                # Idle: a SYNCED heartbeat, at the newest revision.
+                if state.revision > self.revision:
+                    self.revision = state.revision
+                    return Batch(state.revision, ())
+                return None
+            changes = self._diff(sent, self.view.candidates(state, change, sent), state)
+            for c in changes:
+                if c.record is None:
+                    sent.pop(c.key, None)
+                else:
+                    sent[c.key] = c.record
+            if changes or self.view.must_sync(change):
+                self.revision = state.revision
+                return Batch(state.revision, tuple(changes))
+
+
+class IPCacheMessages:
+    def reset(self, revision: int) -> IPCacheEvent:
+        return IPCacheEvent(EventKind.RESET, revision)
+
+    async def upsert(self, change: Change[str, IPEntry]) -> IPCacheEvent:
+        return IPCacheEvent(EventKind.UPSERT, change.revision, change.key, change.record)
+
+    async def delete(self, change: Change[str, IPEntry]) -> IPCacheEvent:
+        return IPCacheEvent(EventKind.DELETE, change.revision, change.key)
+
+    def synced(self, revision: int) -> IPCacheEvent:
+        return IPCacheEvent(EventKind.SYNCED, revision)
+
+
+class PolicyMessages:
+    def reset(self, revision: int) -> PolicyEvent:
+        return PolicyEvent(EventKind.RESET, revision)
+
+    async def upsert(self, change: Change[int, PolicyContent]) -> PolicyEvent:
+        assert change.record is not None
+        policy = ResolvedPolicy(change.key, change.revision, change.record)
+        return PolicyEvent(EventKind.UPSERT, change.revision, change.key, policy)
+
+    async def delete(self, change: Change[int, PolicyContent]) -> PolicyEvent:
+        return PolicyEvent(EventKind.DELETE, change.revision, change.key)
+
+    def synced(self, revision: int) -> PolicyEvent:
+        return PolicyEvent(EventKind.SYNCED, revision)
+
+
+class Streams:
+    """The watch streams: the ipcache, and the resolved policies of a
+    node's identities. Both end each batch with SYNCED and answer a resume
+    with the changes alone (no SYNCED at since first)."""
+
+    def __init__(self, mirror: Mirror, leases: NodeLeases, settings: Settings) -> None:
+        self.mirror = mirror
+        self.leases = leases
+        self.settings = settings
+
     async def watch_ipcache(self, since: int) -> AsyncIterator[IPCacheEvent]:
-        sub = self.mirror.subscribe()
+        feed = ViewFeed(self.mirror, IPCacheView(), since)
         try:
-            baseline = await self._baseline(since)
-            state = self.state
-            current = state.ipcache()
-            revision = state.revision
-            if baseline is None:
-                yield IPCacheEvent(EventKind.RESET, revision)
-                for prefix in sorted(current):
-                    yield IPCacheEvent(EventKind.UPSERT, revision, prefix, current[prefix])
-            else:
-                old = baseline.ipcache()
-                for event in _ip_diff(old, current, current.keys() | old.keys(), revision):
-                    yield event
-            yield IPCacheEvent(EventKind.SYNCED, revision)
-            sent = current
-            synced = revision
-            synced_at = time.monotonic()
-            heartbeat = self.settings.watch_heartbeat
-            while True:
-                change = await sub.next(heartbeat)
-                state = self.state
-                if change is None:
-                    if state.revision > synced:
-                        synced, synced_at = state.revision, time.monotonic()
-                        yield IPCacheEvent(EventKind.SYNCED, synced)
-                    continue
-                candidates = set(change.ipcache)
-                if change.full:
-                    candidates |= sent.keys() | state.ipcache().keys()
-                now = {p: state.ipcache_entry(p) for p in candidates}
-                events = _ip_diff(
-                    sent,
-                    {p: e for p, e in now.items() if e is not None},
-                    candidates,
-                    state.revision,
-                )
-                for p, e in now.items():
-                    if e is None:
-                        sent.pop(p, None)
-                    else:
-                        sent[p] = e
-                for event in events:
-                    yield event
-                if events or time.monotonic() - synced_at >= heartbeat:
-                    synced, synced_at = state.revision, time.monotonic()
-                    yield IPCacheEvent(EventKind.SYNCED, synced)
+            async for event in serve_watch(
+                feed,
+                IPCacheMessages(),
+                since=since,
+                heartbeat=self.settings.watch_heartbeat,
+                sync_batches=True,
+                acknowledge_resume=False,
+            ):
+                yield event
         finally:
-            sub.close()
+            feed.close()
 
     async def watch_policy(self, node: str, since: int) -> AsyncIterator[PolicyEvent]:
-        sub = self.mirror.subscribe()
-        keeper = asyncio.create_task(self.leases.keep_alive(node), name=f"keepalive-{node}")
+        feed = ViewFeed(self.mirror, NodePolicyView(node), since)
         try:
-            baseline = await self._baseline(since)
-            state = self.state
-            current = state.node_policies(node)
-            revision = state.revision
-            if baseline is None:
-                yield PolicyEvent(EventKind.RESET, revision)
-                for ident in sorted(current):
-                    yield _policy_upsert(ident, revision, current[ident])
-            else:
-                old = baseline.node_policies(node)
-                for event in _policy_diff(old, current, old.keys() | current.keys(), revision):
+            # While the stream is open the node's leases stay alive.
+            async with TaskGroup(f"watch-policy {node}") as tasks:
+                tasks.spawn(f"keepalive-{node}", self.leases.keep_alive(node))
+                async for event in serve_watch(
+                    feed,
+                    PolicyMessages(),
+                    since=since,
+                    heartbeat=self.settings.watch_heartbeat,
+                    sync_batches=True,
+                    acknowledge_resume=False,
+                ):
                     yield event
-            yield PolicyEvent(EventKind.SYNCED, revision)
-            sent = current
-            synced = revision
-            synced_at = time.monotonic()
-            heartbeat = self.settings.watch_heartbeat
-            while True:
-                change = await sub.next(heartbeat)
-                state = self.state
-                if change is None:
-                    if state.revision > synced:
-                        synced, synced_at = state.revision, time.monotonic()
-                        yield PolicyEvent(EventKind.SYNCED, synced)
-                    continue
-                on_node = state.node_refs.get(node, {})
-                if change.full:
-                    candidates = set(sent) | set(on_node)
-                else:
-                    candidates = set(change.nodes.get(node, ()))
-                    dirty = change.dirty
-                    if len(dirty) <= len(sent) + len(on_node):
-                        candidates |= {i for i in dirty if i in sent or i in on_node}
-                    else:
-                        candidates |= {i for i in (*sent, *on_node) if i in dirty}
-                now: dict[int, PolicyContent] = {}
-                for ident in candidates:
-                    if ident in on_node:
-                        content = state.resolver.content(ident)
-                        if content is not None:
-                            now[ident] = content
-                events = _policy_diff(
-                    {i: sent[i] for i in candidates if i in sent}, now, candidates, state.revision
-                )
-                for ident in candidates:
-                    if ident in now:
-                        sent[ident] = now[ident]
-                    else:
-                        sent.pop(ident, None)
-                for event in events:
-                    yield event
-                # A SYNCED also after a change of the node's references with
-                # nothing to send (a reference count went up): whoever waits
-                # for the revision of an allocation sees it.
-                if events or node in change.nodes or time.monotonic() - synced_at >= heartbeat:
-                    synced, synced_at = state.revision, time.monotonic()
-                    yield PolicyEvent(EventKind.SYNCED, synced)
         finally:
-            keeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await keeper
-            sub.close()
-
-
-def _ip_diff(
-    old: dict[str, IPEntry], new: dict[str, IPEntry], candidates: Iterable[str], revision: int
-) -> list[IPCacheEvent]:
-    events = []
-    for prefix in sorted(candidates):
-        before, after = old.get(prefix), new.get(prefix)
-        if after is None:
-            if before is not None:
-                events.append(IPCacheEvent(EventKind.DELETE, revision, prefix))
-        elif after != before:
-            events.append(IPCacheEvent(EventKind.UPSERT, revision, prefix, after))
-    return events
-
-
-def _policy_upsert(ident: int, revision: int, content: PolicyContent) -> PolicyEvent:
-    return PolicyEvent(EventKind.UPSERT, revision, ident, ResolvedPolicy(ident, revision, content))
-
-
-def _policy_diff(
-    old: dict[int, PolicyContent],
-    new: dict[int, PolicyContent],
-    candidates: Iterable[int],
-    revision: int,
-) -> list[PolicyEvent]:
-    events = []
-    for ident in sorted(candidates):
-        before, after = old.get(ident), new.get(ident)
-        if after is None:
-            if before is not None:
-                events.append(PolicyEvent(EventKind.DELETE, revision, ident))
-        elif before is None or (before is not after and before != after):
-            events.append(_policy_upsert(ident, revision, after))
-    return events
+            feed.close()

@@ -140,8 +140,8 @@ class EtcdSource(Generic[K, R]):
                 await self._watch()
             except Compacted as exc:
                 log.info(
-                    "watch revision compacted: reading a fresh snapshot",
-                    extra={"range": self.name, "revision": self.revision, "compacted": str(exc)},
+                    f"{self.name} watch revision compacted: reading a fresh snapshot",
+                    extra={"range": self.start, "revision": self.revision, "compacted": str(exc)},
                 )
                 self.sink.set_live(False, "compacted")
                 self.revision = 0
@@ -149,8 +149,8 @@ class EtcdSource(Generic[K, R]):
                 self.sink.set_live(False, exc.message)
                 delay = self.backoff.next()
                 log.warning(
-                    "etcd watch interrupted",
-                    extra={"range": self.name, "reason": exc.message, "retry_in_s": delay},
+                    f"{self.name} watch interrupted",
+                    extra={"range": self.start, "reason": exc.message, "retry_in_s": delay},
                 )
                 await asyncio.sleep(delay)
 

@@ -1,8 +1,9 @@
 """The server side of every Watch* RPC: one contract, one loop.
 
     since 0: RESET, UPSERT of every record, SYNCED at the snapshot's
-    revision; since > 0: SYNCED at since, then either the changes after it
-    or (when they cannot be told) RESET and a snapshot, then SYNCED; then
+    revision; since > 0: SYNCED at since (unless the stream's contract
+    leaves it out), then either the changes after it or (when they cannot
+    be told) RESET and a snapshot, then SYNCED; then
     UPSERTs and DELETEs as they happen, in revision order, each batch
     closed by SYNCED at its revision when the stream asks for it
     (sync_batches), and SYNCED every `heartbeat` seconds when idle.
@@ -53,8 +54,9 @@ async def serve_watch(
     since: int = 0,
     heartbeat: float | None,
     sync_batches: bool = False,
+    acknowledge_resume: bool = True,
 ) -> AsyncIterator[M]:
-    if since > 0:
+    if since > 0 and acknowledge_resume:
         yield messages.synced(since)
     batch = await feed.next(None)
     assert batch is not None

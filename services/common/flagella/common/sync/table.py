@@ -325,7 +325,8 @@ class Table(Generic[K, R]):
             return None
         if old is None:
             return None
-        # Keys that changed after since (by their revision) or vanished.
+        # Keys whose record differs from the one at since. A deletion's own
+        # revision is not known: somewhere after since.
         held: dict[K, R | None] = {}
         for key, (record, _) in old.items():
             now = self._records.get(key)
@@ -334,7 +335,7 @@ class Table(Generic[K, R]):
         for key in self._records:
             if key not in old:
                 held[key] = None
-        return self._batch_from(held, {})
+        return self._batch_from(held, dict.fromkeys(held, since + 1))
 
 
 class Subscription(Generic[K, R]):
