@@ -36,7 +36,8 @@ class LbApp:
 
     def register(self, server: grpc.aio.Server) -> None:
         lb_pb2_grpc.add_LoadBalancerServiceServicer_to_server(
-            LbServicer(self.service, self.config.limits), server
+            LbServicer(self.service, self.config.limits, heartbeat=self.config.watch_heartbeat),
+            server,
         )
 
     async def start(self) -> None:
@@ -50,6 +51,7 @@ class LbApp:
         except SeedMismatch as exc:
             raise FatalError(str(exc)) from exc
         self.probes.add("etcd", self.etcd.current_revision)
+        self.tasks.spawn("services-table", self.store.run())
         if self.config.kubeconfig:
             self.k8s = KubernetesWatcher(self.service, self.config.kubeconfig, self.config.limits)
             await self.k8s.start(self.tasks)
