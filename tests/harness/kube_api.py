@@ -88,6 +88,12 @@ class KubeListWatchServer:
             self._closing = True
         self.down()
 
+    def __enter__(self) -> KubeListWatchServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def up(self) -> KubeListWatchServer:
         """Serve (again) on the same port."""
         server = self

@@ -26,23 +26,20 @@ PORTS = [{"name": "http", "port": 80, "protocol": "TCP"}]
 
 @pytest.fixture
 def kube_api() -> Iterator[KubeListWatchServer]:
-    server = KubeListWatchServer().start()
-    try:
+    with KubeListWatchServer() as server:
         yield server
-    finally:
-        server.stop()
 
 
 @contextlib.asynccontextmanager
 async def following(
     kube_api: KubeListWatchServer, tmp_path: Path, *, page_size: int = 500, **kw: Any
-) -> AsyncIterator[tuple[Table[str, Obj], KubeSource[Obj]]]:
+) -> AsyncIterator[tuple[Table[str, Any], KubeSource[Any]]]:
     from kubernetes.aio import client, config
 
     api = await config.new_client_from_config(
         config_file=str(kube_api.write_kubeconfig(tmp_path / "kubeconfig"))
     )
-    table: Table[str, Obj] = Table("services")
+    table: Table[str, Any] = Table("services")
     source = KubeSource(
         "services",
         client.CoreV1Api(api).list_service_for_all_namespaces_without_preload_content,
@@ -186,7 +183,6 @@ async def test_410_gone_relists_and_subscribers_get_a_diff(
 
 
 async def test_records_decoded_by_the_caller(kube_api: KubeListWatchServer, tmp_path: Path) -> None:
-    from kubernetes.aio import client, config
 
     def cluster_ip(obj: Obj) -> str | None:
         ip = obj["spec"].get("clusterIP")
@@ -194,27 +190,12 @@ async def test_records_decoded_by_the_caller(kube_api: KubeListWatchServer, tmp_
 
     kube_api.apply("services", k8s_service("ns", "a", "10.96.6.1", PORTS))
     kube_api.apply("services", k8s_service("ns", "headless", "None", PORTS))
-    api = await config.new_client_from_config(
-        config_file=str(kube_api.write_kubeconfig(tmp_path / "kubeconfig"))
-    )
-    table: Table[str, str] = Table("ips")
-    source = KubeSource(
-        "services",
-        client.CoreV1Api(api).list_service_for_all_namespaces_without_preload_content,
-        table,
-        decode=cluster_ip,
-    )
-    try:
-        async with TaskGroup() as tasks:
-            tasks.spawn("source", source.run())
-            await table.wait_initialized(10)
-            assert dict(table.items()) == {"ns/a": "10.96.6.1"}
-            kube_api.apply("services", k8s_service("ns", "a", "None", PORTS))
-            rev = kube_api.apply("services", k8s_service("ns", "b", "10.96.6.2", PORTS))
-            await table.wait_for(rev, 5)
-            assert dict(table.items()) == {"ns/b": "10.96.6.2"}
-    finally:
-        await api.close()
+    async with following(kube_api, tmp_path, decode=cluster_ip) as (table, _):
+        assert dict(table.items()) == {"ns/a": "10.96.6.1"}
+        kube_api.apply("services", k8s_service("ns", "a", "None", PORTS))
+        rev = kube_api.apply("services", k8s_service("ns", "b", "10.96.6.2", PORTS))
+        await table.wait_for(rev, 5)
+        assert dict(table.items()) == {"ns/b": "10.96.6.2"}
 
 
 async def test_the_api_server_restarts(kube_api: KubeListWatchServer, tmp_path: Path) -> None:
