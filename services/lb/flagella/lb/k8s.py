@@ -275,7 +275,8 @@ class KubernetesWatcher:
             "k8s-endpointslices-follow",
             self._follow(self.slices, self._slices_changed, self._slices_listed),
         )
-        tasks.spawn("k8s-sync", self._sync_loop())
+        # A bug in a sync must not stop the syncing for good.
+        tasks.supervise("k8s-sync", self._sync_loop)
         log.info("watching kubernetes", extra={"kubeconfig": self.kubeconfig})
 
     async def stop(self) -> None:
