@@ -4,21 +4,28 @@ for a few collections (no real API server can run on these machines).
 It serves, for Services (/api/v1/services) and EndpointSlices
 (/apis/discovery.k8s.io/v1/endpointslices):
 - LIST: GET -> {"kind": "<Kind>List", "metadata": {"resourceVersion"}, "items"}
+  [&limit=N[&continue=T]]: pages of at most N items, all of the first
+  page's resourceVersion, "continue" in the metadata while more follow; a
+  continue token that expired (expire_watches) gets HTTP 410.
 - WATCH: GET ?watch=true&resourceVersion=N[&timeoutSeconds=S] -> a chunked
   stream of newline-delimited {"type": ADDED|MODIFIED|DELETED|BOOKMARK|ERROR,
   "object": ...} with every change after N, then the live ones, until S
   seconds passed; a resourceVersion older than the retained history gets an
   ERROR event carrying a Status with code 410 (Gone), as the real server
-  answers an expired watch.
+  answers an expired watch. With allowWatchBookmarks=true, bookmark() sends
+  a BOOKMARK at the current resourceVersion.
 One resourceVersion counter covers all objects, as etcd's revision does for
-the real server. Tests change objects with apply() and delete(), and can
-drop the history with compact().
+the real server. Tests change objects with apply() and delete(), can drop
+the history with compact(), and can take the server down() and up() again
+on the same port (as an API server restarts; its objects are kept).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -62,6 +69,33 @@ class KubeListWatchServer:
         self.gone_sent = 0
         self._generation = 0
         self._closing = False
+        self._bookmarks = 0
+        # Pages of lists still to be read, by continue token.
+        self._continues: dict[str, tuple[int, list[dict[str, Any]]]] = {}
+        self._tokens = 0
+        self._connections: set[socket.socket] = set()
+        self.httpd: _QuietServer | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> KubeListWatchServer:
+        return self.up()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._closing = True
+        self.down()
+
+    def __enter__(self) -> KubeListWatchServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def up(self) -> KubeListWatchServer:
+        """Serve (again) on the same port."""
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -73,27 +107,38 @@ class KubeListWatchServer:
             def address_string(self) -> str:
                 return str(self.client_address[0])
 
+            def setup(self) -> None:
+                super().setup()
+                with server._lock:
+                    server._connections.add(self.connection)
+
+            def finish(self) -> None:
+                with server._lock:
+                    server._connections.discard(self.connection)
+                super().finish()
+
             def do_GET(self) -> None:
                 server._handle(self)
 
         self.httpd = _QuietServer(("127.0.0.1", self.port), Handler)
         self.httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> KubeListWatchServer:
-        self._thread.start()
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
         return self
 
-    def stop(self) -> None:
+    def down(self) -> None:
+        """Stop serving and drop every connection (watches and kept-alive
+        ones), as a restarting API server does; objects and history stay."""
         with self._lock:
-            self._closing = True
+            self._generation += 1
             self._lock.notify_all()
-        self.httpd.shutdown()
-        self.httpd.server_close()
+            connections = list(self._connections)
+        if self.httpd is not None:
+            self.httpd.shutdown()
+            self.httpd.server_close()
+            self.httpd = None
+        for conn in connections:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
 
     def write_kubeconfig(self, path: Path) -> Path:
         path.write_text(
@@ -153,7 +198,16 @@ class KubeListWatchServer:
             self._history.clear()
             self._oldest = self._rv
             self._generation += 1
+            self._continues.clear()
             self._lock.notify_all()
+
+    def bookmark(self) -> int:
+        """A BOOKMARK at the current resourceVersion on every open watch that
+        allows them (after the changes before it); returns that version."""
+        with self._lock:
+            self._bookmarks += 1
+            self._lock.notify_all()
+            return self._rv
 
     # --- the protocol ---
 
@@ -165,16 +219,33 @@ class KubeListWatchServer:
             self._send_json(h, 404, _status(404, "NotFound", f"{url.path} not served here"))
             return
         resource, list_kind, api_version = coll
+        kind = list_kind.removesuffix("List")
         query = {k: v[-1] for k, v in parse_qs(url.query).items()}
         if query.get("watch") in ("true", "1", "True"):
-            self._watch(h, resource, query)
+            self._watch(h, resource, kind, api_version, query)
             return
+        limit = int(query.get("limit") or 0)
         with self._lock:
-            items = [copy.deepcopy(o) for _, o in sorted(self._objects[resource].items())]
+            token = query.get("continue")
+            if token:
+                if token not in self._continues:
+                    self._send_json(h, 410, _status(410, "Expired", "continue token expired"))
+                    return
+                rv, items = self._continues.pop(token)
+            else:
+                rv = self._rv
+                items = [copy.deepcopy(o) for _, o in sorted(self._objects[resource].items())]
+            metadata: dict[str, Any] = {"resourceVersion": str(rv)}
+            if limit and len(items) > limit:
+                self._tokens += 1
+                token = f"page-{self._tokens}"
+                self._continues[token] = (rv, items[limit:])
+                items = items[:limit]
+                metadata["continue"] = token
             body = {
                 "kind": list_kind,
                 "apiVersion": api_version,
-                "metadata": {"resourceVersion": str(self._rv)},
+                "metadata": metadata,
                 "items": items,
             }
         self._send_json(h, 200, body)
@@ -187,8 +258,16 @@ class KubeListWatchServer:
         h.end_headers()
         h.wfile.write(raw)
 
-    def _watch(self, h: BaseHTTPRequestHandler, resource: str, query: dict[str, str]) -> None:
+    def _watch(
+        self,
+        h: BaseHTTPRequestHandler,
+        resource: str,
+        kind: str,
+        api_version: str,
+        query: dict[str, str],
+    ) -> None:
         since = int(query.get("resourceVersion") or 0)
+        bookmarks = query.get("allowWatchBookmarks") in ("true", "1", "True")
         timeout = float(query.get("timeoutSeconds") or 1800)
         deadline = time.monotonic() + timeout
         h.send_response(200)
@@ -213,12 +292,21 @@ class KubeListWatchServer:
                     return
                 cursor = since or self._rv
                 generation = self._generation
+                bookmarks_seen = self._bookmarks
             while True:
                 with self._lock:
                     if self._closing or generation != self._generation:
                         break
                     pending = [c for c in self._history if c.rv > cursor and c.resource == resource]
-                    if not pending:
+                    mark = None
+                    if bookmarks and bookmarks_seen != self._bookmarks:
+                        bookmarks_seen = self._bookmarks
+                        mark = {
+                            "kind": kind,
+                            "apiVersion": api_version,
+                            "metadata": {"resourceVersion": str(self._rv)},
+                        }
+                    if not pending and mark is None:
                         remaining = deadline - time.monotonic()
                         if remaining <= 0:
                             break
@@ -227,6 +315,8 @@ class KubeListWatchServer:
                 for c in pending:
                     chunk({"type": c.type, "object": c.obj})
                     cursor = c.rv
+                if mark is not None:
+                    chunk({"type": "BOOKMARK", "object": mark})
             h.wfile.write(b"0\r\n\r\n")
         except OSError:  # the client went away
             pass

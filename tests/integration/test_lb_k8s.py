@@ -225,3 +225,35 @@ def test_initial_sync_of_many_services_in_batches_with_one_invalid(
     assert "kubernetes batch not written whole" in log
     assert "kubernetes service rejected" in log
     c.close()
+
+
+def test_a_change_that_cannot_be_written_while_etcd_is_down_lands_when_it_is_back(
+    etcd: EtcdServer,
+    spawn: Callable[..., ServiceProcess],
+    kube_api: KubeListWatchServer,
+    tmp_path: Path,
+) -> None:
+    kube_api.apply("services", k8s_service("r", "one", "10.96.70.1", PORTS))
+    kubeconfig = kube_api.write_kubeconfig(tmp_path / "kubeconfig")
+    lb = spawn(
+        "lb",
+        "--etcd-endpoints",
+        etcd.endpoint,
+        "--etcd-timeout",
+        "1",
+        "--kubeconfig",
+        str(kubeconfig),
+    )
+    c = LbClient(lb.address)
+    wait_for(lambda: backends_of(c, "r/one:http") == {})
+    etcd.stop()
+    kube_api.apply(
+        "endpointslices", k8s_endpoint_slice("r", "one-x", "one", SLICE_PORTS, [ep("10.22.0.1")])
+    )
+    wait_for(lambda: "kubernetes service not written, will retry" in lb.logs())
+    etcd.start()
+    # Retried after a backoff, with no further change from Kubernetes.
+    wait_for(
+        lambda: backends_of(c, "r/one:http") == {"10.22.0.1": pb.BACKEND_STATE_ACTIVE}, timeout=60
+    )
+    c.close()

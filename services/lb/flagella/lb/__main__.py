@@ -7,11 +7,13 @@ import sys
 import grpc
 
 from flagella.api.lb.v1 import lb_pb2, lb_pb2_grpc
+from flagella.common.backoff import retry
 from flagella.common.errors import Unavailable
 from flagella.common.etcd import Etcd
 from flagella.common.server import FatalError, Probes, Runtime
 from flagella.common.server import main as serve_main
 from flagella.lb.config import LbConfig
+from flagella.lb.k8s import KubernetesWatcher
 from flagella.lb.service import LbService
 from flagella.lb.servicer import LbServicer
 from flagella.lb.store import LbStore, SeedMismatch
@@ -23,43 +25,41 @@ class LbApp:
     def __init__(self, runtime: Runtime[LbConfig]) -> None:
         cfg = runtime.config
         self.config = cfg
+        self.tasks = runtime.tasks
         self.etcd = Etcd(cfg.etcd_endpoints, timeout=cfg.etcd_timeout)
-        self.probes = Probes(runtime.readiness)
+        self.probes = Probes(runtime.readiness, runtime.tasks)
         self.store = LbStore(self.etcd)
         self.service = LbService(
             self.store, cfg.limits, cfg.seed, cache_slots=cfg.table_cache_slots
         )
-        self.k8s: object | None = None
+        self.k8s: KubernetesWatcher | None = None
 
     def register(self, server: grpc.aio.Server) -> None:
         lb_pb2_grpc.add_LoadBalancerServiceServicer_to_server(
-            LbServicer(self.service, self.config.limits), server
+            LbServicer(self.service, self.config.limits, heartbeat=self.config.watch_heartbeat),
+            server,
         )
 
     async def start(self) -> None:
         await self.etcd.wait_connected()
-        while True:
-            try:
-                await self.store.ensure_seed(self.config.maglev_hash_seed)
-                break
-            except SeedMismatch as exc:
-                raise FatalError(str(exc)) from exc
-            except Unavailable:
-                await self.etcd.wait_connected()
+        try:
+            await retry(
+                lambda: self.store.ensure_seed(self.config.maglev_hash_seed),
+                what="recording the Maglev seed",
+                retry_on=(Unavailable,),
+            )
+        except SeedMismatch as exc:
+            raise FatalError(str(exc)) from exc
         self.probes.add("etcd", self.etcd.current_revision)
+        self.tasks.spawn("services-table", self.store.run())
         if self.config.kubeconfig:
-            from flagella.lb.k8s import KubernetesWatcher
-
-            watcher = KubernetesWatcher(self.service, self.config.kubeconfig, self.config.limits)
-            self.k8s = watcher
-            await watcher.start()
+            self.k8s = KubernetesWatcher(self.service, self.config.kubeconfig, self.config.limits)
+            await self.k8s.start(self.tasks)
 
     async def stop(self) -> None:
-        from flagella.lb.k8s import KubernetesWatcher
-
-        if isinstance(self.k8s, KubernetesWatcher):
+        # The runtime's tasks (probes, watches) have stopped by now.
+        if self.k8s is not None:
             await self.k8s.stop()
-        await self.probes.stop()
         await self.etcd.close()
 
 

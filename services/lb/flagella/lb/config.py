@@ -61,6 +61,9 @@ class LbConfig(ServiceConfig):
         2048, f"most backends one service may have (at most {MAX_BACKENDS_LIMIT})"
     )
     maglev_cache_mb: int = option(256, "memory for built Maglev tables, MiB")
+    watch_heartbeat: float = option(
+        30.0, "seconds between SYNCED heartbeats on an idle WatchServices stream"
+    )
     kubeconfig: str = option(
         "",
         "watch Kubernetes Services and EndpointSlices: a kubeconfig path, or 'in-cluster'; "
@@ -80,6 +83,8 @@ class LbConfig(ServiceConfig):
             )
         if self.maglev_cache_mb < 1:
             raise ConfigError("--maglev-cache-mb", "must be at least 1")
+        if self.watch_heartbeat <= 0:
+            raise ConfigError("--watch-heartbeat", "must be positive")
 
     @property
     def seed(self) -> bytes:

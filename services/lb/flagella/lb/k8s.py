@@ -30,14 +30,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
-import json
 import logging
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
 from typing import Any
 
+from flagella.common.backoff import Backoff, retry
 from flagella.common.errors import FlagellaError, InvalidArgument
 from flagella.common.server import FatalError
+from flagella.common.sync import Batch, KubeSource, Table
+from flagella.common.sync.kube import Obj
+from flagella.common.tasks import TaskGroup
 from flagella.lb.model import Algorithm, BackendState, Protocol, ServiceSpec, ServiceType, Source
 from flagella.lb.service import LbService
 from flagella.lb.validation import (
@@ -54,15 +56,9 @@ log = logging.getLogger(__name__)
 ALGORITHM_ANNOTATION = "flagella.io/lb-algorithm"
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 WATCH_TIMEOUT_S = 60  # the API server ends each watch call after this; we re-watch
-Obj = Mapping[str, Any]
 
 
 # --- translation (pure) ---
-
-
-def _key(obj: Obj) -> str:
-    meta = obj.get("metadata") or {}
-    return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
 
 
 def slice_service(slice_obj: Obj) -> str | None:
@@ -185,33 +181,57 @@ def _backends(slices: list[Obj], family: str, port_name: str, protocol: str) -> 
 # --- the watcher ---
 
 
-@dataclass
-class _Event:
-    kind: str  # "services", "slices" or "retry"
-    type: str  # ADDED, MODIFIED, DELETED, RELIST; for retry: the Service's key
-    obj: Obj = field(default_factory=dict)
-    items: list[Obj] = field(default_factory=list)
+class _Dirty:
+    """Kubernetes Services to sync: a set, so that a key marked many times
+    while a sync runs is synced once, from the latest state."""
+
+    def __init__(self) -> None:
+        self._keys: set[str] = set()
+        self._marked = asyncio.Event()
+
+    def mark(self, keys: Iterable[str]) -> None:
+        self._keys.update(keys)
+        if self._keys:
+            self._marked.set()
+
+    def clear(self) -> None:
+        self._keys.clear()
+        self._marked.clear()
+
+    async def take(self, timeout: float | None = None) -> set[str]:
+        """The keys marked so far, once there are any or after timeout
+        seconds (then maybe none)."""
+        if not self._keys:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._marked.wait(), timeout)
+        keys, self._keys = self._keys, set()
+        self._marked.clear()
+        return keys
 
 
 class KubernetesWatcher:
-    """Lists then watches Services and EndpointSlices (kubernetes.aio, the
-    asyncio flavour of the `kubernetes` client) and keeps the flagella
-    services in step."""
+    """Mirrors Services and EndpointSlices into two tables (each fed by a
+    KubeSource: list, watch, relist on 410 Gone) and keeps the flagella
+    services in step with them."""
 
     def __init__(self, service: LbService, kubeconfig: str, limits: Limits) -> None:
         self.service = service
         self.kubeconfig = kubeconfig
         self.limits = limits
-        self._services: dict[str, Obj] = {}
-        self._slices: dict[str, Obj] = {}
-        # EndpointSlice keys by the Service they belong to.
+        self.services: Table[str, Obj] = Table("k8s-services")
+        self.slices: Table[str, Obj] = Table("k8s-endpointslices")
+        # EndpointSlice keys by the Service they belong to, and the reverse,
+        # as of the last batch of the slices' subscription.
         self._slices_of: dict[str, set[str]] = {}
+        self._owner_of: dict[str, str] = {}
         # Flagella names written for each Kubernetes Service.
         self._written: dict[str, set[str]] = {}
-        self._synced = {"services": False, "slices": False}
-        self._queue: asyncio.Queue[_Event] = asyncio.Queue()
-        self._tasks: list[asyncio.Task[None]] = []
-        self._retry: dict[str, asyncio.TimerHandle] = {}
+        self._dirty = _Dirty()
+        # Services whose sync failed: synced again after a backoff.
+        self._failed: set[str] = set()
+        self.retry_backoff = Backoff(1.0, 30.0)
+        self._services_listed = asyncio.Event()
+        self._slices_listed = asyncio.Event()
         self._api: Any = None
         self.initial_sync = asyncio.Event()
 
@@ -225,7 +245,7 @@ class KubernetesWatcher:
             return client.ApiClient(cfg)
         return await config.new_client_from_config(config_file=self.kubeconfig)
 
-    async def start(self) -> None:
+    async def start(self, tasks: TaskGroup) -> None:
         client: Any = importlib.import_module("kubernetes.aio.client")
         try:
             self._api = await self._api_client()
@@ -233,177 +253,132 @@ class KubernetesWatcher:
             raise FatalError(f"cannot use --kubeconfig {self.kubeconfig}: {exc}") from exc
         core = client.CoreV1Api(self._api)
         discovery = client.DiscoveryV1Api(self._api)
-        self._tasks = [
-            asyncio.create_task(
-                self._list_watch(
-                    "services",
-                    core.list_service_for_all_namespaces,
-                    core.list_service_for_all_namespaces_without_preload_content,
-                ),
-                name="k8s-services",
-            ),
-            asyncio.create_task(
-                self._list_watch(
-                    "slices",
-                    discovery.list_endpoint_slice_for_all_namespaces,
-                    discovery.list_endpoint_slice_for_all_namespaces_without_preload_content,
-                ),
-                name="k8s-slices",
-            ),
-            asyncio.create_task(self._run(), name="k8s-sync"),
-        ]
+        services = KubeSource(
+            "services",
+            core.list_service_for_all_namespaces_without_preload_content,
+            self.services,
+            watch_timeout=WATCH_TIMEOUT_S,
+        )
+        slices = KubeSource(
+            "endpointslices",
+            discovery.list_endpoint_slice_for_all_namespaces_without_preload_content,
+            self.slices,
+            watch_timeout=WATCH_TIMEOUT_S,
+        )
+        tasks.spawn("k8s-services", services.run())
+        tasks.spawn("k8s-endpointslices", slices.run())
+        tasks.spawn(
+            "k8s-services-follow",
+            self._follow(self.services, self._services_changed, self._services_listed),
+        )
+        tasks.spawn(
+            "k8s-endpointslices-follow",
+            self._follow(self.slices, self._slices_changed, self._slices_listed),
+        )
+        # A bug in a sync must not stop the syncing for good.
+        tasks.supervise("k8s-sync", self._sync_loop)
         log.info("watching kubernetes", extra={"kubeconfig": self.kubeconfig})
 
     async def stop(self) -> None:
-        for handle in self._retry.values():
-            handle.cancel()
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        """After the tasks stopped: close the client's connections."""
         if self._api is not None:
-            with contextlib.suppress(Exception):
-                await self._api.close()
+            await self._api.close()
 
-    async def _list_watch(
-        self, kind: str, fn: Callable[..., Any], raw_list: Callable[..., Any]
+    # --- which Services to sync ---
+
+    async def _follow(
+        self,
+        table: Table[str, Obj],
+        changed: Callable[[Batch[str, Obj]], set[str]],
+        listed: asyncio.Event,
     ) -> None:
-        """List, then watch from the list's resourceVersion, re-watching from
-        the last one seen; any error (410 Gone included) relists, with
-        backoff."""
-        watch: Any = importlib.import_module("kubernetes.aio.watch")
-        delay = 0.2
-        while True:
-            try:
-                resp = await raw_list(_request_timeout=30)
-                try:
-                    if resp.status != 200:
-                        raise RuntimeError(f"list answered HTTP {resp.status}")
-                    doc = json.loads(await resp.read())
-                finally:
-                    resp.release()
-                rv = (doc.get("metadata") or {}).get("resourceVersion", "")
-                await self._queue.put(_Event(kind, "RELIST", items=doc.get("items") or []))
-                delay = 0.2
-                while True:
-                    w = watch.Watch(return_type="object")
-                    async with w.stream(
-                        fn,
-                        resource_version=rv,
-                        allow_watch_bookmarks=True,
-                        timeout_seconds=WATCH_TIMEOUT_S,
-                        _request_timeout=WATCH_TIMEOUT_S + 30,
-                    ) as stream:
-                        async for ev in stream:
-                            obj = ev.get("raw_object") or {}
-                            new_rv = (obj.get("metadata") or {}).get("resourceVersion")
-                            if new_rv:
-                                rv = new_rv
-                            if ev.get("type") in ("ADDED", "MODIFIED", "DELETED"):
-                                await self._queue.put(_Event(kind, ev["type"], obj=obj))
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning(
-                    "kubernetes list/watch failed, relisting",
-                    extra={"kind": kind, "reason": f"{exc!r} {exc}"[:300], "retry_in_s": delay},
-                )
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 10.0)
+        async for batch in table.subscribe():
+            self._dirty.mark(changed(batch))
+            listed.set()
 
-    async def _run(self) -> None:
-        while True:
-            ev = await self._queue.get()
-            try:
-                await self._handle(ev)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                # A bug must not stop the sync for good: log, and let the
-                # next event (or the periodic re-watch) carry on.
-                log.exception("kubernetes event not handled", extra={"kind": ev.kind})
+    def _services_changed(self, batch: Batch[str, Obj]) -> set[str]:
+        keys = {c.key for c in batch.changes}
+        if batch.snapshot:
+            # The whole table: Services written before and absent now are gone.
+            keys |= set(self._written)
+        return keys
 
-    async def _handle(self, ev: _Event) -> None:
+    def _slices_changed(self, batch: Batch[str, Obj]) -> set[str]:
+        """The Services whose EndpointSlices changed (those a slice left and
+        those it joined); keeps the index of slices by Service."""
         affected: set[str] = set()
-        if ev.kind == "retry":
-            affected.add(ev.type)
-        elif ev.kind == "services":
-            if ev.type == "RELIST":
-                affected |= set(self._services)
-                self._services = {_key(o): o for o in ev.items}
-                affected |= set(self._services)
-                self._synced["services"] = True
-            elif ev.type == "DELETED":
-                self._services.pop(_key(ev.obj), None)
-                affected.add(_key(ev.obj))
-            else:
-                self._services[_key(ev.obj)] = ev.obj
-                affected.add(_key(ev.obj))
-        elif ev.type == "RELIST":
+        if batch.snapshot:
             affected |= set(self._slices_of)
-            self._slices.clear()
             self._slices_of.clear()
-            for item in ev.items:
-                self._put_slice(item)
-            affected |= set(self._slices_of)
-            self._synced["slices"] = True
-        else:
-            key = _key(ev.obj)
-            prev = self._slices.get(key)
-            for o in (prev, ev.obj):
-                owner = slice_service(o) if o is not None else None
-                if owner:
-                    affected.add(owner)
-            self._drop_slice(key)
-            if ev.type != "DELETED":
-                self._put_slice(ev.obj)
-        if not all(self._synced.values()):
-            return
-        if not self.initial_sync.is_set():
-            await self._initial_sync()
-            return
-        for key in sorted(affected):
-            await self._sync_one(key)
+            self._owner_of.clear()
+        for change in batch.changes:
+            old = self._owner_of.pop(change.key, None)
+            if old is not None:
+                affected.add(old)
+                keys = self._slices_of[old]
+                keys.discard(change.key)
+                if not keys:
+                    del self._slices_of[old]
+            new = slice_service(change.record) if change.record is not None else None
+            if new is not None:
+                affected.add(new)
+                self._owner_of[change.key] = new
+                self._slices_of.setdefault(new, set()).add(change.key)
+        return affected
 
-    def _put_slice(self, obj: Obj) -> None:
-        key = _key(obj)
-        self._slices[key] = obj
-        owner = slice_service(obj)
-        if owner:
-            self._slices_of.setdefault(owner, set()).add(key)
+    # --- syncing them ---
 
-    def _drop_slice(self, key: str) -> None:
-        obj = self._slices.pop(key, None)
-        owner = slice_service(obj) if obj is not None else None
-        if owner and owner in self._slices_of:
-            self._slices_of[owner].discard(key)
-            if not self._slices_of[owner]:
-                del self._slices_of[owner]
+    async def _sync_loop(self) -> None:
+        await self._services_listed.wait()
+        await self._slices_listed.wait()
+        await retry(
+            self._initial_sync,
+            what="initial kubernetes sync",
+            retry_on=(FlagellaError,),
+            backoff=Backoff(1.0, 10.0),
+        )
+        loop = asyncio.get_running_loop()
+        retry_at: float | None = None
+        while True:
+            timeout = None if retry_at is None else max(0.0, retry_at - loop.time())
+            keys = await self._dirty.take(timeout)
+            if retry_at is not None and loop.time() >= retry_at:
+                keys |= self._failed
+                retry_at = None
+            self._failed -= keys
+            for key in sorted(keys):
+                await self._sync_one(key)
+            if not self._failed:
+                self.retry_backoff.reset()
+            elif retry_at is None:
+                retry_at = loop.time() + self.retry_backoff.next()
 
     async def _initial_sync(self) -> None:
         """After the first lists: write every Service, and delete the
         kubernetes-sourced flagella services that no longer have one."""
-        try:
-            records, _ = await self.service.list_services()
-        except FlagellaError as exc:
-            log.warning("initial kubernetes sync failed, retrying", extra={"reason": exc.details})
-            await asyncio.sleep(1.0)
-            await self._queue.put(_Event("services", "RELIST", items=list(self._services.values())))
-            return
-        await self._write_batched(sorted(self._services))
-        wanted = {n for names in self._written.values() for n in names}
+        records, _ = await self.service.list_services()
+        # Everything is synced now: what the lists marked is covered.
+        self._dirty.clear()
+        # What is stored counts as written: a name no Service makes any more
+        # is deleted (and retried) as for a Service that changed.
         for rec in records:
-            if rec.source is Source.KUBERNETES and rec.name not in wanted:
-                await self._delete(rec.name)
+            if rec.source is Source.KUBERNETES:
+                self._written.setdefault(_service_of(rec.name), set()).add(rec.name)
+        await self._write_batched(sorted(set(self.services.keys()) | set(self._written)))
         self.initial_sync.set()
-        log.info("kubernetes services synced", extra={"services": len(self._services)})
+        log.info("kubernetes services synced", extra={"services": len(self.services)})
 
     def _specs(self, key: str) -> dict[str, ServiceSpec]:
-        svc = self._services.get(key)
+        svc = self.services.get(key)
         if svc is None:
             return {}
-        slices = [self._slices[k] for k in sorted(self._slices_of.get(key, ()))]
+        slices = [
+            obj
+            for k in sorted(self._slices_of.get(key, ()))
+            # A slice that moved to another Service since the index saw it
+            # is left to the batch that moves it.
+            if (obj := self.slices.get(k)) is not None and slice_service(obj) == key
+        ]
         specs: dict[str, ServiceSpec] = {}
         for raw in translate(svc, slices, self.limits.default_algorithm):
             try:
@@ -454,6 +429,18 @@ class KubernetesWatcher:
             await flush()
 
     async def _sync_one(self, key: str) -> None:
+        """Write the flagella services of one Kubernetes Service and delete
+        those it no longer makes; a failure marks it for a retry."""
+        try:
+            ok = await self._write_one(key)
+        except Exception:
+            # A bug must not stop the sync for good: log, and retry it.
+            log.exception("kubernetes service not synced", extra={"service": key})
+            ok = False
+        if not ok:
+            self._failed.add(key)
+
+    async def _write_one(self, key: str) -> bool:
         specs = self._specs(key)
         before = self._written.get(key, set())
         ok = True
@@ -470,17 +457,19 @@ class KubernetesWatcher:
                 )
             except FlagellaError as exc:
                 ok = False
-                written.add(name)  # may exist; retried below
+                written.add(name)  # may exist; retried
                 log.warning(
                     "kubernetes service not written, will retry",
                     extra={"service": name, "reason": exc.details},
                 )
+        if not ok:
+            # Names not deleted yet stay, so that the retry deletes them.
+            written |= before - set(specs)
         if written:
             self._written[key] = written
         else:
             self._written.pop(key, None)
-        if not ok:
-            self._schedule_retry(key)
+        return ok
 
     async def _delete(self, name: str) -> bool:
         try:
@@ -493,13 +482,9 @@ class KubernetesWatcher:
             return False
         return True
 
-    def _schedule_retry(self, key: str, delay: float = 1.0) -> None:
-        if key in self._retry:
-            return
-        loop = asyncio.get_running_loop()
 
-        def fire() -> None:
-            self._retry.pop(key, None)
-            self._queue.put_nowait(_Event("retry", key))
-
-        self._retry[key] = loop.call_later(delay, fire)
+def _service_of(name: str) -> str:
+    """The Kubernetes Service ("namespace/name") of a flagella name this
+    watcher writes ("namespace/name:port[:family]"; Kubernetes names have no
+    colon)."""
+    return name.split(":", 1)[0]

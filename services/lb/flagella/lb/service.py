@@ -1,5 +1,6 @@
-"""Logic of the lb service (no gRPC here): upsert with id allocation, reads,
-delete, the watch stream and Maglev tables."""
+"""Logic of the lb service (no gRPC, no etcd keys here): upsert with id
+allocation, reads, delete, what the watch stream says of a change, and
+Maglev tables."""
 
 from __future__ import annotations
 
@@ -18,8 +19,7 @@ from flagella.common.errors import (
     NotFound,
     ResourceExhausted,
 )
-from flagella.common.etcd import StreamKind
-from flagella.lb import store as keys
+from flagella.common.sync import Change, Subscription
 from flagella.lb.ids import (
     BACKEND_BLOCK_MAX,
     BACKEND_BLOCK_MIN,
@@ -40,7 +40,16 @@ from flagella.lb.model import (
     ServiceType,
     Source,
 )
-from flagella.lb.store import LbStore, SpaceKeys, UpsertPlan
+from flagella.lb.store import (
+    BLOCK_SPACE,
+    REVNAT_SPACE,
+    SERVICE_SPACE,
+    Committed,
+    LbStore,
+    SpaceKeys,
+    UpsertPlan,
+    node_port_space,
+)
 from flagella.lb.validation import Limits, in_batch
 
 log = logging.getLogger(__name__)
@@ -59,7 +68,10 @@ class DeletedService:
 
 @dataclass(frozen=True)
 class WatchItem:
-    kind: StreamKind
+    """A change of a service as the watch stream tells it: the record (or
+    what identified the deleted service), its Maglev table when asked for,
+    and the backend ids it no longer has (their flows are to be purged)."""
+
     revision: int
     record: ServiceRecord | None = None
     deleted: DeletedService | None = None
@@ -114,10 +126,6 @@ class TableCache:
         return table
 
 
-# Transactions of one UpsertServices call in flight at once.
-COMMITS_IN_FLIGHT = 4
-
-
 class LbService:
     def __init__(
         self, store: LbStore, limits: Limits, seed: bytes, *, cache_slots: int = 32 << 20
@@ -142,14 +150,14 @@ class LbService:
 
     def _space_keys(self, space: IdSpace) -> SpaceKeys:
         if space is self._service_ids:
-            return keys.SERVICE_SPACE
+            return SERVICE_SPACE
         if space is self._rev_nat_ids:
-            return keys.REVNAT_SPACE
+            return REVNAT_SPACE
         if space is self._blocks:
-            return keys.BLOCK_SPACE
+            return BLOCK_SPACE
         for proto, s in self._node_ports.items():
             if s is space:
-                return keys.node_port_space(proto)
+                return node_port_space(proto)
         raise KeyError(space.name)
 
     async def _take(self, space: IdSpace, count: int) -> list[int]:
@@ -258,8 +266,8 @@ class LbService:
                     self._known.add(spec.name)
                     return current, False
             plan = await self._plan(spec, current)
-            result = await self.store.commit(plan)
-            if result.succeeded:
+            (result,) = await self.store.commit([plan])
+            if isinstance(result, Committed):
                 self._known.add(spec.name)
                 return plan.record.with_revision(result.revision), current is None
             # Find out what was contested; reject or retry.
@@ -336,46 +344,28 @@ class LbService:
             else:
                 todo.append((i, spec, current))
 
-        # Chunks are committed while the next ones are planned, a few
-        # transactions in flight (etcd commits concurrent ones together).
-        # A failure is raised once the chunks in flight have finished.
-        commits: set[asyncio.Task[None]] = set()
-        error: BaseException | None = None
+        # Planned as the store commits (a few transactions in flight while
+        # the next plans are made); a plan whose transaction was contested
+        # goes through upsert() (a fresh read, then retries).
+        plans: list[tuple[int, UpsertPlan]] = []
 
-        async def settle(limit: int) -> None:
-            nonlocal commits, error
-            while len(commits) > limit:
-                done, commits = await asyncio.wait(commits, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    if error is None and task.exception() is not None:
-                        error = task.exception()
-
-        chunk: list[tuple[int, UpsertPlan, keys.CommitOps]] = []
-        ops = 0
-        try:
+        async def planned() -> AsyncIterator[UpsertPlan]:
             for i, spec, current in todo:
                 try:
                     plan = await self._plan(spec, current)
                 except FlagellaError as exc:
                     raise in_batch(exc, i) from None
-                plan_ops = keys.commit_ops(plan)
-                size = keys.commit_op_count(plan_ops)
-                if chunk and ops + size > keys.MAX_TXN_OPS:
-                    commits.add(asyncio.create_task(self._commit_chunk(specs, chunk, results)))
-                    chunk, ops = [], 0
-                    await settle(COMMITS_IN_FLIGHT - 1)
-                    if error is not None:
-                        break
-                chunk.append((i, plan, plan_ops))
-                ops += size
+                plans.append((i, plan))
+                yield plan
+
+        outcomes = await self.store.commit(planned())
+        for (i, plan), outcome in zip(plans, outcomes, strict=True):
+            if isinstance(outcome, Committed):
+                self._known.add(plan.record.name)
+                results[i] = (plan.record.with_revision(outcome.revision), plan.previous is None)
             else:
-                if chunk:
-                    commits.add(asyncio.create_task(self._commit_chunk(specs, chunk, results)))
-        finally:
-            await settle(0)
-        if error is not None:
-            raise error
-        for i in racing:
+                racing.append(i)
+        for i in sorted(racing):
             try:
                 results[i] = await self.upsert(specs[i])
             except FlagellaError as exc:
@@ -383,30 +373,6 @@ class LbService:
         done = [r for r in results if r is not None]
         assert len(done) == len(specs), "every service of the batch has its result"
         return done
-
-    async def _commit_chunk(
-        self,
-        specs: Sequence[ServiceSpec],
-        chunk: Sequence[tuple[int, UpsertPlan, keys.CommitOps]],
-        results: list[tuple[ServiceRecord, bool] | None],
-    ) -> None:
-        succeeded, revision = await self.store.commit_many(
-            [plan for _, plan, _ in chunk], [ops for _, _, ops in chunk]
-        )
-        if not succeeded:
-            log.info(
-                "batch chunk contested, committing its services one by one",
-                extra={"services": len(chunk)},
-            )
-        for i, plan, _ in chunk:
-            if succeeded:
-                self._known.add(plan.record.name)
-                results[i] = (plan.record.with_revision(revision), plan.previous is None)
-                continue
-            try:
-                results[i] = await self.upsert(specs[i])
-            except FlagellaError as exc:
-                raise in_batch(exc, i) from None
 
     async def _plan(self, spec: ServiceSpec, current: ServiceRecord | None) -> UpsertPlan:
         if current is None:
@@ -472,40 +438,29 @@ class LbService:
 
     # --- watch ---
 
-    async def watch(
-        self, since_revision: int = 0, *, include_tables: bool = False
-    ) -> AsyncIterator[WatchItem]:
-        """RESET, UPSERT of every service, SYNCED at a revision, then deltas
-        (or, resuming, SYNCED at since_revision then the deltas after it)."""
-        async for ev in self.store.watch(since_revision):
-            if ev.kind in (StreamKind.RESET, StreamKind.SYNCED):
-                yield WatchItem(ev.kind, ev.revision)
-                continue
-            assert ev.kv is not None
-            prev = None if ev.prev is None else ServiceRecord.from_json(ev.prev.value)
-            if ev.kind is StreamKind.UPSERT:
-                record = ServiceRecord.from_json(ev.kv.value, ev.kv.mod_revision)
-                removed = () if prev is None else sorted(prev.backend_ids() - record.backend_ids())
-                table = None
-                if include_tables and record.algorithm is Algorithm.MAGLEV:
-                    table = await self.tables.get(record)
-                yield WatchItem(
-                    ev.kind, ev.revision, record, table=table, removed_backend_ids=tuple(removed)
-                )
-            else:
-                service_id = keys.SERVICE_SPACE.parse(ev.kv.key)
-                if prev is None:
-                    log.warning(
-                        "service deletion without its previous value", extra={"id": service_id}
-                    )
-                    deleted = DeletedService("", service_id, 0)
-                    removed = []
-                else:
-                    deleted = DeletedService(prev.name, prev.id, prev.rev_nat_id)
-                    removed = sorted(prev.backend_ids())
-                yield WatchItem(
-                    ev.kind, ev.revision, deleted=deleted, removed_backend_ids=tuple(removed)
-                )
+    def subscribe(self, since_revision: int = 0) -> Subscription[int, ServiceRecord]:
+        """Every service (or what changed after since_revision), then the
+        changes, from this replica's table of the services."""
+        return self.store.services.subscribe(since_revision)
+
+    async def watch_item(
+        self, change: Change[int, ServiceRecord], *, include_tables: bool = False
+    ) -> WatchItem:
+        """What the watch stream says of a change: removed backend ids are
+        those the watcher held (change.prev) and the record no longer has."""
+        prev, record = change.prev, change.record
+        if record is None:
+            assert prev is not None, "a deletion names what the watcher held"
+            return WatchItem(
+                change.revision,
+                deleted=DeletedService(prev.name, prev.id, prev.rev_nat_id),
+                removed_backend_ids=tuple(sorted(prev.backend_ids())),
+            )
+        removed = () if prev is None else sorted(prev.backend_ids() - record.backend_ids())
+        table = None
+        if include_tables and record.algorithm is Algorithm.MAGLEV:
+            table = await self.tables.get(record)
+        return WatchItem(change.revision, record, table=table, removed_backend_ids=tuple(removed))
 
 
 def _explicit_node_port(spec: ServiceSpec) -> tuple[Protocol, int] | None:

@@ -9,7 +9,7 @@ import grpc
 
 from flagella.api.lb.v1 import lb_pb2, lb_pb2_grpc
 from flagella.common.errors import FlagellaError, InvalidArgument
-from flagella.common.etcd import StreamKind
+from flagella.common.sync import Change, serve_watch
 from flagella.lb.model import (
     Algorithm,
     BackendState,
@@ -49,12 +49,6 @@ _PROTOCOL_PB = {v: k for k, v in _PROTOCOLS.items()}
 _TYPE_PB = {v: k for k, v in _TYPES.items()}
 _ALGORITHM_PB = {v: k for k, v in _ALGORITHMS.items()}
 _STATE_PB = {v: k for k, v in _STATES.items()}
-_KIND_PB = {
-    StreamKind.RESET: pb.ServiceEvent.KIND_RESET,
-    StreamKind.UPSERT: pb.ServiceEvent.KIND_UPSERT,
-    StreamKind.DELETE: pb.ServiceEvent.KIND_DELETE,
-    StreamKind.SYNCED: pb.ServiceEvent.KIND_SYNCED,
-}
 
 
 T = TypeVar("T")
@@ -160,9 +154,11 @@ def table_to_proto(service_id: int, size: int, table: Sequence[int]) -> lb_pb2.M
     return pb.MaglevTable(service_id=service_id, size=size, backend_ids=table)
 
 
-def event_to_proto(item: WatchItem) -> lb_pb2.ServiceEvent:
+def event_to_proto(
+    kind: lb_pb2.ServiceEvent.Kind.ValueType, item: WatchItem
+) -> lb_pb2.ServiceEvent:
     ev = pb.ServiceEvent(
-        kind=_KIND_PB[item.kind],
+        kind=kind,
         revision=item.revision,
         removed_backend_ids=item.removed_backend_ids,
     )
@@ -179,10 +175,35 @@ def event_to_proto(item: WatchItem) -> lb_pb2.ServiceEvent:
     return ev
 
 
+class ServiceEvents:
+    """The WatchServices messages of the table's changes (serve_watch's
+    WatchMessages)."""
+
+    def __init__(self, service: LbService, *, include_tables: bool) -> None:
+        self.service = service
+        self.include_tables = include_tables
+
+    def reset(self, revision: int) -> lb_pb2.ServiceEvent:
+        return pb.ServiceEvent(kind=pb.ServiceEvent.KIND_RESET, revision=revision)
+
+    async def upsert(self, change: Change[int, ServiceRecord]) -> lb_pb2.ServiceEvent:
+        item = await self.service.watch_item(change, include_tables=self.include_tables)
+        return event_to_proto(pb.ServiceEvent.KIND_UPSERT, item)
+
+    async def delete(self, change: Change[int, ServiceRecord]) -> lb_pb2.ServiceEvent:
+        item = await self.service.watch_item(change)
+        return event_to_proto(pb.ServiceEvent.KIND_DELETE, item)
+
+    def synced(self, revision: int) -> lb_pb2.ServiceEvent:
+        return pb.ServiceEvent(kind=pb.ServiceEvent.KIND_SYNCED, revision=revision)
+
+
 class LbServicer(lb_pb2_grpc.LoadBalancerServiceServicer):
-    def __init__(self, service: LbService, limits: Limits) -> None:
+    def __init__(self, service: LbService, limits: Limits, *, heartbeat: float = 30.0) -> None:
         self.service = service
         self.limits = limits
+        # Seconds between SYNCED heartbeats on an idle WatchServices stream.
+        self.heartbeat = heartbeat
 
     async def UpsertService(
         self, request: lb_pb2.UpsertServiceRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -250,12 +271,14 @@ class LbServicer(lb_pb2_grpc.LoadBalancerServiceServicer):
     async def WatchServices(
         self, request: lb_pb2.WatchServicesRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[lb_pb2.ServiceEvent]:
-        if request.since_revision < 0:
+        since = request.since_revision
+        if since < 0:
             raise InvalidArgument("must not be negative", field="since_revision")
-        async for item in self.service.watch(
-            request.since_revision, include_tables=request.include_maglev_tables
+        events = ServiceEvents(self.service, include_tables=request.include_maglev_tables)
+        async for event in serve_watch(
+            self.service.subscribe(since), events, since=since, heartbeat=self.heartbeat
         ):
-            yield event_to_proto(item)
+            yield event
 
     async def GetMaglevTable(
         self, request: lb_pb2.GetMaglevTableRequest, context: grpc.aio.ServicerContext[Any, Any]

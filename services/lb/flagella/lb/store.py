@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aetcd.rpc as etcd_rpc
@@ -28,10 +28,7 @@ from flagella.common.errors import Unavailable
 from flagella.common.etcd import (
     Compacted,
     Etcd,
-    EventType,
     KeyValue,
-    StreamEvent,
-    StreamKind,
     absent,
     delete_op,
     get_op,
@@ -39,6 +36,7 @@ from flagella.common.etcd import (
     prefix_end,
     put_op,
 )
+from flagella.common.sync import EtcdSource, Table
 from flagella.lb.ids import IdSpace
 from flagella.lb.model import Frontend, Protocol, ServiceRecord
 
@@ -54,6 +52,9 @@ SEED_KEY = PREFIX + "config/maglev-hash-seed"
 PAGE_SIZE = 500
 # etcd's default --max-txn-ops: compares, and writes, per transaction.
 MAX_TXN_OPS = 128
+# Transactions of one commit() in flight at once (etcd commits concurrent
+# ones together).
+COMMITS_IN_FLIGHT = 4
 
 T = TypeVar("T")
 
@@ -129,17 +130,51 @@ class UpsertPlan:
     release_blocks: tuple[int, ...] = ()
 
 
-@dataclass
-class CommitResult:
-    succeeded: bool
+@dataclass(frozen=True)
+class Committed:
+    """The plan is stored, at revision."""
+
     revision: int
-    # On failure: what the contested keys hold now.
+
+
+@dataclass(frozen=True)
+class Conflict:
+    """The plan is not stored: another writer got in first. What the keys
+    it contested hold now."""
+
+    revision: int
+    # The service id the name belongs to now (None: no service has it).
     name_id: int | None = None
     frontend_owner: str | None = None
     node_port_owner: str | None = None
     service_id_taken: bool = False
     rev_nat_taken: bool = False
-    blocks_taken: list[int] = field(default_factory=list)
+    blocks_taken: tuple[int, ...] = ()
+
+
+Outcome = Committed | Conflict
+
+
+class ServiceCodec:
+    """services/<id> -> the ServiceRecord (a table's Codec)."""
+
+    def key(self, key: str) -> int | None:
+        if not key.startswith(SERVICES):
+            return None
+        try:
+            return SERVICE_SPACE.parse(key)
+        except ValueError:
+            log.warning("not a service key, skipped", extra={"key": key})
+            return None
+
+    def decode(self, key: int, kv: KeyValue) -> ServiceRecord | None:
+        try:
+            return ServiceRecord.from_json(kv.value, kv.mod_revision)
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning(
+                "service record not readable, skipped", extra={"id": key, "reason": repr(exc)}
+            )
+            return None
 
 
 def _range_op(
@@ -164,6 +199,16 @@ def _text(kvs: Sequence[KeyValue]) -> str | None:
 class LbStore:
     def __init__(self, etcd: Etcd) -> None:
         self.etcd = etcd
+        # Every service by id, as etcd has it (what WatchServices streams):
+        # one etcd watch per replica, however many watchers.
+        self.services: Table[int, ServiceRecord] = Table("lb-services")
+        self.source = EtcdSource(
+            etcd, self.services, ServiceCodec(), prefix=SERVICES, page_size=PAGE_SIZE
+        )
+
+    async def run(self) -> None:
+        """Keep the services table in step with etcd (until cancelled)."""
+        await self.source.run()
 
     # --- reads ---
 
@@ -199,43 +244,20 @@ class LbStore:
         return None if kv is None else kv.value.decode()
 
     async def list_services(self) -> tuple[list[ServiceRecord], int]:
-        records: list[ServiceRecord] = []
-        at = 0
-        async for kvs, revision in self.pages(SERVICES):
-            records += [ServiceRecord.from_json(kv.value, kv.mod_revision) for kv in kvs]
-            at = revision
-        return records, at
+        """Every service, read from etcd in pages at one revision, and that
+        revision. Raises Unavailable."""
+        try:
+            records, revision = await self.source.read()
+        except Compacted as exc:
+            raise Unavailable("the listing's revision was compacted meanwhile; retry") from exc
+        return [record for _, record, _ in records], revision
 
-    async def pages(
+    def pages(
         self, prefix: str, page_size: int = PAGE_SIZE
     ) -> AsyncIterator[tuple[list[KeyValue], int]]:
-        """Every key under prefix, page by page, all read at the revision of
-        the first page (one consistent snapshot, however large: a single
-        range of 10,000 services would exceed gRPC's 4 MiB message limit).
-        Yields (kvs, revision). Raises Unavailable (also when the revision is
-        compacted away meanwhile)."""
-        start = prefix.encode()
-        end = prefix_end(prefix)
-        revision = 0
-        while True:
-            op = etcd_rpc.RequestOp(
-                request_range=etcd_rpc.RangeRequest(
-                    key=start,
-                    range_end=end,
-                    limit=page_size,
-                    revision=revision,
-                    sort_order=etcd_rpc.RangeRequest.ASCEND,
-                    sort_target=etcd_rpc.RangeRequest.KEY,
-                )
-            )
-            result = await self.etcd.txn([], [op])
-            if not revision:
-                revision = result.revision
-            kvs = result.ranges[0]
-            yield kvs, revision
-            if len(kvs) < page_size:
-                return
-            start = kvs[-1].key.encode() + b"\0"
+        """Every key under prefix, page by page at one revision (see
+        Etcd.range_pages)."""
+        return self.etcd.range_pages(prefix, prefix_end(prefix), page_size=page_size)
 
     # --- id spaces ---
 
@@ -273,9 +295,86 @@ class LbStore:
 
     # --- writes ---
 
-    async def commit(self, plan: UpsertPlan) -> CommitResult:
+    async def commit(
+        self,
+        plans: Iterable[UpsertPlan] | AsyncIterable[UpsertPlan],
+        *,
+        in_flight: int = COMMITS_IN_FLIGHT,
+    ) -> list[Outcome]:
+        """Store the plans, one outcome each, in order: as many plans per
+        transaction as etcd takes (each transaction all or none), up to
+        in_flight transactions at once while the next plans are still being
+        made (an async iterable is consumed as it yields). A transaction of
+        several plans that fails is committed again plan by plan, so that
+        each gets its own outcome. An exception (from plans, or Unavailable)
+        is raised once the transactions in flight have ended."""
+        outcomes: list[Outcome | None] = []
+        commits: set[asyncio.Task[None]] = set()
+        error: BaseException | None = None
+
+        async def settle(limit: int) -> None:
+            nonlocal commits, error
+            while len(commits) > limit:
+                done, commits = await asyncio.wait(commits, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if error is None and task.exception() is not None:
+                        error = task.exception()
+
+        def send(chunk: list[tuple[int, UpsertPlan, CommitOps]]) -> None:
+            commits.add(asyncio.create_task(self._commit_chunk(chunk, outcomes)))
+
+        chunk: list[tuple[int, UpsertPlan, CommitOps]] = []
+        ops = 0
+        try:
+            async for plan in _each(plans):
+                plan_ops = commit_ops(plan)
+                size = max(len(plan_ops[0]), len(plan_ops[1]))
+                if chunk and ops + size > MAX_TXN_OPS:
+                    send(chunk)
+                    chunk, ops = [], 0
+                    await settle(in_flight - 1)
+                    if error is not None:
+                        break
+                chunk.append((len(outcomes), plan, plan_ops))
+                outcomes.append(None)
+                ops += size
+            else:
+                if chunk:
+                    send(chunk)
+        finally:
+            await settle(0)
+        if error is not None:
+            raise error
+        done = [o for o in outcomes if o is not None]
+        assert len(done) == len(outcomes), "every plan has its outcome"
+        return done
+
+    async def _commit_chunk(
+        self, chunk: list[tuple[int, UpsertPlan, CommitOps]], outcomes: list[Outcome | None]
+    ) -> None:
+        if len(chunk) > 1:
+            compare: list[Any] = []
+            success: list[Any] = []
+            for _, _, (c, s) in chunk:
+                compare += c
+                success += s
+            result = await self.etcd.txn(compare, success, [])
+            if result.succeeded:
+                for i, _, _ in chunk:
+                    outcomes[i] = Committed(result.revision)
+                return
+            log.info(
+                "batch chunk contested, committing its services one by one",
+                extra={"services": len(chunk)},
+            )
+        for i, plan, ops in chunk:
+            outcomes[i] = await self._commit_one(plan, ops)
+
+    async def _commit_one(self, plan: UpsertPlan, ops: CommitOps) -> Outcome:
+        """One plan in its own transaction; when it fails, the same
+        transaction reads what the contested keys hold."""
         rec, prev = plan.record, plan.previous
-        compare, success = commit_ops(plan)
+        compare, success = ops
         failure: list[Any] = [get_op(name_key(rec.name)), get_op(frontend_key(rec.frontend))]
         if prev is None:
             failure.append(get_op(service_key(rec.id)))
@@ -288,37 +387,25 @@ class LbStore:
 
         result = await self.etcd.txn(compare, success, failure)
         if result.succeeded:
-            return CommitResult(True, result.revision)
+            return Committed(result.revision)
         ranges = iter(result.ranges)
-        out = CommitResult(False, result.revision)
         name_id = _text(next(ranges))
-        out.name_id = None if name_id is None else int(name_id)
-        out.frontend_owner = _text(next(ranges))
-        if prev is None:
-            out.service_id_taken = bool(next(ranges))
-        if prev is None or prev.rev_nat_id != rec.rev_nat_id:
-            out.rev_nat_taken = bool(next(ranges))
-        if new_np is not None:
-            out.node_port_owner = _text(next(ranges))
-        for block in plan.new_blocks:
-            if next(ranges):
-                out.blocks_taken.append(block)
-        return out
-
-    async def commit_many(
-        self, plans: Sequence[UpsertPlan], ops: Sequence[CommitOps] | None = None
-    ) -> tuple[bool, int]:
-        """Commit several plans in one transaction: all or none. Returns
-        (succeeded, revision); on failure the caller commits them one by one
-        to find out which one was contested. ops: commit_ops() of each plan,
-        when the caller already has them."""
-        compare: list[Any] = []
-        success: list[Any] = []
-        for c, s in ops if ops is not None else [commit_ops(plan) for plan in plans]:
-            compare += c
-            success += s
-        result = await self.etcd.txn(compare, success, [])
-        return result.succeeded, result.revision
+        frontend_owner = _text(next(ranges))
+        service_id_taken = bool(next(ranges)) if prev is None else False
+        rev_nat_taken = (
+            bool(next(ranges)) if prev is None or prev.rev_nat_id != rec.rev_nat_id else False
+        )
+        node_port_owner = _text(next(ranges)) if new_np is not None else None
+        blocks_taken = tuple(block for block in plan.new_blocks if next(ranges))
+        return Conflict(
+            result.revision,
+            name_id=None if name_id is None else int(name_id),
+            frontend_owner=frontend_owner,
+            node_port_owner=node_port_owner,
+            service_id_taken=service_id_taken,
+            rev_nat_taken=rev_nat_taken,
+            blocks_taken=blocks_taken,
+        )
 
     async def lookup_many(
         self, wanted: Sequence[tuple[str, Frontend, tuple[Protocol, int] | None]]
@@ -404,46 +491,6 @@ class LbStore:
                 "--maglev-hash-seed: every lb replica must use the same seed"
             )
 
-    # --- watch ---
-
-    async def watch(
-        self, since_revision: int, *, max_delay: float = 5.0
-    ) -> AsyncIterator[StreamEvent]:
-        """The services as a stream, as Etcd.snapshot_then_watch does for any
-        prefix (RESET, UPSERT of each, SYNCED at the snapshot's revision, then
-        deltas with each key's previous value; resuming from since_revision
-        when given; riding out etcd outages; a full resync when the revision
-        is compacted), with the snapshot read in pages."""
-        last = since_revision
-        if last > 0:
-            yield StreamEvent(StreamKind.SYNCED, last)
-        delay = 0.1
-        while True:
-            try:
-                if last <= 0:
-                    revision = 0
-                    async for kvs, revision in self.pages(SERVICES):
-                        if not last:
-                            yield StreamEvent(StreamKind.RESET, revision)
-                            last = -1
-                        for kv in kvs:
-                            yield StreamEvent(StreamKind.UPSERT, kv.mod_revision, kv)
-                    yield StreamEvent(StreamKind.SYNCED, revision)
-                    last = revision
-                async for ev in self.etcd.watch_prefix(SERVICES, last + 1, prev_kv=True):
-                    delay = 0.1
-                    last = ev.revision
-                    kind = StreamKind.UPSERT if ev.type is EventType.PUT else StreamKind.DELETE
-                    yield StreamEvent(kind, ev.revision, ev.kv, ev.prev)
-            except Compacted:
-                log.info("watch revision compacted, resyncing")
-                last = 0
-            except Unavailable as exc:
-                log.warning("etcd watch interrupted", extra={"reason": exc.message})
-                last = max(last, 0)  # the snapshot broke off: start it again
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, max_delay)
-
 
 # The compares and the writes of one plan.
 CommitOps = tuple[list[Any], list[Any]]
@@ -484,10 +531,13 @@ def commit_ops(plan: UpsertPlan) -> CommitOps:
     return compare, success
 
 
-def commit_op_count(ops: CommitOps) -> int:
-    """How many operations (the larger of compares and writes) a plan adds
-    to a transaction."""
-    return max(len(ops[0]), len(ops[1]))
+async def _each(items: Iterable[T] | AsyncIterable[T]) -> AsyncIterator[T]:
+    if isinstance(items, AsyncIterable):
+        async for item in items:
+            yield item
+    else:
+        for item in items:
+            yield item
 
 
 def _chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:

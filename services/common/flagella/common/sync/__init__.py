@@ -4,6 +4,7 @@ list/watch (kube.py), and the server side of every Watch* RPC (serve.py).
 docs/ARCHITECTURE.md, "The sync layer", says what each guarantees."""
 
 from flagella.common.sync.etcd import Codec, EtcdSource
+from flagella.common.sync.kube import KubeSource
 from flagella.common.sync.serve import Feed, WatchMessages, serve_watch
 from flagella.common.sync.stream import StreamCodec, StreamSource
 from flagella.common.sync.table import Batch, Change, Sink, Subscription, Table
@@ -14,6 +15,7 @@ __all__ = [
     "Codec",
     "EtcdSource",
     "Feed",
+    "KubeSource",
     "Sink",
     "StreamCodec",
     "StreamSource",
