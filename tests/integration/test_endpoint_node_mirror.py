@@ -79,3 +79,36 @@ async def test_node_mirror_follows_the_registry(
             await follower
         await channel.close()
         client.close()
+
+
+async def test_node_mirror_resumes_after_ipam_restarts_without_a_snapshot(
+    etcd: EtcdServer, spawn: Callable[..., ServiceProcess]
+) -> None:
+    args = ipam_args(etcd, "--cluster-cidr", "10.41.0.0/16")
+    ipam = spawn("ipam", *args)
+    other = spawn("ipam", *args)  # a second replica, for writes while the first is away
+    client, writer = Ipam(ipam.address), Ipam(other.address)
+    client.register("r1", datapath_address="unix:/run/dp-r1.sock")
+    channel = grpc.aio.insecure_channel(ipam.address)
+    peer = IpamPeer(channel)
+    follower = asyncio.create_task(peer.follow_nodes(max_backoff=0.2))
+    try:
+        await until(lambda: peer.mirror.live)
+        ipam.kill9()
+        await until(lambda: not peer.mirror.live)
+        # While the replica the mirror follows is away: a new node, a moved one.
+        writer.register("r2", datapath_address="unix:/run/dp-r2.sock")
+        writer.register("r1", datapath_address="unix:/run/dp-r1-new.sock")
+        spawn("ipam", *args, port=ipam.port)
+        await until(lambda: peer.mirror.live)
+        assert (await peer.node("r2")).datapath_address == "unix:/run/dp-r2.sock"
+        assert (await peer.node("r1")).datapath_address == "unix:/run/dp-r1-new.sock"
+        # Resumed from the revision it had: no second snapshot.
+        assert peer.node_source.snapshots == 1
+    finally:
+        follower.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await follower
+        await channel.close()
+        client.close()
+        writer.close()
