@@ -219,29 +219,29 @@ def allocations_pb(allocations: Iterable[Allocation]) -> list[ipam_pb2.Allocatio
     return [allocation_pb(a) for a in allocations]
 
 
+def _node_event(
+    kind: ipam_pb2.NodeEvent.Kind.ValueType, revision: int, node: ipam_pb2.Node | None = None
+) -> ipam_pb2.NodeEvent:
+    return ipam_pb2.NodeEvent(kind=kind, revision=revision, node=node)
+
+
 class NodeEvents:
     """The messages of WatchNodes (serve_watch streams them)."""
 
     def reset(self, revision: int) -> ipam_pb2.NodeEvent:
-        return ipam_pb2.NodeEvent(kind=ipam_pb2.NodeEvent.KIND_RESET, revision=revision)
+        return _node_event(ipam_pb2.NodeEvent.KIND_RESET, revision)
 
     async def upsert(self, change: Change[str, Node]) -> ipam_pb2.NodeEvent:
         assert change.record is not None
-        return ipam_pb2.NodeEvent(
-            kind=ipam_pb2.NodeEvent.KIND_UPSERT,
-            node=node_pb(change.record),
-            revision=change.revision,
-        )
+        return _node_event(ipam_pb2.NodeEvent.KIND_UPSERT, change.revision, node_pb(change.record))
 
     async def delete(self, change: Change[str, Node]) -> ipam_pb2.NodeEvent:
-        return ipam_pb2.NodeEvent(
-            kind=ipam_pb2.NodeEvent.KIND_DELETE,
-            node=ipam_pb2.Node(name=change.key),
-            revision=change.revision,
-        )
+        # A DELETE names the node only.
+        node = ipam_pb2.Node(name=change.key)
+        return _node_event(ipam_pb2.NodeEvent.KIND_DELETE, change.revision, node)
 
     def synced(self, revision: int) -> ipam_pb2.NodeEvent:
-        return ipam_pb2.NodeEvent(kind=ipam_pb2.NodeEvent.KIND_SYNCED, revision=revision)
+        return _node_event(ipam_pb2.NodeEvent.KIND_SYNCED, revision)
 
 
 class IpamServicer(ipam_pb2_grpc.IpamServiceServicer):
