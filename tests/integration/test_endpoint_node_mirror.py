@@ -7,7 +7,8 @@ go to ipam and fail as before) until a fresh snapshot is synced."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import pytest
@@ -16,6 +17,7 @@ from harness.procs import ServiceProcess
 from ipam_support import Ipam, ipam_args
 
 from flagella.common.errors import NotFound, Unavailable
+from flagella.common.tasks import TaskGroup
 from flagella.endpoint.peers import IpamPeer
 
 pytestmark = pytest.mark.integration
@@ -79,3 +81,39 @@ async def test_node_mirror_follows_the_registry(
             await follower
         await channel.close()
         client.close()
+
+
+@contextlib.asynccontextmanager
+async def synced_mirror(address: str) -> AsyncIterator[IpamPeer]:
+    """A peer of the ipam at address whose node mirror follows it (in a task
+    group), once the mirror is live."""
+    channel = grpc.aio.insecure_channel(address)
+    peer = IpamPeer(channel)
+    async with TaskGroup("mirror") as tasks:
+        tasks.spawn("follow", peer.follow_nodes(max_backoff=0.2))
+        await until(lambda: peer.mirror.live)
+        yield peer
+    await channel.close()
+
+
+async def test_node_mirror_resumes_after_ipam_restarts_without_a_snapshot(
+    etcd: EtcdServer, spawn: Callable[..., ServiceProcess]
+) -> None:
+    args = ipam_args(etcd, "--cluster-cidr", "10.41.0.0/16")
+    ipam = spawn("ipam", *args)
+    other = spawn("ipam", *args)  # a second replica, for writes while the first is away
+    writer = Ipam(other.address)
+    writer.register("r1", datapath_address="unix:/run/dp-r1.sock")
+    async with synced_mirror(ipam.address) as peer:
+        ipam.kill9()
+        await until(lambda: not peer.mirror.live)
+        # While the replica the mirror follows is away: a new node, a moved one.
+        writer.register("r2", datapath_address="unix:/run/dp-r2.sock")
+        writer.register("r1", datapath_address="unix:/run/dp-r1-new.sock")
+        spawn("ipam", *args, port=ipam.port)
+        await until(lambda: peer.mirror.live)
+        assert (await peer.node("r2")).datapath_address == "unix:/run/dp-r2.sock"
+        assert (await peer.node("r1")).datapath_address == "unix:/run/dp-r1-new.sock"
+        # Resumed from the revision it had: no second snapshot.
+        assert peer.node_source.snapshots == 1
+    writer.close()

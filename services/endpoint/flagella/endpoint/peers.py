@@ -6,17 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import grpc
 from google.protobuf.duration_pb2 import Duration
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from flagella.api.datapath.v1 import datapath_pb2, datapath_pb2_grpc
 from flagella.api.ipam.v1 import ipam_pb2, ipam_pb2_grpc
 from flagella.api.policy.v1 import policy_pb2, policy_pb2_grpc
+from flagella.common.backoff import Backoff
 from flagella.common.errors import NotFound, Unavailable
 from flagella.common.peers import calling
+from flagella.common.sync import StreamSource
 from flagella.endpoint.model import Endpoint
 from flagella.endpoint.nodes import NodeMirror
 from flagella.endpoint.service import Allocated, NodeInfo, RealizedEndpoint, SetupResult
@@ -42,11 +45,25 @@ def node_info(node: ipam_pb2.Node) -> NodeInfo:
     )
 
 
+class NodeInfoCodec:
+    """WatchNodes events -> the mirror's NodeInfo records."""
+
+    def key(self, event: ipam_pb2.NodeEvent) -> str:
+        return event.node.name
+
+    def decode(self, event: ipam_pb2.NodeEvent) -> NodeInfo:
+        return node_info(event.node)
+
+
 class IpamPeer:
     def __init__(self, channel: grpc.aio.Channel, mirror: NodeMirror | None = None) -> None:
         self.stub = ipam_pb2_grpc.IpamServiceStub(channel)
         # Filled by follow_nodes(); without it every lookup asks ipam.
         self.mirror = mirror or NodeMirror()
+        # Kept across restarts of follow_nodes(): it resumes where it was.
+        self.node_source: StreamSource[str, NodeInfo] = StreamSource(
+            "ipam nodes", self._watch_nodes, self.mirror.table, NodeInfoCodec()
+        )
 
     async def node(self, name: str) -> NodeInfo:
         info = self.mirror.get(name)
@@ -61,32 +78,15 @@ class IpamPeer:
         return info
 
     async def follow_nodes(self, max_backoff: float = 5.0) -> None:
-        """Keep the node mirror: a full snapshot (since_revision 0) on every
-        (re)connect, so that no event missed while disconnected can leave a
-        stale entry; the mirror answers only while the stream is synced."""
-        delay = 0.1
-        while True:
-            try:
-                stream = self.stub.WatchNodes(ipam_pb2.WatchNodesRequest(since_revision=0))
-                async for event in stream:
-                    kind = event.kind
-                    if kind == ipam_pb2.NodeEvent.KIND_RESET:
-                        self.mirror.reset()
-                    elif kind == ipam_pb2.NodeEvent.KIND_UPSERT:
-                        self.mirror.upsert(node_info(event.node))
-                    elif kind == ipam_pb2.NodeEvent.KIND_DELETE:
-                        self.mirror.delete(event.node.name)
-                    elif kind == ipam_pb2.NodeEvent.KIND_SYNCED:
-                        self.mirror.synced()
-                        delay = 0.1
-                reason = "stream ended"
-            except grpc.aio.AioRpcError as exc:
-                reason = f"{exc.code().name}: {exc.details()}"
-            finally:
-                self.mirror.broken()
-            log.info("node watch broke", extra={"reason": reason, "retry_in_s": delay})
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, max_backoff)
+        """Keep the node mirror in step with ipam's registry, until
+        cancelled; a broken stream is resumed (after a backoff) from the
+        last revision the mirror was synced at."""
+        self.node_source.backoff = Backoff(0.1, max_backoff)
+        await self.node_source.run()
+
+    async def _watch_nodes(self, since: int) -> AsyncIterator[ipam_pb2.NodeEvent]:
+        async for event in self.stub.WatchNodes(ipam_pb2.WatchNodesRequest(since_revision=since)):
+            yield event
 
     async def allocate(
         self, node: str, container_id: str, ifname: str, pod: str, expiration_s: float
@@ -146,6 +146,22 @@ class IpamPeer:
             await self.stub.AllocateIP(
                 ipam_pb2.AllocateIPRequest(node=node, ip=ip, owner=owner), timeout=CALL_TIMEOUT
             )
+
+
+class PeerHealth:
+    """A peer's gRPC health (the standard Check of its whole server)."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self.stub: Any = health_pb2_grpc.HealthStub(channel)
+
+    async def problem(self) -> str | None:
+        try:
+            resp = await self.stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
+        except grpc.aio.AioRpcError as exc:
+            return f"unreachable: {exc.code().name}"
+        if resp.status != health_pb2.HealthCheckResponse.SERVING:
+            return "not serving"
+        return None
 
 
 def k8s_labels(labels: dict[str, str]) -> list[policy_pb2.Label]:

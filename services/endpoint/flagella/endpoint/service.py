@@ -611,6 +611,19 @@ class EndpointService:
             missing_since[endpoint_id] = missing_since.get(endpoint_id, 0) + 1
         return removed
 
+    async def sweep_loop(self, interval: float) -> None:
+        """sweep() every interval seconds, until cancelled."""
+        missing: dict[int, int] = {}
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                removed = await self.sweep(missing)
+            except FlagellaError as exc:
+                log.warning("endpoint sweep failed", extra={"reason": exc.details})
+                continue
+            if removed:
+                log.info("sweep removed endpoints", extra={"ids": [ep.id for ep in removed]})
+
     async def garbage_collect(self, node: str, valid: Sequence[tuple[str, str]]) -> list[Endpoint]:
         """CNI GC: remove the node's endpoints not in valid, then release any
         IP of the node whose owner is not valid (an ADD that crashed before

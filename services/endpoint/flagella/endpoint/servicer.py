@@ -11,6 +11,7 @@ from flagella.api.endpoint.v1 import endpoint_pb2, endpoint_pb2_grpc
 from flagella.common.errors import InvalidArgument
 from flagella.endpoint.model import Endpoint, State
 from flagella.endpoint.service import CreateRequest, EndpointService
+from flagella.endpoint.status import CniStatus
 
 STATES = {
     State.WAITING_FOR_IDENTITY: endpoint_pb2.ENDPOINT_STATE_WAITING_FOR_IDENTITY,
@@ -106,7 +107,7 @@ def result_to_proto(result: dict[str, Any]) -> endpoint_pb2.CniResult:
 
 
 class EndpointServicer(endpoint_pb2_grpc.EndpointServiceServicer):
-    def __init__(self, service: EndpointService, status: Any) -> None:
+    def __init__(self, service: EndpointService, status: CniStatus) -> None:
         self.service = service
         self.status = status
 

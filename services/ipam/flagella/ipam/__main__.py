@@ -33,10 +33,11 @@ class IpamApp:
     service_names = (ipam_pb2.DESCRIPTOR.services_by_name["IpamService"].full_name,)
 
     def __init__(self, runtime: Runtime[IpamConfig]) -> None:
-        self.config = cfg = runtime.config
-        self.etcd = Etcd(cfg.etcd_endpoints, timeout=cfg.etcd_timeout)
-        self.probes = Probes(runtime.readiness)
-        self.service = IpamService(IpamStore(self.etcd), settings_of(cfg))
+        self.config: IpamConfig = runtime.config
+        self.etcd = Etcd(self.config.etcd_endpoints, timeout=self.config.etcd_timeout)
+        self.probes = Probes(runtime.readiness, runtime.tasks)
+        store = IpamStore(self.etcd, runtime.tasks)
+        self.service = IpamService(store, settings_of(self.config), tasks=runtime.tasks)
 
     def register(self, server: grpc.aio.Server) -> None:
         ipam_pb2_grpc.add_IpamServiceServicer_to_server(IpamServicer(self.service), server)
@@ -57,8 +58,8 @@ class IpamApp:
         await self.service.start()
 
     async def stop(self) -> None:
+        # The runtime stopped the tasks (probes, watches, sweep) already.
         await self.service.stop()
-        await self.probes.stop()
         await self.etcd.close()
 
 

@@ -104,22 +104,6 @@ class Node:
     revision: int = 0
 
 
-class NodeEventKind(enum.Enum):
-    RESET = "reset"
-    UPSERT = "upsert"
-    DELETE = "delete"
-    SYNCED = "synced"
-
-
-@dataclass(frozen=True, slots=True)
-class NodeEvent:
-    kind: NodeEventKind
-    revision: int
-    node: Node | None = None
-    # DELETE: the name of the node that went away.
-    name: str = ""
-
-
 @dataclass(frozen=True, slots=True)
 class PoolUsage:
     node: str

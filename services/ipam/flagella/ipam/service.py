@@ -14,7 +14,7 @@ import ipaddress
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -28,12 +28,13 @@ from flagella.common.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from flagella.common.sync import Subscription
+from flagella.common.tasks import TaskGroup
 from flagella.ipam.model import (
     Allocation,
     Family,
     Mode,
     Node,
-    NodeEvent,
     NodeRegistration,
     Owner,
     PoolUsage,
@@ -75,6 +76,8 @@ class Settings:
     node_mask_size_v6: int = 112
     default_lease_ttl: int = 30
     expiry_check_interval: float = 1.0
+    # Seconds between SYNCED heartbeats on an idle WatchNodes stream.
+    watch_heartbeat: float = 30.0
 
     def mask(self, family: Family) -> int:
         return self.node_mask_size_v4 if family is Family.IPV4 else self.node_mask_size_v6
@@ -119,26 +122,27 @@ class IpamService:
         store: IpamStore,
         settings: Settings | None = None,
         *,
+        tasks: TaskGroup,
         kube: NodeCidrSource | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.store = store
         self.cache = store.cache
         self.settings = settings or Settings()
+        self.tasks = tasks
         self.kube = kube
         self.clock = clock
         # Blocks other replicas took that our cache has not seen yet.
         self._learned_blocks: dict[IPNetwork, int] = {}
-        self._sweeper: asyncio.Task[None] | None = None
 
     # --- lifecycle ---
 
     async def start(self) -> None:
-        """Follow etcd's pools and start the expiry sweep; returns once the
-        first snapshot is in."""
-        self.cache.start()
-        await self.cache.synced.wait()
-        self._sweeper = asyncio.create_task(self._sweep_loop(), name="ipam-expiry-sweep")
+        """Follow etcd's nodes and pools and start the expiry sweep (in the
+        task group, which stops them); returns once the first snapshots are
+        in."""
+        await self.store.start()
+        self.tasks.spawn("ipam-expiry-sweep", self._sweep_loop())
 
     async def stop(self) -> None:
         batcher = self.store.batcher
@@ -146,12 +150,6 @@ class IpamService:
             "allocation transactions",
             extra={"grouped_txns": batcher.batches, "grouped_writes": batcher.batched},
         )
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
-            self._sweeper = None
-        await self.cache.stop()
 
     # --- node registry ---
 
@@ -344,8 +342,10 @@ class IpamService:
     async def list_nodes(self) -> tuple[list[Node], int]:
         return await self.store.list_nodes()
 
-    def watch_nodes(self, since_revision: int) -> AsyncIterator[NodeEvent]:
-        return self.store.watch_nodes(since_revision)
+    async def watch_nodes(self, since_revision: int) -> Subscription[str, Node]:
+        """The registry as a snapshot (since 0) or the changes after
+        since_revision, then its changes as they happen."""
+        return await self.store.subscribe_nodes(since_revision)
 
     # --- pools ---
 

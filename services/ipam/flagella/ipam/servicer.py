@@ -18,6 +18,7 @@ from google.protobuf import duration_pb2, timestamp_pb2
 from flagella.api.ipam.v1 import ipam_pb2, ipam_pb2_grpc
 from flagella.common.config import parse_host_port
 from flagella.common.errors import InvalidArgument
+from flagella.common.sync import Change, serve_watch
 from flagella.ipam.model import (
     AddressType,
     Allocation,
@@ -25,8 +26,6 @@ from flagella.ipam.model import (
     Mode,
     Node,
     NodeAddress,
-    NodeEvent,
-    NodeEventKind,
     NodeRegistration,
     Owner,
 )
@@ -52,12 +51,6 @@ _ADDRESS_FROM_PB = {
     ipam_pb2.NodeAddress.TYPE_EXTERNAL_IP: AddressType.EXTERNAL_IP,
 }
 _ADDRESS_TO_PB = {v: k for k, v in _ADDRESS_FROM_PB.items()}
-_EVENT_TO_PB = {
-    NodeEventKind.RESET: ipam_pb2.NodeEvent.KIND_RESET,
-    NodeEventKind.UPSERT: ipam_pb2.NodeEvent.KIND_UPSERT,
-    NodeEventKind.DELETE: ipam_pb2.NodeEvent.KIND_DELETE,
-    NodeEventKind.SYNCED: ipam_pb2.NodeEvent.KIND_SYNCED,
-}
 _MODE_TO_PB = {
     Mode.CLUSTER_POOL: ipam_pb2.MODE_CLUSTER_POOL,
     Mode.HOST_SCOPE: ipam_pb2.MODE_HOST_SCOPE,
@@ -226,13 +219,29 @@ def allocations_pb(allocations: Iterable[Allocation]) -> list[ipam_pb2.Allocatio
     return [allocation_pb(a) for a in allocations]
 
 
-def node_event_pb(ev: NodeEvent) -> ipam_pb2.NodeEvent:
-    msg = ipam_pb2.NodeEvent(kind=_EVENT_TO_PB[ev.kind], revision=ev.revision)
-    if ev.node is not None:
-        msg.node.CopyFrom(node_pb(ev.node))
-    elif ev.kind is NodeEventKind.DELETE:
-        msg.node.name = ev.name
-    return msg
+def _node_event(
+    kind: ipam_pb2.NodeEvent.Kind.ValueType, revision: int, node: ipam_pb2.Node | None = None
+) -> ipam_pb2.NodeEvent:
+    return ipam_pb2.NodeEvent(kind=kind, revision=revision, node=node)
+
+
+class NodeEvents:
+    """The messages of WatchNodes (serve_watch streams them)."""
+
+    def reset(self, revision: int) -> ipam_pb2.NodeEvent:
+        return _node_event(ipam_pb2.NodeEvent.KIND_RESET, revision)
+
+    async def upsert(self, change: Change[str, Node]) -> ipam_pb2.NodeEvent:
+        assert change.record is not None
+        return _node_event(ipam_pb2.NodeEvent.KIND_UPSERT, change.revision, node_pb(change.record))
+
+    async def delete(self, change: Change[str, Node]) -> ipam_pb2.NodeEvent:
+        # A DELETE names the node only.
+        node = ipam_pb2.Node(name=change.key)
+        return _node_event(ipam_pb2.NodeEvent.KIND_DELETE, change.revision, node)
+
+    def synced(self, revision: int) -> ipam_pb2.NodeEvent:
+        return _node_event(ipam_pb2.NodeEvent.KIND_SYNCED, revision)
 
 
 class IpamServicer(ipam_pb2_grpc.IpamServiceServicer):
@@ -273,10 +282,13 @@ class IpamServicer(ipam_pb2_grpc.IpamServiceServicer):
     async def WatchNodes(
         self, request: ipam_pb2.WatchNodesRequest, context: Context
     ) -> AsyncIterator[ipam_pb2.NodeEvent]:
-        if request.since_revision < 0:
+        since = request.since_revision
+        if since < 0:
             raise InvalidArgument("must not be negative", field="since_revision")
-        async for ev in self.service.watch_nodes(request.since_revision):
-            yield node_event_pb(ev)
+        feed = await self.service.watch_nodes(since)
+        heartbeat = self.service.settings.watch_heartbeat
+        async for msg in serve_watch(feed, NodeEvents(), since=since, heartbeat=heartbeat):
+            yield msg
 
     # --- allocation ---
 

@@ -14,27 +14,28 @@ change of an owner's allocations compares the index's mod revision, so the
 index and the IP keys always move together. Every write is one transaction:
 an etcd failure leaves nothing half-written.
 
-PoolCache follows ``pool/`` with one watch (so a node's CIDRs always arrive
-before its IPs) and gives each replica an in-memory view of used addresses
-and pending reservations. It is a hint that keeps allocation O(1): etcd's
-compares decide.
+Two views follow etcd through the sync layer (flagella.common.sync), each
+fed by an EtcdSource started in the runtime's task group: ``nodes`` (a
+Table of the registered nodes, which WatchNodes streams from) and the
+PoolCache (every node's CIDRs and used addresses from one source over
+``pool/``, so that a node's CIDRs always arrive before its IPs). The pool
+cache is a hint that keeps allocation O(1): etcd's compares decide.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 import json
 import logging
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from flagella.common.errors import Unavailable
 from flagella.common.etcd import (
     Etcd,
     KeyValue,
-    StreamKind,
     TxnResult,
     absent,
     delete_op,
@@ -42,16 +43,17 @@ from flagella.common.etcd import (
     get_prefix_op,
     mod_revision_is,
     prefix_absent,
+    prefix_end,
     put_op,
 )
+from flagella.common.sync import EtcdSource, Subscription, Table
+from flagella.common.tasks import TaskGroup
 from flagella.ipam.model import (
     AddressType,
     Allocation,
     Family,
     Node,
     NodeAddress,
-    NodeEvent,
-    NodeEventKind,
     Owner,
 )
 from flagella.ipam.pool import IPAddress, IPNetwork, Pool
@@ -253,6 +255,76 @@ class OwnerState:
     allocations: dict[IPAddress, Allocation]
 
 
+# --- the records of the tables that follow etcd ---
+
+
+class NodeCodec:
+    """nodes/<name> -> the registered Node."""
+
+    def key(self, key: str) -> str | None:
+        return key[len(NODES) :] if key.startswith(NODES) else None
+
+    def decode(self, key: str, kv: KeyValue) -> Node | None:
+        try:
+            return decode_node(kv)
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("bad node entry", extra={"key": kv.key, "error": repr(exc)})
+            return None
+
+
+@dataclass(frozen=True, slots=True)
+class PoolKey:
+    """A key of pool/: a node's CIDRs (ip None) or one of its IPs."""
+
+    node: str
+    ip: IPAddress | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Expiring:
+    expires_at: float
+    owner: Owner
+
+
+@dataclass(frozen=True, slots=True)
+class UsedIP:
+    """An allocated IP as the pool cache needs it: used, and by whom until
+    when while it is only reserved."""
+
+    reservation: Expiring | None = None
+
+
+PoolRecord = NodeCidrs | UsedIP
+
+
+def decode_reservation(value: bytes) -> Expiring | None:
+    """The reservation of an allocation value (None once committed); reads
+    only the fields the pool cache needs."""
+    d = json.loads(value)
+    if d.get("expires_at") is None:
+        return None
+    return Expiring(float(d["expires_at"]), Owner(d["container_id"], d["ifname"], d.get("pod", "")))
+
+
+class PoolCodec:
+    """pool/cidrs/<node> -> NodeCidrs, pool/ips/<node>/<family>/<ip> -> UsedIP."""
+
+    def key(self, key: str) -> PoolKey | None:
+        if key.startswith(CIDRS):
+            return PoolKey(key[len(CIDRS) :])
+        parsed = parse_ip_key(key)
+        return None if parsed is None else PoolKey(*parsed)
+
+    def decode(self, key: PoolKey, kv: KeyValue) -> PoolRecord | None:
+        try:
+            if key.ip is None:
+                return NodeCidrs(decode_cidrs(kv.value), kv.mod_revision)
+            return UsedIP(decode_reservation(kv.value))
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("bad ipam pool key", extra={"key": kv.key, "error": repr(exc)})
+            return None
+
+
 @dataclass
 class _Queued:
     compare: list[Any]
@@ -271,9 +343,13 @@ class TxnBatcher:
     keys overlap never share a transaction (etcd refuses a key written twice).
     """
 
-    def __init__(self, etcd: Etcd, *, max_ops: int = MAX_TXN_OPS) -> None:
+    def __init__(
+        self, etcd: Etcd, *, max_ops: int = MAX_TXN_OPS, tasks: TaskGroup | None = None
+    ) -> None:
         self.etcd = etcd
         self.max_ops = max_ops
+        # Where the flusher runs (the runtime's group in the service).
+        self.tasks = tasks or TaskGroup("ipam-txn")
         self._queue: list[_Queued] = []
         self._flusher: asyncio.Task[None] | None = None
         self.batches = 0
@@ -296,7 +372,7 @@ class TxnBatcher:
         )
         self._queue.append(item)
         if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.create_task(self._flush(), name="ipam-txn-batcher")
+            self._flusher = self.tasks.spawn("ipam-txn-batcher", self._flush())
         return await item.future
 
     def _next_batch(self) -> list[_Queued]:
@@ -360,10 +436,24 @@ class TxnBatcher:
 
 
 class IpamStore:
-    def __init__(self, etcd: Etcd) -> None:
+    def __init__(self, etcd: Etcd, tasks: TaskGroup) -> None:
         self.etcd = etcd
-        self.batcher = TxnBatcher(etcd)
+        self.tasks = tasks
+        self.batcher = TxnBatcher(etcd, tasks=tasks)
+        self.nodes: Table[str, Node] = Table("ipam nodes")
         self.cache = PoolCache(self)
+        self._node_source = EtcdSource(etcd, self.nodes, NodeCodec(), prefix=NODES)
+        self._pool_source: EtcdSource[PoolKey, PoolRecord] = EtcdSource(
+            etcd, self.cache, PoolCodec(), prefix=POOL
+        )
+
+    async def start(self) -> None:
+        """Follow the node registry and the pools in the background; returns
+        once both hold a snapshot."""
+        self.tasks.supervise("ipam-nodes", self._node_source.run)
+        self.tasks.supervise("ipam-pools", self._pool_source.run)
+        await self.nodes.wait_initialized()
+        await self.cache.synced.wait()
 
     # --- node registry ---
 
@@ -450,22 +540,28 @@ class IpamStore:
             left, _ = await self.etcd.count_prefix(ips_prefix(name))
         return False, left
 
-    async def watch_nodes(self, since_revision: int) -> AsyncIterator[NodeEvent]:
-        async for ev in self.etcd.snapshot_then_watch(NODES, since_revision):
-            if ev.kind is StreamKind.RESET:
-                yield NodeEvent(NodeEventKind.RESET, ev.revision)
-            elif ev.kind is StreamKind.SYNCED:
-                yield NodeEvent(NodeEventKind.SYNCED, ev.revision)
-            elif ev.kv is not None and ev.kind is StreamKind.UPSERT:
-                try:
-                    node = decode_node(ev.kv)
-                except (ValueError, KeyError) as exc:
-                    log.warning("bad node entry", extra={"key": ev.kv.key, "error": repr(exc)})
-                    continue
-                yield NodeEvent(NodeEventKind.UPSERT, ev.revision, node, node.name)
-            elif ev.kv is not None:
-                name = ev.kv.key[len(NODES) :]
-                yield NodeEvent(NodeEventKind.DELETE, ev.revision, None, name)
+    async def subscribe_nodes(self, since_revision: int) -> Subscription[str, Node]:
+        """The node table from since_revision on (0: a snapshot first),
+        starting no older than etcd is now, so that a watcher sees every
+        registration that completed before it asked. A revision etcd
+        compacted gets a snapshot, whichever replica is asked (as a watch of
+        etcd from it would)."""
+        head = await self.etcd.current_revision()
+        if 0 < since_revision <= head and await self._compacted(since_revision):
+            since_revision = 0
+        try:
+            await self.nodes.wait_for(head, self.etcd.timeout)
+        except TimeoutError:
+            raise Unavailable(
+                f"the node registry did not catch up with etcd ({self.nodes.reason})"
+            ) from None
+        return self.nodes.subscribe(since_revision)
+
+    async def _compacted(self, revision: int) -> bool:
+        """Whether etcd can no longer read the registry at revision (a
+        range compared with itself is unchanged unless it is unreadable)."""
+        end = prefix_end(NODES)
+        return not await self.etcd.range_unchanged(NODES, end, revision, revision)
 
     # --- leases ---
 
@@ -672,122 +768,110 @@ class NodePools:
         return pool
 
 
-@dataclass(frozen=True, slots=True)
-class Expiring:
-    expires_at: float
-    owner: Owner
-
-
 class PoolCache:
     """Every node's CIDRs and used addresses as this replica last saw them
-    through one watch of ``pool/``, plus reservations that will expire."""
+    through one EtcdSource over ``pool/`` (the cache is its sink: each watch
+    event is applied as it comes, in order), plus reservations that will
+    expire."""
 
     def __init__(self, store: IpamStore) -> None:
         self.store = store
+        self.codec = PoolCodec()
         self.nodes: dict[str, NodePools] = {}
         # (node, ip) -> reservation expiry, for the expiry sweep.
         self.expiring: dict[tuple[str, IPAddress], Expiring] = {}
         # Revision of the last event applied.
         self.revision = 0
         self.synced = asyncio.Event()
-        self._snapshot: list[KeyValue] | None = None
-        self._task: asyncio.Task[None] | None = None
+        self.live = False
         self._resync_locks: dict[tuple[str, Family], asyncio.Lock] = {}
 
-    # --- lifecycle ---
+    # --- the sink the EtcdSource feeds ---
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="ipam-pool-cache")
+    def get(self, key: PoolKey) -> PoolRecord | None:
+        entry = self.nodes.get(key.node)
+        if key.ip is None:
+            return None if entry is None else NodeCidrs(entry.cidrs, entry.revision)
+        reservation = self.expiring.get((key.node, key.ip))
+        if reservation is not None:
+            return UsedIP(reservation)
+        pool = entry.pool_of(key.ip) if entry is not None else None
+        return UsedIP() if pool is not None and pool.offset_of(key.ip) in pool.used else None
 
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-
-    async def _run(self) -> None:
-        async for ev in self.store.etcd.snapshot_then_watch(POOL):
-            try:
-                if ev.kind is StreamKind.RESET:
-                    self._snapshot = []
-                elif ev.kind is StreamKind.SYNCED:
-                    if self._snapshot is not None:
-                        self._rebuild(self._snapshot, ev.revision)
-                        self._snapshot = None
-                    self.synced.set()
-                elif ev.kv is None:
-                    continue
-                elif self._snapshot is not None:
-                    self._snapshot.append(ev.kv)
-                else:
-                    self.apply(ev.kind is StreamKind.UPSERT, ev.kv)
-            except (ValueError, KeyError) as exc:
-                log.warning("bad ipam pool key", extra={"error": repr(exc)})
-
-    # --- applying etcd state ---
-
-    def _rebuild(self, kvs: list[KeyValue], revision: int) -> None:
+    def replace(self, records: Iterable[tuple[PoolKey, PoolRecord, int]], revision: int) -> None:
+        """A full read of pool/ at revision: every pool is rebuilt from it."""
+        records = list(records)
         old = self.nodes
         nodes: dict[str, NodePools] = {}
-        for kv in kvs:
-            if kv.key.startswith(CIDRS):
-                name = kv.key[len(CIDRS) :]
-                nodes[name] = NodePools.build(
-                    decode_cidrs(kv.value), kv.mod_revision, old.get(name)
-                )
+        for key, record, _ in records:
+            if isinstance(record, NodeCidrs):
+                nodes[key.node] = NodePools.build(record.cidrs, record.revision, old.get(key.node))
         for entry in nodes.values():
             for pool in entry.pools.values():
                 pool.replace_used((), revision)
         self.nodes = nodes
         self.expiring = {}
-        for kv in kvs:
-            if kv.key.startswith(IPS):
-                self._apply_ip(True, kv, gate=False)
+        for key, record, key_revision in records:
+            if key.ip is not None and isinstance(record, UsedIP):
+                self._apply_ip(key.node, key.ip, record, key_revision, gate=False)
         self.revision = revision
+        self.synced.set()
         log.info(
             "ipam pools synced",
-            extra={"revision": revision, "nodes": len(nodes), "keys": len(kvs)},
+            extra={"revision": revision, "nodes": len(nodes), "keys": len(records)},
         )
+
+    def commit(
+        self, updates: Iterable[tuple[PoolKey, PoolRecord | None, int]], revision: int
+    ) -> None:
+        """Watch events, in order (None: the key is gone)."""
+        self.revision = max(self.revision, revision)
+        for key, record, key_revision in updates:
+            if key.ip is None:
+                self._apply_cidrs(key.node, record, key_revision)
+            else:
+                used = record if isinstance(record, UsedIP) else None
+                self._apply_ip(key.node, key.ip, used, key_revision, gate=True)
+
+    def advance(self, revision: int) -> None:
+        self.revision = max(self.revision, revision)
+
+    def set_live(self, live: bool, reason: str = "") -> None:
+        # A hint either way: allocation goes on while the watch is away.
+        self.live = live
 
     def apply(self, put: bool, kv: KeyValue) -> None:
         """One watch event."""
-        self.revision = max(self.revision, kv.mod_revision)
-        if kv.key.startswith(CIDRS):
-            name = kv.key[len(CIDRS) :]
-            entry = self.nodes.get(name)
-            if entry is not None and kv.mod_revision <= entry.revision:
-                return
-            if put:
-                self.nodes[name] = NodePools.build(decode_cidrs(kv.value), kv.mod_revision, entry)
-            else:
-                self.nodes.pop(name, None)
-        elif kv.key.startswith(IPS):
-            self._apply_ip(put, kv, gate=True)
+        key = self.codec.key(kv.key)
+        if key is not None:
+            record = self.codec.decode(key, kv) if put else None
+            self.commit([(key, record, kv.mod_revision)], kv.mod_revision)
 
-    def _apply_ip(self, put: bool, kv: KeyValue, *, gate: bool) -> None:
-        parsed = parse_ip_key(kv.key)
-        if parsed is None:
+    def _apply_cidrs(self, name: str, record: PoolRecord | None, revision: int) -> None:
+        entry = self.nodes.get(name)
+        if entry is not None and revision <= entry.revision:
             return
-        node, ip = parsed
-        if put:
-            d = json.loads(kv.value)
-            if d.get("expires_at") is not None:
-                owner = Owner(d["container_id"], d["ifname"], d.get("pod", ""))
-                self.expiring[(node, ip)] = Expiring(float(d["expires_at"]), owner)
-            else:
-                self.expiring.pop((node, ip), None)
+        if isinstance(record, NodeCidrs):
+            self.nodes[name] = NodePools.build(record.cidrs, revision, entry)
+        else:
+            self.nodes.pop(name, None)
+
+    def _apply_ip(
+        self, node: str, ip: IPAddress, record: UsedIP | None, revision: int, *, gate: bool
+    ) -> None:
+        if record is not None and record.reservation is not None:
+            self.expiring[(node, ip)] = record.reservation
         else:
             self.expiring.pop((node, ip), None)
         entry = self.nodes.get(node)
         pool = entry.pool_of(ip) if entry is not None else None
         if pool is None:
             return
-        if gate and kv.mod_revision <= pool.synced_revision:
+        if gate and revision <= pool.synced_revision:
             return  # a full read of the pool already reflects it
         off = pool.offset_of(ip)
         assert off is not None
-        if put:
+        if record is not None:
             pool.mark_used(off)
         else:
             pool.mark_free(off)
