@@ -12,6 +12,7 @@ import pytest
 
 from flagella.common.backoff import Backoff
 from flagella.common.sync import StreamSource
+from flagella.common.sync import Table as SyncTable
 from flagella.common.sync.stream import DELETE, RESET, SYNCED, UPSERT
 from flagella.common.tasks import TaskGroup
 
@@ -141,6 +142,40 @@ async def test_break_mid_snapshot_restarts_the_snapshot() -> None:
     assert calls == [0, 0]
     assert table.data == {"x": "1", "y": "2"}
     assert source.synced.is_set()
+
+
+async def test_a_synced_closing_deltas_reaches_subscribers() -> None:
+    """A SYNCED at the revision of the deltas it closes still wakes the
+    table's subscribers: they learn the table is complete there (the
+    datapath tells the endpoints' policy realized at each)."""
+    events: asyncio.Queue[Ev] = asyncio.Queue()
+
+    async def open_stream(since: int) -> AsyncIterator[Ev]:
+        while True:
+            yield await events.get()
+
+    table: SyncTable[str, str] = SyncTable("t")
+    source = StreamSource("t", open_stream, table, Codec())
+    sub = table.subscribe()
+    async with TaskGroup() as tasks:
+        tasks.spawn("source", source.run())
+        for ev in [Ev(RESET, 5), Ev(UPSERT, 5, "a", "1"), Ev(SYNCED, 5)]:
+            events.put_nowait(ev)
+        first = await sub.next(5)
+        assert first is not None
+        assert first.snapshot
+        events.put_nowait(Ev(UPSERT, 6, "b", "2"))
+        batch = await sub.next(5)
+        assert batch is not None
+        assert [c.key for c in batch.changes] == ["b"]
+        assert source.revision == 5  # not complete at 6 yet
+        events.put_nowait(Ev(SYNCED, 6))
+        batch = await sub.next(5)
+        assert batch is not None
+        assert (batch.revision, batch.changes, source.revision) == (6, (), 6)
+        # A heartbeat at the same revision publishes nothing.
+        events.put_nowait(Ev(SYNCED, 6))
+        assert await sub.next(0.2) is None
 
 
 @pytest.mark.parametrize("kinds", [(1, 2, 3, 4)])
