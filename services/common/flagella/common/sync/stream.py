@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Hashable
+from collections.abc import AsyncIterable, Callable, Hashable
 from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
@@ -53,7 +53,7 @@ class StreamCodec(Protocol[M_contra, K_co, R_co]):
 
 
 # Opens the stream, resuming after the given revision (0: from scratch).
-OpenStream = Callable[[int], AsyncIterator[Any]]
+OpenStream = Callable[[int], AsyncIterable[Any]]
 
 
 class StreamSource(Generic[K, R]):
