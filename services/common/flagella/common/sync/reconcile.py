@@ -36,7 +36,9 @@ class Target(Protocol[K, V]):
 
 
 # Called after each batch was handed to the target, with the target's
-# revision after it (what to wait_until_reconciled for).
+# revision after it (what to wait_until_reconciled for). Nothing is awaited
+# between the table handing out the batch and this call: what the table's
+# source says at its start (its last SYNCED, say) holds for the batch.
 AfterBatch = Callable[[Batch[K, V], int], Awaitable[None]]
 
 
