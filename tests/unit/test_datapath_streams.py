@@ -7,25 +7,28 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Iterable, Mapping
 
+from harness.aio import until
+
 from flagella.api.ipam.v1 import ipam_pb2
 from flagella.api.policy.v1 import policy_pb2
 from flagella.common.reconcile import Reconciler
 from flagella.common.sync import Change, StreamSource, Table
-from flagella.common.sync.reconcile import apply
+from flagella.common.sync.reconcile import apply, reconcile_table
 from flagella.common.tasks import TaskGroup
 from flagella.datapath.bpf import Backend, Service
-from flagella.datapath.handlers import IPCacheCodec, removed_backends
+from flagella.datapath.handlers import IPCacheCodec, PolicyCodec, PolicySynced, removed_backends
 from flagella.datapath.routes import NodeRoutes, NodeRoutesCodec
+from flagella.datapath.service import IdentityPolicy
 
 
 class NoOps:
-    async def update(self, key: str, value: str) -> None:
+    async def update(self, key: object, value: object) -> None:
         pass
 
-    async def delete(self, key: str) -> None:
+    async def delete(self, key: object) -> None:
         pass
 
-    async def list_actual(self) -> Iterable[str]:
+    async def list_actual(self) -> Iterable[object]:
         return []
 
 
@@ -129,3 +132,57 @@ def test_removed_backends_of_a_batch() -> None:
         Change(5, svc(5, 40), None, 6),
     ]
     assert removed_backends(changes) == [11, 12, 20, 21]
+
+
+def policy_event(
+    kind: policy_pb2.EventKind.ValueType, revision: int, identity: int = 0
+) -> policy_pb2.PolicyEvent:
+    return policy_pb2.PolicyEvent(
+        kind=kind,
+        revision=revision,
+        identity=identity,
+        policy=policy_pb2.ResolvedPolicy(identity=identity, revision=revision),
+    )
+
+
+async def test_policy_realized_at_every_synced_even_at_the_revision_of_its_deltas() -> None:
+    """The policy service sends a batch's deltas and its SYNCED at one
+    revision: the endpoints are realized there once the batch is applied,
+    and never at a revision whose deltas are still arriving."""
+    events: asyncio.Queue[policy_pb2.PolicyEvent] = asyncio.Queue()
+
+    async def open_stream(since: int) -> AsyncIterator[policy_pb2.PolicyEvent]:
+        while True:
+            yield await events.get()
+
+    table: Table[int, IdentityPolicy] = Table("policy")
+    source = StreamSource("policy", open_stream, table, PolicyCodec())
+    desired: Reconciler[int, IdentityPolicy] = Reconciler("policy", NoOps())
+    synced: list[tuple[int, list[int]]] = []
+
+    async def policy_synced(revision: int) -> None:
+        synced.append((revision, sorted(desired.desired())))
+
+    async with TaskGroup() as tasks:
+        tasks.spawn("source", source.run())
+        tasks.spawn(
+            "drive",
+            reconcile_table(table, desired, after=PolicySynced(policy_synced, source)),
+        )
+        for ev in [
+            policy_event(policy_pb2.EVENT_KIND_RESET, 5),
+            policy_event(policy_pb2.EVENT_KIND_UPSERT, 5, 300),
+            policy_event(policy_pb2.EVENT_KIND_SYNCED, 5),
+        ]:
+            events.put_nowait(ev)
+        await until(lambda: len(synced) == 1)
+        # Each delta applied on its own before the SYNCED arrives.
+        events.put_nowait(policy_event(policy_pb2.EVENT_KIND_UPSERT, 6, 301))
+        await until(lambda: 301 in desired.desired())
+        events.put_nowait(policy_event(policy_pb2.EVENT_KIND_UPSERT, 6, 302))
+        await until(lambda: 302 in desired.desired())
+        await asyncio.sleep(0.05)
+        assert len(synced) == 1  # 6 is not complete yet
+        events.put_nowait(policy_event(policy_pb2.EVENT_KIND_SYNCED, 6))
+        await until(lambda: len(synced) == 2)
+    assert synced == [(5, [300]), (6, [300, 301, 302])]

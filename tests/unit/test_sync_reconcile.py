@@ -5,8 +5,9 @@ and a restarted consumer starts over from a snapshot."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
+
+from harness.aio import until
 
 from flagella.common.reconcile import Reconciler
 from flagella.common.sync import Batch, Table
@@ -42,7 +43,7 @@ async def test_snapshot_then_changes_reach_the_target() -> None:
         seen.append((batch, revision))
 
     async with TaskGroup() as tasks:
-        rec.start()
+        rec.start(tasks)  # stopped with the group
         tasks.spawn("drive", reconcile_table(table, rec, after=after))
         await until(lambda: bool(seen))
         await rec.wait_until_reconciled(seen[-1][1], timeout=5)
@@ -60,7 +61,6 @@ async def test_snapshot_then_changes_reach_the_target() -> None:
         }
         await rec.wait_until_reconciled(revision, timeout=5)
         assert target.data == {"b": 2, "c": 3}
-    await rec.stop()
 
 
 async def test_a_restarted_consumer_replaces_the_desired_state_whole() -> None:
@@ -84,11 +84,3 @@ async def test_a_restarted_consumer_replaces_the_desired_state_whole() -> None:
         assert target.data == {"a": 1, "b": 2}
     finally:
         await rec.stop()
-
-
-async def until(done: Callable[[], bool]) -> None:
-    for _ in range(1000):
-        if done():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("condition not reached")

@@ -103,7 +103,9 @@ class DatapathApp:
                 PolicyCodec(),
             )
             self._reconcile(
-                policies, IdentityPolicies(self.service), PolicySynced(self.service, source)
+                policies,
+                IdentityPolicies(self.service),
+                PolicySynced(self.service.policy_synced, source),
             )
         if cfg.lb_address:
             lb = lb_pb2_grpc.LoadBalancerServiceStub(self.runtime.channel(cfg.lb_address))

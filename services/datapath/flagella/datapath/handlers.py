@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 from flagella.api.lb.v1 import lb_pb2
 from flagella.api.policy.v1 import policy_pb2
@@ -121,10 +121,15 @@ class IdentityPolicies:
 
 class PolicySynced:
     """After each batch of the policy table: the endpoints' policy is
-    realized at the revision the stream is complete at (its last SYNCED)."""
+    realized at the revision the stream is complete at (its last SYNCED;
+    DatapathService.policy_synced)."""
 
-    def __init__(self, svc: DatapathService, source: StreamSource[int, IdentityPolicy]) -> None:
-        self.svc = svc
+    def __init__(
+        self,
+        policy_synced: Callable[[int], Awaitable[None]],
+        source: StreamSource[int, IdentityPolicy],
+    ) -> None:
+        self.policy_synced = policy_synced
         self.source = source
         self.revision = 0
 
@@ -134,7 +139,7 @@ class PolicySynced:
         synced = self.source.revision
         if synced > self.revision:
             self.revision = synced
-            await self.svc.policy_synced(synced)
+            await self.policy_synced(synced)
 
 
 def bpf_service(
