@@ -1,17 +1,20 @@
-"""StreamFollower: snapshot, deltas, and resume from the last revision."""
+"""Following a Watch* stream (StreamSource, which replaced the datapath's
+StreamFollower): snapshot, deltas, and resume from the last SYNCED."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import grpc
 import pytest
 
-from flagella.datapath.follow import DELETE, RESET, SYNCED, UPSERT, StreamFollower
+from flagella.common.backoff import Backoff
+from flagella.common.sync import StreamSource
+from flagella.common.sync import Table as SyncTable
+from flagella.common.sync.stream import DELETE, RESET, SYNCED, UPSERT
+from flagella.common.tasks import TaskGroup
 
 
 @dataclass
@@ -22,22 +25,40 @@ class Ev:
     value: str = ""
 
 
+class Codec:
+    def key(self, event: Ev) -> str:
+        return event.key
+
+    def decode(self, event: Ev) -> str:
+        return event.value
+
+
 class Table:
+    """A sink that records the SYNCED revisions it was told of."""
+
     def __init__(self) -> None:
         self.data: dict[str, str] = {}
         self.synced_at: list[int] = []
 
-    async def reset(self) -> None:
-        self.data.clear()
+    def get(self, key: str) -> str | None:
+        return self.data.get(key)
 
-    async def upsert(self, event: Any) -> None:
-        self.data[event.key] = event.value
-
-    async def delete(self, event: Any) -> None:
-        self.data.pop(event.key, None)
-
-    async def synced(self, revision: int) -> None:
+    def replace(self, records: Iterable[tuple[str, str, int]], revision: int) -> None:
+        self.data = {k: r for k, r, _ in records}
         self.synced_at.append(revision)
+
+    def commit(self, updates: Iterable[tuple[str, str | None, int]], revision: int) -> None:
+        for key, record, _ in updates:
+            if record is None:
+                self.data.pop(key, None)
+            else:
+                self.data[key] = record
+
+    def advance(self, revision: int) -> None:
+        self.synced_at.append(revision)
+
+    def set_live(self, live: bool, reason: str = "") -> None:
+        pass
 
 
 def broken() -> grpc.aio.AioRpcError:
@@ -46,14 +67,16 @@ def broken() -> grpc.aio.AioRpcError:
     )
 
 
-async def run_until(follower: StreamFollower, done: asyncio.Event) -> None:
-    task = asyncio.create_task(follower.run())
-    try:
+def source_of(
+    open_stream: Callable[[int], AsyncIterator[Ev]], table: Table
+) -> StreamSource[str, str]:
+    return StreamSource("t", open_stream, table, Codec(), backoff=Backoff(0.001, 0.01))
+
+
+async def run_until(source: StreamSource[str, str], done: asyncio.Event) -> None:
+    async with TaskGroup() as tasks:
+        tasks.spawn("source", source.run())
         await asyncio.wait_for(done.wait(), 5)
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 async def test_resumes_from_last_revision_after_a_break() -> None:
@@ -78,12 +101,19 @@ async def test_resumes_from_last_revision_after_a_break() -> None:
         await asyncio.Event().wait()
 
     table = Table()
-    follower = StreamFollower("t", open_stream, table, max_backoff=0.01)
-    await run_until(follower, done)
-    assert calls == [0, 11]
+    source = source_of(open_stream, table)
+    await run_until(source, done)
+    # The StreamFollower resumed from the revision of its last delta (11):
+    # unsafe when a break splits the events of one revision. StreamSource
+    # resumes from its last SYNCED (10), restoring what it applied since if
+    # the server does not name it again; so the server's acknowledgement
+    # of the resume (SYNCED at since) is now at 10 and tells the sink
+    # nothing (the follower handed the SYNCED at 11 on), and the source is
+    # still at 10: no SYNCED closed the deltas 12 and 13.
+    assert calls == [0, 10]
     assert table.data == {"b": "22", "c": "3"}
-    assert follower.revision == 13
-    assert table.synced_at == [10, 11]
+    assert source.revision == 10
+    assert table.synced_at == [10]
 
 
 async def test_break_mid_snapshot_restarts_the_snapshot() -> None:
@@ -107,11 +137,45 @@ async def test_break_mid_snapshot_restarts_the_snapshot() -> None:
         await asyncio.Event().wait()
 
     table = Table()
-    follower = StreamFollower("t", open_stream, table, max_backoff=0.01)
-    await run_until(follower, done)
+    source = source_of(open_stream, table)
+    await run_until(source, done)
     assert calls == [0, 0]
     assert table.data == {"x": "1", "y": "2"}
-    assert follower.synced.is_set()
+    assert source.synced.is_set()
+
+
+async def test_a_synced_closing_deltas_reaches_subscribers() -> None:
+    """A SYNCED at the revision of the deltas it closes still wakes the
+    table's subscribers: they learn the table is complete there (the
+    datapath tells the endpoints' policy realized at each)."""
+    events: asyncio.Queue[Ev] = asyncio.Queue()
+
+    async def open_stream(since: int) -> AsyncIterator[Ev]:
+        while True:
+            yield await events.get()
+
+    table: SyncTable[str, str] = SyncTable("t")
+    source = StreamSource("t", open_stream, table, Codec())
+    sub = table.subscribe()
+    async with TaskGroup() as tasks:
+        tasks.spawn("source", source.run())
+        for ev in [Ev(RESET, 5), Ev(UPSERT, 5, "a", "1"), Ev(SYNCED, 5)]:
+            events.put_nowait(ev)
+        first = await sub.next(5)
+        assert first is not None
+        assert first.snapshot
+        events.put_nowait(Ev(UPSERT, 6, "b", "2"))
+        batch = await sub.next(5)
+        assert batch is not None
+        assert [c.key for c in batch.changes] == ["b"]
+        assert source.revision == 5  # not complete at 6 yet
+        events.put_nowait(Ev(SYNCED, 6))
+        batch = await sub.next(5)
+        assert batch is not None
+        assert (batch.revision, batch.changes, source.revision) == (6, (), 6)
+        # A heartbeat at the same revision publishes nothing.
+        events.put_nowait(Ev(SYNCED, 6))
+        assert await sub.next(0.2) is None
 
 
 @pytest.mark.parametrize("kinds", [(1, 2, 3, 4)])

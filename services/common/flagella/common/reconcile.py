@@ -25,6 +25,8 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
+from flagella.common.tasks import TaskGroup
+
 log = logging.getLogger(__name__)
 
 K = TypeVar("K", bound=Hashable)
@@ -112,7 +114,8 @@ class Reconciler(Generic[K, V]):
         self._prune_attempts = 0
         self._pruned = 0
         self._last_error = ""
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: TaskGroup | None = None
+        self._own_tasks = False
 
     # --- desired state ---
 
@@ -313,13 +316,16 @@ class Reconciler(Generic[K, V]):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), delay)
 
-    def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self.run(), name=f"reconciler-{self.name}")
+    def start(self, tasks: TaskGroup | None = None) -> None:
+        """Run in tasks (the service's runtime, which stops it), or in a
+        group of its own that stop() stops."""
+        if self._tasks is not None:
+            return
+        self._own_tasks = tasks is None
+        self._tasks = TaskGroup(f"reconciler-{self.name}") if tasks is None else tasks
+        self._tasks.spawn(f"reconciler-{self.name}", self.run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        if self._tasks is not None and self._own_tasks:
+            await self._tasks.stop()
+        self._tasks = None

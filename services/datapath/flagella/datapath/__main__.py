@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import sys
+from collections.abc import Hashable
+from typing import TypeVar
 
 import grpc
 
@@ -16,15 +17,28 @@ from flagella.api.policy.v1 import policy_pb2, policy_pb2_grpc
 from flagella.common.errors import FlagellaError
 from flagella.common.server import FatalError, Runtime
 from flagella.common.server import main as serve_main
+from flagella.common.sync import Batch, StreamCodec, StreamSource, Table
+from flagella.common.sync.reconcile import AfterBatch, Target, reconcile_table
+from flagella.common.sync.stream import OpenStream
 from flagella.datapath.config import DatapathConfig
-from flagella.datapath.follow import StreamFollower
-from flagella.datapath.handlers import IPCacheHandler, PolicyHandler, ServicesHandler
+from flagella.datapath.handlers import (
+    IdentityPolicies,
+    IPCacheCodec,
+    PolicyCodec,
+    PolicySynced,
+    RemoveBackends,
+    ServicesCodec,
+)
 from flagella.datapath.node import NodeRegistration
-from flagella.datapath.routes import NodeRoutesHandler
+from flagella.datapath.routes import NodeRoutes, NodeRoutesCodec
 from flagella.datapath.service import DatapathService
 from flagella.datapath.servicer import DatapathServicer
 
 log = logging.getLogger(__name__)
+
+K = TypeVar("K", bound=Hashable)
+R = TypeVar("R")
+M = TypeVar("M")
 
 
 class DatapathApp:
@@ -34,26 +48,22 @@ class DatapathApp:
         self.runtime = runtime
         self.service = DatapathService(runtime.config)
         self.registration: NodeRegistration | None = None
-        self.followers: list[StreamFollower] = []
-        self._tasks: list[asyncio.Task[None]] = []
 
     def register(self, server: grpc.aio.Server) -> None:
         datapath_pb2_grpc.add_DatapathServiceServicer_to_server(
             DatapathServicer(self.service), server
         )
 
-    def _task(self, coro: object, name: str) -> None:
-        self._tasks.append(asyncio.create_task(coro, name=name))  # type: ignore[arg-type]
-
     async def start(self) -> None:
         cfg = self.runtime.config
+        tasks = self.runtime.tasks
         try:
-            await self.service.start()
+            await self.service.start(tasks)
         except FlagellaError as exc:
             raise FatalError(exc.details) from exc
         except OSError as exc:
             raise FatalError(f"cannot load the BPF datapath: {exc}") from exc
-        self._task(self._gc(cfg.gc_interval_seconds), "bpf-gc")
+        tasks.supervise("bpf-gc", lambda: self._gc(cfg.gc_interval_seconds))
         tracer = self.runtime.tracing.tracer("flagella.datapath")
         if cfg.ipam_address:
             ipam = ipam_pb2_grpc.IpamServiceStub(self.runtime.channel(cfg.ipam_address))
@@ -68,57 +78,74 @@ class DatapathApp:
             self.registration = NodeRegistration(
                 ipam, request, tracer, on_registered=self.service.set_node
             )
-            self._task(self.registration.run(), "node-registration")
-            self._follow(
+            tasks.supervise("node-registration", self.registration.run)
+            nodes, _ = self._stream(
                 "nodes",
                 lambda since: ipam.WatchNodes(ipam_pb2.WatchNodesRequest(since_revision=since)),
-                NodeRoutesHandler(cfg.node_name, self.service.routes),
+                NodeRoutesCodec(),
             )
+            self._reconcile(nodes, NodeRoutes(cfg.node_name, self.service.routes))
         if cfg.policy_address:
             policy = policy_pb2_grpc.PolicyServiceStub(self.runtime.channel(cfg.policy_address))
-            self._follow(
+            ipcache, _ = self._stream(
                 "ipcache",
                 lambda since: policy.WatchIPCache(
                     policy_pb2.WatchIPCacheRequest(since_revision=since)
                 ),
-                IPCacheHandler(self.service.ipcache),
+                IPCacheCodec(),
             )
-            self._follow(
+            self._reconcile(ipcache, self.service.ipcache)
+            policies, source = self._stream(
                 "policy",
                 lambda since: policy.WatchPolicy(
                     policy_pb2.WatchPolicyRequest(node=cfg.node_name, since_revision=since)
                 ),
-                PolicyHandler(self.service),
+                PolicyCodec(),
+            )
+            self._reconcile(
+                policies,
+                IdentityPolicies(self.service),
+                PolicySynced(self.service.policy_synced, source),
             )
         if cfg.lb_address:
             lb = lb_pb2_grpc.LoadBalancerServiceStub(self.runtime.channel(cfg.lb_address))
-            self._follow(
+            services, _ = self._stream(
                 "services",
                 lambda since: lb.WatchServices(
                     lb_pb2.WatchServicesRequest(since_revision=since, include_maglev_tables=True)
                 ),
-                ServicesHandler(self.service, cfg.node_ip),
+                ServicesCodec(cfg.node_ip),
             )
+            self._reconcile(services, self.service.services, RemoveBackends(self.service))
         if self.registration is not None:
             # Not ready before the node is registered: its pod CIDRs come from ipam.
             await self.registration.registered.wait()
 
-    def _follow(self, name: str, open_stream: object, handler: object) -> None:
-        follower = StreamFollower(name, open_stream, handler)  # type: ignore[arg-type]
+    def _stream(
+        self, name: str, open_stream: OpenStream, codec: StreamCodec[M, K, R]
+    ) -> tuple[Table[K, R], StreamSource[K, R]]:
+        """A control-plane stream mirrored into a table of its own."""
+        table: Table[K, R] = Table(name)
+        source = StreamSource(name, open_stream, table, codec)
         self.service.streams_synced.setdefault(name, False)
-        self.followers.append(follower)
-        self._task(self._run_follower(follower), f"follow-{name}")
+        self.runtime.tasks.supervise(f"stream-{name}", source.run)
+        return table, source
 
-    async def _run_follower(self, follower: StreamFollower) -> None:
-        task = asyncio.create_task(follower.run(), name=f"stream-{follower.name}")
-        try:
-            await follower.synced.wait()
-            self.service.streams_synced[follower.name] = True
-            await task
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+    def _reconcile(
+        self, table: Table[K, R], target: Target[K, R], after: AfterBatch[K, R] | None = None
+    ) -> None:
+        """The table into desired state; the stream counts as synced once
+        its first snapshot is there."""
+        streams_synced = self.service.streams_synced
+
+        async def applied(batch: Batch[K, R], revision: int) -> None:
+            if after is not None:
+                await after(batch, revision)
+            streams_synced[table.name] = True
+
+        self.runtime.tasks.supervise(
+            f"reconcile-{table.name}", lambda: reconcile_table(table, target, after=applied)
+        )
 
     async def _gc(self, interval: float) -> None:
         while True:
@@ -133,11 +160,7 @@ class DatapathApp:
                 log.info("conntrack GC", extra={"conntrack": ct, "nat": nat})
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        # The runtime stopped the tasks (streams, reconcilers, GC) already.
         await self.service.stop()
 
 

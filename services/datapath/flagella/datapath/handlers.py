@@ -1,20 +1,23 @@
 """Control-plane watch streams -> desired state of the datapath's maps.
 
-Each handler follows the snapshot/delta contract (follow.py): during a
-snapshot (RESET..SYNCED) it collects, at SYNCED it replaces the desired
-state wholesale (the reconciler prunes what the kernel has beyond it), and
-deltas afterwards change single keys.
+Each stream feeds a typed table (flagella.common.sync.StreamSource) through
+a codec here, which translates its events into the datapath's own records
+(prefix -> identity, identity -> IdentityPolicy, service id -> Service); the
+table then drives a reconciler (flagella.common.sync.reconcile). What a
+stream needs beyond desired state is here too: the policy stream's SYNCED
+(the endpoints' policy realized at a revision), the backends a service
+change removed.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import logging
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable
 
 from flagella.api.lb.v1 import lb_pb2
 from flagella.api.policy.v1 import policy_pb2
-from flagella.common.reconcile import Reconciler
+from flagella.common.sync import Batch, Change, StreamSource
 from flagella.datapath.bpf import Backend, Frontend, Service, frontend_rev_nat_id
 from flagella.datapath.bpf.layout import Direction, Verdict
 from flagella.datapath.bpf.policy import PolicyEntry
@@ -30,32 +33,22 @@ def _prefix(p: str) -> str:
     return str(ipaddress.ip_network(p, strict=False))
 
 
-class IPCacheHandler:
-    def __init__(self, rec: Reconciler[str, int]) -> None:
-        self.rec = rec
-        self._snapshot: dict[str, int] | None = None
+class IPCacheCodec:
+    """WatchIPCache events -> prefix: identity."""
 
-    async def reset(self) -> None:
-        self._snapshot = {}
+    def key(self, event: policy_pb2.IPCacheEvent) -> str:
+        try:
+            return _prefix(event.entry.prefix)
+        except ValueError:
+            return event.entry.prefix  # decode() drops it
 
-    async def upsert(self, event: Any) -> None:
-        entry: policy_pb2.IPCacheEntry = event.entry
-        if self._snapshot is not None:
-            self._snapshot[_prefix(entry.prefix)] = entry.identity
-        else:
-            self.rec.upsert(_prefix(entry.prefix), entry.identity)
-
-    async def delete(self, event: Any) -> None:
-        prefix = _prefix(event.entry.prefix)
-        if self._snapshot is not None:
-            self._snapshot.pop(prefix, None)
-        else:
-            self.rec.delete(prefix)
-
-    async def synced(self, revision: int) -> None:
-        if self._snapshot is not None:
-            self.rec.replace_all(self._snapshot)
-            self._snapshot = None
+    def decode(self, event: policy_pb2.IPCacheEvent) -> int | None:
+        try:
+            _prefix(event.entry.prefix)
+        except ValueError as exc:
+            log.warning("ipcache entry not programmable", extra={"reason": str(exc)})
+            return None
+        return event.entry.identity
 
 
 DIRECTIONS = {
@@ -86,39 +79,67 @@ def identity_policy(p: policy_pb2.ResolvedPolicy) -> IdentityPolicy:
     )
 
 
-class PolicyHandler:
-    def __init__(self, svc: DatapathService) -> None:
-        self.svc = svc
-        self._snapshot: dict[int, IdentityPolicy] | None = None
+class PolicyCodec:
+    """WatchPolicy events -> identity: its resolved policy."""
 
-    async def reset(self) -> None:
-        self._snapshot = {}
+    def key(self, event: policy_pb2.PolicyEvent) -> int:
+        return event.identity or event.policy.identity
 
-    async def upsert(self, event: Any) -> None:
+    def decode(self, event: policy_pb2.PolicyEvent) -> IdentityPolicy:
         pol = identity_policy(event.policy)
         if event.policy.error:
             log.warning(
                 "policy over budget: enforcing it fail-closed",
                 extra={"identity": pol.identity, "reason": event.policy.error},
             )
-        if self._snapshot is not None:
-            self._snapshot[pol.identity] = pol
-        else:
-            self.svc.set_identity_policy(pol, pol.identity)
+        return pol
 
-    async def delete(self, event: Any) -> None:
-        identity = event.identity or event.policy.identity
-        if self._snapshot is not None:
-            self._snapshot.pop(identity, None)
-        else:
-            self.svc.set_identity_policy(None, identity)
 
-    async def synced(self, revision: int) -> None:
-        if self._snapshot is not None:
-            self.svc.resync_policies(self._snapshot)
-            self._snapshot = None
-        await self.svc.policy_synced(revision)
-        self.svc.streams_synced["policy"] = True
+class IdentityPolicies:
+    """The policy table onto the endpoints' policy reconciler: each local
+    endpoint desires the policy of its identity."""
+
+    def __init__(self, svc: DatapathService) -> None:
+        self.svc = svc
+
+    @property
+    def revision(self) -> int:
+        return self.svc.policy.revision
+
+    def replace_all(self, items: dict[int, IdentityPolicy]) -> int:
+        self.svc.resync_policies(items)
+        return self.revision
+
+    def upsert(self, key: int, value: IdentityPolicy) -> int:
+        self.svc.set_identity_policy(value, key)
+        return self.revision
+
+    def delete(self, key: int) -> int:
+        self.svc.set_identity_policy(None, key)
+        return self.revision
+
+
+class PolicySynced:
+    """After each batch of the policy table: the endpoints' policy is
+    realized at the revision the stream is complete at (its last SYNCED;
+    DatapathService.policy_synced)."""
+
+    def __init__(
+        self,
+        policy_synced: Callable[[int], Awaitable[None]],
+        source: StreamSource[int, IdentityPolicy],
+    ) -> None:
+        self.policy_synced = policy_synced
+        self.source = source
+        self.revision = 0
+
+    async def __call__(self, batch: Batch[int, IdentityPolicy], revision: int) -> None:
+        # Read before anything awaits: the batch just applied holds every
+        # change up to the source's last SYNCED.
+        synced = self.source.revision
+        if synced > self.revision:
+            self.revision = synced
+            await self.policy_synced(synced)
 
 
 def bpf_service(
@@ -159,44 +180,61 @@ def bpf_service(
     )
 
 
-class ServicesHandler:
-    def __init__(self, svc: DatapathService, node_ips: tuple[str, ...]) -> None:
-        self.svc = svc
+class ServicesCodec:
+    """WatchServices events -> service id: what the maps need of it."""
+
+    def __init__(self, node_ips: tuple[str, ...]) -> None:
         self.node_ips = node_ips
-        self._snapshot: dict[int, Service] | None = None
 
-    async def reset(self) -> None:
-        self._snapshot = {}
+    def key(self, event: lb_pb2.ServiceEvent) -> int:
+        return event.service.id
 
-    async def upsert(self, event: Any) -> None:
+    def decode(self, event: lb_pb2.ServiceEvent) -> Service | None:
         table = event.maglev_table if event.HasField("maglev_table") else None
         try:
-            service = bpf_service(event.service, table, self.node_ips)
+            return bpf_service(event.service, table, self.node_ips)
         except ValueError as exc:
             log.warning(
                 "service not programmable",
                 extra={"service": event.service.name, "reason": str(exc)},
             )
-            return
-        if self._snapshot is not None:
-            self._snapshot[service.service_id] = service
-            return
-        rev = self.svc.services.upsert(service.service_id, service)
-        if event.removed_backend_ids:
-            await self.svc.services.wait_until_reconciled(rev, timeout=10)
-            await self.svc.writer.run(self.svc.bpf.remove_backends, list(event.removed_backend_ids))
+            return None
 
-    async def delete(self, event: Any) -> None:
-        if self._snapshot is not None:
-            self._snapshot.pop(event.service.id, None)
-            return
-        rev = self.svc.services.delete(event.service.id)
-        if event.removed_backend_ids:
-            await self.svc.services.wait_until_reconciled(rev, timeout=10)
-            await self.svc.writer.run(self.svc.bpf.remove_backends, list(event.removed_backend_ids))
 
-    async def synced(self, revision: int) -> None:
-        if self._snapshot is not None:
-            self.svc.services.replace_all(self._snapshot)
-            self._snapshot = None
-        self.svc.streams_synced["services"] = True
+def removed_backends(changes: Iterable[Change[int, Service]]) -> list[int]:
+    """The backends the changes took out of their services (in the record
+    before, not after), less any that a changed service uses now (an id
+    freed and taken again)."""
+    gone: set[int] = set()
+    used: set[int] = set()
+    for change in changes:
+        after = {b.id for b in change.record.backends} if change.record else set()
+        used |= after
+        if change.prev is not None:
+            gone |= {b.id for b in change.prev.backends} - after
+    return sorted(gone - used)
+
+
+class RemoveBackends:
+    """After the services reconciler applied a batch of changes: the
+    backends they removed go, with their conntrack and affinity entries."""
+
+    def __init__(self, svc: DatapathService, *, timeout: float = 10.0) -> None:
+        self.svc = svc
+        self.timeout = timeout
+
+    async def __call__(self, batch: Batch[int, Service], revision: int) -> None:
+        if batch.snapshot:
+            return
+        gone = removed_backends(batch.changes)
+        if not gone:
+            return
+        try:
+            await self.svc.services.wait_until_reconciled(revision, timeout=self.timeout)
+        except TimeoutError:
+            # The lb took them out: they go even if a service still waits.
+            log.warning(
+                "services not applied before removing their backends",
+                extra={"revision": revision, "backends": len(gone)},
+            )
+        await self.svc.writer.run(self.svc.bpf.remove_backends, gone)

@@ -12,6 +12,7 @@ import grpc
 from opentelemetry import trace
 
 from flagella.api.ipam.v1 import ipam_pb2, ipam_pb2_grpc
+from flagella.common.backoff import Backoff, retry
 
 log = logging.getLogger(__name__)
 
@@ -27,14 +28,14 @@ class NodeRegistration:
         *,
         on_registered: OnRegistered,
         call_timeout: float = 5.0,
-        max_backoff: float = 5.0,
+        backoff: Backoff | None = None,
     ) -> None:
         self.stub = stub
         self.request = request
         self.tracer = tracer
         self.on_registered = on_registered
         self.call_timeout = call_timeout
-        self.max_backoff = max_backoff
+        self.backoff = backoff or Backoff(0.2, 5.0)
         self.node: ipam_pb2.Node | None = None
         self.registered = asyncio.Event()
 
@@ -51,19 +52,14 @@ class NodeRegistration:
 
     async def run(self) -> None:
         """Register, then renew every third of the lease TTL, forever."""
-        delay = 0.2
         while True:
-            try:
-                node = await self.register()
-            except grpc.aio.AioRpcError as exc:
-                reason = f"ipam RegisterNode: {exc.code().name}: {exc.details()}"
-                log.warning(
-                    "node registration failed", extra={"reason": reason, "retry_in_s": delay}
-                )
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self.max_backoff)
-                continue
-            delay = 0.2
+            node = await retry(
+                self.register,
+                what="node registration (ipam RegisterNode)",
+                retry_on=(grpc.aio.AioRpcError,),
+                backoff=self.backoff,
+            )
+            self.backoff.reset()
             self.node = node
             await self.on_registered(node)
             self.registered.set()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import socket
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pyroute2.netlink.exceptions import NetlinkError
@@ -76,45 +76,47 @@ def node_routes(node: ipam_pb2.Node) -> dict[str, str]:
     return out
 
 
-class NodeRoutesHandler:
-    """Feeds the nodes watch stream into the route reconciler."""
+class NodeRoutesCodec:
+    """WatchNodes events -> node name: its pod CIDRs with their gateway."""
+
+    def key(self, event: ipam_pb2.NodeEvent) -> str:
+        return event.node.name
+
+    def decode(self, event: ipam_pb2.NodeEvent) -> Mapping[str, str]:
+        return node_routes(event.node)
+
+
+class NodeRoutes:
+    """The nodes table onto the route reconciler: every other node's pod
+    CIDRs, routed via its address."""
 
     def __init__(self, local_node: str, routes: Reconciler[str, str]) -> None:
         self.local_node = local_node
         self.routes = routes
-        self.by_node: dict[str, dict[str, str]] = {}
-        self._snapshot: dict[str, dict[str, str]] | None = None
+        self.by_node: dict[str, Mapping[str, str]] = {}
 
-    async def reset(self) -> None:
-        self._snapshot = {}
+    @property
+    def revision(self) -> int:
+        return self.routes.revision
 
-    async def upsert(self, event: Any) -> None:
-        node: ipam_pb2.Node = event.node
-        if node.name == self.local_node:
-            return
-        wanted = node_routes(node)
-        if self._snapshot is not None:
-            self._snapshot[node.name] = wanted
-            return
-        for cidr in self.by_node.get(node.name, {}):
-            if cidr not in wanted:
-                self.routes.delete(cidr)
-        for cidr, gw in wanted.items():
-            self.routes.upsert(cidr, gw)
-        self.by_node[node.name] = wanted
-
-    async def delete(self, event: Any) -> None:
-        name = event.node.name
-        if self._snapshot is not None:
-            self._snapshot.pop(name, None)
-            return
-        for cidr in self.by_node.pop(name, {}):
-            self.routes.delete(cidr)
-
-    async def synced(self, revision: int) -> None:
-        if self._snapshot is None:
-            return
-        self.by_node, self._snapshot = self._snapshot, None
-        self.routes.replace_all(
+    def replace_all(self, items: dict[str, Mapping[str, str]]) -> int:
+        self.by_node = {name: r for name, r in items.items() if name != self.local_node}
+        return self.routes.replace_all(
             {c: g for routes in self.by_node.values() for c, g in routes.items()}
         )
+
+    def upsert(self, key: str, value: Mapping[str, str]) -> int:
+        if key == self.local_node:
+            return self.revision
+        for cidr in self.by_node.get(key, {}):
+            if cidr not in value:
+                self.routes.delete(cidr)
+        for cidr, gw in value.items():
+            self.routes.upsert(cidr, gw)
+        self.by_node[key] = value
+        return self.revision
+
+    def delete(self, key: str) -> int:
+        for cidr in self.by_node.pop(key, {}):
+            self.routes.delete(cidr)
+        return self.revision

@@ -4,8 +4,9 @@ flow events and status.
 
 Every BPF map operation runs on one dedicated thread (MapWriter): map
 writes stay ordered and a burst (a 16k-entry policy) never blocks the event
-loop. Desired state per map lives in a Reconciler (flagella.common); the
-control-plane stream handlers (handlers.py) only change desired state.
+loop. Desired state per map lives in a Reconciler (flagella.common), fed
+from the control plane's streams through typed tables (handlers.py,
+routes.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from flagella.common.errors import (
 )
 from flagella.common.locks import KeyedLocks
 from flagella.common.reconcile import Reconciler, ReconcilerStatus
+from flagella.common.tasks import TaskGroup
 from flagella.datapath import netdev
 from flagella.datapath.bpf import Datapath, MapStatus, NodeConfig, PolicyBudgetExceeded
 from flagella.datapath.bpf import Service as BpfService
@@ -220,9 +222,10 @@ class DatapathService:
 
     # --- start-up and restore ---
 
-    async def start(self) -> None:
+    async def start(self, tasks: TaskGroup) -> None:
         """Load the programs and pinned maps, restore the endpoints this node
-        had, reattach, then start the reconcilers. Before SERVING."""
+        had, reattach, then start the reconcilers in tasks (the runtime's,
+        which stops them). Before SERVING."""
         cfg = self.config
         if cfg.enable_ip_forward:
             await netdev.write_sysctls(
@@ -244,7 +247,7 @@ class DatapathService:
             await self.writer.run(self.bpf.attach_netdev, self.uplink_ifindex)
         await self._restore()
         for rec in self.reconcilers():
-            rec.start()
+            rec.start(tasks)
         self._start_events()
 
     async def _write_node_config(self) -> None:
@@ -327,8 +330,7 @@ class DatapathService:
         return ct.delete_many(doomed)
 
     async def stop(self) -> None:
-        for rec in self.reconcilers():
-            await rec.stop()
+        """After the runtime's tasks (the reconcilers among them) stopped."""
         if self._reader is not None:
             with contextlib.suppress(Exception):
                 asyncio.get_running_loop().remove_reader(self._reader.fileno())

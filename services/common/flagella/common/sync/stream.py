@@ -140,9 +140,12 @@ class StreamSource(Generic[K, R]):
                     restore = [
                         (k, rec, revision) for k, rec in self._kept.items() if k not in named
                     ]
-                    if restore:
+                    if restore or named:
+                        # Published even at the revision of the last delta:
+                        # subscribers learn that the table is complete there.
                         self.sink.commit(restore, revision)
-                    self.sink.advance(revision)
+                    else:
+                        self.sink.advance(revision)
                 self._kept.clear()
                 named.clear()
                 resuming = False
