@@ -33,6 +33,7 @@ from harness.procs import ServiceProcess  # noqa: E402
 from flagella.api.policy.v1 import policy_pb2 as pb  # noqa: E402
 from flagella.api.policy.v1 import policy_pb2_grpc as pbg  # noqa: E402
 from flagella.common.etcd import Etcd  # noqa: E402
+from flagella.common.sync import Table  # noqa: E402
 from flagella.policy.labels import Label, LabelFilter, label_set  # noqa: E402
 from flagella.policy.rules import parse_document, rule_to_json  # noqa: E402
 from flagella.policy.state import PolicyState  # noqa: E402
@@ -236,7 +237,10 @@ async def bench(quick: bool, etcd_endpoint: str, address: str) -> dict[str, Any]
         # In-process: the service's own state, loaded from etcd.
         etcd = Etcd([etcd_endpoint])
         try:
-            kvs, revision = await PolicyStore(etcd).snapshot()
+            # What a replica's mirror reads at start.
+            source = PolicyStore(etcd).mirror_source(Table("bench"))
+            records, revision = await source.read()
+            kvs = [kv for _, kv, _ in records]
         finally:
             await etcd.close()
         ident_ids: list[int] = []

@@ -93,6 +93,7 @@ class DatapathApp:
                     policy_pb2.WatchIPCacheRequest(since_revision=since)
                 ),
                 IPCacheCodec(),
+                acknowledges_resume=False,  # policy's streams answer with the changes alone
             )
             self._reconcile(ipcache, self.service.ipcache)
             policies, source = self._stream(
@@ -101,6 +102,7 @@ class DatapathApp:
                     policy_pb2.WatchPolicyRequest(node=cfg.node_name, since_revision=since)
                 ),
                 PolicyCodec(),
+                acknowledges_resume=False,
             )
             self._reconcile(
                 policies,
@@ -122,11 +124,18 @@ class DatapathApp:
             await self.registration.registered.wait()
 
     def _stream(
-        self, name: str, open_stream: OpenStream, codec: StreamCodec[M, K, R]
+        self,
+        name: str,
+        open_stream: OpenStream,
+        codec: StreamCodec[M, K, R],
+        *,
+        acknowledges_resume: bool = True,
     ) -> tuple[Table[K, R], StreamSource[K, R]]:
         """A control-plane stream mirrored into a table of its own."""
         table: Table[K, R] = Table(name)
-        source = StreamSource(name, open_stream, table, codec)
+        source = StreamSource(
+            name, open_stream, table, codec, acknowledges_resume=acknowledges_resume
+        )
         self.service.streams_synced.setdefault(name, False)
         self.runtime.tasks.supervise(f"stream-{name}", source.run)
         return table, source

@@ -66,9 +66,13 @@ class StreamSource(Generic[K, R]):
         codec: StreamCodec[Any, K, R],
         *,
         backoff: Backoff | None = None,
+        acknowledges_resume: bool = True,
     ) -> None:
         self.name = name
         self.open_stream = open_stream
+        # Whether the server answers a resume with SYNCED at since before
+        # the changes (serve_watch's acknowledge_resume).
+        self.acknowledges_resume = acknowledges_resume
         self.sink = sink
         self.codec = codec
         self.backoff = backoff or Backoff(0.1, 5.0)
@@ -105,7 +109,7 @@ class StreamSource(Generic[K, R]):
 
     async def _follow(self) -> None:
         snapshot: dict[K, tuple[R, int]] | None = None
-        resuming = self.revision > 0
+        resuming = self.revision > 0 and self.acknowledges_resume
         named: set[K] = set()
         async for event in self.open_stream(self.revision):
             self.connected = True
