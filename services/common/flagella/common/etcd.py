@@ -1,6 +1,7 @@
 """A typed asyncio etcd v3 client over aetcd: key-value and transactions,
-leases kept alive (and replaced, with a callback, when lost), and prefix
-watches that start with a snapshot and survive etcd restarts.
+paged reads at one revision, leases kept alive (and replaced, with a
+callback, when lost), and range watches that yield whole etcd responses
+(what flagella.common.sync builds its tables on).
 
 Every etcd failure surfaces as flagella.common.errors.Unavailable, so callers
 answer UNAVAILABLE and nothing is half-written (writes that must be atomic go
@@ -435,49 +436,6 @@ class Etcd:
             await self._call(self.client.revoke_lease, lease_id)
 
     # --- watches ---
-
-    async def watch_prefix(
-        self, prefix: str, start_revision: int, *, prev_kv: bool = False
-    ) -> AsyncIterator[WatchEvent]:
-        """Events under prefix from start_revision on (with the previous value
-        of each key when prev_kv). Raises Unavailable when the stream breaks
-        and Compacted when start_revision is gone."""
-        async for event in self.watch_range(
-            prefix, prefix_end(prefix), start_revision, prev_kv=prev_kv
-        ):
-            yield event
-
-    async def watch_range(
-        self, key: str, range_end: bytes, start_revision: int, *, prev_kv: bool = False
-    ) -> AsyncIterator[WatchEvent]:
-        """Events on the keys in [key, range_end) from start_revision on, in
-        revision order. Raises as watch_prefix."""
-        try:
-            watch = await self._call(
-                self.client.watch,
-                _b(key),
-                range_end=range_end,
-                start_revision=start_revision,
-                prev_kv=prev_kv,
-            )
-        except aetcd.exceptions.RevisionCompactedError as exc:
-            raise Compacted(exc.compacted_revision) from exc
-        try:
-            async for event in watch:
-                kind = EventType.PUT if event.kind == "PUT" else EventType.DELETE
-                prev = getattr(event, "prev_kv", None)
-                yield WatchEvent(
-                    kind,
-                    KeyValue.from_proto(event.kv),
-                    KeyValue.from_proto(prev) if prev is not None and prev.key else None,
-                )
-        except aetcd.exceptions.RevisionCompactedError as exc:
-            raise Compacted(exc.compacted_revision) from exc
-        except (aetcd.exceptions.ClientError, grpc.aio.AioRpcError) as exc:
-            raise Unavailable(f"etcd watch broke: {exc!r}") from exc
-        finally:
-            with contextlib.suppress(Exception):
-                await watch.cancel()
 
     def watch(self, prefix: str, start_revision: int, *, prev_kv: bool = False) -> RangeWatch:
         """A watch of every key under prefix from start_revision on, by whole
