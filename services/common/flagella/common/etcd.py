@@ -345,18 +345,8 @@ class Etcd:
         req = etcd_rpc.TxnRequest(success=ops)
         try:
             resp = await client.kvstub.Txn(req, timeout=self.timeout, metadata=client.metadata)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.OUT_OF_RANGE:
-                details = exc.details() or ""
-                if "compacted" in details:
-                    raise Compacted(revision) from exc
-                if "future" in details:
-                    raise FutureRevision(revision) from exc
-            raise Unavailable(
-                f"etcd error at {self.endpoint}: {exc.code().name} {exc.details()}"
-            ) from exc
-        except (TimeoutError, aetcd.exceptions.ClientError) as exc:
-            raise Unavailable(f"etcd unavailable at {self.endpoint}: {exc!r}") from exc
+        except (grpc.aio.AioRpcError, TimeoutError, aetcd.exceptions.ClientError) as exc:
+            raise self._read_error(exc, revision) from exc
         lists = [[KeyValue.from_proto(kv) for kv in r.response_range.kvs] for r in resp.responses]
         return lists, int(revision or resp.header.revision)
 
@@ -370,6 +360,20 @@ class Etcd:
             client.kvstub.Range, req, timeout=self.timeout, metadata=client.metadata
         )
         return int(resp.count), int(resp.header.revision)
+
+    def _read_error(self, exc: BaseException, revision: int) -> Exception:
+        """What a failed read at a revision raises: Compacted or
+        FutureRevision when etcd cannot read that revision, else
+        Unavailable."""
+        if isinstance(exc, grpc.aio.AioRpcError):
+            if exc.code() == grpc.StatusCode.OUT_OF_RANGE:
+                details = exc.details() or ""
+                if "compacted" in details:
+                    return Compacted(revision)
+                if "future" in details:
+                    return FutureRevision(revision)
+            return Unavailable(f"etcd error at {self.endpoint}: {exc.code().name} {exc.details()}")
+        return Unavailable(f"etcd unavailable at {self.endpoint}: {exc!r}")
 
     async def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
         """Returns the revision of the write."""
@@ -495,14 +499,11 @@ class Etcd:
         req = etcd_rpc.TxnRequest(success=[written, count(revision), count(since)])
         try:
             resp = await client.kvstub.Txn(req, timeout=self.timeout, metadata=client.metadata)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.OUT_OF_RANGE:
+        except (grpc.aio.AioRpcError, TimeoutError, aetcd.exceptions.ClientError) as exc:
+            error = self._read_error(exc, since)
+            if isinstance(error, Compacted | FutureRevision):
                 return False
-            raise Unavailable(
-                f"etcd error at {self.endpoint}: {exc.code().name} {exc.details()}"
-            ) from exc
-        except (TimeoutError, aetcd.exceptions.ClientError) as exc:
-            raise Unavailable(f"etcd unavailable at {self.endpoint}: {exc!r}") from exc
+            raise error from exc
         changed = len(resp.responses[0].response_range.kvs)
         now, before = (int(r.response_range.count) for r in resp.responses[1:])
         return changed == 0 and now == before
@@ -522,18 +523,8 @@ class Etcd:
         )
         try:
             resp = await client.kvstub.Range(req, timeout=self.timeout, metadata=client.metadata)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.OUT_OF_RANGE:
-                details = exc.details() or ""
-                if "compacted" in details:
-                    raise Compacted(revision) from exc
-                if "future" in details:
-                    raise FutureRevision(revision) from exc
-            raise Unavailable(
-                f"etcd error at {self.endpoint}: {exc.code().name} {exc.details()}"
-            ) from exc
-        except (TimeoutError, aetcd.exceptions.ClientError) as exc:
-            raise Unavailable(f"etcd unavailable at {self.endpoint}: {exc!r}") from exc
+        except (grpc.aio.AioRpcError, TimeoutError, aetcd.exceptions.ClientError) as exc:
+            raise self._read_error(exc, revision) from exc
         return [KeyValue.from_proto(kv) for kv in resp.kvs], int(revision or resp.header.revision)
 
     async def snapshot_then_watch(

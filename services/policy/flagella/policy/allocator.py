@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 
 from flagella.common.errors import NotFound, ResourceExhausted, Unavailable
@@ -22,6 +22,7 @@ from flagella.policy.labels import Label, LabelSet, format_labels
 from flagella.policy.leases import NodeLeases
 from flagella.policy.mirror import Mirror
 from flagella.policy.outcomes import (
+    DropOutcome,
     IdentityCreated,
     IdTaken,
     LabelsEntry,
@@ -220,23 +221,33 @@ class IdentityAllocator:
             label_string = format_labels(stored.labels)
         if owner:
             return await self._release_owned(ident, label_string, node, owner)
-        ref = self._cached_reference(label_string, node, "")
-        if ref is None:
-            ref = await self.store.get_reference(label_string, node)
-        for _ in range(MAX_ATTEMPTS):
-            if ref is None:
-                return False
-            dropped = await self.store.drop_reference(label_string, ident, node, held=ref)
-            if isinstance(dropped, ReferenceMoved):
-                ref = dropped.ref
-                continue
-            await self.mirror.wait_for(dropped.revision)
-            if dropped.last:
-                log.info("identity released by node", extra={"identity": ident, "node": node})
-            return dropped.last
-        raise Unavailable("identity release kept conflicting; retry", field="id")
+        return await self._drop(
+            ident,
+            node,
+            label_string,
+            "",
+            lambda held: self.store.drop_reference(label_string, ident, node, held=held),
+        )
 
     async def _release_owned(self, ident: int, label_string: str, node: str, owner: str) -> bool:
+        return await self._drop(
+            ident,
+            node,
+            label_string,
+            owner,
+            lambda held: self.store.drop_owned_reference(label_string, node, owner, held=held),
+        )
+
+    async def _drop(
+        self,
+        ident: int,
+        node: str,
+        label_string: str,
+        owner: str,
+        drop: Callable[[Reference], Awaitable[DropOutcome]],
+    ) -> bool:
+        """Drop the reference (the node's count, or an owner's) as held,
+        again as it moved if another writer changed it meanwhile."""
         held = self._cached_reference(label_string, node, owner)
         if held is None:
             # Not in the mirror: it may be newer than what the mirror saw.
@@ -244,7 +255,7 @@ class IdentityAllocator:
         for _ in range(MAX_ATTEMPTS):
             if held is None:
                 return False
-            dropped = await self.store.drop_owned_reference(label_string, node, owner, held=held)
+            dropped = await drop(held)
             if isinstance(dropped, ReferenceMoved):
                 held = dropped.ref
                 continue

@@ -76,7 +76,8 @@ class NodeLeases:
             return True  # granted after what the mirror has seen
         return lease.lease in state.node_leases.get(lease.node, {})
 
-    async def lease_for(self, node: str) -> NodeLease:
+    def _usable(self, node: str) -> NodeLease | None:
+        """The node's current lease, if alive and not full."""
         lease = self._current.get(node)
         if (
             lease is not None
@@ -84,14 +85,16 @@ class NodeLeases:
             and self._alive(lease)
         ):
             return lease
+        return None
+
+    async def lease_for(self, node: str) -> NodeLease:
+        lease = self._usable(node)
+        if lease is not None:
+            return lease
         lock = self._locks.setdefault(node, asyncio.Lock())
         async with lock:
-            lease = self._current.get(node)
-            if (
-                lease is not None
-                and self._attached.get(lease.lease, 0) < self.cap
-                and self._alive(lease)
-            ):
+            lease = self._usable(node)
+            if lease is not None:
                 return lease
             lease = await self.store.grant_node_lease(node, self.ttl, self.replica)
             self._current[node] = lease

@@ -15,7 +15,7 @@ from typing import Generic, Protocol, TypeVar
 
 from flagella.common.errors import Unavailable
 from flagella.common.etcd import Compacted, FutureRevision
-from flagella.common.sync import Batch, Change, serve_watch
+from flagella.common.sync import Batch, Change, WatchMessages, serve_watch
 from flagella.common.tasks import TaskGroup
 from flagella.policy.leases import NodeLeases
 from flagella.policy.mirror import Mirror
@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 # Prefixes or identities: sortable, for a stable order of events.
 K = TypeVar("K", str, int)
 V = TypeVar("V")
+M = TypeVar("M")
 
 
 class EventKind:
@@ -251,35 +252,29 @@ class Streams:
         self.leases = leases
         self.settings = settings
 
-    async def watch_ipcache(self, since: int) -> AsyncIterator[IPCacheEvent]:
-        feed = ViewFeed(self.mirror, IPCacheView(), since)
+    def watch_ipcache(self, since: int) -> AsyncIterator[IPCacheEvent]:
+        return self._serve(ViewFeed(self.mirror, IPCacheView(), since), IPCacheMessages(), since)
+
+    async def watch_policy(self, node: str, since: int) -> AsyncIterator[PolicyEvent]:
+        feed = ViewFeed(self.mirror, NodePolicyView(node), since)
+        # While the stream is open the node's leases stay alive.
+        async with TaskGroup(f"watch-policy {node}") as tasks:
+            tasks.spawn(f"keepalive-{node}", self.leases.keep_alive(node))
+            async for event in self._serve(feed, PolicyMessages(), since):
+                yield event
+
+    async def _serve(
+        self, feed: ViewFeed[K, V], messages: WatchMessages[K, V, M], since: int
+    ) -> AsyncIterator[M]:
         try:
             async for event in serve_watch(
                 feed,
-                IPCacheMessages(),
+                messages,
                 since=since,
                 heartbeat=self.settings.watch_heartbeat,
                 sync_batches=True,
                 acknowledge_resume=False,
             ):
                 yield event
-        finally:
-            feed.close()
-
-    async def watch_policy(self, node: str, since: int) -> AsyncIterator[PolicyEvent]:
-        feed = ViewFeed(self.mirror, NodePolicyView(node), since)
-        try:
-            # While the stream is open the node's leases stay alive.
-            async with TaskGroup(f"watch-policy {node}") as tasks:
-                tasks.spawn(f"keepalive-{node}", self.leases.keep_alive(node))
-                async for event in serve_watch(
-                    feed,
-                    PolicyMessages(),
-                    since=since,
-                    heartbeat=self.settings.watch_heartbeat,
-                    sync_batches=True,
-                    acknowledge_resume=False,
-                ):
-                    yield event
         finally:
             feed.close()
