@@ -52,11 +52,16 @@ class Backoff:
         except OverflowError:  # a long outage: far past the cap
             return self.maximum
 
+    def delay(self, attempt: int) -> float:
+        """A jittered delay for the attempt-th retry (0-based), for callers
+        that count attempts themselves (one count per key, say)."""
+        return self.nominal(attempt) * (1 - self.jitter * self.rng.random())
+
     def next(self) -> float:
         """The next delay (and count one more attempt)."""
-        nominal = self.nominal(self.attempts)
+        delay = self.delay(self.attempts)
         self.attempts += 1
-        return nominal * (1 - self.jitter * self.rng.random())
+        return delay
 
     def reset(self) -> None:
         """After a success: the next failure starts from the initial delay."""

@@ -25,6 +25,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
+from flagella.common.backoff import Backoff
 from flagella.common.tasks import TaskGroup
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,8 @@ class Reconciler(Generic[K, V]):
         self.batch_size = batch_size
         self.min_backoff = min_backoff
         self.max_backoff = max_backoff
+        # Each key counts its own attempts; the delays are the common policy's.
+        self.backoff = Backoff(min_backoff, max_backoff)
         self._entries: dict[K, _Entry[V]] = {}
         # Keys not yet realized, in the order they changed: a pass visits only
         # these, so a burst of n changes costs O(n), not O(n * table size).
@@ -257,8 +260,7 @@ class Reconciler(Generic[K, V]):
         if outcome is not None:
             current.status = Status.ERROR
             current.attempts += 1
-            backoff = min(self.min_backoff * 2 ** (current.attempts - 1), self.max_backoff)
-            current.retry_at = time.monotonic() + backoff
+            current.retry_at = time.monotonic() + self.backoff.delay(current.attempts - 1)
             current.error = repr(outcome)
             self._last_error = f"{key!r}: {outcome!r}"
             log.warning(
@@ -301,9 +303,7 @@ class Reconciler(Generic[K, V]):
         if failed:
             self._prune_attempts += 1
             self._prune_requested = True
-            self._prune_retry_at = time.monotonic() + min(
-                self.min_backoff * 2 ** (self._prune_attempts - 1), self.max_backoff
-            )
+            self._prune_retry_at = time.monotonic() + self.backoff.delay(self._prune_attempts - 1)
         else:
             self._prune_attempts = 0
 
