@@ -1,8 +1,10 @@
 """A local HTTP server that speaks the Kubernetes API's list/watch protocol
 for a few collections (no real API server can run on these machines).
 
-It serves, for Services (/api/v1/services) and EndpointSlices
-(/apis/discovery.k8s.io/v1/endpointslices):
+It serves, for the collections in COLLECTIONS (Services, EndpointSlices,
+NetworkPolicies, and the CiliumNetworkPolicy, CiliumClusterwideNetworkPolicy
+and FlagellaNetworkPolicy custom resources, each at its all-namespaces path
+/api/v1/<plural> or /apis/<group>/<version>/<plural>):
 - LIST: GET -> {"kind": "<Kind>List", "metadata": {"resourceVersion"}, "items"}
   [&limit=N[&continue=T]]: pages of at most N items, all of the first
   page's resourceVersion, "continue" in the metadata while more follow; a
@@ -14,10 +16,18 @@ It serves, for Services (/api/v1/services) and EndpointSlices
   ERROR event carrying a Status with code 410 (Gone), as the real server
   answers an expired watch. With allowWatchBookmarks=true, bookmark() sends
   a BOOKMARK at the current resourceVersion.
+It also takes the writes flagella makes:
+- Leases (/apis/coordination.k8s.io/v1/namespaces/<ns>/leases[/<name>]):
+  GET one (404 when absent), POST to create (409 AlreadyExists), PUT to
+  update, 409 Conflict when the body's metadata.resourceVersion is not the
+  stored one (optimistic concurrency, as the real server does).
+- Events (/api/v1/namespaces/<ns>/events): POST to create; kept in
+  `events`, in order.
 One resourceVersion counter covers all objects, as etcd's revision does for
-the real server. Tests change objects with apply() and delete(), can drop
-the history with compact(), and can take the server down() and up() again
-on the same port (as an API server restarts; its objects are kept).
+the real server; a new object gets a metadata.uid. Tests change objects with
+apply() and delete(), can drop the history with compact(), and can take the
+server down() and up() again on the same port (as an API server restarts;
+its objects are kept).
 """
 
 from __future__ import annotations
@@ -25,9 +35,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import re
 import socket
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -43,7 +55,29 @@ COLLECTIONS = {
         "EndpointSliceList",
         "discovery.k8s.io/v1",
     ),
+    "/apis/networking.k8s.io/v1/networkpolicies": (
+        "networkpolicies",
+        "NetworkPolicyList",
+        "networking.k8s.io/v1",
+    ),
+    "/apis/cilium.io/v2/ciliumnetworkpolicies": (
+        "ciliumnetworkpolicies",
+        "CiliumNetworkPolicyList",
+        "cilium.io/v2",
+    ),
+    "/apis/cilium.io/v2/ciliumclusterwidenetworkpolicies": (
+        "ciliumclusterwidenetworkpolicies",
+        "CiliumClusterwideNetworkPolicyList",
+        "cilium.io/v2",
+    ),
+    "/apis/flagella.io/v1/flagellanetworkpolicies": (
+        "flagellanetworkpolicies",
+        "FlagellaNetworkPolicyList",
+        "flagella.io/v1",
+    ),
 }
+LEASE_PATH = re.compile(r"^/apis/coordination\.k8s\.io/v1/namespaces/([^/]+)/leases(?:/([^/]+))?$")
+EVENT_PATH = re.compile(r"^/api/v1/namespaces/([^/]+)/events$")
 
 
 @dataclass
@@ -60,9 +94,10 @@ class KubeListWatchServer:
         self._lock = threading.Condition()
         self._rv = 100
         self._objects: dict[str, dict[tuple[str, str], dict[str, Any]]] = {
-            "services": {},
-            "endpointslices": {},
+            resource: {} for resource, _, _ in COLLECTIONS.values()
         }
+        self._objects["leases"] = {}
+        self.events: list[dict[str, Any]] = []
         self._history: list[_Change] = []
         self._oldest = self._rv  # watches from before this get 410
         self.requests: list[str] = []
@@ -120,6 +155,12 @@ class KubeListWatchServer:
             def do_GET(self) -> None:
                 server._handle(self)
 
+            def do_POST(self) -> None:
+                server._write(self, "POST")
+
+            def do_PUT(self) -> None:
+                server._write(self, "PUT")
+
         self.httpd = _QuietServer(("127.0.0.1", self.port), Handler)
         self.httpd.daemon_threads = True
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
@@ -167,7 +208,9 @@ class KubeListWatchServer:
             meta = obj.setdefault("metadata", {})
             meta["resourceVersion"] = str(self._rv)
             key = (meta.get("namespace", ""), meta["name"])
-            kind = "MODIFIED" if key in self._objects[resource] else "ADDED"
+            old = self._objects[resource].get(key)
+            meta.setdefault("uid", old["metadata"]["uid"] if old else str(uuid.uuid4()))
+            kind = "MODIFIED" if old is not None else "ADDED"
             self._objects[resource][key] = obj
             self._history.append(_Change(self._rv, resource, kind, obj))
             self._lock.notify_all()
@@ -201,6 +244,23 @@ class KubeListWatchServer:
             self._continues.clear()
             self._lock.notify_all()
 
+    def lease(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The stored Lease, or None."""
+        with self._lock:
+            obj = self._objects["leases"].get((namespace, name))
+            return copy.deepcopy(obj) if obj is not None else None
+
+    def events_about(self, kind: str, namespace: str, name: str) -> list[dict[str, Any]]:
+        """The Events created so far whose involvedObject is this object."""
+        with self._lock:
+            return [
+                copy.deepcopy(e)
+                for e in self.events
+                if (e.get("involvedObject") or {}).get("kind") == kind
+                and (e.get("involvedObject") or {}).get("namespace", "") == namespace
+                and (e.get("involvedObject") or {}).get("name") == name
+            ]
+
     def bookmark(self) -> int:
         """A BOOKMARK at the current resourceVersion on every open watch that
         allows them (after the changes before it); returns that version."""
@@ -214,6 +274,10 @@ class KubeListWatchServer:
     def _handle(self, h: BaseHTTPRequestHandler) -> None:
         url = urlparse(h.path)
         self.requests.append(h.path)
+        lease = LEASE_PATH.match(url.path)
+        if lease is not None and lease.group(2) is not None:
+            self._get_lease(h, lease.group(1), lease.group(2))
+            return
         coll = COLLECTIONS.get(url.path)
         if coll is None:
             self._send_json(h, 404, _status(404, "NotFound", f"{url.path} not served here"))
@@ -249,6 +313,63 @@ class KubeListWatchServer:
                 "items": items,
             }
         self._send_json(h, 200, body)
+
+    def _write(self, h: BaseHTTPRequestHandler, method: str) -> None:
+        """POST/PUT of a Lease, POST of an Event."""
+        url = urlparse(h.path)
+        self.requests.append(f"{method} {h.path}")
+        length = int(h.headers.get("Content-Length") or 0)
+        try:
+            body = json.loads(h.rfile.read(length) or b"{}")
+        except ValueError:
+            self._send_json(h, 400, _status(400, "BadRequest", "body is not JSON"))
+            return
+        lease = LEASE_PATH.match(url.path)
+        event = EVENT_PATH.match(url.path)
+        if event is not None and method == "POST":
+            with self._lock:
+                self._rv += 1
+                meta = body.setdefault("metadata", {})
+                meta.update(namespace=event.group(1), resourceVersion=str(self._rv))
+                meta.setdefault("uid", str(uuid.uuid4()))
+                self.events.append(body)
+            self._send_json(h, 201, body)
+            return
+        if lease is None or (method == "POST") != (lease.group(2) is None):
+            self._send_json(h, 405, _status(405, "MethodNotAllowed", f"{method} {url.path}"))
+            return
+        namespace = lease.group(1)
+        meta = body.setdefault("metadata", {})
+        name = lease.group(2) or meta.get("name", "")
+        key = (namespace, name)
+        with self._lock:
+            leases = self._objects["leases"]
+            current = leases.get(key)
+            if method == "POST" and current is not None:
+                self._send_json(h, 409, _status(409, "AlreadyExists", f"lease {name} exists"))
+                return
+            if method == "PUT":
+                if current is None:
+                    self._send_json(h, 404, _status(404, "NotFound", f"no lease {name}"))
+                    return
+                if meta.get("resourceVersion") != current["metadata"]["resourceVersion"]:
+                    message = f"the object has been modified; lease {name}"
+                    self._send_json(h, 409, _status(409, "Conflict", message))
+                    return
+            self._rv += 1
+            meta.update(name=name, namespace=namespace, resourceVersion=str(self._rv))
+            meta["uid"] = current["metadata"]["uid"] if current else str(uuid.uuid4())
+            body.update(kind="Lease", apiVersion="coordination.k8s.io/v1")
+            leases[key] = copy.deepcopy(body)
+        self._send_json(h, 201 if method == "POST" else 200, body)
+
+    def _get_lease(self, h: BaseHTTPRequestHandler, namespace: str, name: str) -> None:
+        with self._lock:
+            obj = copy.deepcopy(self._objects["leases"].get((namespace, name)))
+        if obj is None:
+            self._send_json(h, 404, _status(404, "NotFound", f"leases {name} not found"))
+        else:
+            self._send_json(h, 200, obj)
 
     def _send_json(self, h: BaseHTTPRequestHandler, code: int, body: Any) -> None:
         raw = json.dumps(body).encode()
@@ -391,3 +512,31 @@ def k8s_endpoint_slice(
         "ports": ports,
         "endpoints": endpoints,
     }
+
+
+# The policy kinds: kind -> (collection, apiVersion).
+POLICY_KINDS = {
+    "NetworkPolicy": ("networkpolicies", "networking.k8s.io/v1"),
+    "CiliumNetworkPolicy": ("ciliumnetworkpolicies", "cilium.io/v2"),
+    "CiliumClusterwideNetworkPolicy": ("ciliumclusterwidenetworkpolicies", "cilium.io/v2"),
+    "FlagellaNetworkPolicy": ("flagellanetworkpolicies", "flagella.io/v1"),
+}
+
+
+def k8s_policy(
+    kind: str,
+    namespace: str,
+    name: str,
+    spec: dict[str, Any],
+    *,
+    labels: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """A policy object of one of POLICY_KINDS, as the API server holds it
+    (namespace "" for the cluster-wide kind)."""
+    _, api_version = POLICY_KINDS[kind]
+    meta: dict[str, Any] = {"name": name, "creationTimestamp": "2025-01-01T00:00:00Z"}
+    if namespace:
+        meta["namespace"] = namespace
+    if labels:
+        meta["labels"] = labels
+    return {"apiVersion": api_version, "kind": kind, "metadata": meta, "spec": spec}
