@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flagella.common.config import ServiceConfig, option, parse_host_port
+from flagella.common.config import option, parse_host_port
 from flagella.common.errors import ConfigError
+from flagella.common.kubeapi import KubeConfig
 from flagella.lb.maglev import (
     DEFAULT_SEED,
     DEFAULT_SIZE,
@@ -36,8 +37,9 @@ def _parse_seed(value: str) -> str:
 
 
 @dataclass(frozen=True)
-class LbConfig(ServiceConfig):
-    """flagella lb service: services, backends, stable ids and Maglev tables."""
+class LbConfig(KubeConfig):
+    """flagella lb service: services, backends, stable ids and Maglev tables
+    (with --kubeconfig: of Kubernetes Services and EndpointSlices)."""
 
     listen: str = option("127.0.0.1:50054", "gRPC address to serve on", parse=parse_host_port)
     node_port_range: str = option(
@@ -63,11 +65,6 @@ class LbConfig(ServiceConfig):
     maglev_cache_mb: int = option(256, "memory for built Maglev tables, MiB")
     watch_heartbeat: float = option(
         30.0, "seconds between SYNCED heartbeats on an idle WatchServices stream"
-    )
-    kubeconfig: str = option(
-        "",
-        "watch Kubernetes Services and EndpointSlices: a kubeconfig path, or 'in-cluster'; "
-        "empty: off",
     )
 
     def validate(self) -> None:

@@ -20,7 +20,10 @@ frontend per (cluster IP, port):
               the configured default
 
 Services written this way have source "kubernetes"; the gRPC API cannot
-change or delete them, and the watcher touches no other. It uses
+change or delete them, and the watcher touches no other. Every replica
+follows the API; only the one holding the coordination.k8s.io Lease
+"flagella-lb-services" writes (flagella.common.leader), and each new term
+starts with a full sync against etcd. It uses
 kubernetes.aio, the asyncio client shipped in the `kubernetes` package; a
 watch that breaks or expires (410 Gone) ends in a fresh list.
 """
@@ -28,7 +31,6 @@ watch that breaks or expires (410 Gone) ends in a fresh list.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib
 import logging
 from collections.abc import Callable, Iterable
@@ -36,8 +38,11 @@ from typing import Any
 
 from flagella.common.backoff import Backoff, retry
 from flagella.common.errors import FlagellaError, InvalidArgument
+from flagella.common.kubeapi import api_client
+from flagella.common.leader import LeaderElector, LeaseTimings
 from flagella.common.server import FatalError
 from flagella.common.sync import Batch, KubeSource, Table
+from flagella.common.sync.dirty import DirtyKeys
 from flagella.common.sync.kube import Obj
 from flagella.common.tasks import TaskGroup
 from flagella.lb.model import Algorithm, BackendState, Protocol, ServiceSpec, ServiceType, Source
@@ -56,6 +61,8 @@ log = logging.getLogger(__name__)
 ALGORITHM_ANNOTATION = "flagella.io/lb-algorithm"
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 WATCH_TIMEOUT_S = 60  # the API server ends each watch call after this; we re-watch
+# The Lease electing the replica that writes (in --leader-election-namespace).
+LEASE_NAME = "flagella-lb-services"
 
 
 # --- translation (pure) ---
@@ -181,34 +188,6 @@ def _backends(slices: list[Obj], family: str, port_name: str, protocol: str) -> 
 # --- the watcher ---
 
 
-class _Dirty:
-    """Kubernetes Services to sync: a set, so that a key marked many times
-    while a sync runs is synced once, from the latest state."""
-
-    def __init__(self) -> None:
-        self._keys: set[str] = set()
-        self._marked = asyncio.Event()
-
-    def mark(self, keys: Iterable[str]) -> None:
-        self._keys.update(keys)
-        if self._keys:
-            self._marked.set()
-
-    def clear(self) -> None:
-        self._keys.clear()
-        self._marked.clear()
-
-    async def take(self, timeout: float | None = None) -> set[str]:
-        """The keys marked so far, once there are any or after timeout
-        seconds (then maybe none)."""
-        if not self._keys:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._marked.wait(), timeout)
-        keys, self._keys = self._keys, set()
-        self._marked.clear()
-        return keys
-
-
 class KubernetesWatcher:
     """Mirrors Services and EndpointSlices into two tables (each fed by a
     KubeSource: list, watch, relist on 410 Gone) and keeps the flagella
@@ -226,29 +205,29 @@ class KubernetesWatcher:
         self._owner_of: dict[str, str] = {}
         # Flagella names written for each Kubernetes Service.
         self._written: dict[str, set[str]] = {}
-        self._dirty = _Dirty()
+        self._dirty = DirtyKeys()
         # Services whose sync failed: synced again after a backoff.
         self._failed: set[str] = set()
         self.retry_backoff = Backoff(1.0, 30.0)
         self._services_listed = asyncio.Event()
         self._slices_listed = asyncio.Event()
         self._api: Any = None
+        self.elector: LeaderElector | None = None
         self.initial_sync = asyncio.Event()
 
-    async def _api_client(self) -> Any:
-        # The client's functions are untyped: use them through Any.
-        client: Any = importlib.import_module("kubernetes.aio.client")
-        config: Any = importlib.import_module("kubernetes.aio.config")
-        if self.kubeconfig == "in-cluster":
-            cfg = client.Configuration()
-            config.load_incluster_config(client_configuration=cfg)
-            return client.ApiClient(cfg)
-        return await config.new_client_from_config(config_file=self.kubeconfig)
-
-    async def start(self, tasks: TaskGroup) -> None:
+    async def start(
+        self,
+        tasks: TaskGroup,
+        *,
+        namespace: str,
+        identity: str,
+        timings: LeaseTimings | None = None,
+    ) -> None:
+        """Follow Services and EndpointSlices (every replica), and write
+        flagella services while this replica holds the Lease LEASE_NAME."""
         client: Any = importlib.import_module("kubernetes.aio.client")
         try:
-            self._api = await self._api_client()
+            self._api = await api_client(self.kubeconfig)
         except Exception as exc:
             raise FatalError(f"cannot use --kubeconfig {self.kubeconfig}: {exc}") from exc
         core = client.CoreV1Api(self._api)
@@ -275,9 +254,11 @@ class KubernetesWatcher:
             "k8s-endpointslices-follow",
             self._follow(self.slices, self._slices_changed, self._slices_listed),
         )
-        # A bug in a sync must not stop the syncing for good.
-        tasks.supervise("k8s-sync", self._sync_loop)
-        log.info("watching kubernetes", extra={"kubeconfig": self.kubeconfig})
+        # Only the leader writes; a bug in its sync ends its term (logged)
+        # and the replicas elect again, so it never stops syncing for good.
+        self.elector = LeaderElector(self._api, namespace, LEASE_NAME, identity, timings)
+        tasks.spawn("k8s-leader", self.elector.run(self._sync_loop))
+        log.info("watching kubernetes", extra={"kubeconfig": self.kubeconfig, "identity": identity})
 
     async def stop(self) -> None:
         """After the tasks stopped: close the client's connections."""
@@ -329,6 +310,11 @@ class KubernetesWatcher:
     # --- syncing them ---
 
     async def _sync_loop(self) -> None:
+        """The leader's job: sync everything, then what changes."""
+        # A new term starts from what etcd holds, not from an old term's view.
+        self._written.clear()
+        self._failed.clear()
+        self.retry_backoff.reset()
         await self._services_listed.wait()
         await self._slices_listed.wait()
         await retry(
@@ -337,21 +323,11 @@ class KubernetesWatcher:
             retry_on=(FlagellaError,),
             backoff=Backoff(1.0, 10.0),
         )
-        loop = asyncio.get_running_loop()
-        retry_at: float | None = None
-        while True:
-            timeout = None if retry_at is None else max(0.0, retry_at - loop.time())
-            keys = await self._dirty.take(timeout)
-            if retry_at is not None and loop.time() >= retry_at:
-                keys |= self._failed
-                retry_at = None
-            self._failed -= keys
-            for key in sorted(keys):
-                await self._sync_one(key)
-            if not self._failed:
-                self.retry_backoff.reset()
-            elif retry_at is None:
-                retry_at = loop.time() + self.retry_backoff.next()
+        await self._dirty.sync_forever(self._sync_key, self._failed, self.retry_backoff)
+
+    async def _sync_key(self, key: str) -> bool:
+        await self._sync_one(key)
+        return key not in self._failed
 
     async def _initial_sync(self) -> None:
         """After the first lists: write every Service, and delete the
