@@ -218,6 +218,13 @@ def rule_pb(rule: Rule) -> pb.Rule:
         labels=dict(rule.labels),
         revision=rule.revision,
         updated_at=updated if rule.updated_at else None,
+        source=(
+            pb.RuleSource(
+                kind=rule.source.kind, namespace=rule.source.namespace, name=rule.source.name
+            )
+            if rule.source.kubernetes
+            else None
+        ),
     )
 
 

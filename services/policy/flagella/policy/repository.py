@@ -7,7 +7,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 
-from flagella.common.errors import NotFound
+from flagella.common.errors import FailedPrecondition, NotFound
 from flagella.policy.identities import IdentityInfo, kind_of
 from flagella.policy.labels import LabelSet
 from flagella.policy.mirror import Mirror
@@ -46,7 +46,29 @@ class RuleRepository:
             raise NotFound(f"no rule named {name!r}", field="name")
         return rule
 
+    async def sync_rule(self, name: str, rule: Rule | None, *, revision: int) -> int | None:
+        """For the Kubernetes watchers: the rule of one object (None: none
+        any more) under name, in one transaction, if name is still at
+        revision as the caller saw it in the mirror (0: absent). The
+        revision written (visible in the mirror on return), or None when
+        another writer moved it first."""
+        if rule is not None:
+            compile_rule(rule)
+            rule = replace(rule, updated_at=time.time())
+        written = await self.store.sync_rule(name, rule, revision=revision)
+        if written is not None:
+            await self.mirror.wait_for(written)
+        return written
+
     async def delete_rule(self, name: str) -> tuple[bool, int]:
+        held = self.state.rules.get(name)
+        if held is not None and held.source.kubernetes:
+            src = held.source
+            raise FailedPrecondition(
+                f"rule {name!r} comes from the Kubernetes {src.kind} {src.object_key}: "
+                "change or delete that object",
+                field="name",
+            )
         deleted, revision = await self.store.delete_rule(name)
         if not deleted:
             # Nothing was written: the revision may be another service's.

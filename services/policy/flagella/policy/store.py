@@ -380,6 +380,15 @@ class PolicyStore:
         )
         return result.revision
 
+    async def sync_rule(self, name: str, rule: Rule | None, *, revision: int) -> int | None:
+        """Puts rule under name (deletes name when rule is None) in one
+        transaction, if the key is still at revision (0: absent). The
+        revision written, or None when the key had moved (another writer)."""
+        key = keys.rule_key(name)
+        ops = [put_op(key, rule_to_json(rule))] if rule is not None else [delete_op(key)]
+        result = await self.etcd.txn([mod_revision_is(key, revision)], ops)
+        return result.revision if result.succeeded else None
+
     async def delete_rule(self, name: str) -> tuple[bool, int]:
         key = keys.rule_key(name)
         result = await self.etcd.txn([absent(key)], [], [delete_op(key)])

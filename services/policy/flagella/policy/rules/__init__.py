@@ -13,7 +13,7 @@ from flagella.policy.rules.compile import (
     peer_selector,
     subject_selector,
 )
-from flagella.policy.rules.document import parse_document
+from flagella.policy.rules.document import parse_document, parse_object
 from flagella.policy.rules.flagella_policy import parse_flagella_policy
 from flagella.policy.rules.k8s import parse_k8s_network_policy
 from flagella.policy.rules.model import (
@@ -25,6 +25,7 @@ from flagella.policy.rules.model import (
     PortSpec,
     Protocol,
     Rule,
+    RuleSource,
     SelectorSpec,
     Verdict,
 )
@@ -59,6 +60,7 @@ __all__ = [
     "PortSpec",
     "Protocol",
     "Rule",
+    "RuleSource",
     "SelectorSpec",
     "Verdict",
     "check_cidr",
@@ -74,6 +76,7 @@ __all__ = [
     "parse_flagella_policy",
     "parse_k8s_network_policy",
     "parse_network",
+    "parse_object",
     "peer_selector",
     "rule_from_json",
     "rule_to_json",

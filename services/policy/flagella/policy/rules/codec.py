@@ -13,6 +13,7 @@ from flagella.policy.rules.model import (
     PortSpec,
     Protocol,
     Rule,
+    RuleSource,
     SelectorSpec,
 )
 from flagella.policy.selector import Entity
@@ -53,7 +54,7 @@ def _peer_json(p: PeerSpec) -> dict[str, Any]:
 
 
 def rule_to_json(rule: Rule) -> bytes:
-    doc = {
+    doc: dict[str, Any] = {
         "name": rule.name,
         "namespace": rule.namespace,
         "endpointSelector": _selector_json(rule.endpoint_selector),
@@ -67,6 +68,14 @@ def rule_to_json(rule: Rule) -> bytes:
         "labels": dict(rule.labels),
         "updatedAt": rule.updated_at,
     }
+    if rule.source.kubernetes:
+        # Absent for rules by hand: rules stored before sources existed read
+        # back as what they were.
+        doc["source"] = {
+            "kind": rule.source.kind,
+            "namespace": rule.source.namespace,
+            "name": rule.source.name,
+        }
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 
@@ -94,6 +103,7 @@ def _peer_from(d: Mapping[str, Any]) -> PeerSpec:
 
 def rule_from_json(raw: bytes, *, revision: int = 0, create_revision: int = 0) -> Rule:
     d = json.loads(raw)
+    src = d.get("source") or {}
     return Rule(
         name=d["name"],
         namespace=d.get("namespace", ""),
@@ -106,6 +116,7 @@ def rule_from_json(raw: bytes, *, revision: int = 0, create_revision: int = 0) -
         enforce_egress=bool(d.get("enforceEgress", False)),
         description=d.get("description", ""),
         labels=tuple(sorted(d.get("labels", {}).items())),
+        source=RuleSource(src.get("kind", ""), src.get("namespace", ""), src.get("name", "")),
         revision=revision,
         create_revision=create_revision,
         updated_at=float(d.get("updatedAt", 0.0)),

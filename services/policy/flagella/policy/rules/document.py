@@ -30,11 +30,19 @@ _KINDS: dict[tuple[str, str], Callable[[Mapping[str, Any], str], Rule]] = {
 def _object(value: Any, path: str, out: list[tuple[str, Rule]]) -> None:
     obj = Doc.mapping(value, path)
     kind = obj.get("kind")
-    api = obj.get("apiVersion")
     if kind == "List" or (isinstance(kind, str) and kind.endswith("List") and "items" in obj):
         for i, item in enumerate(Doc.seq(obj.get("items"), join(path, "items"))):
             _object(item, f"{join(path, 'items')}[{i}]", out)
         return
+    out.append((path, parse_object(obj, path)))
+
+
+def parse_object(obj: Mapping[str, Any], path: str = "") -> Rule:
+    """The rule of one policy object (by its apiVersion and kind): what
+    `flagella policy import` makes of it, and the Kubernetes watchers too.
+    Raises InvalidArgument naming the path of the first problem."""
+    kind = obj.get("kind")
+    api = obj.get("apiVersion")
     parser = _KINDS.get((api, kind)) if isinstance(api, str) and isinstance(kind, str) else None
     if parser is None:
         where = join(path, "kind") if "kind" in obj else join(path, "apiVersion")
@@ -43,7 +51,7 @@ def _object(value: Any, path: str, out: list[tuple[str, Rule]]) -> None:
             f"apiVersion {api!r} kind {kind!r} is neither a FlagellaNetworkPolicy "
             "(flagella.io/v1) nor a Kubernetes NetworkPolicy (networking.k8s.io/v1)",
         )
-    out.append((path, parser(obj, path)))
+    return parser(obj, path)
 
 
 _BaseLoader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)

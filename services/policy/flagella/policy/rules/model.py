@@ -73,6 +73,31 @@ class PeerSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class RuleSource:
+    """Where a rule comes from: the Kubernetes object it was translated
+    from (kind, namespace, name; namespace "" for a cluster-scoped kind),
+    or, with no kind, the API (`flagella policy import`, PutRules: "by
+    hand"). The Kubernetes watchers write only rules of their kind; the API
+    cannot change or delete those."""
+
+    kind: str = ""
+    namespace: str = ""
+    name: str = ""
+
+    @property
+    def kubernetes(self) -> bool:
+        return bool(self.kind)
+
+    @property
+    def object_key(self) -> str:
+        """The object's key as the watchers' tables hold it: "namespace/name"."""
+        return f"{self.namespace}/{self.name}"
+
+
+BY_HAND = RuleSource()
+
+
+@dataclass(frozen=True, slots=True)
 class Rule:
     name: str
     namespace: str = ""
@@ -85,6 +110,7 @@ class Rule:
     enforce_egress: bool = False
     description: str = ""
     labels: tuple[tuple[str, str], ...] = ()
+    source: RuleSource = BY_HAND
     # Set by the store.
     revision: int = 0
     create_revision: int = 0
@@ -92,8 +118,14 @@ class Rule:
 
     @property
     def key(self) -> str:
-        """The unique name: namespace/name, or name for a cluster-wide rule."""
-        return f"{self.namespace}/{self.name}" if self.namespace else self.name
+        """The unique name: namespace/name, or name for a cluster-wide rule;
+        a rule from Kubernetes is prefixed with its object's kind
+        ("NetworkPolicy/shop/web"), which no name or namespace can start
+        with (they are lowercase), so a NetworkPolicy, a
+        CiliumNetworkPolicy and a rule imported by hand of the same name
+        are three rules."""
+        base = f"{self.namespace}/{self.name}" if self.namespace else self.name
+        return f"{self.source.kind}/{base}" if self.source.kind else base
 
     def content(self) -> Rule:
         """The rule without what the store sets, for comparisons."""
@@ -109,4 +141,5 @@ class Rule:
             enforce_egress=self.enforce_egress,
             description=self.description,
             labels=self.labels,
+            source=self.source,
         )

@@ -825,6 +825,7 @@ class Rule(_message.Message):
     LABELS_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
     UPDATED_AT_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Unique key of the rule: "namespace/name" or "name"."""
     namespace: _builtins.str
@@ -850,6 +851,13 @@ class Rule(_message.Message):
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     @_builtins.property
     def updated_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def source(self) -> Global___RuleSource:
+        """Output only: the Kubernetes object the rule was translated from (then
+        name is "<kind>/<namespace>/<name>" and only that object changes the
+        rule); unset for rules put through this API.
+        """
+
     def __init__(
         self,
         *,
@@ -866,14 +874,44 @@ class Rule(_message.Message):
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         revision: _builtins.int = ...,
         updated_at: _timestamp_pb2.Timestamp | None = ...,
+        source: Global___RuleSource | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["endpoint_selector", b"endpoint_selector", "updated_at", b"updated_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["endpoint_selector", b"endpoint_selector", "source", b"source", "updated_at", b"updated_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "egress", b"egress", "egress_deny", b"egress_deny", "endpoint_selector", b"endpoint_selector", "enforce_egress", b"enforce_egress", "enforce_ingress", b"enforce_ingress", "ingress", b"ingress", "ingress_deny", b"ingress_deny", "labels", b"labels", "name", b"name", "namespace", b"namespace", "revision", b"revision", "updated_at", b"updated_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "egress", b"egress", "egress_deny", b"egress_deny", "endpoint_selector", b"endpoint_selector", "enforce_egress", b"enforce_egress", "enforce_ingress", b"enforce_ingress", "ingress", b"ingress", "ingress_deny", b"ingress_deny", "labels", b"labels", "name", b"name", "namespace", b"namespace", "revision", b"revision", "source", b"source", "updated_at", b"updated_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Rule: _TypeAlias = Rule  # noqa: Y015
+
+@_typing.final
+class RuleSource(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KIND_FIELD_NUMBER: _builtins.int
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    kind: _builtins.str
+    """NetworkPolicy, CiliumNetworkPolicy, CiliumClusterwideNetworkPolicy or
+    FlagellaNetworkPolicy.
+    """
+    namespace: _builtins.str
+    """Empty for a cluster-scoped kind."""
+    name: _builtins.str
+    def __init__(
+        self,
+        *,
+        kind: _builtins.str = ...,
+        namespace: _builtins.str = ...,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "name", b"name", "namespace", b"namespace"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RuleSource: _TypeAlias = RuleSource  # noqa: Y015
 
 @_typing.final
 class PutRulesRequest(_message.Message):
