@@ -257,3 +257,47 @@ def test_a_change_that_cannot_be_written_while_etcd_is_down_lands_when_it_is_bac
         lambda: backends_of(c, "r/one:http") == {"10.22.0.1": pb.BACKEND_STATE_ACTIVE}, timeout=60
     )
     c.close()
+
+
+def test_two_lb_replicas_on_the_stand_in_api_server_one_writes_the_other_takes_over(
+    etcd: EtcdServer,
+    spawn: Callable[..., ServiceProcess],
+    kube_api: KubeListWatchServer,
+    tmp_path: Path,
+) -> None:
+    """Only the holder of the Lease flagella-lb-services writes; killed
+    with -9, the other replica takes over within the lease duration and
+    writes what changed, losing and duplicating nothing."""
+    kube_api.apply("services", k8s_service("ha", "one", "10.96.80.1", PORTS))
+    kubeconfig = kube_api.write_kubeconfig(tmp_path / "kubeconfig")
+    flags = [
+        "--etcd-endpoints", etcd.endpoint, "--kubeconfig", str(kubeconfig),
+        "--leader-lease-duration", "2", "--leader-renew-deadline", "1.5",
+        "--leader-retry-period", "0.25",
+    ]  # fmt: skip
+
+    def holder() -> str:
+        lease = kube_api.lease("flagella", "flagella-lb-services")
+        return str(lease["spec"]["holderIdentity"]) if lease else ""
+
+    a = spawn("lb", *flags)
+    wait_for(holder)
+    first = holder()
+    b = spawn("lb", *flags)
+    c = LbClient(b.address)
+    wait_for(lambda: backends_of(c, "ha/one:http") == {})
+    one_id = c.get("ha/one:http").id
+    assert "leading" not in b.logs()
+    assert holder() == first
+
+    a.kill9()
+    wait_for(lambda: holder() not in ("", first), timeout=10)
+    kube_api.apply("services", k8s_service("ha", "two", "10.96.80.2", PORTS))
+    kube_api.apply(
+        "endpointslices", k8s_endpoint_slice("ha", "one-x", "one", SLICE_PORTS, [ep("10.22.0.1")])
+    )
+    wait_for(lambda: backends_of(c, "ha/one:http") == {"10.22.0.1": pb.BACKEND_STATE_ACTIVE})
+    wait_for(lambda: [s.name for s in c.list("ha").services] == ["ha/one:http", "ha/two:http"])
+    assert c.get("ha/one:http").id == one_id
+    assert '"leading"' in b.logs()
+    c.close()

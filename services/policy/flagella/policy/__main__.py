@@ -5,12 +5,16 @@ from __future__ import annotations
 import sys
 
 import grpc
+from grpc_health.v1 import health_pb2
 
 from flagella.api.policy.v1 import policy_pb2, policy_pb2_grpc
 from flagella.common.etcd import Etcd
-from flagella.common.server import Probes, Runtime
+from flagella.common.kubeapi import replica_identity
+from flagella.common.leader import LeaseTimings
+from flagella.common.server import FatalError, Probes, Runtime
 from flagella.common.server import main as serve_main
 from flagella.policy.config import PolicyConfig
+from flagella.policy.kube import KUBERNETES_HEALTH, PolicyWatchers
 from flagella.policy.service import PolicyService
 from flagella.policy.servicer import PolicyServicer
 from flagella.policy.settings import Settings
@@ -35,9 +39,11 @@ class PolicyApp:
 
     def __init__(self, runtime: Runtime[PolicyConfig]) -> None:
         cfg = runtime.config
+        self.runtime = runtime
         self.etcd = Etcd(cfg.etcd_endpoints, timeout=cfg.etcd_timeout)
         self.probes = Probes(runtime.readiness)
         self.service = PolicyService(PolicyStore(self.etcd), settings_of(cfg), tasks=runtime.tasks)
+        self.kube: PolicyWatchers | None = None
 
     def register(self, server: grpc.aio.Server) -> None:
         policy_pb2_grpc.add_PolicyServiceServicer_to_server(PolicyServicer(self.service), server)
@@ -46,10 +52,34 @@ class PolicyApp:
         await self.etcd.wait_connected()
         await self.service.start()
         self.probes.add("etcd", self.etcd.current_revision)
+        cfg = self.runtime.config
+        if cfg.kubeconfig:
+            self.kube = PolicyWatchers(self.service.rules, cfg.kubeconfig)
+            try:
+                await self.kube.start(
+                    self.runtime.tasks,
+                    namespace=cfg.leader_election_namespace,
+                    identity=replica_identity(),
+                    timings=LeaseTimings.of(cfg),
+                    report=self._kubernetes_status,
+                )
+            except Exception as exc:
+                raise FatalError(f"cannot use --kubeconfig {cfg.kubeconfig}: {exc}") from exc
+
+    async def _kubernetes_status(self, live: bool, reason: str) -> None:
+        """Health name flagella.kubernetes: the watchers are listed and
+        watching. Not a readiness condition: without the API server the
+        rules in etcd are still enforced and served."""
+        status = health_pb2.HealthCheckResponse
+        await self.runtime.readiness.servicer.set(
+            KUBERNETES_HEALTH, status.SERVING if live else status.NOT_SERVING
+        )
 
     async def stop(self) -> None:
         await self.probes.stop()
         await self.service.stop()
+        if self.kube is not None:
+            await self.kube.stop()
         await self.etcd.close()
 
 

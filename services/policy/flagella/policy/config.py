@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flagella.common.config import ServiceConfig, option, parse_host_port
+from flagella.common.config import option, parse_host_port
 from flagella.common.errors import ConfigError
+from flagella.common.kubeapi import KubeConfig
 from flagella.policy.labels import DEFAULT_LABEL_FILTER, LabelFilter
 
 
 @dataclass(frozen=True)
-class PolicyConfig(ServiceConfig):
+class PolicyConfig(KubeConfig):
     """flagella policy service: security identities, the ipcache, network policy
-    rules and their resolution."""
+    rules and their resolution (with --kubeconfig: also NetworkPolicies and the
+    Cilium and Flagella policy custom resources of the Kubernetes API)."""
 
     listen: str = option("127.0.0.1:50052", "gRPC address to serve on", parse=parse_host_port)
     node_lease_ttl: int = option(

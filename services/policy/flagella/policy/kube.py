@@ -1,0 +1,285 @@
+"""Network policy from the Kubernetes API (--kubeconfig PATH|in-cluster).
+
+Four watchers, one per kind: networking.k8s.io/v1 NetworkPolicy, cilium.io/v2
+CiliumNetworkPolicy and CiliumClusterwideNetworkPolicy, flagella.io/v1
+FlagellaNetworkPolicy. Each follows its kind into a table through the sync
+layer's KubeSource (paged list, watch from the resourceVersion with
+bookmarks, relist on 410 Gone swapped in as a diff) on every replica; only
+the replica holding the watcher's Lease (flagella-policy-<plural>,
+flagella.common.leader) writes, so each kind has one writer.
+
+What the leader writes: each object's rule, translated exactly as `flagella
+policy import` translates it (rules.parse_object), with the object as its
+source (Rule.source; its name "<Kind>/<namespace>/<name>"). One change of
+one object is one etcd transaction, conditional on the rule's revision in
+the mirror (so a writer with a stale view, or a deposed leader, writes
+nothing). A new term starts by comparing every object with every stored
+rule of the kind: what an earlier run left is replaced, rules by hand are
+never touched, and a rule equal to its object is not rewritten (a relist
+writes only the difference, so enforcement never drops during one).
+
+An object that cannot be translated is reported (a Warning Event on it
+naming the field, a log line, PolicyWatcher.invalid_objects) and nothing
+of it is applied: the rule of its last valid version, if any, stays
+enforced (dropping it would open what it closed). The API server away:
+the rules stay in etcd and are enforced; the health service name
+"flagella.kubernetes" answers NOT_SERVING until every watcher has listed
+again (the service itself stays SERVING: datapaths still need it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from flagella.common.backoff import Backoff
+from flagella.common.errors import FlagellaError, InvalidArgument
+from flagella.common.kubeapi import EventRecorder, api_client
+from flagella.common.leader import LeaderElector, LeaseTimings
+from flagella.common.sync import KubeSource, Table
+from flagella.common.sync.dirty import DirtyKeys
+from flagella.common.sync.kube import ListFunction, Obj, object_key, resource_version
+from flagella.common.tasks import TaskGroup
+from flagella.policy.repository import RuleRepository
+from flagella.policy.rules import Rule, RuleSource, compile_rule, parse_object
+
+log = logging.getLogger(__name__)
+
+LEASE_PREFIX = "flagella-policy-"
+KUBERNETES_HEALTH = "flagella.kubernetes"
+INVALID_REASON = "InvalidPolicy"
+WATCH_TIMEOUT_S = 60  # the API server ends each watch call after this; we re-watch
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyKind:
+    kind: str
+    group: str
+    version: str
+    plural: str
+
+    @property
+    def api_version(self) -> str:
+        return f"{self.group}/{self.version}"
+
+    @property
+    def lease(self) -> str:
+        return LEASE_PREFIX + self.plural
+
+    def rule_name(self, key: str) -> str:
+        """The name of the rule of the object at key ("namespace/name")."""
+        namespace, _, name = key.partition("/")
+        return f"{self.kind}/{namespace}/{name}" if namespace else f"{self.kind}/{name}"
+
+    def list_function(self, api: Any) -> ListFunction:
+        client: Any = importlib.import_module("kubernetes.aio.client")
+        if self.group == "networking.k8s.io":
+            networking = client.NetworkingV1Api(api)
+            fn: ListFunction = (
+                networking.list_network_policy_for_all_namespaces_without_preload_content
+            )
+            return fn
+        custom = client.CustomObjectsApi(api)
+        return functools.partial(
+            custom.list_cluster_custom_object_without_preload_content,
+            self.group,
+            self.version,
+            self.plural,
+        )
+
+
+KINDS = (
+    PolicyKind("NetworkPolicy", "networking.k8s.io", "v1", "networkpolicies"),
+    PolicyKind("CiliumNetworkPolicy", "cilium.io", "v2", "ciliumnetworkpolicies"),
+    PolicyKind(
+        "CiliumClusterwideNetworkPolicy", "cilium.io", "v2", "ciliumclusterwidenetworkpolicies"
+    ),
+    PolicyKind("FlagellaNetworkPolicy", "flagella.io", "v1", "flagellanetworkpolicies"),
+)
+
+
+def full_object(kind: PolicyKind, obj: Obj) -> Obj:
+    """obj with its apiVersion and kind (a list's items carry none)."""
+    return {**obj, "apiVersion": kind.api_version, "kind": kind.kind}
+
+
+def translate(kind: PolicyKind, obj: Obj) -> Rule:
+    """The rule of one object as the API gives it, with the object as its
+    source. Raises InvalidArgument naming the field."""
+    key = object_key(obj)
+    rule = parse_object(full_object(kind, obj))
+    namespace, _, name = key.partition("/")
+    rule = replace(rule, source=RuleSource(kind.kind, namespace, name))
+    if rule.key != kind.rule_name(key):
+        raise InvalidArgument(f"does not name {key!r}", field="metadata")
+    compile_rule(rule)
+    return rule
+
+
+class PolicyWatcher:
+    """One kind: its table of objects (every replica) and, while this
+    replica leads, the sync of its rules."""
+
+    def __init__(
+        self, kind: PolicyKind, rules: RuleRepository, events: EventRecorder | None = None
+    ) -> None:
+        self.kind = kind
+        self.rules = rules
+        self.events = events
+        self.table: Table[str, Obj] = Table(f"k8s-{kind.plural}")
+        self.dirty = DirtyKeys()
+        self.retry_backoff = Backoff(0.2, 10.0)
+        self.elector: LeaderElector | None = None
+        # Counters, for tests and status (metrics come later).
+        self.invalid_objects = 0
+        self.writes = 0
+        # Set once the current term's full sync has written everything.
+        self.synced = asyncio.Event()
+        # The resourceVersion of each object reported invalid: one report
+        # per version, however often it is looked at.
+        self._reported: dict[str, str] = {}
+
+    def stored(self) -> dict[str, Rule]:
+        """The rules of this kind in the mirror, by their object's key."""
+        return {
+            r.source.object_key: r
+            for r in self.rules.state.rules.values()
+            if r.source.kind == self.kind.kind
+        }
+
+    async def follow(self) -> None:
+        """Mark what changes (every replica, so a new leader starts warm)."""
+        async for batch in self.table.subscribe():
+            self.dirty.mark(c.key for c in batch.changes)
+
+    async def lead(self) -> None:
+        """The leader's job: once the kind is listed, every object and every
+        stored rule of the kind, then what changes."""
+        self.synced.clear()
+        self.retry_backoff.reset()
+        await self.table.wait_initialized()
+        self.dirty.mark({*self.table.keys(), *self.stored()})
+        log.info(
+            "kubernetes policy sync", extra={"kind": self.kind.kind, "objects": len(self.table)}
+        )
+        await self.dirty.sync_forever(self._sync, set(), self.retry_backoff, self.synced.set)
+
+    async def _sync(self, key: str) -> bool:
+        """Make the stored rule of the object at key what the object says.
+        False: to be tried again (etcd away, or another writer first)."""
+        name = self.kind.rule_name(key)
+        obj = self.table.get(key)
+        held = self.rules.state.rules.get(name)
+        desired: Rule | None = None
+        if obj is not None:
+            try:
+                desired = translate(self.kind, obj)
+            except InvalidArgument as exc:
+                await self._report(key, obj, exc)
+                return True
+        self._reported.pop(key, None)
+        if desired is None and held is None:
+            return True
+        if desired is not None and held is not None and desired.content() == held.content():
+            return True
+        try:
+            written = await self.rules.sync_rule(
+                name, desired, revision=held.revision if held else 0
+            )
+        except FlagellaError as exc:
+            log.warning(
+                "kubernetes policy not written, will retry",
+                extra={"rule": name, "reason": exc.details},
+            )
+            return False
+        if written is None:
+            log.info("kubernetes policy moved meanwhile, looking again", extra={"rule": name})
+            return False
+        self.writes += 1
+        log.info(
+            "kubernetes policy " + ("applied" if desired is not None else "removed"),
+            extra={"rule": name, "revision": written},
+        )
+        return True
+
+    async def _report(self, key: str, obj: Obj, exc: InvalidArgument) -> None:
+        version = resource_version(obj)
+        if self._reported.get(key) == version:
+            return
+        self._reported[key] = version
+        self.invalid_objects += 1
+        log.warning(
+            "kubernetes policy not valid, nothing applied from it",
+            extra={
+                "kind": self.kind.kind,
+                "object": key,
+                "field": exc.field,
+                "reason": exc.message,
+            },
+        )
+        if self.events is not None:
+            await self.events.warning(
+                full_object(self.kind, obj), INVALID_REASON, f"not enforced: {exc.details}"
+            )
+
+
+StatusReport = Callable[[bool, str], Awaitable[None]]
+
+
+class PolicyWatchers:
+    """The four watchers of a replica, on one API client."""
+
+    def __init__(self, rules: RuleRepository, kubeconfig: str) -> None:
+        self.rules = rules
+        self.kubeconfig = kubeconfig
+        self.watchers: list[PolicyWatcher] = []
+        self._api: Any = None
+
+    async def start(
+        self,
+        tasks: TaskGroup,
+        *,
+        namespace: str,
+        identity: str,
+        timings: LeaseTimings | None = None,
+        report: StatusReport | None = None,
+        kinds: Sequence[PolicyKind] = KINDS,
+    ) -> None:
+        """Raises whatever loading the kubeconfig raises."""
+        self._api = await api_client(self.kubeconfig)
+        events = EventRecorder(self._api, "flagella-policy", identity)
+        for kind in kinds:
+            watcher = PolicyWatcher(kind, self.rules, events)
+            source = KubeSource(
+                kind.plural, kind.list_function(self._api), watcher.table,
+                watch_timeout=WATCH_TIMEOUT_S,
+            )  # fmt: skip
+            watcher.elector = LeaderElector(self._api, namespace, kind.lease, identity, timings)
+            tasks.spawn(f"k8s-{kind.plural}", source.run())
+            tasks.spawn(f"k8s-{kind.plural}-follow", watcher.follow())
+            tasks.spawn(f"k8s-{kind.plural}-leader", watcher.elector.run(watcher.lead))
+            self.watchers.append(watcher)
+        if report is not None:
+            tasks.spawn("k8s-status", self._report_status(report))
+        log.info("watching kubernetes policy", extra={"identity": identity})
+
+    async def _report_status(self, report: StatusReport, interval: float = 0.5) -> None:
+        """Whether every watcher is listed and watching (its table live)."""
+        last: tuple[bool, str] | None = None
+        while True:
+            away = [f"{w.kind.plural}: {w.table.reason}" for w in self.watchers if not w.table.live]
+            now = (not away, "; ".join(away))
+            if now != last:
+                await report(*now)
+                last = now
+            await asyncio.sleep(interval)
+
+    async def stop(self) -> None:
+        """After the tasks stopped: close the client's connections."""
+        if self._api is not None:
+            await self._api.close()
