@@ -2,7 +2,9 @@
 and every overlay build with `kubectl kustomize`, the output passes
 `kubernetes-validate --strict`, and the rules the design sets hold for every
 object: only the datapath has capabilities or host access, everything else
-is non-root with no capabilities and a read-only root; RBAC only reads."""
+is non-root with no capabilities and a read-only root; RBAC reads what each
+service watches and lets it write only its Events and Leases; the policy
+CRDs are structural and take the policies flagella documents."""
 
 from __future__ import annotations
 
@@ -16,8 +18,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema  # type: ignore[import-untyped]  # (kubernetes-validate brings it)
 import pytest
 import yaml
+
+from flagella.lb.k8s import LEASE_NAME as LB_LEASE
+from flagella.policy.kube import KINDS as POLICY_KINDS
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
@@ -25,13 +31,34 @@ TARGETS = ["k8s", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "k8s/overlay
 WORKLOADS = {"Deployment", "StatefulSet", "DaemonSet", "Job", "CronJob", "ReplicaSet", "Pod"}
 DATAPATH_CAPS = {"NET_ADMIN", "SYS_ADMIN", "BPF", "PERFMON"}
 READ_VERBS = {"get", "list", "watch"}
-READABLE = {
-    ("", "pods"),
-    ("", "nodes"),
-    ("", "services"),
-    ("discovery.k8s.io", "endpointslices"),
-    ("networking.k8s.io", "networkpolicies"),
+POLICY_READS = {(k.group, k.plural) for k in POLICY_KINDS}
+POLICY_LEASES = tuple(sorted(k.lease for k in POLICY_KINDS))
+# What each account may read, anywhere (get/list/watch).
+READS = {
+    "flagella-ipam": {("", "nodes")},
+    "flagella-policy": POLICY_READS,
+    "flagella-endpoint": {("", "pods")},
+    "flagella-lb": {("", "services"), ("discovery.k8s.io", "endpointslices")},
 }
+# Everything else each account may do: (group, resource, verb, namespace or
+# "" for every namespace, the resource names it is limited to or ()).
+LEASES = "coordination.k8s.io"
+OTHER = {
+    "flagella-ipam": set(),
+    "flagella-endpoint": set(),
+    "flagella-policy": {
+        ("", "events", "create", "", ()),
+        (LEASES, "leases", "create", "flagella", ()),
+        (LEASES, "leases", "get", "flagella", POLICY_LEASES),
+        (LEASES, "leases", "update", "flagella", POLICY_LEASES),
+    },
+    "flagella-lb": {
+        (LEASES, "leases", "create", "flagella", ()),
+        (LEASES, "leases", "get", "flagella", (LB_LEASE,)),
+        (LEASES, "leases", "update", "flagella", (LB_LEASE,)),
+    },
+}
+CLUSTER_SCOPED = ("Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition")
 # Service link variables Kubernetes sets in every pod of the namespace.
 SERVICE_LINK = re.compile(r"^[A-Z0-9_]+_SERVICE_(HOST|PORT(_[A-Z0-9_]+)?)$")
 
@@ -115,7 +142,7 @@ def test_kustomize_builds_and_validates_strictly(rendered: dict[str, Path], targ
     assert all(
         o["metadata"].get("namespace") == "flagella"
         for o in objects(rendered[target])
-        if o["kind"] not in ("Namespace", "ClusterRole", "ClusterRoleBinding")
+        if o["kind"] not in CLUSTER_SCOPED
     )
 
 
@@ -167,35 +194,128 @@ def test_only_the_datapath_has_capabilities_or_host_access(
     assert seen_datapath
 
 
-@pytest.mark.parametrize("target", TARGETS)
-def test_rbac_only_reads_what_flagella_watches(rendered: dict[str, Path], target: str) -> None:
-    objs = objects(rendered[target])
-    roles = [o for o in objs if o["kind"] in ("Role", "ClusterRole")]
-    assert roles
-    for role in roles:
-        for rule in role["rules"]:
-            assert set(rule["verbs"]) <= READ_VERBS, role["metadata"]["name"]
-            assert "nonResourceURLs" not in rule
-            assert "resourceNames" not in rule
-            for group in rule["apiGroups"]:
-                for resource in rule["resources"]:
-                    assert (group, resource) in READABLE, (role["metadata"]["name"], resource)
-    accounts = {o["metadata"]["name"] for o in objs if o["kind"] == "ServiceAccount"}
-    for binding in (o for o in objs if o["kind"] in ("RoleBinding", "ClusterRoleBinding")):
-        for subject in binding["subjects"]:
+def permissions(
+    objs: list[dict[str, Any]],
+) -> dict[str, set[tuple[str, str, str, str, tuple[str, ...]]]]:
+    """What each ServiceAccount may do through its bindings: (group,
+    resource, verb, namespace or "" for all, resource names or ())."""
+    roles = {
+        (o["kind"], o["metadata"]["name"], o["metadata"].get("namespace", "")): o
+        for o in objs
+        if o["kind"] in ("Role", "ClusterRole")
+    }
+    out: dict[str, set[tuple[str, str, str, str, tuple[str, ...]]]] = {}
+    for b in (o for o in objs if o["kind"] in ("RoleBinding", "ClusterRoleBinding")):
+        # A RoleBinding grants in its namespace, whatever role it names.
+        scope = b["metadata"].get("namespace", "") if b["kind"] == "RoleBinding" else ""
+        ref = b["roleRef"]
+        role = roles[
+            (
+                ref["kind"],
+                ref["name"],
+                b["metadata"].get("namespace", "") if ref["kind"] == "Role" else "",
+            )
+        ]
+        for subject in b["subjects"]:
             assert subject["kind"] == "ServiceAccount"
-            assert subject["name"] in accounts
             assert subject["namespace"] == "flagella"
+            granted = out.setdefault(subject["name"], set())
+            for rule in role["rules"]:
+                assert "nonResourceURLs" not in rule
+                names = tuple(sorted(rule.get("resourceNames", ())))
+                for group in rule["apiGroups"]:
+                    for resource in rule["resources"]:
+                        for verb in rule["verbs"]:
+                            granted.add((group, resource, verb, scope, names))
+    return out
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_rbac_reads_what_flagella_watches_and_writes_only_events_and_leases(
+    rendered: dict[str, Path], target: str
+) -> None:
+    """Each account reads exactly what its service watches; policy can
+    write only Events (create) and its own Leases, lb only its own Lease,
+    the others nothing at all; no wildcards."""
+    objs = objects(rendered[target])
+    granted = permissions(objs)
+    accounts = {o["metadata"]["name"] for o in objs if o["kind"] == "ServiceAccount"}
+    assert set(granted) <= accounts
+    assert set(granted) == set(READS)
+    for account, perms in granted.items():
+        for group, resource, verb, _, _ in perms:
+            assert "*" not in (group, resource, verb), (account, group, resource, verb)
+        reads = {
+            (g, r, v) for g, r, v, ns, names in perms if not ns and not names and v in READ_VERBS
+        }
+        assert reads == {(g, r, v) for g, r in READS[account] for v in READ_VERBS}, account
+        rest = {p for p in perms if (p[0], p[1], p[2]) not in reads or p[3] or p[4]}
+        assert rest == OTHER[account], account
+        writes = {(g, r) for g, r, v, _, _ in rest if v not in READ_VERBS}
+        assert writes <= {("", "events"), (LEASES, "leases")}, account
     # Pods that read nothing from the API carry no token.
     for obj, spec in workloads(rendered[target]):
-        bound = {
-            s["name"]
-            for b in objs
-            if b["kind"] in ("RoleBinding", "ClusterRoleBinding")
-            for s in b["subjects"]
-        }
-        if spec["serviceAccountName"] not in bound:
+        if spec["serviceAccountName"] not in granted:
             assert spec.get("automountServiceAccountToken") is False, obj["metadata"]["name"]
+
+
+def _structural(node: dict[str, Any], path: str) -> None:
+    """Every node has a type (or is int-or-string), as the API server
+    requires of a CRD schema."""
+    if not node.get("x-kubernetes-int-or-string"):
+        assert "type" in node, path
+    for name, child in (node.get("properties") or {}).items():
+        _structural(child, f"{path}.{name}")
+    if "items" in node:
+        _structural(node["items"], f"{path}[]")
+    extra = node.get("additionalProperties")
+    if isinstance(extra, dict):
+        _structural(extra, f"{path}{{}}")
+
+
+def test_policy_crds_are_structural_have_printer_columns_and_take_the_documented_policies(
+    rendered: dict[str, Path],
+) -> None:
+    crds = {
+        o["spec"]["names"]["kind"]: o
+        for o in objects(rendered["k8s"])
+        if o["kind"] == "CustomResourceDefinition"
+    }
+    kinds = {k.kind: k for k in POLICY_KINDS if k.group != "networking.k8s.io"}
+    assert set(crds) == set(kinds)
+    docs = [
+        d
+        for text in re.findall(r"```yaml\n(.*?)```", (ROOT / "docs/policy.md").read_text(), re.S)
+        for d in yaml.safe_load_all(text)
+        if isinstance(d, dict) and d.get("kind") in kinds
+    ]
+    assert docs, "docs/policy.md has no example policy"
+    for kind, crd in crds.items():
+        spec = crd["spec"]
+        k = kinds[kind]
+        assert crd["metadata"]["name"] == f"{k.plural}.{k.group}"
+        assert (spec["group"], spec["names"]["plural"]) == (k.group, k.plural)
+        cluster_wide = kind == "CiliumClusterwideNetworkPolicy"
+        assert spec["scope"] == ("Cluster" if cluster_wide else "Namespaced")
+        [version] = spec["versions"]
+        assert version["name"] == k.version
+        schema = version["schema"]["openAPIV3Schema"]
+        _structural(schema, kind)
+        columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+        assert columns["Age"] == ".metadata.creationTimestamp"
+        assert columns["Selector"] == ".spec.endpointSelector.matchLabels"
+        for doc in docs:
+            jsonschema.validate(
+                {**doc, "apiVersion": f"{k.group}/{k.version}", "kind": kind}, schema
+            )
+        # What flagella does not support is kept for it to report, not dropped.
+        l7 = {"endpointSelector": {}, "egress": [{"toFQDNs": [{"matchName": "x"}]}]}
+        jsonschema.validate({"spec": l7}, schema)
+        assert schema["properties"]["spec"]["properties"]["egress"]["items"][
+            "x-kubernetes-preserve-unknown-fields"
+        ]
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({"spec": {"endpointSelector": {"matchLabels": {"a": 1}}}}, schema)
 
 
 @pytest.mark.parametrize("target", TARGETS)
