@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from harness.aio import until
 from harness.kube_api import KubeListWatchServer
 
 from flagella.common.leader import LeaderElector, LeaseTimings
@@ -62,14 +63,6 @@ class Job:
             Job.running -= 1
 
 
-async def eventually(cond: Any, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
-
-
 async def test_one_leader_among_three_on_the_stand_in_api_server_then_takeovers(
     kube_api: KubeListWatchServer, tmp_path: Path
 ) -> None:
@@ -80,7 +73,7 @@ async def test_one_leader_among_three_on_the_stand_in_api_server_then_takeovers(
         groups = [TaskGroup(f"r{i}") for i in range(3)]
         for group, elector, job in zip(groups, electors, jobs, strict=True):
             group.spawn("elect", elector.run(job))
-        await eventually(lambda: any(e.is_leader for e in electors))
+        await until(lambda: any(e.is_leader for e in electors))
         await asyncio.sleep(1.5)  # several lease durations: renewed, never lost
         leaders = [e for e in electors if e.is_leader]
         assert len(leaders) == 1
@@ -101,7 +94,7 @@ async def test_one_leader_among_three_on_the_stand_in_api_server_then_takeovers(
         assert released["spec"]["holderIdentity"] == ""
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        await eventually(lambda: sum(e.is_leader for e in electors) == 1)
+        await until(lambda: sum(e.is_leader for e in electors) == 1)
         assert loop.time() - t0 < 0.6
         second = next(e for e in electors if e.is_leader)
         assert kube_api.lease("flagella", "job")["spec"]["leaseTransitions"] == 1  # type: ignore[index]
@@ -121,17 +114,17 @@ async def test_a_leader_that_cannot_renew_on_the_stand_in_api_server_stops_befor
         job = Job()
         async with TaskGroup() as group:
             group.spawn("elect", elector.run(job))
-            await eventually(lambda: elector.is_leader)
+            await until(lambda: elector.is_leader)
             kube_api.down()
             loop = asyncio.get_running_loop()
             t0 = loop.time()
-            await eventually(lambda: not elector.is_leader)
+            await until(lambda: not elector.is_leader)
             # Lost within the renew deadline (plus a try), before the lease
             # duration: nobody else could have taken over yet.
             assert loop.time() - t0 < FAST.lease_duration
             assert Job.running == 0
             kube_api.up()
-            await eventually(lambda: elector.is_leader)
+            await until(lambda: elector.is_leader)
             assert job.terms == 2
 
 
@@ -154,7 +147,7 @@ async def test_a_lease_held_by_another_on_the_stand_in_api_server_is_taken_only_
             loop = asyncio.get_running_loop()
             t0 = loop.time()
             group.spawn("elect", elector.run(Job()))
-            await eventually(lambda: elector.is_leader)
+            await until(lambda: elector.is_leader)
             # Not before the duration as this elector observed it.
             assert loop.time() - t0 >= 1.0
             lease = kube_api.lease("flagella", "job")

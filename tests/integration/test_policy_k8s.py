@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
+from harness.aio import until
 from harness.etcd import EtcdServer
 from harness.kube_api import POLICY_KINDS, KubeListWatchServer, k8s_policy
 from harness.lb import wait_for
@@ -386,6 +387,7 @@ async def test_the_invalid_object_counter_with_the_stand_in_api_server_in_proces
     """The watchers in this process (real etcd, the real kubernetes client),
     to read their counters: one invalid object counts once per version,
     however often it is looked at."""
+    from flagella.common.leader import Election
     from flagella.common.tasks import TaskGroup
     from flagella.policy.kube import PolicyWatchers
     from flagella.policy.service import PolicyService
@@ -404,7 +406,7 @@ async def test_the_invalid_object_counter_with_the_stand_in_api_server_in_proces
         service = PolicyService(PolicyStore(client), tasks=tasks)
         await service.start()
         kube = PolicyWatchers(service.rules, str(kube_api.write_kubeconfig(tmp_path / "kc")))
-        await kube.start(tasks, namespace=NAMESPACE, identity="me")
+        await kube.start(tasks, Election(NAMESPACE, "me"))
         cnp = next(w for w in kube.watchers if w.kind.kind == "CiliumNetworkPolicy")
         await asyncio.wait_for(cnp.synced.wait(), 10)
         assert cnp.invalid_objects == 1
@@ -420,7 +422,7 @@ async def test_the_invalid_object_counter_with_the_stand_in_api_server_in_proces
             kube_api, "CiliumNetworkPolicy", "shop", "good2", spec_of("CiliumNetworkPolicy")
         )
         await cnp.table.wait_for(rev, 10)
-        await eventually(lambda: "CiliumNetworkPolicy/shop/good2" in service.state.rules)
+        await until(lambda: "CiliumNetworkPolicy/shop/good2" in service.state.rules, 10)
         assert cnp.invalid_objects == 1
         # A new version, still invalid: counted and reported again.
         apply(
@@ -430,14 +432,7 @@ async def test_the_invalid_object_counter_with_the_stand_in_api_server_in_proces
             "bad",
             {"endpointSelector": {}, "egress": [{"toPorts": [{"rules": {}}]}]},
         )
-        await eventually(lambda: cnp.invalid_objects == 2)
+        await until(lambda: cnp.invalid_objects == 2, 10)
         assert len(kube_api.events_about("CiliumNetworkPolicy", "shop", "bad")) == 2
     await kube.stop()
     await client.close()
-
-
-async def eventually(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)

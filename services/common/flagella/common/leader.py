@@ -16,9 +16,11 @@ coordination.k8s.io/v1 Lease, as client-go's leaderelection package does:
   1 s duration) so a follower takes over at its next try, not a lease
   duration later.
 
-Usage: `await LeaderElector(api, namespace, name, identity, timings).run(job)`
-until cancelled; `job` is a coroutine function run while this replica
-leads (cancelled when it stops leading; started afresh on the next term).
+Usage: `election = Election.of(config)` once per process (the Leases'
+namespace, this replica's identity, the timings), then per watcher
+`await election.elector(api, "<lease name>").run(job)` until cancelled;
+`job` is a coroutine function run while this replica leads (cancelled when
+it stops leading; started afresh on the next term).
 """
 
 from __future__ import annotations
@@ -32,7 +34,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from flagella.common.backoff import Backoff
-from flagella.common.kubeapi import KubeConfig, KubeRequestError, now_rfc3339, request
+from flagella.common.kubeapi import (
+    KubeConfig,
+    KubeRequestError,
+    now_rfc3339,
+    replica_identity,
+    request,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +59,25 @@ class LeaseTimings:
     @classmethod
     def of(cls, cfg: KubeConfig) -> LeaseTimings:
         return cls(cfg.leader_lease_duration, cfg.leader_renew_deadline, cfg.leader_retry_period)
+
+
+@dataclass(frozen=True, slots=True)
+class Election:
+    """How a service's replicas elect their watchers' leaders: the Leases'
+    namespace, this replica's identity, the timings. One per process; each
+    watcher gets its own elector (its own Lease) from it."""
+
+    namespace: str
+    identity: str
+    timings: LeaseTimings = LeaseTimings()
+
+    @classmethod
+    def of(cls, cfg: KubeConfig) -> Election:
+        """From the service's options, as a new replica."""
+        return cls(cfg.leader_election_namespace, replica_identity(), LeaseTimings.of(cfg))
+
+    def elector(self, api: Any, lease: str) -> LeaderElector:
+        return LeaderElector(api, self.namespace, lease, self.identity, self.timings)
 
 
 class LeaderElector:
@@ -180,7 +207,7 @@ class LeaderElector:
         except KubeRequestError as exc:
             if exc.status != 404:
                 raise
-            return await self._create()
+            return await self._write("POST", self.path, self._lease({}, ""))
         spec: Mapping[str, Any] = lease.get("spec") or {}
         now = time.monotonic()
         if spec != self._observed:
@@ -189,52 +216,37 @@ class LeaderElector:
         duration = int(spec.get("leaseDurationSeconds") or self.timings.lease_duration)
         if self.holder and self.holder != self.identity and now < self._observed_at + duration:
             return False
-        mine = self.holder == self.identity
-        stamp = now_rfc3339(micro=True)
-        new_spec = {
-            "holderIdentity": self.identity,
-            "leaseDurationSeconds": self.timings.lease_duration,
-            "acquireTime": spec.get("acquireTime") if mine else stamp,
-            "renewTime": stamp,
-            "leaseTransitions": int(spec.get("leaseTransitions") or 0) + (0 if mine else 1),
-        }
-        body = {
-            "apiVersion": "coordination.k8s.io/v1",
-            "kind": "Lease",
-            "metadata": {
-                "name": self.name,
-                "namespace": self.namespace,
-                "resourceVersion": (lease.get("metadata") or {}).get("resourceVersion", ""),
-            },
-            "spec": new_spec,
-        }
-        try:
-            stored = await request(self.api, "PUT", f"{self.path}/{self.name}", body)
-        except KubeRequestError as exc:
-            if exc.status == 409:  # another replica wrote it first
-                return False
-            raise
-        self._took(stored)
-        return True
+        version = (lease.get("metadata") or {}).get("resourceVersion", "")
+        return await self._write("PUT", f"{self.path}/{self.name}", self._lease(spec, version))
 
-    async def _create(self) -> bool:
+    def _lease(self, held: Mapping[str, Any], resource_version: str) -> dict[str, Any]:
+        """The Lease taken or renewed by us, from the spec held now ({}: none)."""
+        mine = held.get("holderIdentity") == self.identity
         stamp = now_rfc3339(micro=True)
-        body = {
+        metadata = {"name": self.name, "namespace": self.namespace}
+        if resource_version:
+            metadata["resourceVersion"] = resource_version
+        transitions = int(held.get("leaseTransitions") or 0)
+        return {
             "apiVersion": "coordination.k8s.io/v1",
             "kind": "Lease",
-            "metadata": {"name": self.name, "namespace": self.namespace},
+            "metadata": metadata,
             "spec": {
                 "holderIdentity": self.identity,
                 "leaseDurationSeconds": self.timings.lease_duration,
-                "acquireTime": stamp,
+                "acquireTime": held.get("acquireTime") if mine else stamp,
                 "renewTime": stamp,
-                "leaseTransitions": 0,
+                "leaseTransitions": transitions if mine or not held else transitions + 1,
             },
         }
+
+    async def _write(self, method: str, path: str, body: Mapping[str, Any]) -> bool:
+        """Create or update the Lease; False when another replica wrote it
+        first (409: it exists, or our resourceVersion is stale)."""
         try:
-            stored = await request(self.api, "POST", self.path, body)
+            stored = await request(self.api, method, path, body)
         except KubeRequestError as exc:
-            if exc.status == 409:  # created by another replica meanwhile
+            if exc.status == 409:
                 return False
             raise
         self._took(stored)

@@ -10,8 +10,7 @@ from flagella.api.lb.v1 import lb_pb2, lb_pb2_grpc
 from flagella.common.backoff import retry
 from flagella.common.errors import Unavailable
 from flagella.common.etcd import Etcd
-from flagella.common.kubeapi import replica_identity
-from flagella.common.leader import LeaseTimings
+from flagella.common.leader import Election
 from flagella.common.server import FatalError, Probes, Runtime
 from flagella.common.server import main as serve_main
 from flagella.lb.config import LbConfig
@@ -56,12 +55,7 @@ class LbApp:
         self.tasks.spawn("services-table", self.store.run())
         if self.config.kubeconfig:
             self.k8s = KubernetesWatcher(self.service, self.config.kubeconfig, self.config.limits)
-            await self.k8s.start(
-                self.tasks,
-                namespace=self.config.leader_election_namespace,
-                identity=replica_identity(),
-                timings=LeaseTimings.of(self.config),
-            )
+            await self.k8s.start(self.tasks, Election.of(self.config))
 
     async def stop(self) -> None:
         # The runtime's tasks (probes, watches) have stopped by now.

@@ -39,7 +39,7 @@ from typing import Any
 from flagella.common.backoff import Backoff, retry
 from flagella.common.errors import FlagellaError, InvalidArgument
 from flagella.common.kubeapi import api_client
-from flagella.common.leader import LeaderElector, LeaseTimings
+from flagella.common.leader import Election, LeaderElector
 from flagella.common.server import FatalError
 from flagella.common.sync import Batch, KubeSource, Table
 from flagella.common.sync.dirty import DirtyKeys
@@ -215,14 +215,7 @@ class KubernetesWatcher:
         self.elector: LeaderElector | None = None
         self.initial_sync = asyncio.Event()
 
-    async def start(
-        self,
-        tasks: TaskGroup,
-        *,
-        namespace: str,
-        identity: str,
-        timings: LeaseTimings | None = None,
-    ) -> None:
+    async def start(self, tasks: TaskGroup, election: Election) -> None:
         """Follow Services and EndpointSlices (every replica), and write
         flagella services while this replica holds the Lease LEASE_NAME."""
         client: Any = importlib.import_module("kubernetes.aio.client")
@@ -256,9 +249,12 @@ class KubernetesWatcher:
         )
         # Only the leader writes; a bug in its sync ends its term (logged)
         # and the replicas elect again, so it never stops syncing for good.
-        self.elector = LeaderElector(self._api, namespace, LEASE_NAME, identity, timings)
+        self.elector = election.elector(self._api, LEASE_NAME)
         tasks.spawn("k8s-leader", self.elector.run(self._sync_loop))
-        log.info("watching kubernetes", extra={"kubeconfig": self.kubeconfig, "identity": identity})
+        log.info(
+            "watching kubernetes",
+            extra={"kubeconfig": self.kubeconfig, "identity": election.identity},
+        )
 
     async def stop(self) -> None:
         """After the tasks stopped: close the client's connections."""

@@ -9,8 +9,7 @@ from grpc_health.v1 import health_pb2
 
 from flagella.api.policy.v1 import policy_pb2, policy_pb2_grpc
 from flagella.common.etcd import Etcd
-from flagella.common.kubeapi import replica_identity
-from flagella.common.leader import LeaseTimings
+from flagella.common.leader import Election
 from flagella.common.server import FatalError, Probes, Runtime
 from flagella.common.server import main as serve_main
 from flagella.policy.config import PolicyConfig
@@ -57,11 +56,7 @@ class PolicyApp:
             self.kube = PolicyWatchers(self.service.rules, cfg.kubeconfig)
             try:
                 await self.kube.start(
-                    self.runtime.tasks,
-                    namespace=cfg.leader_election_namespace,
-                    identity=replica_identity(),
-                    timings=LeaseTimings.of(cfg),
-                    report=self._kubernetes_status,
+                    self.runtime.tasks, Election.of(cfg), report=self._kubernetes_status
                 )
             except Exception as exc:
                 raise FatalError(f"cannot use --kubeconfig {cfg.kubeconfig}: {exc}") from exc

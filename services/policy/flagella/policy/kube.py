@@ -40,7 +40,7 @@ from typing import Any
 from flagella.common.backoff import Backoff
 from flagella.common.errors import FlagellaError, InvalidArgument
 from flagella.common.kubeapi import EventRecorder, api_client
-from flagella.common.leader import LeaderElector, LeaseTimings
+from flagella.common.leader import Election, LeaderElector
 from flagella.common.sync import KubeSource, Table
 from flagella.common.sync.dirty import DirtyKeys
 from flagella.common.sync.kube import ListFunction, Obj, object_key, resource_version
@@ -243,30 +243,28 @@ class PolicyWatchers:
     async def start(
         self,
         tasks: TaskGroup,
+        election: Election,
         *,
-        namespace: str,
-        identity: str,
-        timings: LeaseTimings | None = None,
         report: StatusReport | None = None,
         kinds: Sequence[PolicyKind] = KINDS,
     ) -> None:
         """Raises whatever loading the kubeconfig raises."""
         self._api = await api_client(self.kubeconfig)
-        events = EventRecorder(self._api, "flagella-policy", identity)
+        events = EventRecorder(self._api, "flagella-policy", election.identity)
         for kind in kinds:
             watcher = PolicyWatcher(kind, self.rules, events)
             source = KubeSource(
                 kind.plural, kind.list_function(self._api), watcher.table,
                 watch_timeout=WATCH_TIMEOUT_S,
             )  # fmt: skip
-            watcher.elector = LeaderElector(self._api, namespace, kind.lease, identity, timings)
+            watcher.elector = election.elector(self._api, kind.lease)
             tasks.spawn(f"k8s-{kind.plural}", source.run())
             tasks.spawn(f"k8s-{kind.plural}-follow", watcher.follow())
             tasks.spawn(f"k8s-{kind.plural}-leader", watcher.elector.run(watcher.lead))
             self.watchers.append(watcher)
         if report is not None:
             tasks.spawn("k8s-status", self._report_status(report))
-        log.info("watching kubernetes policy", extra={"identity": identity})
+        log.info("watching kubernetes policy", extra={"identity": election.identity})
 
     async def _report_status(self, report: StatusReport, interval: float = 0.5) -> None:
         """Whether every watcher is listed and watching (its table live)."""
