@@ -436,3 +436,15 @@ async def test_the_invalid_object_counter_with_the_stand_in_api_server_in_proces
         assert len(kube_api.events_about("CiliumNetworkPolicy", "shop", "bad")) == 2
     await kube.stop()
     await client.close()
+
+
+def test_only_the_kinds_asked_for_are_followed_on_the_stand_in_api_server(
+    kube_api: KubeListWatchServer, start_policy: Callable[..., Policy]
+) -> None:
+    apply(kube_api, "NetworkPolicy", "shop", "a", spec_of("NetworkPolicy"))
+    apply(kube_api, "CiliumNetworkPolicy", "shop", "b", spec_of("CiliumNetworkPolicy"))
+    p = start_policy("--kubernetes-policy-kinds", "NetworkPolicy")
+    wait_for(lambda: set(p.rules()) == {"NetworkPolicy/shop/a"})
+    wait_for(lambda: health_status(p.proc.address, KUBERNETES_HEALTH) == SERVING)
+    assert not any("cilium" in r for r in kube_api.requests)
+    assert holders(kube_api)["ciliumnetworkpolicies"] == ""

@@ -29,6 +29,31 @@ def test_defaults_and_settings() -> None:
     assert custom.identity_label_filter == ("!foo", "bar")
 
 
+def test_kubernetes_options() -> None:
+    from flagella.policy.kube import KINDS
+
+    cfg = _load()
+    assert cfg.kubeconfig == ""
+    assert cfg.kubernetes_policy_kinds == tuple(k.kind for k in KINDS)
+    assert (cfg.leader_lease_duration, cfg.leader_renew_deadline, cfg.leader_retry_period) == (
+        15,
+        10.0,
+        2.0,
+    )
+    only = _load("--kubernetes-policy-kinds", "NetworkPolicy", "--kubeconfig", "in-cluster")
+    assert only.kubernetes_policy_kinds == ("NetworkPolicy",)
+    with pytest.raises(ConfigError) as err:
+        _load("--kubernetes-policy-kinds", "NetworkPolicy,Ingress")
+    assert err.value.option == "--kubernetes-policy-kinds"
+    # The old leader stops before its Lease can expire for the others.
+    with pytest.raises(ConfigError) as err:
+        _load("--leader-lease-duration", "10", "--leader-renew-deadline", "10")
+    assert err.value.option == "--leader-lease-duration"
+    with pytest.raises(ConfigError) as err:
+        _load("--leader-renew-deadline", "2", "--leader-retry-period", "2")
+    assert err.value.option == "--leader-renew-deadline"
+
+
 @pytest.mark.parametrize(
     ("argv", "option"),
     [

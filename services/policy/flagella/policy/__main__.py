@@ -13,7 +13,7 @@ from flagella.common.leader import Election
 from flagella.common.server import FatalError, Probes, Runtime
 from flagella.common.server import main as serve_main
 from flagella.policy.config import PolicyConfig
-from flagella.policy.kube import KUBERNETES_HEALTH, PolicyWatchers
+from flagella.policy.kube import KINDS, KUBERNETES_HEALTH, PolicyWatchers
 from flagella.policy.service import PolicyService
 from flagella.policy.servicer import PolicyServicer
 from flagella.policy.settings import Settings
@@ -56,7 +56,10 @@ class PolicyApp:
             self.kube = PolicyWatchers(self.service.rules, cfg.kubeconfig)
             try:
                 await self.kube.start(
-                    self.runtime.tasks, Election.of(cfg), report=self._kubernetes_status
+                    self.runtime.tasks,
+                    Election.of(cfg),
+                    report=self._kubernetes_status,
+                    kinds=[k for k in KINDS if k.kind in cfg.kubernetes_policy_kinds],
                 )
             except Exception as exc:
                 raise FatalError(f"cannot use --kubeconfig {cfg.kubeconfig}: {exc}") from exc

@@ -9,6 +9,13 @@ from flagella.common.errors import ConfigError
 from flagella.common.kubeapi import KubeConfig
 from flagella.policy.labels import DEFAULT_LABEL_FILTER, LabelFilter
 
+POLICY_KIND_NAMES = (
+    "NetworkPolicy",
+    "CiliumNetworkPolicy",
+    "CiliumClusterwideNetworkPolicy",
+    "FlagellaNetworkPolicy",
+)
+
 
 @dataclass(frozen=True)
 class PolicyConfig(KubeConfig):
@@ -47,6 +54,12 @@ class PolicyConfig(KubeConfig):
     watch_heartbeat: float = option(
         30.0, "seconds between SYNCED heartbeats on an idle watch stream"
     )
+    kubernetes_policy_kinds: tuple[str, ...] = option(
+        POLICY_KIND_NAMES,
+        "with --kubeconfig: the policy kinds to follow (leave out a kind whose CRD the "
+        "cluster does not have)",
+        choices=POLICY_KIND_NAMES,
+    )
 
     def validate(self) -> None:
         super().validate()
@@ -60,6 +73,8 @@ class PolicyConfig(KubeConfig):
             raise ConfigError("--policy-map-max-entries", "must be positive")
         if self.watch_heartbeat <= 0:
             raise ConfigError("--watch-heartbeat", "must be positive")
+        if self.kubeconfig and not self.kubernetes_policy_kinds:
+            raise ConfigError("--kubernetes-policy-kinds", "name at least one kind")
         try:
             LabelFilter(self.identity_label_filter)
         except ValueError as exc:

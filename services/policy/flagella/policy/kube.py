@@ -93,6 +93,7 @@ class PolicyKind:
         )
 
 
+# In the order of config.POLICY_KIND_NAMES.
 KINDS = (
     PolicyKind("NetworkPolicy", "networking.k8s.io", "v1", "networkpolicies"),
     PolicyKind("CiliumNetworkPolicy", "cilium.io", "v2", "ciliumnetworkpolicies"),
