@@ -41,6 +41,7 @@ from flagella.common.kubeapi import (
     replica_identity,
     request,
 )
+from flagella.common.tasks import TaskGroup
 
 log = logging.getLogger(__name__)
 
@@ -142,13 +143,10 @@ class LeaderElector:
         )
 
     async def _lead(self, job: Callable[[], Awaitable[None]]) -> None:
-        task = asyncio.create_task(self._job(job), name=f"leader-{self.name}")
-        try:
-            await self._renew_until_lost(task)
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        # The job lives as long as this term: the group cancels it on the
+        # way out, whatever ends the term.
+        async with TaskGroup(f"leader {self.name}") as term:
+            await self._renew_until_lost(term.spawn(f"leader-{self.name}", self._job(job)))
 
     async def _job(self, job: Callable[[], Awaitable[None]]) -> None:
         try:
