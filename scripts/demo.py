@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -23,9 +22,9 @@ from flagella.api.lb.v1 import lb_pb2, lb_pb2_grpc
 BIN = Path(sys.executable).parent
 CNI = str(BIN / "flagella-cni")
 CLI = [str(BIN / "flagella")]
-ENDPOINT = os.environ.get("FLAGELLA_DEMO_ENDPOINT", "unix:/run/flagella/endpoint.sock")
+# The plugin talks only to this node's datapath, over its socket.
+CNI_SOCKET = os.environ.get("FLAGELLA_DATAPATH_CNI_SOCKET", "/run/flagella/cni.sock")
 LB = os.environ.get("FLAGELLA_LB_ADDRESS", "127.0.0.1:50054")
-NODE = os.environ.get("FLAGELLA_NODE_NAME", socket.gethostname())
 PODS = {"frontend": {"app": "frontend"}, "backend": {"app": "backend"}, "other": {"app": "other"}}
 VIP = "10.96.100.10"
 POLICY = """apiVersion: flagella.io/v1
@@ -78,8 +77,7 @@ def cni(command: str, pod: str, extra: dict[str, object] | None = None) -> dict[
         "cniVersion": "1.1.0",
         "name": "flagella",
         "type": "flagella-cni",
-        "endpoint": ENDPOINT,
-        "node": NODE,
+        "socket": CNI_SOCKET,
         "args": {"cni": {"labels": PODS[pod]}},
         **(extra or {}),
     }

@@ -3,8 +3,9 @@
 The container runtime runs a CNI plugin on the node itself, outside any
 container, where no flagella venv (and maybe no Python) exists. The bundle
 carries what `python -m flagella.cni` needs: this image's Python interpreter
-and standard library, the packages the plugin imports (grpc, protobuf, the
-flagella namespace), and every shared library they load, the C library and
+and standard library, what the plugin imports from site-packages (only
+flagella.cni itself: it talks to the node's datapath over a unix socket, on
+the standard library), and every shared library they load, the C library and
 its loader included, so it runs on any x86-64 Linux node whatever its libc.
 
     python cni_bundle.py OUT
@@ -25,7 +26,7 @@ import sysconfig
 from pathlib import Path
 
 # What the plugin imports: the top-level modules that `import flagella.cni`
-# loads from site-packages are copied (grpc, protobuf, typing_extensions ...).
+# loads from site-packages are copied (the flagella namespace).
 IMPORTS = "flagella.cni.__main__"
 STDLIB_SKIP = {
     "site-packages",

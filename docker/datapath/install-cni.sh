@@ -4,10 +4,13 @@
 #
 #   CNI_BIN_DIR        the node's CNI bin folder, mounted  (default /host/opt/cni/bin)
 #   CNI_CONF_DIR       the node's CNI config folder, mounted (default /host/etc/cni/net.d)
-#   FLAGELLA_CNI_ENDPOINT   address of the endpoint service as the node reaches it
-#   FLAGELLA_NODE_NAME      this node's name (spec.nodeName)
+#   FLAGELLA_CNI_SOCKET     the node's socket the datapath serves the plugin on
+#                           (default /run/flagella/cni.sock, the datapath's default)
 #   FLAGELLA_CNI_CONFLIST   file name of the conflist (default 05-flagella.conflist)
 #   FLAGELLA_CNI_MTU        pod interface MTU (default 1500)
+#
+# The plugin talks only to its node's datapath, over that socket: the
+# conflist names no service address and no node.
 #
 # Each file is written under a temporary name and renamed, so the runtime
 # never executes a half-copied plugin or reads a half-written conflist.
@@ -15,12 +18,12 @@ set -eu
 bin=${CNI_BIN_DIR:-/host/opt/cni/bin}
 conf=${CNI_CONF_DIR:-/host/etc/cni/net.d}
 src=/opt/flagella/cni
-endpoint=${FLAGELLA_CNI_ENDPOINT:?FLAGELLA_CNI_ENDPOINT must name the endpoint service}
-node=${FLAGELLA_NODE_NAME:?FLAGELLA_NODE_NAME must name this node}
+socket=${FLAGELLA_CNI_SOCKET:-/run/flagella/cni.sock}
 name=${FLAGELLA_CNI_CONFLIST:-05-flagella.conflist}
 mtu=${FLAGELLA_CNI_MTU:-1500}
-case "$endpoint" in
-  *'$('*|:*|*:) echo "FLAGELLA_CNI_ENDPOINT=$endpoint is not an address (is the endpoint Service missing?)" >&2; exit 1 ;;
+case "$socket" in
+  /*) ;;
+  *) echo "FLAGELLA_CNI_SOCKET=$socket is not an absolute path" >&2; exit 1 ;;
 esac
 mkdir -p "$bin" "$conf"
 
@@ -40,8 +43,7 @@ cat >"$conf/.$name.tmp" <<JSON
   "plugins": [
     {
       "type": "flagella-cni",
-      "endpoint": "$endpoint",
-      "node": "$node",
+      "socket": "$socket",
       "mtu": $mtu
     }
   ]
@@ -51,4 +53,4 @@ mv -f "$conf/.$name.tmp" "$conf/$name"
 
 # The installed plugin must run on the node as the runtime will run it.
 version=$(echo '{"cniVersion":"1.1.0"}' | CNI_COMMAND=VERSION "$bin/flagella-cni")
-echo "{\"level\":\"info\",\"msg\":\"installed flagella-cni\",\"bin\":\"$bin\",\"conflist\":\"$conf/$name\",\"endpoint\":\"$endpoint\",\"node\":\"$node\",\"version\":$version}"
+echo "{\"level\":\"info\",\"msg\":\"installed flagella-cni\",\"bin\":\"$bin\",\"conflist\":\"$conf/$name\",\"socket\":\"$socket\",\"version\":$version}"

@@ -186,9 +186,7 @@ def test_datapath_image_installs_a_cni_plugin_that_runs_on_the_host(
             "-v",
             f"{conf_dir}:/host/etc/cni/net.d",
             "-e",
-            "FLAGELLA_CNI_ENDPOINT=10.96.0.53:50053",
-            "-e",
-            "FLAGELLA_NODE_NAME=node-a",
+            "FLAGELLA_CNI_SOCKET=/run/flagella/cni.sock",
             "--entrypoint",
             "flagella-install-cni",
             compose_stack.images["datapath"],
@@ -197,12 +195,7 @@ def test_datapath_image_installs_a_cni_plugin_that_runs_on_the_host(
     conflist = json.loads((conf_dir / "05-flagella.conflist").read_text())
     assert conflist["cniVersion"] == "1.1.0"
     (plugin,) = conflist["plugins"]
-    assert plugin == {
-        "type": "flagella-cni",
-        "endpoint": "10.96.0.53:50053",
-        "node": "node-a",
-        "mtu": 1500,
-    }
+    assert plugin == {"type": "flagella-cni", "socket": "/run/flagella/cni.sock", "mtu": 1500}
     res = subprocess.run(
         [str(bin_dir / "flagella-cni")],
         input=b'{"cniVersion": "1.0.0"}',

@@ -400,33 +400,37 @@ def test_replicas_and_etcd_membership(rendered: dict[str, Path]) -> None:
 
 def test_cni_conflist_carries_what_the_plugin_reads(rendered: dict[str, Path]) -> None:
     """The init container installs flagella-cni with a conflist whose plugin
-    entry the plugin's own parser accepts: type, endpoint, node, mtu."""
-    from flagella.cni import spec
+    entry the CNI parser (in the endpoint service) accepts: type, socket,
+    mtu, and no address or node (the plugin talks only to its node's
+    datapath, which serves that socket from the node's /run/flagella)."""
+    from flagella.endpoint import cni
 
     script = (ROOT / "docker/datapath/install-cni.sh").read_text()
     body = script.split("<<JSON\n", 1)[1].split("\nJSON\n", 1)[0]
-    conflist = body.replace("$endpoint", "10.96.0.53:50053").replace("$node", "node-a")
-    conflist = conflist.replace("$mtu", "1500")
+    conflist = body.replace("$socket", "/run/flagella/cni.sock").replace("$mtu", "1500")
     parsed = json.loads(conflist)
     (plugin,) = parsed["plugins"]
+    assert set(plugin) == {"type", "socket", "mtu"}
     # The runtime hands the plugin its entry with the list's name and version.
-    conf = spec.parse_netconf(
+    conf = cni.parse_netconf(
         json.dumps({"cniVersion": parsed["cniVersion"], "name": parsed["name"], **plugin}).encode(),
         "DEL",
     )
-    assert (conf.type, conf.endpoint_address, conf.node, conf.mtu) == (
+    assert (conf.type, conf.raw["socket"], conf.mtu) == (
         "flagella-cni",
-        "10.96.0.53:50053",
-        "node-a",
+        "/run/flagella/cni.sock",
         1500,
     )
     datapath = next(o for o in objects(rendered["k8s"]) if is_datapath(o))
     init = pod_spec(datapath)["initContainers"][0]
     env = {e["name"]: e for e in init["env"]}
-    assert (
-        env["FLAGELLA_CNI_ENDPOINT"]["value"]
-        == "$(ENDPOINT_SERVICE_HOST):$(ENDPOINT_SERVICE_PORT_GRPC)"
-    )
-    assert env["FLAGELLA_NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert env["FLAGELLA_CNI_SOCKET"]["value"] == "/run/flagella/cni.sock"
+    main = pod_spec(datapath)["containers"][0]
+    main_env = {e["name"]: e.get("value") for e in main["env"]}
+    assert main_env["FLAGELLA_DATAPATH_CNI_SOCKET"] == "/run/flagella/cni.sock"
+    assert main_env["FLAGELLA_DATAPATH_ENDPOINT_ADDRESS"] == "endpoint:50053"
+    volumes = {v["name"]: v for v in pod_spec(datapath)["volumes"]}
+    (socket_mount,) = [m for m in main["volumeMounts"] if m["mountPath"] == "/run/flagella"]
+    assert volumes[socket_mount["name"]]["hostPath"]["path"] == "/run/flagella"
     mounts = {m["mountPath"] for m in init["volumeMounts"]}
     assert mounts == {"/host/opt/cni/bin", "/host/etc/cni/net.d"}

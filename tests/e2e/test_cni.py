@@ -6,6 +6,8 @@ is reached, and DEL/CHECK/GC behave as the CNI spec says."""
 from __future__ import annotations
 
 import collections
+import os
+import stat
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,7 +58,7 @@ def pod_cidr(cluster: Cluster, node: Node) -> str:
 
 def add(cluster: Cluster, node: Node, name: str, labels: dict[str, str]) -> Pod:
     ns = cluster.pod(node, name)
-    conf = netconf(cluster.socket("endpoint"), node.name, labels)
+    conf = netconf(node.cni_socket, labels)
     rc, result = cni("ADD", conf, container_id=f"ctr-{name}", netns=ns.path, pod=("shop", name))
     assert rc == 0, result
     ip = check_result(result, netns=ns.path, ifname="eth0", pod_cidr=pod_cidr(cluster, node))
@@ -103,7 +105,7 @@ def test_pods_talk_policy_keeps_one_out_service_reached(cluster: Cluster, node: 
 
 
 def test_add_del_check_gc_as_the_spec_says(cluster: Cluster, node: Node) -> None:
-    conf = netconf(cluster.socket("endpoint"), node.name, {"app": "x"})
+    conf = netconf(node.cni_socket, {"app": "x"})
     a = add(cluster, node, "a", {"app": "x"})
     b = add(cluster, node, "b", {"app": "x"})
     c = add(cluster, node, "c", {"app": "x"})
@@ -160,6 +162,23 @@ def test_add_del_check_gc_as_the_spec_says(cluster: Cluster, node: Node) -> None
     # STATUS: ready.
     rc, out = cni("STATUS", conf, ifname="")
     assert (rc, out) == (0, {})
+
+
+def test_the_node_socket_is_the_only_way_in(cluster: Cluster, node: Node) -> None:
+    """The datapath serves flagella-cni on a socket only root may open; the
+    plugin has no other way to flagella."""
+    info = os.stat(node.cni_socket)
+    assert stat.S_ISSOCK(info.st_mode)
+    assert (stat.S_IMODE(info.st_mode), info.st_uid) == (0o600, 0)
+    rc, out = cni("STATUS", netconf(node.cni_socket), ifname="")
+    assert (rc, out) == (0, {})
+    elsewhere = netconf(f"{node.cni_socket}.not-there")
+    rc, out = cni("STATUS", elsewhere, ifname="")
+    assert (rc, out["code"]) == (1, 50)
+    ns = cluster.pod(node, "lost")
+    rc, out = cni("ADD", elsewhere, container_id="ctr-lost", netns=ns.path)
+    assert (rc, out["code"]) == (1, 11)
+    assert cluster.endpoint().ListEndpoints(endpoint_pb2.ListEndpointsRequest()).endpoints == []
 
 
 def test_pod_whose_netns_vanished_is_swept_with_its_ip(cluster: Cluster) -> None:

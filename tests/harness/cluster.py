@@ -38,6 +38,8 @@ class Node:
     outside: Netns
     ip: str
     socket: str
+    # Where its datapath serves flagella-cni (the network config's "socket").
+    cni_socket: str
     bpf_root: str
     state_dir: Path
     args: list[str]
@@ -129,6 +131,7 @@ class Cluster:
             outside=outside,
             ip=ip,
             socket=f"{self.sock}/dp-{name}.sock",
+            cni_socket=f"{self.sock}/cni-{name}.sock",
             bpf_root=f"/sys/fs/bpf/fl-test-{self.tag}-{name}",
             state_dir=self.tmp / f"state-{name}",
             args=[],
@@ -140,9 +143,11 @@ class Cluster:
             "--bpf-root", node.bpf_root,
             "--state-dir", str(node.state_dir),
         ]  # fmt: skip
-        for svc in ("ipam", "policy", "lb"):
+        for svc in ("ipam", "policy", "lb", "endpoint"):
             if svc in self.services:
                 args += [f"--{svc}-address", self.socket(svc)]
+        if "endpoint" in self.services:
+            args += ["--cni-socket", node.cni_socket]
         node.args = [*args, *extra]
         self.nodes[name] = node
         if start:

@@ -3,33 +3,75 @@ the network configuration on stdin, a JSON result or error on stdout."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import ipaddress
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import grpc
+
+from flagella.datapath.cnirelay import CniRelay
 
 PLUGIN = shutil.which("flagella-cni", path=str(Path(sys.executable).parent)) or "flagella-cni"
 
 
-def netconf(
-    endpoint: str, node: str, labels: dict[str, str] | None = None, **extra: Any
-) -> dict[str, Any]:
+def netconf(socket: str, labels: dict[str, str] | None = None, **extra: Any) -> dict[str, Any]:
+    """A network config for the node whose datapath serves `socket`."""
     conf: dict[str, Any] = {
         "cniVersion": "1.1.0",
         "name": "flagella",
         "type": "flagella-cni",
-        "endpoint": endpoint,
-        "node": node,
+        "socket": socket,
         "timeout": 60,
     }
     if labels is not None:
         conf["args"] = {"cni": {"labels": labels}}
     conf.update(extra)
     return conf
+
+
+@contextlib.contextmanager
+def node_relay(endpoint_address: str, node: str) -> Iterator[str]:
+    """A node's side of flagella-cni without its datapath (which needs root
+    and BPF): the datapath's own relay (flagella.datapath.cnirelay) on a
+    socket of its own, on an event loop in a thread, relaying to the
+    endpoint service at endpoint_address as `node`. Yields the socket path."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="cni-relay", daemon=True)
+    thread.start()
+    folder = tempfile.mkdtemp(prefix="flcni-")  # short: unix socket paths max 107 bytes
+    path = f"{folder}/cni.sock"
+
+    async def start() -> tuple[CniRelay, grpc.aio.Channel]:
+        channel = grpc.aio.insecure_channel(endpoint_address)
+        relay = CniRelay(path, node, endpoint_address, channel)
+        await relay.open()
+        return relay, channel
+
+    async def stop(relay: CniRelay, channel: grpc.aio.Channel) -> None:
+        await relay.close()
+        await channel.close()
+
+    try:
+        relay, channel = asyncio.run_coroutine_threadsafe(start(), loop).result(10)
+        try:
+            yield path
+        finally:
+            asyncio.run_coroutine_threadsafe(stop(relay, channel), loop).result(10)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def cni(

@@ -69,7 +69,7 @@ def add_pod(cluster: Cluster, node: Node, name: str, labels: dict[str, str]) -> 
     ns = cluster.pod(node, name)
     rc, result = cni(
         "ADD",
-        netconf(cluster.socket("endpoint"), node.name, labels),
+        netconf(node.cni_socket, labels),
         container_id=f"ctr-{name}",
         netns=ns.path,
         pod=("shop", name),

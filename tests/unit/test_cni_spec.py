@@ -1,20 +1,21 @@
-"""CNI spec handling of flagella-cni: environment, network config, error
-codes and result shapes (pure logic)."""
+"""CNI spec handling of flagella-cni's invocations (in the endpoint service):
+environment, network config, error codes and result shapes (pure logic)."""
 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
-from flagella.cni import spec
-from flagella.cni.spec import CniError
+from flagella.cni import CniError
+from flagella.endpoint import cni as spec
 
 CONF = {
     "cniVersion": "1.1.0",
     "name": "flagella",
     "type": "flagella-cni",
-    "endpoint": "127.0.0.1:1",
+    "socket": "/run/flagella/cni.sock",
 }
 ENV = {
     "CNI_COMMAND": "ADD",
@@ -26,7 +27,9 @@ ENV = {
 
 def parse(env: dict[str, str], conf: object) -> spec.Invocation:
     data = conf if isinstance(conf, bytes) else json.dumps(conf).encode()
-    return spec.parse_invocation(env, data)
+    # The node's datapath tells whether the netns exists: here, this machine.
+    exists = os.path.exists(env.get("CNI_NETNS", ""))
+    return spec.parse_invocation(env, data, netns_exists=exists)
 
 
 def test_add_invocation() -> None:
@@ -37,7 +40,6 @@ def test_add_invocation() -> None:
     assert (inv.pod_name, inv.pod_namespace) == ("web-1", "shop")
     assert inv.conf.labels == {"app": "web"}
     assert inv.conf.mtu == 1400
-    assert inv.conf.endpoint_address == "127.0.0.1:1"
 
 
 @pytest.mark.parametrize(
@@ -73,6 +75,10 @@ def test_add_invocation() -> None:
             "args.cni.labels must map strings",
         ),
         ({**ENV, "CNI_COMMAND": "CHECK"}, CONF, 7, "CHECK needs prevResult"),
+        # The plugin talks only to its node: no address, no node of its own.
+        (ENV, {**CONF, "endpoint": "10.0.0.1:50053"}, 7, "endpoint is not used any more"),
+        (ENV, {**CONF, "node": "node-b"}, 7, "node is not used any more"),
+        (ENV, {**CONF, "socket": "cni.sock"}, 7, "socket must be an absolute path"),
         ({"CNI_COMMAND": "GC"}, {**CONF, "cniVersion": "1.0.0"}, 1, "GC needs cniVersion 1.1.0"),
         (
             {"CNI_COMMAND": "GC"},

@@ -20,6 +20,7 @@ from flagella.common.server import main as serve_main
 from flagella.common.sync import Batch, StreamCodec, StreamSource, Table
 from flagella.common.sync.reconcile import AfterBatch, Target, reconcile_table
 from flagella.common.sync.stream import OpenStream
+from flagella.datapath.cnirelay import CniRelay, UnsafeSocket
 from flagella.datapath.config import DatapathConfig
 from flagella.datapath.handlers import (
     IdentityPolicies,
@@ -48,6 +49,7 @@ class DatapathApp:
         self.runtime = runtime
         self.service = DatapathService(runtime.config)
         self.registration: NodeRegistration | None = None
+        self.relay: CniRelay | None = None
 
     def register(self, server: grpc.aio.Server) -> None:
         datapath_pb2_grpc.add_DatapathServiceServicer_to_server(
@@ -122,6 +124,19 @@ class DatapathApp:
         if self.registration is not None:
             # Not ready before the node is registered: its pod CIDRs come from ipam.
             await self.registration.registered.wait()
+        if cfg.endpoint_address:
+            # Last: the plugin finds the socket once this node can take pods.
+            relay = CniRelay(
+                cfg.cni_socket,
+                cfg.node_name,
+                cfg.endpoint_address,
+                self.runtime.channel(cfg.endpoint_address),
+            )
+            try:
+                await relay.open()
+            except (OSError, UnsafeSocket) as exc:
+                raise FatalError(f"cannot serve the CNI socket {cfg.cni_socket}: {exc}") from exc
+            self.relay = relay
 
     def _stream(
         self,
@@ -170,6 +185,8 @@ class DatapathApp:
 
     async def stop(self) -> None:
         # The runtime stopped the tasks (streams, reconcilers, GC) already.
+        if self.relay is not None:
+            await self.relay.close()
         await self.service.stop()
 
 

@@ -26,6 +26,12 @@ class DatapathConfig(ServiceConfig):
     ipam_address: str = option("", "ipam service (host:port); empty: do not register the node")
     policy_address: str = option("", "policy service (host:port); empty: no policy stream")
     lb_address: str = option("", "load-balancer service (host:port); empty: no services")
+    endpoint_address: str = option(
+        "", "endpoint service, where flagella-cni's calls are relayed; empty: no CNI socket"
+    )
+    cni_socket: str = option(
+        "/run/flagella/cni.sock", "unix socket flagella-cni talks to (root only, mode 0600)"
+    )
     bpf_root: str = option("/sys/fs/bpf/flagella", "bpffs folder the maps are pinned under")
     state_dir: str = option(
         "/var/run/flagella/datapath", "folder of endpoint records (restored after a restart)"
@@ -43,5 +49,7 @@ class DatapathConfig(ServiceConfig):
         super().validate()
         if not self.node_name:
             raise ConfigError("--node-name", "must not be empty")
+        if not self.cni_socket.startswith("/") or len(self.cni_socket.encode()) > 107:
+            raise ConfigError("--cni-socket", "must be an absolute path of at most 107 bytes")
         if self.gc_interval_seconds <= 0:
             raise ConfigError("--gc-interval-seconds", "must be positive")

@@ -1,110 +1,149 @@
-"""flagella-cni: the CNI plugin (spec 1.1.0), a thin client of the endpoint
-service. The runtime runs it once per operation, so it stays on the standard
-library: gRPC over HTTP/2 from flagella.cni.rpc, the few messages it needs
-from flagella.cni.wire (no grpcio, no protobuf runtime), JSON from
-flagella.cni.cnijson (not even the json module's import)."""
+"""flagella-cni: the CNI plugin (spec 1.1.0). It hands each invocation (the
+CNI_* environment and the network configuration) to its node's datapath over
+the node's unix socket, which only root can open, and prints the answer; the
+datapath relays it to the endpoint service, which does the CNI work. The
+plugin holds no address and no credentials.
+
+The runtime runs it once per operation, so it stays on the standard library
+and imports next to nothing: the socket module's C core, and JSON from
+flagella.cni.cnijson (the json module's import costs more than a whole run).
+
+On the socket, one JSON object a line each way: the request
+{"command", "container_id", "netns", "ifname", "args", "path", "config",
+"timeout"}, the answer {"exit", "stdout"} (what the endpoint service says the
+plugin prints) or {"error", "details", "retry"} (the datapath could not get
+an answer)."""
 
 from __future__ import annotations
 
+import _socket
 import os
 import sys
 
-from flagella.cni import cnijson, rpc, spec, wire
-from flagella.cni.spec import CniError, Invocation
+from flagella.cni import (
+    ENDPOINT_FAILED,
+    IO_FAILURE,
+    PLUGIN_NOT_AVAILABLE,
+    SPEC_VERSION,
+    TRY_AGAIN_LATER,
+    CniError,
+    check_version,
+    cnijson,
+    config_object,
+    requested_version,
+    socket_of,
+    version_result,
+)
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Mapping
-    from typing import BinaryIO, TextIO
+    from typing import Any, BinaryIO, TextIO
+
+# The request's fields and the CNI variables they carry.
+ENVIRONMENT = (
+    ("command", "CNI_COMMAND"),
+    ("container_id", "CNI_CONTAINERID"),
+    ("netns", "CNI_NETNS"),
+    ("ifname", "CNI_IFNAME"),
+    ("args", "CNI_ARGS"),
+    ("path", "CNI_PATH"),
+)
+DEFAULT_TIMEOUT = 30.0
+# The datapath answers within the timeout (its deadline on the endpoint
+# service); the plugin waits this much longer before it gives up itself.
+GRACE_S = 5.0
 
 
-def _error_from_rpc(exc: rpc.RpcError, inv: Invocation) -> CniError:
-    code, details = exc.code, exc.details
-    where = f"endpoint service at {inv.conf.endpoint_address}"
-    if code in (rpc.UNAVAILABLE, rpc.DEADLINE_EXCEEDED):
-        return CniError(
-            spec.TRY_AGAIN_LATER, f"{where} unavailable, try again later", details or ""
-        )
-    if code == rpc.NOT_FOUND and inv.command == "CHECK":
-        return CniError(
-            spec.UNKNOWN_CONTAINER, f"container {inv.container_id} is unknown", details or ""
-        )
-    if code == rpc.INVALID_ARGUMENT:
-        return CniError(spec.INVALID_NETWORK_CONFIG, details or "invalid request")
-    return CniError(
-        spec.ENDPOINT_FAILED, f"{inv.command} failed: {rpc.code_name(code)}", details or ""
+def exchange(path: str, request: bytes, timeout: float, command: str) -> dict[str, Any]:
+    """Send the request line to the node's socket; its answer, parsed."""
+    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout + GRACE_S)
+        try:
+            sock.connect(path)
+        except PermissionError as exc:
+            raise CniError(IO_FAILURE, f"cannot open {path}: only root may", str(exc)) from None
+        except OSError as exc:
+            # Not there, or nothing listening: the datapath is not (yet) up.
+            if command == "STATUS":
+                raise CniError(
+                    PLUGIN_NOT_AVAILABLE, f"no flagella datapath serves {path}", str(exc)
+                ) from None
+            raise CniError(
+                TRY_AGAIN_LATER,
+                f"no flagella datapath serves {path} on this node, try again later",
+                str(exc),
+            ) from None
+        sock.sendall(request)
+        chunks = []
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    except TimeoutError:
+        raise CniError(
+            TRY_AGAIN_LATER, f"no answer on {path} within {timeout:g} s, try again later"
+        ) from None
+    except OSError as exc:
+        raise CniError(
+            TRY_AGAIN_LATER, f"the datapath on {path} went away, try again later", str(exc)
+        ) from None
+    finally:
+        sock.close()
+    data = b"".join(chunks)
+    if not data.endswith(b"\n"):
+        # The datapath stopped in the middle of the call.
+        raise CniError(TRY_AGAIN_LATER, f"no answer on {path}, try again later")
+    try:
+        answer = cnijson.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CniError(ENDPOINT_FAILED, f"a bad answer on {path}", str(exc)) from None
+    if not isinstance(answer, dict):
+        raise CniError(ENDPOINT_FAILED, f"a bad answer on {path}", "not an object")
+    return answer
+
+
+def run(environ: Mapping[str, str], stdin: bytes) -> tuple[str, int]:
+    """(what to print, exit status)."""
+    raw = config_object(stdin, cnijson.loads)
+    command = environ.get("CNI_COMMAND", "")
+    if command == "VERSION":
+        return cnijson.dumps(version_result(check_version(raw, command))), 0
+    path = socket_of(raw)
+    timeout = raw.get("timeout", DEFAULT_TIMEOUT)
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+        timeout = DEFAULT_TIMEOUT  # the endpoint service names the bad value
+    request: dict[str, Any] = {key: environ.get(name, "") for key, name in ENVIRONMENT}
+    request["config"] = stdin.decode("utf-8-sig")
+    request["timeout"] = timeout
+    answer = exchange(path, (cnijson.dumps(request) + "\n").encode(), float(timeout), command)
+    stdout, status = answer.get("stdout"), answer.get("exit")
+    if isinstance(stdout, str) and isinstance(status, int):
+        return stdout, status
+    error = answer.get("error")
+    details = answer.get("details")
+    if not isinstance(error, str) or not isinstance(details, str):
+        raise CniError(ENDPOINT_FAILED, f"a bad answer on {path}", "no exit, stdout or error")
+    raise CniError(
+        TRY_AGAIN_LATER if answer.get("retry") is True else ENDPOINT_FAILED, error, details
     )
 
 
-def run(inv: Invocation, stdout: TextIO) -> None:
-    conf = inv.conf
-
-    def call(method: str, request: bytes) -> bytes:
-        return rpc.unary_call(
-            conf.endpoint_address, wire.SERVICE + method, request, timeout=conf.timeout
-        )
-
-    try:
-        if inv.command == "ADD":
-            resp = call(
-                "CreateEndpoint",
-                wire.create_endpoint_request(
-                    container_id=inv.container_id,
-                    netns_path=inv.netns,
-                    ifname=inv.ifname,
-                    pod_name=inv.pod_name,
-                    pod_namespace=inv.pod_namespace,
-                    labels=conf.labels,
-                    resolve_labels_from_kubernetes=conf.resolve_labels_from_kubernetes,
-                    node=conf.node,
-                    mtu=conf.mtu,
-                ),
-            )
-            result = {"cniVersion": spec.SPEC_VERSION, **wire.create_endpoint_result(resp)}
-            stdout.write(cnijson.dumps(spec.convert_result(result, conf.cni_version)))
-        elif inv.command == "DEL":
-            call("DeleteEndpoint", wire.delete_endpoint_request(inv.container_id, inv.ifname))
-        elif inv.command == "CHECK":
-            call(
-                "CheckEndpoint",
-                wire.check_endpoint_request(
-                    inv.container_id, inv.ifname, inv.netns, cnijson.dumps(conf.prev_result)
-                ),
-            )
-        elif inv.command == "GC":
-            call(
-                "GarbageCollect",
-                wire.garbage_collect_request(
-                    conf.node, [(a.container_id, a.ifname) for a in conf.valid_attachments]
-                ),
-            )
-        elif inv.command == "STATUS":
-            ready, dependencies = wire.endpoint_service_status(call("GetStatus", b""))
-            if not ready:
-                reasons = "; ".join(f"{k}: {v}" for k, v in sorted(dependencies.items()))
-                raise CniError(spec.PLUGIN_NOT_AVAILABLE, "flagella is not ready", reasons)
-    except rpc.RpcError as exc:
-        raise _error_from_rpc(exc, inv) from None
-    except (wire.WireError, UnicodeDecodeError) as exc:
-        raise CniError(
-            spec.ENDPOINT_FAILED, f"{inv.command} failed: bad response", str(exc)
-        ) from None
-
-
 def cni_main(environ: Mapping[str, str], stdin: BinaryIO, stdout: TextIO) -> int:
-    raw = stdin.read()
-    version = spec.requested_version(raw)
+    data = stdin.read()
     try:
-        inv = spec.parse_invocation(environ, raw)
-        version = inv.conf.cni_version
-        if inv.command == "VERSION":
-            stdout.write(cnijson.dumps(spec.version_result(version)))
-            return 0
-        run(inv, stdout)
-        return 0
+        out, status = run(environ, data)
     except CniError as err:
+        try:
+            version = requested_version(cnijson.loads(data))
+        except (ValueError, UnicodeDecodeError):
+            version = SPEC_VERSION
         stdout.write(cnijson.dumps(err.to_json(version)))
         return 1
+    stdout.write(out)
+    return status
 
 
 def main() -> int:

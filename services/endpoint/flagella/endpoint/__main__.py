@@ -16,6 +16,7 @@ from flagella.common.etcd import Etcd
 from flagella.common.server import Probes, Runtime
 from flagella.common.server import main as serve_main
 from flagella.common.tasks import TaskGroup
+from flagella.endpoint.cnirun import CniRunner
 from flagella.endpoint.config import EndpointConfig
 from flagella.endpoint.peers import (
     DatapathPeers,
@@ -84,7 +85,8 @@ class EndpointApp:
 
     def register(self, server: grpc.aio.Server) -> None:
         endpoint_pb2_grpc.add_EndpointServiceServicer_to_server(
-            EndpointServicer(self.service, self.status), server
+            EndpointServicer(self.service, self.status, CniRunner(self.service, self.status)),
+            server,
         )
 
     async def start(self) -> None:

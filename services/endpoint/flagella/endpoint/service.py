@@ -257,6 +257,14 @@ class EndpointService:
                 created, found, revision = await self.store.create(ep)
                 if created:
                     return await self._create(found, revision)
+                if found.node != req.node:
+                    # Container ids are unique per runtime: this is a node
+                    # naming another node's pod, which it may not touch.
+                    raise FailedPrecondition(
+                        f"attachment {req.container_id}/{req.ifname} is an endpoint of node "
+                        f"{found.node}, not {req.node}",
+                        field="container_id",
+                    )
                 if found.state is State.READY and found.netns_path == req.netns_path:
                     return found  # a repeated ADD: same answer
                 if attempt:
@@ -402,10 +410,18 @@ class EndpointService:
 
     # --- delete ---
 
-    async def delete(self, container_id: str, ifname: str) -> bool:
+    async def delete(self, container_id: str, ifname: str, *, caller: str = "") -> bool:
+        """caller: the caller's node, when the caller is one (CNI DEL); an
+        endpoint of another node is not its to delete, and not there for it."""
         async with self._lock(container_id, ifname):
             found = await self.store.get(container_id, ifname)
             if found is None:
+                return False
+            if caller and found[0].node != caller:
+                log.warning(
+                    "DEL of another node's endpoint ignored",
+                    extra={"container": container_id, "node": caller, "owner": found[0].node},
+                )
                 return False
             await self._remove(found[0], "CNI DEL")
             return True
@@ -528,8 +544,16 @@ class EndpointService:
 
     # --- check ---
 
-    async def check(self, container_id: str, ifname: str, netns_path: str) -> None:
+    async def check(
+        self, container_id: str, ifname: str, netns_path: str, *, caller: str = ""
+    ) -> None:
+        """caller: the caller's node, when the caller is one (CNI CHECK): it
+        knows only its own endpoints."""
         ep = await self.get(container_id, ifname)
+        if caller and ep.node != caller:
+            raise NotFound(
+                f"no endpoint for {container_id}/{ifname} on {caller}", field="attachment"
+            )
         if ep.state is not State.READY:
             raise FailedPrecondition(f"endpoint {ep.id} is {ep.state.value}", field="attachment")
         if netns_path and netns_path != ep.netns_path:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import re
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -106,52 +107,73 @@ def result_to_proto(result: dict[str, Any]) -> endpoint_pb2.CniResult:
     )
 
 
+def create_request_of(request: endpoint_pb2.CreateEndpointRequest) -> CreateRequest:
+    """A CreateEndpointRequest, validated (what a CNI ADD creates too)."""
+    cid, ifname = (
+        attachment_of(
+            endpoint_pb2.Attachment(container_id=request.container_id, ifname=request.ifname),
+            "",
+        )
+        if request.container_id
+        else ("", "")
+    )
+    if not cid:
+        raise InvalidArgument("container_id is required", field="container_id")
+    if not request.netns_path.startswith("/"):
+        raise InvalidArgument(
+            f"{request.netns_path!r} is not an absolute netns path", field="netns_path"
+        )
+    if not request.node:
+        raise InvalidArgument("node is required", field="node")
+    mtu = request.mtu or 1500
+    if not 576 <= mtu <= 65535:
+        raise InvalidArgument(f"mtu {mtu} is not in 576..65535", field="mtu")
+    if request.pod_name and not request.pod_namespace:
+        raise InvalidArgument("pod_namespace is required with pod_name", field="pod_namespace")
+    if request.resolve_labels_from_kubernetes and not request.labels and not request.pod_name:
+        raise InvalidArgument(
+            "pod_name is required to read labels from Kubernetes", field="pod_name"
+        )
+    return CreateRequest(
+        container_id=cid,
+        netns_path=request.netns_path,
+        ifname=ifname,
+        node=request.node,
+        pod_name=request.pod_name,
+        pod_namespace=request.pod_namespace,
+        labels=validate_labels(dict(request.labels), "labels"),
+        resolve_labels_from_kubernetes=request.resolve_labels_from_kubernetes,
+        mtu=mtu,
+    )
+
+
+class CniRun(Protocol):
+    """flagella.endpoint.cnirun.CniRunner: one plugin invocation run."""
+
+    async def __call__(
+        self, environ: Mapping[str, str], config: bytes, *, netns_exists: bool, node: str
+    ) -> tuple[str, int]: ...
+
+
+def caller_node(request: endpoint_pb2.CniRequest, context: Any) -> str:
+    """The node a relayed CNI invocation comes from. The one place that
+    decides it: the request's node, which the node's datapath sets (until
+    calls carry the node's certificate, whose identity then decides)."""
+    if not request.node:
+        raise InvalidArgument("node is required", field="node")
+    return request.node
+
+
 class EndpointServicer(endpoint_pb2_grpc.EndpointServiceServicer):
-    def __init__(self, service: EndpointService, status: CniStatus) -> None:
+    def __init__(self, service: EndpointService, status: CniStatus, cni: CniRun) -> None:
         self.service = service
         self.status = status
+        self.cni = cni
 
     async def CreateEndpoint(
         self, request: endpoint_pb2.CreateEndpointRequest, context: Any
     ) -> endpoint_pb2.CreateEndpointResponse:
-        cid, ifname = (
-            attachment_of(
-                endpoint_pb2.Attachment(container_id=request.container_id, ifname=request.ifname),
-                "",
-            )
-            if request.container_id
-            else ("", "")
-        )
-        if not cid:
-            raise InvalidArgument("container_id is required", field="container_id")
-        if not request.netns_path.startswith("/"):
-            raise InvalidArgument(
-                f"{request.netns_path!r} is not an absolute netns path", field="netns_path"
-            )
-        if not request.node:
-            raise InvalidArgument("node is required", field="node")
-        mtu = request.mtu or 1500
-        if not 576 <= mtu <= 65535:
-            raise InvalidArgument(f"mtu {mtu} is not in 576..65535", field="mtu")
-        if request.pod_name and not request.pod_namespace:
-            raise InvalidArgument("pod_namespace is required with pod_name", field="pod_namespace")
-        if request.resolve_labels_from_kubernetes and not request.labels and not request.pod_name:
-            raise InvalidArgument(
-                "pod_name is required to read labels from Kubernetes", field="pod_name"
-            )
-        ep = await self.service.create(
-            CreateRequest(
-                container_id=cid,
-                netns_path=request.netns_path,
-                ifname=ifname,
-                node=request.node,
-                pod_name=request.pod_name,
-                pod_namespace=request.pod_namespace,
-                labels=validate_labels(dict(request.labels), "labels"),
-                resolve_labels_from_kubernetes=request.resolve_labels_from_kubernetes,
-                mtu=mtu,
-            )
-        )
+        ep = await self.service.create(create_request_of(request))
         return endpoint_pb2.CreateEndpointResponse(
             endpoint=endpoint_to_proto(ep), result=result_to_proto(ep.result)
         )
@@ -248,3 +270,18 @@ class EndpointServicer(endpoint_pb2_grpc.EndpointServiceServicer):
     ) -> endpoint_pb2.EndpointServiceStatus:
         ready, deps = await self.status()
         return endpoint_pb2.EndpointServiceStatus(ready=ready, dependencies=deps)
+
+    async def Cni(self, request: endpoint_pb2.CniRequest, context: Any) -> endpoint_pb2.CniResponse:
+        node = caller_node(request, context)
+        environ = {
+            "CNI_COMMAND": request.command,
+            "CNI_CONTAINERID": request.container_id,
+            "CNI_NETNS": request.netns,
+            "CNI_IFNAME": request.ifname,
+            "CNI_ARGS": request.args,
+            "CNI_PATH": request.path,
+        }
+        stdout, exit_code = await self.cni(
+            environ, request.config, netns_exists=request.netns_exists, node=node
+        )
+        return endpoint_pb2.CniResponse(stdout=stdout.encode(), exit_code=exit_code)

@@ -85,6 +85,11 @@ class EndpointServiceStub:
                 request_serializer=flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.EndpointServiceStatus.FromString,
                 _registered_method=True)
+        self.Cni = channel.unary_unary(
+                '/flagella.endpoint.v1.EndpointService/Cni',
+                request_serializer=flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.CniRequest.SerializeToString,
+                response_deserializer=flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.CniResponse.FromString,
+                _registered_method=True)
 
 
 class EndpointServiceServicer:
@@ -158,6 +163,16 @@ class EndpointServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Cni(self, request, context):
+        """One invocation of the flagella-cni plugin, as the datapath of the node it
+        ran on relays it: the raw CNI environment and network configuration in,
+        what the plugin prints and its exit status out (a CNI result, or a CNI
+        error object). The endpoints it touches are the calling node's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EndpointServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -210,6 +225,11 @@ def add_EndpointServiceServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.GetStatusRequest.FromString,
                     response_serializer=flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.EndpointServiceStatus.SerializeToString,
+            ),
+            'Cni': grpc.unary_unary_rpc_method_handler(
+                    servicer.Cni,
+                    request_deserializer=flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.CniRequest.FromString,
+                    response_serializer=flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.CniResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -482,6 +502,33 @@ class EndpointService:
             '/flagella.endpoint.v1.EndpointService/GetStatus',
             flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.GetStatusRequest.SerializeToString,
             flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.EndpointServiceStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Cni(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagella.endpoint.v1.EndpointService/Cni',
+            flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.CniRequest.SerializeToString,
+            flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.CniResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,146 +1,62 @@
-"""The CNI specification (1.1.0) as flagella-cni needs it: the environment and
-network configuration of an invocation, validated, and results and errors in
-the spec's JSON shapes (down-converted for older cniVersions). Pure: no I/O
-beyond what it is given, no gRPC."""
+"""The CNI specification (1.1.0) as the endpoint service runs it for the
+flagella-cni plugin (whose invocations each node's datapath relays): the
+environment and network configuration of an invocation, validated, and
+results and errors in the spec's JSON shapes (down-converted for older
+cniVersions). Pure: no I/O beyond what it is given, no gRPC."""
 
 from __future__ import annotations
 
-import _socket
-import os
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
-from flagella.cni import cnijson as json
+from flagella.cni import (
+    DECODING_FAILURE,
+    INVALID_ENVIRONMENT,
+    INVALID_NETWORK_CONFIG,
+    SPEC_VERSION,
+    CniError,
+    check_version,
+    config_object,
+    socket_of,
+    version_tuple,
+)
+from flagella.cni import requested_version as _requested_version
 
-# Typing names only for the type checker: the plugin starts once per CNI
-# operation, and importing typing and dataclasses costs more than parsing
-# (so does the json module: flagella.cni.cnijson stands in for it).
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from collections.abc import Mapping
-    from typing import Any
-
-SPEC_VERSION = "1.1.0"
-SUPPORTED_VERSIONS = ("0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0")
 COMMANDS = ("ADD", "DEL", "CHECK", "VERSION", "GC", "STATUS")
-
-# Error codes of the spec.
-INCOMPATIBLE_VERSION = 1
-UNSUPPORTED_FIELD = 2
-UNKNOWN_CONTAINER = 3
-INVALID_ENVIRONMENT = 4
-IO_FAILURE = 5
-DECODING_FAILURE = 6
-INVALID_NETWORK_CONFIG = 7
-TRY_AGAIN_LATER = 11
-PLUGIN_NOT_AVAILABLE = 50
-# Plugin-specific codes start at 100.
-ENDPOINT_FAILED = 100
-
-DEFAULT_ENDPOINT_ADDRESS = "unix:/run/flagella/endpoint.sock"
+# Fields of older flagella network configs that no longer mean anything: the
+# plugin talks only to its node's datapath, which names the node itself.
+RETIRED_FIELDS = {
+    "endpoint": "flagella-cni talks only to its node's datapath (field socket)",
+    "node": "the node is the one whose datapath serves the plugin's socket",
+}
 
 
-class CniError(Exception):
-    def __init__(self, code: int, msg: str, details: str = "") -> None:
-        super().__init__(msg)
-        self.code = code
-        self.msg = msg
-        self.details = details
-
-    def to_json(self, cni_version: str) -> dict[str, Any]:
-        out: dict[str, Any] = {"cniVersion": cni_version, "code": self.code, "msg": self.msg}
-        if self.details:
-            out["details"] = self.details
-        return out
-
-
-def _version_tuple(version: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in version.split("."))
-
-
-class _Record:
-    """A frozen record with value equality (what dataclasses would give,
-    without their import cost)."""
-
-    __slots__: tuple[str, ...] = ()
-    # The fields in order (positional arguments, repr).
-    _fields: tuple[str, ...] = ()
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        names = self._fields
-        if len(args) > len(names):
-            raise TypeError(f"{type(self).__name__} takes {len(names)} fields")
-        values = dict(zip(names, args, strict=False))
-        for key, value in kwargs.items():
-            if key not in names or key in values:
-                raise TypeError(f"{type(self).__name__}: bad or repeated field {key!r}")
-            values[key] = value
-        missing = [n for n in names if n not in values]
-        if missing:
-            raise TypeError(f"{type(self).__name__}: missing {', '.join(missing)}")
-        for name in names:
-            object.__setattr__(self, name, values[name])
-
-    def __setattr__(self, name: str, value: object) -> None:
-        raise AttributeError(f"{type(self).__name__} is frozen")
-
-    def _values(self) -> tuple[object, ...]:
-        return tuple(getattr(self, n) for n in self._fields)
-
-    def __eq__(self, other: object) -> bool:
-        if type(other) is not type(self):
-            return NotImplemented
-        assert isinstance(other, _Record)
-        return self._values() == other._values()
-
-    def __hash__(self) -> int:
-        return hash(self._values())
-
-    def __repr__(self) -> str:
-        fields = ", ".join(f"{n}={getattr(self, n)!r}" for n in self._fields if n != "raw")
-        return f"{type(self).__name__}({fields})"
-
-
-class Attachment(_Record):
-    _fields = ("container_id", "ifname")
-    __slots__ = _fields
+@dataclass(frozen=True)
+class Attachment:
     container_id: str
     ifname: str
 
 
-class NetConf(_Record):
+@dataclass(frozen=True)
+class NetConf:
     """The network configuration on stdin, with flagella's own fields."""
 
-    _fields = (
-        "cni_version",
-        "name",
-        "type",
-        "endpoint_address",
-        "node",
-        "mtu",
-        "timeout",
-        "resolve_labels_from_kubernetes",
-        "labels",
-        "prev_result",
-        "valid_attachments",
-        "raw",
-    )
-    __slots__ = _fields
     cni_version: str
     name: str
     type: str
-    endpoint_address: str
-    node: str
     mtu: int
     timeout: float
     resolve_labels_from_kubernetes: bool
     labels: dict[str, str]
     prev_result: dict[str, Any] | None
     valid_attachments: tuple[Attachment, ...]
-    raw: dict[str, Any]
+    raw: dict[str, Any] = field(repr=False)
 
 
-class Invocation(_Record):
-    _fields = ("command", "container_id", "netns", "ifname", "args", "conf")
-    __slots__ = _fields
+@dataclass(frozen=True)
+class Invocation:
     command: str
     container_id: str
     netns: str
@@ -182,33 +98,19 @@ def _require_str(obj: Mapping[str, Any], key: str, where: str = "") -> str:
 
 
 def parse_netconf(stdin: bytes, command: str) -> NetConf:
-    try:
-        raw = json.loads(stdin or b"{}")
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CniError(DECODING_FAILURE, f"network config: not valid JSON ({exc})") from None
-    if not isinstance(raw, dict):
-        raise CniError(DECODING_FAILURE, "network config: not a JSON object")
-    version = raw.get("cniVersion")
-    if not isinstance(version, str) or not version:
-        raise CniError(INVALID_NETWORK_CONFIG, "network config: cniVersion is missing")
-    if version not in SUPPORTED_VERSIONS:
-        raise CniError(
-            INCOMPATIBLE_VERSION,
-            f"cniVersion {version} is not supported (supported: {', '.join(SUPPORTED_VERSIONS)})",
-        )
-    if command in ("GC", "STATUS") and _version_tuple(version) < (1, 1, 0):
-        raise CniError(INCOMPATIBLE_VERSION, f"{command} needs cniVersion 1.1.0, got {version}")
+    raw = config_object(stdin, json.loads)
+    version = check_version(raw, command)
     if command == "VERSION":
-        return NetConf(version, "", "", "", "", 0, 0.0, False, {}, None, (), raw)
+        return NetConf(version, "", "", 0, 0.0, False, {}, None, (), raw)
     name = _require_str(raw, "name")
     plugin_type = _require_str(raw, "type")
 
-    endpoint = raw.get("endpoint", DEFAULT_ENDPOINT_ADDRESS)
-    if not isinstance(endpoint, str) or not endpoint:
-        raise CniError(INVALID_NETWORK_CONFIG, "network config: endpoint must be an address string")
-    node = raw.get("node") or _socket.gethostname()
-    if not isinstance(node, str):
-        raise CniError(INVALID_NETWORK_CONFIG, "network config: node must be a string")
+    for key, why in RETIRED_FIELDS.items():
+        if key in raw:
+            raise CniError(
+                INVALID_NETWORK_CONFIG, f"network config: {key} is not used any more: {why}"
+            )
+    socket_of(raw)  # the plugin found its node's socket there
     mtu = raw.get("mtu", 1500)
     if not isinstance(mtu, int) or isinstance(mtu, bool) or not 576 <= mtu <= 65535:
         raise CniError(INVALID_NETWORK_CONFIG, f"network config: mtu {mtu!r} is not in 576..65535")
@@ -260,8 +162,6 @@ def parse_netconf(stdin: bytes, command: str) -> NetConf:
         cni_version=version,
         name=name,
         type=plugin_type,
-        endpoint_address=endpoint,
-        node=node,
         mtu=mtu,
         timeout=float(timeout),
         resolve_labels_from_kubernetes=k8s,
@@ -272,7 +172,9 @@ def parse_netconf(stdin: bytes, command: str) -> NetConf:
     )
 
 
-def parse_invocation(environ: Mapping[str, str], stdin: bytes) -> Invocation:
+def parse_invocation(environ: Mapping[str, str], stdin: bytes, *, netns_exists: bool) -> Invocation:
+    """netns_exists: whether CNI_NETNS exists on the plugin's node (which
+    only the node can tell)."""
     command = environ.get("CNI_COMMAND", "")
     if command not in COMMANDS:
         raise CniError(
@@ -297,7 +199,7 @@ def parse_invocation(environ: Mapping[str, str], stdin: bytes) -> Invocation:
         )
     if ifname and (len(ifname) > 15 or "/" in ifname or ifname in (".", "..") or " " in ifname):
         raise CniError(INVALID_ENVIRONMENT, f"CNI_IFNAME {ifname!r} is not a valid interface name")
-    if command in ("ADD", "CHECK") and not os.path.exists(netns):
+    if command in ("ADD", "CHECK") and not netns_exists:
         raise CniError(INVALID_ENVIRONMENT, f"CNI_NETNS {netns} does not exist")
     if command == "CHECK" and conf.prev_result is None:
         raise CniError(INVALID_NETWORK_CONFIG, "network config: CHECK needs prevResult")
@@ -314,7 +216,7 @@ def parse_invocation(environ: Mapping[str, str], stdin: bytes) -> Invocation:
 def convert_result(result: dict[str, Any], cni_version: str) -> dict[str, Any]:
     """A 1.x result in the shape cni_version expects."""
     out = {**result, "cniVersion": cni_version}
-    if _version_tuple(cni_version) < (1, 0, 0):
+    if version_tuple(cni_version) < (1, 0, 0):
         ips = []
         for ip in result.get("ips", []):
             version = "6" if ":" in ip["address"] else "4"
@@ -323,18 +225,11 @@ def convert_result(result: dict[str, Any], cni_version: str) -> dict[str, Any]:
     return out
 
 
-def version_result(cni_version: str) -> dict[str, Any]:
-    return {
-        "cniVersion": cni_version or SPEC_VERSION,
-        "supportedVersions": list(SUPPORTED_VERSIONS),
-    }
-
-
 def requested_version(stdin: bytes) -> str:
     """The cniVersion the runtime asked for, if readable and supported (for
     error replies); the spec's version otherwise."""
     try:
-        version = json.loads(stdin).get("cniVersion")
-    except (ValueError, AttributeError, UnicodeDecodeError):
+        raw = json.loads(stdin)
+    except (ValueError, UnicodeDecodeError):
         return SPEC_VERSION
-    return version if version in SUPPORTED_VERSIONS else SPEC_VERSION
+    return _requested_version(raw)
