@@ -163,10 +163,11 @@ class CniRelay:
             node=self.node,
         )
         where = f"endpoint service at {self.endpoint_address}"
-        try:
-            await asyncio.wait_for(self.channel.channel_ready(), min(timeout, CONNECT_S))
-        except TimeoutError:
-            return failure(f"{where} unavailable, try again later", "not connected", retry=True)
+        if self.channel.get_state(try_to_connect=True) != grpc.ChannelConnectivity.READY:
+            try:
+                await asyncio.wait_for(self.channel.channel_ready(), min(timeout, CONNECT_S))
+            except TimeoutError:
+                return failure(f"{where} unavailable, try again later", "not connected", retry=True)
         try:
             resp = await self.endpoint.Cni(request, timeout=float(timeout), wait_for_ready=True)
         except grpc.aio.AioRpcError as exc:
