@@ -5,6 +5,7 @@ front of a real endpoint service and etcd."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -15,6 +16,7 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 from harness.cni import node_relay
 from harness.etcd import EtcdServer
@@ -22,6 +24,7 @@ from harness.net import free_port
 from harness.procs import ServiceProcess
 
 import flagella.cni
+from flagella.datapath.cnirelay import CniRelay, UnsafeSocket
 
 pytestmark = pytest.mark.integration
 
@@ -172,3 +175,20 @@ def test_the_socket_is_root_only(require_root: None, node_socket: str) -> None:
     rc, out = run_plugin({"CNI_COMMAND": "STATUS"}, conf, node_socket, uid=NOBODY)
     assert (rc, out["code"]) == (1, 100), out
     assert f"may not use {node_socket}" in str(out["msg"])
+
+
+def test_the_relay_refuses_a_folder_others_may_write(tmp_path: Path) -> None:
+    """Anyone who may write the socket's folder could swap the socket: the
+    datapath refuses to serve there (and exits naming the folder)."""
+    folder = tmp_path / "open"
+    folder.mkdir()
+    folder.chmod(0o777)
+
+    async def open_relay() -> None:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{free_port()}") as channel:
+            relay = CniRelay(str(folder / "cni.sock"), "n1", "endpoint", channel)
+            with pytest.raises(UnsafeSocket, match="writable by it alone"):
+                await relay.open()
+
+    asyncio.run(open_relay())
+    assert not (folder / "cni.sock").exists()
