@@ -117,7 +117,7 @@ def node(cluster: Cluster, kube_api: KubeListWatchServer, tmp_path: Path) -> Nod
 
 def add_pod(cluster: Cluster, node: Node, name: str) -> Pod:
     ns = cluster.pod(node, name)
-    conf = netconf(cluster.socket("endpoint"), node.name, {"app": name})
+    conf = netconf(node.cni_socket, {"app": name})
     rc, result = cni("ADD", conf, container_id=f"ctr-{name}", netns=ns.path, pod=("shop", name))
     assert rc == 0, result
     cidrs = cluster.ipam().GetNode(ipam_pb2.GetNodeRequest(name=node.name), timeout=10).pod_cidrs
