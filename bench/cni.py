@@ -74,7 +74,7 @@ def run_bench(quick: bool) -> dict[str, float]:
     with standalone_cluster(tmp) as cluster:
         cluster.start(services=("ipam", "policy", "lb", "endpoint"))
         node = cluster.add_node("bench")
-        conf = netconf(cluster.socket("endpoint"), node.name, {"app": "bench"})
+        conf = netconf(cluster.cni_socket(), node.name, {"app": "bench"})
         pods = [cluster.pod(node, f"p{i}") for i in range(n)]
 
         def add(i: int) -> None:

@@ -110,7 +110,7 @@ def main() -> int:
     with standalone_cluster(tmp, log_level="info") as cluster:
         cluster.start(services=("ipam", "policy", "lb", "endpoint"))
         node = cluster.add_node("prof")
-        conf = netconf(cluster.socket("endpoint"), node.name, {"app": "prof"})
+        conf = netconf(cluster.cni_socket(), node.name, {"app": "prof"})
         pods = [cluster.pod(node, f"p{i}") for i in range(n + 1)]
         assert node.process is not None
         assert cluster.etcd.proc is not None

@@ -56,7 +56,7 @@ def pod_cidr(cluster: Cluster, node: Node) -> str:
 
 def add(cluster: Cluster, node: Node, name: str, labels: dict[str, str]) -> Pod:
     ns = cluster.pod(node, name)
-    conf = netconf(cluster.socket("endpoint"), node.name, labels)
+    conf = netconf(cluster.cni_socket(), node.name, labels)
     rc, result = cni("ADD", conf, container_id=f"ctr-{name}", netns=ns.path, pod=("shop", name))
     assert rc == 0, result
     ip = check_result(result, netns=ns.path, ifname="eth0", pod_cidr=pod_cidr(cluster, node))
@@ -103,7 +103,7 @@ def test_pods_talk_policy_keeps_one_out_service_reached(cluster: Cluster, node: 
 
 
 def test_add_del_check_gc_as_the_spec_says(cluster: Cluster, node: Node) -> None:
-    conf = netconf(cluster.socket("endpoint"), node.name, {"app": "x"})
+    conf = netconf(cluster.cni_socket(), node.name, {"app": "x"})
     a = add(cluster, node, "a", {"app": "x"})
     b = add(cluster, node, "b", {"app": "x"})
     c = add(cluster, node, "c", {"app": "x"})

@@ -39,12 +39,12 @@ def add(
     cluster: Cluster, node: Node, name: str, labels: dict[str, str]
 ) -> tuple[int, dict[str, object]]:
     ns = node.pods.get(name) or cluster.pod(node, name)
-    conf = netconf(cluster.socket("endpoint"), node.name, labels, timeout=30)
+    conf = netconf(cluster.cni_socket(), node.name, labels, timeout=30)
     return cni("ADD", conf, container_id=f"ctr-{name}", netns=ns.path, pod=("faults", name))
 
 
 def gc(cluster: Cluster, node: Node, valid: list[str]) -> None:
-    conf = netconf(cluster.socket("endpoint"), node.name)
+    conf = netconf(cluster.cni_socket(), node.name)
     conf["cni.dev/valid-attachments"] = [
         {"containerID": f"ctr-{v}", "ifname": "eth0"} for v in valid
     ]

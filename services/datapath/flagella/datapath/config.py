@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from flagella.common.config import ServiceConfig, option, parse_host_port, parse_ip
 from flagella.common.errors import ConfigError
+from flagella.common.pki import Identity
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,11 @@ class DatapathConfig(ServiceConfig):
         "where sysctls are written (in a container: a rw mount of the host's /proc/sys)",
     )
     gc_interval_seconds: float = option(30.0, "conntrack and NAT garbage collection period")
+
+    def tls_identity(self, service: str) -> Identity:
+        # The datapath registers its node (and asks for its node's policy):
+        # it holds the node's certificate.
+        return Identity("node", self.node_name)
 
     def validate(self) -> None:
         super().validate()

@@ -16,6 +16,7 @@ from flagella.common.etcd import Etcd
 from flagella.common.server import Probes, Runtime
 from flagella.common.server import main as serve_main
 from flagella.common.tasks import TaskGroup
+from flagella.endpoint.cnisocket import serve_cni_socket
 from flagella.endpoint.config import EndpointConfig
 from flagella.endpoint.peers import (
     DatapathPeers,
@@ -56,6 +57,7 @@ class EndpointApp:
 
     def __init__(self, runtime: Runtime[EndpointConfig]) -> None:
         cfg: EndpointConfig = runtime.config
+        self.runtime = runtime
         self.config = cfg
         self.tasks: TaskGroup = runtime.tasks
         self.etcd = Etcd(cfg.etcd_endpoints, timeout=cfg.etcd_timeout)
@@ -81,11 +83,13 @@ class EndpointApp:
             runtime.readiness,
             {"ipam": PeerHealth(ipam_channel), "policy": PeerHealth(policy_channel)},
         )
+        self.servicer = EndpointServicer(self.service, self.status)
+        # Nodes delete and check only the endpoints on them.
+        runtime.authorizer.resolvers["endpoint"] = self.servicer.node_of
+        self.cni_server: grpc.aio.Server | None = None
 
     def register(self, server: grpc.aio.Server) -> None:
-        endpoint_pb2_grpc.add_EndpointServiceServicer_to_server(
-            EndpointServicer(self.service, self.status), server
-        )
+        endpoint_pb2_grpc.add_EndpointServiceServicer_to_server(self.servicer, server)
 
     async def start(self) -> None:
         # The node mirror fills in the background; until it is synced, node
@@ -97,9 +101,15 @@ class EndpointApp:
         interval = self.config.gc_interval_seconds
         if interval > 0:
             self.tasks.supervise("endpoint-sweep", lambda: self.service.sweep_loop(interval))
+        if self.config.cni_listen:
+            self.cni_server = await serve_cni_socket(
+                self.config.cni_listen, self.servicer, self.runtime
+            )
 
     async def stop(self) -> None:
         # The runtime stopped the tasks (node watch, sweep, probes) already.
+        if self.cni_server is not None:
+            await self.cni_server.stop(self.config.shutdown_grace)
         await self.etcd.close()
 
 

@@ -30,6 +30,12 @@ class EndpointConfig(ServiceConfig):
     )
     dns_nameserver: tuple[str, ...] = option((), "DNS servers in CNI results", parse=parse_ip)
     dns_search: tuple[str, ...] = option((), "DNS search domains in CNI results")
+    cni_listen: str = option(
+        "",
+        "interim (until the CNI plugin talks to its node's datapath, issue 13): a root-only "
+        "plaintext unix socket serving flagella-cni's calls, e.g. unix:/run/flagella/cni.sock",
+        parse=parse_host_port,
+    )
     fault_injection: str = option(
         "",
         "tests only: crash-after:STEP or pause-after:STEP:SECONDS, STEP one of ipam, identity, "
@@ -44,6 +50,8 @@ class EndpointConfig(ServiceConfig):
             raise ConfigError("--policy-wait-seconds", "must be positive")
         if self.gc_interval_seconds < 0:
             raise ConfigError("--gc-interval-seconds", "must not be negative")
+        if self.cni_listen and not self.cni_listen.startswith("unix:"):
+            raise ConfigError("--cni-listen", "must be a unix:PATH socket")
         if self.fault_injection:
             action, _, rest = self.fault_injection.partition(":")
             step, _, seconds = rest.partition(":")
