@@ -26,7 +26,7 @@ BIN = Path(sys.executable).parent
 CNI = str(BIN / "flagella-cni")
 CLI = [str(BIN / "flagella")]
 # The endpoint service's CNI socket (scripts/up: --cni-listen).
-ENDPOINT = os.environ.get("FLAGELLA_DEMO_ENDPOINT", "unix:/run/flagella/cni.sock")
+ENDPOINT = os.environ.get("FLAGELLA_DEMO_ENDPOINT", "unix:/run/flagella/endpoint.sock")
 LB = os.environ.get("FLAGELLA_LB_ADDRESS", "127.0.0.1:50054")
 NODE = os.environ.get("FLAGELLA_NODE_NAME", socket.gethostname())
 PODS = {"frontend": {"app": "frontend"}, "backend": {"app": "backend"}, "other": {"app": "other"}}
