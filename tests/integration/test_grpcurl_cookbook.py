@@ -14,11 +14,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from harness import tls
 from harness.etcd import EtcdServer
 from harness.procs import ServiceProcess
 
-# TODO(issue 13): docs/grpcurl.md with -cacert/-cert/-key, as the role each call needs.
-pytestmark = [pytest.mark.privileged, pytest.mark.integration, pytest.mark.insecure]
+from flagella.common import pki
+
+pytestmark = [pytest.mark.privileged, pytest.mark.integration]
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "grpcurl.md"
 
@@ -34,6 +36,10 @@ def examples() -> list[tuple[str, str]]:
                 nxt = lines[i + 1] if i + 1 < len(lines) else ""
                 out.append((line, nxt[len("# → ") :] if nxt.startswith("# → ") else ""))
     return out
+
+
+def grpcurl_flags(folder: Path) -> str:
+    return f"-cacert {folder}/ca.crt -cert {folder}/tls.crt -key {folder}/tls.key"
 
 
 def test_the_cookbook_runs_as_written(
@@ -60,6 +66,15 @@ def test_the_cookbook_runs_as_written(
         )
         env = {
             **os.environ,
+            # The doc's $OPERATOR, $AS_ENDPOINT, $AS_NODE: grpcurl's TLS flags.
+            **{
+                var: grpcurl_flags(tls.session().bundle(identity))
+                for var, identity in (
+                    ("OPERATOR", tls.OPERATOR),
+                    ("AS_ENDPOINT", pki.service("endpoint")),
+                    ("AS_NODE", pki.node("cookbook-node")),
+                )
+            },
             "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
             "IPAM": ipam.address,
             "POLICY": policy.address,
