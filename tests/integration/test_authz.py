@@ -7,8 +7,6 @@ must agree)."""
 from __future__ import annotations
 
 import asyncio
-import shutil
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +20,7 @@ from grpc_reflection.v1alpha import reflection_pb2
 from harness import tls
 from harness.etcd import EtcdServer
 from harness.procs import ServiceProcess
+from harness.suite import five_services
 
 from flagella.api.datapath.v1 import datapath_pb2
 from flagella.api.endpoint.v1 import endpoint_pb2, endpoint_pb2_grpc
@@ -139,24 +138,8 @@ def suite(
     etcd: EtcdServer, spawn: Callable[..., ServiceProcess], tmp_path: Path
 ) -> Iterator[dict[str, ServiceProcess]]:
     """The five services with mutual TLS; the datapath is node-a's."""
-    common = ("--etcd-endpoints", etcd.endpoint)
-    ipam = spawn("ipam", *common, "--cluster-cidr", "10.244.0.0/16")
-    policy = spawn("policy", *common)
-    lb = spawn("lb", *common)
-    endpoint = spawn(
-        "endpoint", *common, "--ipam-address", ipam.address, "--policy-address", policy.address
-    )
-    pins = f"/sys/fs/bpf/fl-authz-{uuid.uuid4().hex[:6]}"
-    datapath = spawn(
-        "datapath",
-        "--node-name", "node-a",
-        "--bpf-root", pins,
-        "--state-dir", str(tmp_path / "dp"),
-        "--no-enable-ip-forward",
-    )  # fmt: skip
-    yield {"ipam": ipam, "policy": policy, "lb": lb, "endpoint": endpoint, "datapath": datapath}
-    datapath.stop()
-    shutil.rmtree(pins, ignore_errors=True)
+    with five_services(spawn, etcd, tmp_path, "node-a") as procs:
+        yield procs
 
 
 def methods(svc: str) -> list[tuple[str, Any]]:

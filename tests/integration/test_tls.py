@@ -234,11 +234,13 @@ def test_insecure_is_plaintext_and_says_so(
     assert warnings[0]["level"] == "warning"
 
 
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([CLI, *args], capture_output=True, text=True, timeout=30, check=False)
+
+
 def test_flagella_certs_issues_and_refuses_to_overwrite(tmp_path: Path) -> None:
     def certs(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [CLI, "certs", *args], capture_output=True, text=True, timeout=30, check=False
-        )
+        return cli("certs", *args)
 
     ca = tmp_path / "ca"
     assert certs("ca", "--out", str(ca)).returncode == 0
@@ -276,13 +278,7 @@ def test_flagella_certs_issues_and_refuses_to_overwrite(tmp_path: Path) -> None:
 
 
 def test_the_cli_without_its_certificate_says_how_to_get_one(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [CLI, "--tls-dir", str(tmp_path / "none"), "service", "list"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
+    proc = cli("--tls-dir", str(tmp_path / "none"), "service", "list")
     assert proc.returncode == 1
     assert "operator certificate" in proc.stderr
     assert "flagella certs operator" in proc.stderr

@@ -2,8 +2,8 @@
 
 Every method of every flagella service has an entry (a test walks the proto
 descriptors), naming the identities that may call it; an entry can scope a
-node to its own resources: the node a request names (`OwnNode("name")`), or
-the node an existing resource is on (`NodeOf("endpoint")`, looked up by the
+node to its own resources: the node a request names (`own_node("name")`), or
+the node an existing resource is on (`node_of("endpoint")`, looked up by the
 service that owns it). A method with no entry is refused: nothing fails
 open. `python -m flagella.common.authz` prints the table as Markdown.
 """
@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.protobuf.message import Message
 
+from flagella.common.handlers import WrappingInterceptor, relay, rewrap
 from flagella.common.pki import Identity
 from flagella.common.tls import Unauthenticated, peer_identity
 
@@ -37,60 +39,46 @@ class Denied(Exception):
 
 
 @dataclass(frozen=True)
-class Anyone:
-    """Any authenticated identity."""
+class Grant:
+    """Whom a table entry lets call: a kind, and its argument (a service's
+    name, the request field naming a node, the resource a node must own)."""
+
+    kind: str
+    arg: str = ""
 
     def describe(self) -> str:
-        return "any authenticated identity"
+        return _DESCRIPTIONS[self.kind].format(self.arg)
 
 
-@dataclass(frozen=True)
-class Service:
-    name: str
-
-    def describe(self) -> str:
-        return f"service `{self.name}`"
-
-
-@dataclass(frozen=True)
-class AnyNode:
-    def describe(self) -> str:
-        return "any node"
+_DESCRIPTIONS = {
+    "anyone": "any authenticated identity",
+    "service": "service `{}`",
+    "node": "any node",
+    "own-node": "a node, itself only (request `{}`)",
+    "node-of": "a node, its own {}s only",
+    "operator": "operators",
+}
 
 
-@dataclass(frozen=True)
-class OwnNode:
+def service(name: str) -> Grant:
+    return Grant("service", name)
+
+
+def own_node(field: str) -> Grant:
     """A node, for itself: the request's `field` must be its name."""
-
-    field: str
-
-    def describe(self) -> str:
-        return f"a node, itself only (request `{self.field}`)"
+    return Grant("own-node", field)
 
 
-@dataclass(frozen=True)
-class NodeOf:
-    """A node, for the resources on it: the service resolves the resource
-    the request names to its node."""
-
-    resource: str
-
-    def describe(self) -> str:
-        return f"a node, its own {self.resource}s only"
+def node_of(resource: str) -> Grant:
+    """A node, for the resources on it: the service that owns the resource
+    resolves the one a request names to its node."""
+    return Grant("node-of", resource)
 
 
-@dataclass(frozen=True)
-class Operator:
-    def describe(self) -> str:
-        return "operators"
-
-
-Grant = Anyone | Service | AnyNode | OwnNode | NodeOf | Operator
-
-ENDPOINT = Service("endpoint")
-OPERATOR = Operator()
-NODES = AnyNode()
-ANYONE = (Anyone(),)
+ENDPOINT = service("endpoint")
+OPERATOR = Grant("operator")
+NODES = Grant("node")
+ANYONE = (Grant("anyone"),)
 READERS = (NODES, OPERATOR)
 
 
@@ -107,10 +95,10 @@ TABLE: dict[str, tuple[Grant, ...]] = {
         "flagella.ipam.v1.IpamService",
         {
             # A node's datapath registers and keeps its own node alive.
-            "RegisterNode": (OwnNode("name"),),
-            "RenewNode": (OwnNode("name"),),
+            "RegisterNode": (own_node("name"),),
+            "RenewNode": (own_node("name"),),
             # Operators decommission nodes.
-            "DeregisterNode": (OwnNode("name"), OPERATOR),
+            "DeregisterNode": (own_node("name"), OPERATOR),
             # The endpoint service follows the registry to reach datapaths.
             "GetNode": (ENDPOINT, NODES, OPERATOR),
             "ListNodes": (ENDPOINT, NODES, OPERATOR),
@@ -147,7 +135,7 @@ TABLE: dict[str, tuple[Grant, ...]] = {
             "ResolvePolicy": (OPERATOR,),
             "TracePolicy": (OPERATOR,),
             # A node reads the policy of its own endpoints.
-            "WatchPolicy": (OwnNode("node"), OPERATOR),
+            "WatchPolicy": (own_node("node"), OPERATOR),
         },
     ),
     **_methods(
@@ -167,13 +155,13 @@ TABLE: dict[str, tuple[Grant, ...]] = {
         "flagella.endpoint.v1.EndpointService",
         {
             # The CNI calls, made for a node (through its node-local relay).
-            "CreateEndpoint": (OwnNode("node"),),
-            "DeleteEndpoint": (NodeOf("endpoint"),),
-            "CheckEndpoint": (NodeOf("endpoint"),),
-            "GarbageCollect": (OwnNode("node"),),
+            "CreateEndpoint": (own_node("node"),),
+            "DeleteEndpoint": (node_of("endpoint"),),
+            "CheckEndpoint": (node_of("endpoint"),),
+            "GarbageCollect": (own_node("node"),),
             "GetStatus": (NODES, OPERATOR),
-            "GetEndpoint": (NodeOf("endpoint"), OPERATOR),
-            "ListEndpoints": (OwnNode("node"), OPERATOR),
+            "GetEndpoint": (node_of("endpoint"), OPERATOR),
+            "ListEndpoints": (own_node("node"), OPERATOR),
             "PatchEndpointLabels": (OPERATOR,),
             "GetEndpointLog": (OPERATOR,),
             "GetEndpointHealth": (OPERATOR,),
@@ -206,7 +194,7 @@ def _field(request: Any, path: str) -> str:
 
 
 class Authorizer:
-    """Checks a call against the table. Resolvers (for `NodeOf` grants) are
+    """Checks a call against the table. Resolvers (for `node_of` grants) are
     registered by the service that owns the resource."""
 
     def __init__(
@@ -234,36 +222,34 @@ class Authorizer:
     async def _refuses(self, grant: Grant, identity: Identity, request: Any) -> str | None:
         """None if grant allows; else why not ('' when it does not concern
         this kind of identity)."""
-        match grant:
-            case Anyone():
-                return None
-            case Service(name):
-                return None if identity == Identity("service", name) else ""
-            case Operator():
-                return None if identity.kind == "operator" else ""
-            case AnyNode():
-                return None if identity.kind == "node" else ""
+        if grant.kind == "anyone":
+            return None
+        if grant.kind in ("service", "operator", "node"):
+            allowed = identity.kind == grant.kind and grant.arg in ("", identity.name)
+            return None if allowed else ""
         if identity.kind != "node" or request is None:
             return ""
-        if isinstance(grant, OwnNode):
-            named = _field(request, grant.field)
+        if grant.kind == "own-node":
+            named = _field(request, grant.arg)
             if named == identity.name:
                 return None
-            return f"{grant.field} {named!r} is not the caller's node"
-        resolver = self.resolvers.get(grant.resource)
+            return f"{grant.arg} {named!r} is not the caller's node"
+        if grant.kind != "node-of":
+            return f"unknown grant {grant.kind!r}"
+        resolver = self.resolvers.get(grant.arg)
         if resolver is None:
-            log.error("no authorization resolver", extra={"resource": grant.resource})
-            return f"cannot tell which node the {grant.resource} is on"
+            log.error("no authorization resolver", extra={"resource": grant.arg})
+            return f"cannot tell which node the {grant.arg} is on"
         owner = await resolver(request)
         if owner is None or owner == identity.name:
             return None
-        return f"the {grant.resource} is on node {owner!r}"
+        return f"the {grant.arg} is on node {owner!r}"
 
 
 # --- the interceptor ---
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):
+class AuthInterceptor(WrappingInterceptor):
     """Authenticates every call by its client certificate, then authorizes
     it against the table (after the request is deserialized: scoping reads
     it), before the handler runs. UNAUTHENTICATED without a usable
@@ -276,6 +262,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         self.clock = clock or (lambda: dt.datetime.now(dt.UTC))
 
     async def _admit(self, method: str, request: Any, context: Any) -> None:
+        if not isinstance(request, Message):
+            request = None  # a stream of requests: nothing to scope by
         try:
             identity = peer_identity(context.auth_context(), self.clock())
         except Unauthenticated as exc:
@@ -299,61 +287,25 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 grpc.StatusCode.UNAVAILABLE, f"authorization lookup failed for {method}"
             )
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> Any:
-        handler: Any = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        method = handler_call_details.method
+    def wrap(self, handler: Any, method: str) -> Any:
         admit = self._admit
-        common = {
-            "request_deserializer": handler.request_deserializer,
-            "response_serializer": handler.response_serializer,
-        }
-        if handler.unary_unary is not None:
-            inner_uu = handler.unary_unary
 
-            async def unary_unary(request: Any, context: Any) -> Any:
+        def unary(inner: Callable[..., Any]) -> Callable[..., Any]:
+            async def call(request: Any, context: Any) -> Any:
                 await admit(method, request, context)
-                return await inner_uu(request, context)
+                return await inner(request, context)
 
-            return grpc.unary_unary_rpc_method_handler(unary_unary, **common)
-        if handler.unary_stream is not None:
-            inner_us = handler.unary_stream
+            return call
 
-            async def unary_stream(request: Any, context: Any) -> AsyncIterator[Any]:
+        def stream(inner: Callable[..., Any]) -> Callable[..., Any]:
+            async def call(request: Any, context: Any) -> AsyncIterator[Any]:
                 await admit(method, request, context)
-                result = inner_us(request, context)
-                if hasattr(result, "__aiter__"):
-                    async for item in result:
-                        yield item
-                else:
-                    await result
-
-            return grpc.unary_stream_rpc_method_handler(unary_stream, **common)
-        if handler.stream_unary is not None:
-            inner_su = handler.stream_unary
-
-            async def stream_unary(requests: Any, context: Any) -> Any:
-                await admit(method, None, context)
-                return await inner_su(requests, context)
-
-            return grpc.stream_unary_rpc_method_handler(stream_unary, **common)
-        inner_ss = handler.stream_stream
-
-        async def stream_stream(requests: Any, context: Any) -> AsyncIterator[Any]:
-            await admit(method, None, context)
-            result = inner_ss(requests, context)
-            if hasattr(result, "__aiter__"):
-                async for item in result:
+                async for item in relay(inner(request, context)):
                     yield item
-            else:
-                await result
 
-        return grpc.stream_stream_rpc_method_handler(stream_stream, **common)
+            return call
+
+        return rewrap(handler, unary, stream, streaming_requests=True)
 
 
 # --- the document ---

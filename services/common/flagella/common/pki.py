@@ -110,6 +110,21 @@ def cert_pem(cert: x509.Certificate) -> bytes:
     return cert.public_bytes(serialization.Encoding.PEM)
 
 
+def key_usage(*, ca: bool) -> x509.KeyUsage:
+    """A CA signs certificates; a leaf signs TLS handshakes."""
+    return x509.KeyUsage(
+        digital_signature=not ca,
+        content_commitment=False,
+        key_encipherment=False,
+        data_encipherment=False,
+        key_agreement=False,
+        key_cert_sign=ca,
+        crl_sign=ca,
+        encipher_only=False,
+        decipher_only=False,
+    )
+
+
 @dataclass(frozen=True)
 class Issued:
     """A certificate and its key, PEM."""
@@ -141,20 +156,7 @@ class CertificateAuthority:
             .not_valid_before(start)
             .not_valid_after(start + BACKDATE + lifetime)
             .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(
-                x509.KeyUsage(
-                    digital_signature=False,
-                    content_commitment=False,
-                    key_encipherment=False,
-                    data_encipherment=False,
-                    key_agreement=False,
-                    key_cert_sign=True,
-                    crl_sign=True,
-                    encipher_only=False,
-                    decipher_only=False,
-                ),
-                critical=True,
-            )
+            .add_extension(key_usage(ca=True), critical=True)
             .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), False)
             .sign(key, hashes.SHA256())
         )
@@ -209,20 +211,7 @@ class CertificateAuthority:
             .not_valid_before(start)
             .not_valid_after(end)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(
-                x509.KeyUsage(
-                    digital_signature=True,
-                    content_commitment=False,
-                    key_encipherment=False,
-                    data_encipherment=False,
-                    key_agreement=False,
-                    key_cert_sign=False,
-                    crl_sign=False,
-                    encipher_only=False,
-                    decipher_only=False,
-                ),
-                critical=True,
-            )
+            .add_extension(key_usage(ca=False), critical=True)
             .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
             .add_extension(x509.SubjectAlternativeName(names), critical=True)
             .add_extension(

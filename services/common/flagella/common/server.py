@@ -30,6 +30,7 @@ from flagella.common import tls
 from flagella.common.authz import AuthInterceptor, Authorizer
 from flagella.common.config import ServiceConfig, load_config
 from flagella.common.errors import ConfigError, FlagellaError
+from flagella.common.handlers import WrappingInterceptor, relay, rewrap
 from flagella.common.logs import setup_logging
 from flagella.common.pki import TlsFileError
 from flagella.common.tasks import TaskGroup
@@ -63,7 +64,7 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, "internal error"
 
 
-class ErrorInterceptor(grpc.aio.ServerInterceptor):
+class ErrorInterceptor(WrappingInterceptor):
     """Turns exceptions escaping a handler into a status: domain errors into
     their code with their message, anything else into INTERNAL with a generic
     message and a logged traceback. Until the service has started, its own
@@ -72,15 +73,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, readiness: Readiness | None = None) -> None:
         self.readiness = readiness
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> Any:
-        handler: Any = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        method = handler_call_details.method
+    def wrap(self, handler: Any, method: str) -> Any:
         starting = (
             self.readiness is not None
             and not self.readiness.started
@@ -97,48 +90,34 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 )
             await context.abort(code, details)
 
-        if handler.unary_unary is not None:
-            inner_uu = handler.unary_unary
-
-            async def unary_unary(request: Any, context: Any) -> Any:
+        def unary(inner: Callable[..., Any]) -> Callable[..., Any]:
+            async def call(request: Any, context: Any) -> Any:
                 if starting:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "service is starting")
                 try:
-                    return await inner_uu(request, context)
+                    return await inner(request, context)
                 except grpc.aio.AbortError:
                     raise
                 except Exception as exc:
                     await fail(exc, context)
 
-            return grpc.unary_unary_rpc_method_handler(
-                unary_unary,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.unary_stream is not None:
-            inner_us = handler.unary_stream
+            return call
 
-            async def unary_stream(request: Any, context: Any) -> AsyncIterator[Any]:
+        def stream(inner: Callable[..., Any]) -> Callable[..., Any]:
+            async def call(request: Any, context: Any) -> AsyncIterator[Any]:
                 if starting:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "service is starting")
                 try:
-                    result = inner_us(request, context)
-                    if hasattr(result, "__aiter__"):
-                        async for item in result:
-                            yield item
-                    else:
-                        await result
+                    async for item in relay(inner(request, context)):
+                        yield item
                 except grpc.aio.AbortError:
                     raise
                 except Exception as exc:
                     await fail(exc, context)
 
-            return grpc.unary_stream_rpc_method_handler(
-                unary_stream,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        return handler
+            return call
+
+        return rewrap(handler, unary, stream)
 
 
 # --- readiness ---
@@ -268,7 +247,7 @@ class Runtime(Generic[C]):
     # This process's certificate files; None only with --insecure.
     tls: tls.TlsFiles | None = None
     # Who may call what; a service that owns scoped resources registers
-    # their resolvers (authz.NodeOf) here.
+    # their resolvers (authz.node_of) here.
     authorizer: Authorizer = field(default_factory=Authorizer)
     _channels: list[grpc.aio.Channel] = field(default_factory=list)
 

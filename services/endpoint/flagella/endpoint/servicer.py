@@ -166,7 +166,7 @@ class EndpointServicer(endpoint_pb2_grpc.EndpointServiceServicer):
 
     async def node_of(self, request: Any) -> str | None:
         """The node of the endpoint a request names, for authorization
-        (authz.NodeOf("endpoint")); None when there is no such endpoint,
+        (authz.node_of("endpoint")); None when there is no such endpoint,
         or the request names none (the handler then says what is wrong)."""
         try:
             if request.DESCRIPTOR.name == "CheckEndpointRequest":
