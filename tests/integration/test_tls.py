@@ -107,7 +107,11 @@ async def test_rotation_keeps_streams_and_new_calls_present_the_new_certificate(
     event = await asyncio.wait_for(stream.read(), 10)
     assert event.kind == ipam_pb2.NodeEvent.KIND_UPSERT
     assert event.node.name == "rotated-node"
+    # The old connection is closed once its last call (the stream) is done.
+    assert channel.open_channels == 2
     stream.cancel()
+    await asyncio.sleep(0.1)
+    assert channel.open_channels == 1
     await channel.close()
     assert "certificate files reloaded" in ipam.logs()
 

@@ -11,6 +11,7 @@ open. `python -m flagella.common.authz` prints the table as Markdown.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import logging
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -22,7 +23,7 @@ from google.protobuf.message import Message
 
 from flagella.common.handlers import WrappingInterceptor, relay, rewrap
 from flagella.common.pki import Identity
-from flagella.common.tls import Unauthenticated, peer_identity
+from flagella.common.tls import Unauthenticated, parse_peer, peer_identity
 
 log = logging.getLogger(__name__)
 
@@ -260,12 +261,14 @@ class AuthInterceptor(WrappingInterceptor):
     ) -> None:
         self.authorizer = authorizer
         self.clock = clock or (lambda: dt.datetime.now(dt.UTC))
+        # Callers keep their connections: parse each certificate once.
+        self._parse = functools.lru_cache(maxsize=256)(parse_peer)
 
     async def _admit(self, method: str, request: Any, context: Any) -> None:
         if not isinstance(request, Message):
             request = None  # a stream of requests: nothing to scope by
         try:
-            identity = peer_identity(context.auth_context(), self.clock())
+            identity = peer_identity(context.auth_context(), self.clock(), self._parse)
         except Unauthenticated as exc:
             log.warning("unauthenticated call", extra={"method": method, "reason": str(exc)})
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-import functools
 import logging
 import os
 import threading
@@ -152,8 +151,11 @@ class Unauthenticated(Exception):
     one naming no flagella identity)."""
 
 
-@functools.lru_cache(maxsize=256)
-def _parse_peer(pem: bytes) -> tuple[Identity | None, dt.datetime, str]:
+PeerCert = tuple[Identity | None, dt.datetime, str]
+
+
+def parse_peer(pem: bytes) -> PeerCert:
+    """(identity or None, not_after, why no identity) of a PEM certificate."""
     cert = x509.load_pem_x509_certificate(pem)
     try:
         return identity_of(cert), cert.not_valid_after_utc, ""
@@ -161,15 +163,20 @@ def _parse_peer(pem: bytes) -> tuple[Identity | None, dt.datetime, str]:
         return None, cert.not_valid_after_utc, str(exc)
 
 
-def peer_identity(auth_context: Mapping[str, Sequence[bytes]], at: dt.datetime) -> Identity:
+def peer_identity(
+    auth_context: Mapping[str, Sequence[bytes]],
+    at: dt.datetime,
+    parse: Callable[[bytes], PeerCert] = parse_peer,
+) -> Identity:
     """The identity of a call's peer, from the certificate its connection
-    was made with. Raises Unauthenticated. The handshake checked the
-    certificate's dates when the connection was made; a long-lived connection
-    can outlive it, hence the check of not_after on every call."""
+    was made with (parse: e.g. a cached parse_peer). Raises Unauthenticated.
+    The handshake checked the certificate's dates when the connection was
+    made; a long-lived connection can outlive it, hence the check of
+    not_after on every call."""
     pems = auth_context.get("x509_pem_cert")
     if not pems:
         raise Unauthenticated("no client certificate")
-    identity, not_after, problem = _parse_peer(bytes(pems[0]))
+    identity, not_after, problem = parse(bytes(pems[0]))
     if at >= not_after:
         raise Unauthenticated(f"client certificate expired at {not_after:%Y-%m-%d %H:%M:%S}Z")
     if identity is None:
@@ -201,6 +208,11 @@ class ReloadingChannel(grpc.aio.Channel):
         self._closing: set[asyncio.Task[None]] = set()
         self._closed = False
 
+    @property
+    def open_channels(self) -> int:
+        """The current channel and the old ones still carrying calls."""
+        return len(self._inflight)
+
     def current(self) -> grpc.aio.Channel:
         """The channel new calls go over."""
         latest = self._files.latest()
@@ -218,6 +230,8 @@ class ReloadingChannel(grpc.aio.Channel):
         self._inflight[channel] += 1
 
         def done(_: object) -> None:
+            if channel not in self._inflight:
+                return  # the facade was closed
             self._inflight[channel] -= 1
             if self._inflight[channel] == 0 and channel is not self._channel:
                 self._retire(channel)
