@@ -101,6 +101,10 @@ class ServiceProcess:
     def credentials(self, identity: Identity = tls.OPERATOR) -> grpc.ChannelCredentials | None:
         return None if self.insecure else self.pki.credentials(identity)
 
+    def health(self, service: str = "", timeout: float = 1.0) -> int | None:
+        """This process's health status for service (None: no answer)."""
+        return health_status(self.address, service, timeout, self.credentials())
+
     def channel(self, identity: Identity = tls.OPERATOR) -> grpc.Channel:
         """A blocking channel to this process, as identity (an operator
         unless told), or plaintext when the process runs --insecure."""
@@ -141,8 +145,7 @@ class ServiceProcess:
                 raise RuntimeError(
                     f"{self.svc} exited with {self.proc.returncode}:\n{self.logs()[-3000:]}"
                 )
-            status = health_status(self.address, timeout=0.5, credentials=self.credentials())
-            if status == SERVING:
+            if self.health(timeout=0.5) == SERVING:
                 return self
             time.sleep(0.05)
         raise RuntimeError(f"{self.svc} not SERVING after {timeout}s:\n{self.logs()[-3000:]}")

@@ -16,7 +16,7 @@ import pytest
 from harness import tls
 from harness.etcd import EtcdServer
 from harness.net import free_port
-from harness.procs import SERVING, ServiceProcess, health_status
+from harness.procs import SERVING, ServiceProcess
 
 pytestmark = pytest.mark.integration
 
@@ -175,28 +175,22 @@ def test_unreachable_etcd_is_not_serving_until_etcd_appears(
         deadline = time.monotonic() + 10
         status = None
         while time.monotonic() < deadline and status is None:
-            status = health_status(proc.address, credentials=proc.credentials())
+            status = proc.health()
             time.sleep(0.1)
         assert status is not None, proc.logs()
         assert status != SERVING
         time.sleep(1.0)
-        assert health_status(proc.address, credentials=proc.credentials()) != SERVING
+        assert proc.health() != SERVING
         # Alive all along: a liveness probe would not restart it.
-        assert (
-            health_status(proc.address, "flagella.liveness", credentials=proc.credentials())
-            == SERVING
-        )
+        assert proc.health("flagella.liveness") == SERVING
         etcd.start()
         proc.wait_serving(timeout=20)
         # etcd going away flips it back to NOT_SERVING, and back again.
         etcd.stop()
         deadline = time.monotonic() + 15
-        while (
-            time.monotonic() < deadline
-            and health_status(proc.address, credentials=proc.credentials()) == SERVING
-        ):
+        while time.monotonic() < deadline and proc.health() == SERVING:
             time.sleep(0.1)
-        assert health_status(proc.address, credentials=proc.credentials()) not in (SERVING, None)
+        assert proc.health() not in (SERVING, None)
         etcd.start()
         proc.wait_serving(timeout=20)
     finally:
