@@ -13,6 +13,9 @@ from flagella.api.endpoint.v1 import endpoint_pb2
 from flagella.api.ipam.v1 import ipam_pb2
 from flagella.common import authz, pki, tls
 from flagella.common.authz import Authorizer, Denied
+from flagella.common.config import ServiceConfig, load_config
+from flagella.common.errors import ConfigError
+from flagella.datapath.config import DatapathConfig
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "SECURITY.md"
 NODE_A = pki.node("node-a")
@@ -105,3 +108,13 @@ def test_reloading_files_keeps_the_old_ones_while_new_ones_are_unusable(tmp_path
     assert files.latest() is first
     now[0] = 4.0
     assert files.latest().cert == second.cert
+
+
+def test_a_process_knows_the_identity_its_certificate_must_name() -> None:
+    def load(cls: type[ServiceConfig], *argv: str) -> ServiceConfig:
+        return load_config(cls, prog="t", env_prefix="T_", argv=argv, environ={})
+
+    assert load(ServiceConfig).tls_identity("lb") == pki.service("lb")
+    assert load(DatapathConfig, "--node-name", "n-1").tls_identity("datapath") == pki.node("n-1")
+    with pytest.raises(ConfigError, match="invalid --node-name: invalid node name 'a/b'"):
+        load(DatapathConfig, "--node-name", "a/b")

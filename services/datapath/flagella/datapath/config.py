@@ -49,5 +49,9 @@ class DatapathConfig(ServiceConfig):
         super().validate()
         if not self.node_name:
             raise ConfigError("--node-name", "must not be empty")
+        try:
+            self.tls_identity("datapath")  # its certificate names it
+        except ValueError as exc:
+            raise ConfigError("--node-name", str(exc)) from None
         if self.gc_interval_seconds <= 0:
             raise ConfigError("--gc-interval-seconds", "must be positive")
