@@ -32,6 +32,7 @@ from harness.cluster import standalone_cluster  # noqa: E402
 from harness.cni import cni, netconf  # noqa: E402
 
 from flagella.api.endpoint.v1 import endpoint_pb2  # noqa: E402
+from flagella.common import pki  # noqa: E402
 
 REFERENCE_PLUGINS = "/usr/lib/cni"
 
@@ -99,7 +100,8 @@ def run_bench(quick: bool) -> dict[str, float]:
             adds_per_s = n / (time.perf_counter() - t)
             list(pool.map(delete, range(n)))
         # The same through gRPC alone: what the plugin's own start-up adds.
-        ep = cluster.endpoint()
+        # As the node's relay calls it: with the node's certificate.
+        ep = cluster.endpoint(as_=pki.node(node.name))
 
         def rpc_add(i: int) -> None:
             ep.CreateEndpoint(

@@ -27,7 +27,12 @@ from pathlib import Path
 
 import grpc
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from harness import tls
+
 from flagella.api.datapath.v1 import datapath_pb2, datapath_pb2_grpc
+from flagella.common import pki
 
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
@@ -73,10 +78,12 @@ def setup_latency(quick: bool, tag: str) -> dict[str, float]:
             proc = subprocess.Popen(
                 ["nsenter", f"--net=/run/netns/{node}", PY, "-m", "flagella.datapath",
                  "--listen", f"unix:{sock}", "--node-name", "bench", "--bpf-root", pin,
-                 "--state-dir", str(tmp / "state"), "--log-level", "warning"],
+                 "--state-dir", str(tmp / "state"), "--log-level", "warning",
+                 *tls.session().args(pki.node("bench"))],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )  # fmt: skip
-            with grpc.insecure_channel(f"unix:{sock}") as ch:
+            # Endpoints are set up by the endpoint service.
+            with tls.session().channel(f"unix:{sock}", pki.service("endpoint")) as ch:
                 stub = datapath_pb2_grpc.DatapathServiceStub(ch)
                 deadline = time.monotonic() + 60
                 while True:

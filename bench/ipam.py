@@ -28,10 +28,12 @@ import grpc
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
+from harness import tls  # noqa: E402
 from harness.etcd import EtcdServer  # noqa: E402
 from harness.procs import ServiceProcess  # noqa: E402
 
 from flagella.api.ipam.v1 import ipam_pb2, ipam_pb2_grpc  # noqa: E402
+from flagella.common import pki  # noqa: E402
 
 NODES = ("bench-1", "bench-2", "bench-3", "bench-4")
 
@@ -48,7 +50,8 @@ def run_load(addresses: list[str], tag: str, clients: int, count: int) -> dict[s
     made by clients concurrent callers, each a thread with a blocking stub
     (grpc's threaded client costs less CPU per call than its asyncio one, and
     the load generator shares the machine with what it measures)."""
-    channels = [grpc.insecure_channel(a) for a in addresses]
+    # Allocations are the endpoint service's to ask for.
+    channels = [tls.session().channel(a, pki.service("endpoint")) for a in addresses]
     for ch in channels:
         grpc.channel_ready_future(ch).result(timeout=10)
     stubs = [ipam_pb2_grpc.IpamServiceStub(ch) for ch in channels]
@@ -104,14 +107,14 @@ def run_load(addresses: list[str], tag: str, clients: int, count: int) -> dict[s
 
 
 async def _setup(address: str) -> None:
-    async with grpc.aio.insecure_channel(address) as ch:
-        stub = ipam_pb2_grpc.IpamServiceStub(ch)
-        for name in NODES:
+    for name in NODES:  # each node registers itself
+        async with tls.session().aio_channel(address, pki.node(name)) as ch:
+            stub = ipam_pb2_grpc.IpamServiceStub(ch)
             await stub.RegisterNode(ipam_pb2.RegisterNodeRequest(name=name))
 
 
 async def _count(address: str) -> int:
-    async with grpc.aio.insecure_channel(address) as ch:
+    async with tls.session().aio_channel(address) as ch:
         stub = ipam_pb2_grpc.IpamServiceStub(ch)
         resp = await stub.ListAllocations(ipam_pb2.ListAllocationsRequest())
         return len(resp.allocations)

@@ -40,8 +40,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import grpc
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from harness.cluster import standalone_cluster
@@ -109,8 +107,10 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def bench_service(address: str, pid: int, n: int, latency_runs: int) -> dict[str, float]:
-    async with grpc.aio.insecure_channel(address) as ch:
+async def bench_service(
+    proc: ServiceProcess, pid: int, n: int, latency_runs: int
+) -> dict[str, float]:
+    async with proc.aio_channel() as ch:
         stub = lb_pb2_grpc.LoadBalancerServiceStub(ch)
         arrived: dict[str, float] = {}
         synced = asyncio.Event()
@@ -350,7 +350,7 @@ def bench_datapath(tmp: Path, quick: bool, n: int) -> dict[str, Any]:
         async def upsert_all() -> None:
             # As a bulk import or a Kubernetes resync would: UpsertServices,
             # BATCH services per call, two calls in flight.
-            async with grpc.aio.insecure_channel(cluster.services["lb"].address) as ch:
+            async with cluster.services["lb"].aio_channel() as ch:
                 stub = lb_pb2_grpc.LoadBalancerServiceStub(ch)
                 sem = asyncio.Semaphore(2)
 
@@ -400,7 +400,7 @@ def run_service_part(tmp: Path, n: int, quick: bool, results: dict[str, Any]) ->
     )
     try:
         proc.start().wait_serving()
-        results.update(asyncio.run(bench_service(proc.address, proc.pid, n, 20 if quick else 100)))
+        results.update(asyncio.run(bench_service(proc, proc.pid, n, 20 if quick else 100)))
     finally:
         proc.stop()
         etcd.cleanup()

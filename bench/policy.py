@@ -27,11 +27,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 import grpc  # noqa: E402
+from harness import tls  # noqa: E402
 from harness.etcd import EtcdServer  # noqa: E402
 from harness.procs import ServiceProcess  # noqa: E402
 
 from flagella.api.policy.v1 import policy_pb2 as pb  # noqa: E402
 from flagella.api.policy.v1 import policy_pb2_grpc as pbg  # noqa: E402
+from flagella.common import pki  # noqa: E402
 from flagella.common.etcd import Etcd  # noqa: E402
 from flagella.common.sync import Table  # noqa: E402
 from flagella.policy.labels import Label, LabelFilter, label_set  # noqa: E402
@@ -131,8 +133,13 @@ async def run_concurrently(
 
 async def bench(quick: bool, etcd_endpoint: str, address: str) -> dict[str, Any]:
     results: dict[str, Any] = {}
-    channels = [grpc.aio.insecure_channel(address) for _ in range(4)]
+    # Identities are the endpoint service's to ask for; rules an operator's.
+    session = tls.session()
+    channels = [session.aio_channel(address, pki.service("endpoint")) for _ in range(4)]
     stubs = [pbg.PolicyServiceStub(ch) for ch in channels]
+    operator_channel = session.aio_channel(address)
+    channels.append(operator_channel)
+    ops = pbg.PolicyServiceStub(operator_channel)
     try:
         # 1. new identities: the 1,000 of the resolution benchmark, then more
         everyone = [(ns, app) for ns in range(NAMESPACES) for app in range(APPS_PER_NAMESPACE)]
@@ -231,7 +238,7 @@ async def bench(quick: bool, etcd_endpoint: str, address: str) -> dict[str, Any]
         start = time.perf_counter()
         for first in range(0, NAMESPACES, 10):
             doc = "---".join(rules_document(ns) for ns in range(first, first + 10))
-            await stubs[0].PutRules(pb.PutRulesRequest(document=doc), timeout=30)
+            await ops.PutRules(pb.PutRulesRequest(document=doc), timeout=30)
         results["put_200_rules_ms"] = round((time.perf_counter() - start) * 1000, 1)
 
         # In-process: the service's own state, loaded from etcd.
@@ -311,7 +318,7 @@ async def bench(quick: bool, etcd_endpoint: str, address: str) -> dict[str, Any]
 
         # 6. end to end over gRPC: WatchPolicy of a node holding the 1,000
         t0 = time.perf_counter()
-        call = stubs[1].WatchPolicy(pb.WatchPolicyRequest(node="node-1"))
+        call = ops.WatchPolicy(pb.WatchPolicyRequest(node="node-1"))
         it = call.__aiter__()
         upserts = 0
         while True:
@@ -326,7 +333,7 @@ async def bench(quick: bool, etcd_endpoint: str, address: str) -> dict[str, Any]
         for k in range(5 if quick else 10):
             doc = "".join(d for d in rules_document(9, 7000 + k).split("---") if "name: api," in d)
             t0 = time.perf_counter()
-            put = await stubs[0].PutRules(pb.PutRulesRequest(document=doc), timeout=30)
+            put = await ops.PutRules(pb.PutRulesRequest(document=doc), timeout=30)
             while True:
                 ev = await it.__anext__()
                 if ev.kind == pb.EVENT_KIND_SYNCED and ev.revision >= put.revision:

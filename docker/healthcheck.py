@@ -7,10 +7,14 @@ standard library, so a check costs a bare Python start-up (~20 ms of CPU)
 instead of importing grpcio every few seconds in every container.
 
     flagella-healthcheck [ADDRESS] [--service NAME] [--timeout SECONDS]
+                         [--tls-cert F --tls-key F --tls-ca F | --insecure]
 
 ADDRESS is host:port or unix:PATH; without it, the address the service
 listens on is read from its FLAGELLA_<SVC>_LISTEN variable (0.0.0.0 and [::]
-become loopback).
+become loopback). The service wants mutual TLS: the probe presents the
+service's own certificate, found as the service finds it (FLAGELLA_<SVC>_TLS_*,
+FLAGELLA_TLS_*, then /etc/flagella/tls/), and speaks plaintext only when the
+service does (--insecure, FLAGELLA_INSECURE=true).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import ssl
 import struct
 import sys
 from collections.abc import Mapping
@@ -51,6 +56,26 @@ def listen_address(environ: Mapping[str, str]) -> str:
     return f"{host}:{port}"
 
 
+def service_setting(environ: Mapping[str, str], option: str, default: str) -> str:
+    """An option as the service reads it: FLAGELLA_<SVC>_<OPTION>, then
+    FLAGELLA_<OPTION>, then the default."""
+    own = sorted(
+        v
+        for k, v in environ.items()
+        if k.startswith("FLAGELLA_") and k.endswith(f"_{option}") and k != f"FLAGELLA_{option}"
+    )
+    if len(own) == 1:
+        return own[0]
+    return environ.get(f"FLAGELLA_{option}", default)
+
+
+def tls_context(cert: str, key: str, ca: str) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=ca)
+    ctx.load_cert_chain(cert, key)
+    ctx.set_alpn_protocols(["h2"])
+    return ctx
+
+
 def hpack_int(value: int, prefix_bits: int, first: int) -> bytes:
     """An HPACK integer with the given prefix size, OR-ed into `first`."""
     limit = (1 << prefix_bits) - 1
@@ -70,13 +95,13 @@ def hpack_str(text: str) -> bytes:
     return hpack_int(len(raw), 7, 0x00) + raw
 
 
-def request_headers(authority: str, path: str) -> bytes:
+def request_headers(authority: str, path: str, secure: bool = False) -> bytes:
     """The request's header block: static-table entries and literals without
     indexing (no Huffman, no dynamic table: nothing to keep in sync)."""
     return b"".join(
         [
             b"\x83",  # :method POST
-            b"\x86",  # :scheme http
+            b"\x87" if secure else b"\x86",  # :scheme https / http
             hpack_int(4, 4, 0x00) + hpack_str(path),  # :path
             hpack_int(1, 4, 0x00) + hpack_str(authority),  # :authority
             hpack_int(31, 4, 0x00) + hpack_str("application/grpc"),  # content-type
@@ -156,22 +181,30 @@ def recv_exact(sock: socket.socket, size: int) -> bytes:
     return bytes(buf)
 
 
-def connect(address: str, timeout: float) -> tuple[socket.socket, str]:
+def connect(
+    address: str, timeout: float, tls: ssl.SSLContext | None = None
+) -> tuple[socket.socket, str]:
     if address.startswith("unix:"):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout)
         sock.connect(address[len("unix:") :])
-        return sock, "localhost"
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ProbeError(f"{address!r} is not host:port")
-    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    return socket.create_connection((bare, int(port)), timeout=timeout), address
+        host, authority = "localhost", "localhost"
+    else:
+        host, sep, port = address.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ProbeError(f"{address!r} is not host:port")
+        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        sock, authority = socket.create_connection((host, int(port)), timeout=timeout), address
+    if tls is not None:
+        sock = tls.wrap_socket(sock, server_hostname=host)
+    return sock, authority
 
 
-def check(address: str, service: str = "", timeout: float = 2.0) -> int:
+def check(
+    address: str, service: str = "", timeout: float = 2.0, tls: ssl.SSLContext | None = None
+) -> int:
     """The serving status `address` reports for `service`."""
-    sock, authority = connect(address, timeout)
+    sock, authority = connect(address, timeout, tls)
     with sock:
         sock.sendall(
             PREFACE
@@ -180,7 +213,7 @@ def check(address: str, service: str = "", timeout: float = 2.0) -> int:
                 HEADERS,
                 END_HEADERS,
                 1,
-                request_headers(authority, "/grpc.health.v1.Health/Check"),
+                request_headers(authority, "/grpc.health.v1.Health/Check", tls is not None),
             )
             + frame(DATA, END_STREAM, 1, health_request(service))
         )
@@ -212,10 +245,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("address", nargs="?", help="host:port or unix:PATH")
     parser.add_argument("--service", default="", help="health service name ('' = server)")
     parser.add_argument("--timeout", type=float, default=2.0)
+    env = os.environ
+    parser.add_argument(
+        "--tls-cert", default=service_setting(env, "TLS_CERT", "/etc/flagella/tls/tls.crt")
+    )
+    parser.add_argument(
+        "--tls-key", default=service_setting(env, "TLS_KEY", "/etc/flagella/tls/tls.key")
+    )
+    parser.add_argument(
+        "--tls-ca", default=service_setting(env, "TLS_CA", "/etc/flagella/tls/ca.crt")
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        default=service_setting(env, "INSECURE", "").lower() in ("1", "true", "yes", "on"),
+        help="plaintext, as a service run with --insecure",
+    )
     args = parser.parse_args(argv)
     try:
         address = args.address or listen_address(os.environ)
-        status = check(address, args.service, args.timeout)
+        tls = None if args.insecure else tls_context(args.tls_cert, args.tls_key, args.tls_ca)
+        status = check(address, args.service, args.timeout, tls)
     except (OSError, ProbeError) as exc:
         print(f"flagella-healthcheck: {args.address or 'service'}: {exc}", file=sys.stderr)
         return 1

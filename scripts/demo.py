@@ -7,6 +7,7 @@ service) is removed at the end."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -18,6 +19,7 @@ from pathlib import Path
 import grpc
 
 from flagella.api.lb.v1 import lb_pb2, lb_pb2_grpc
+from flagella.cli import certs
 
 BIN = Path(sys.executable).parent
 CNI = str(BIN / "flagella-cni")
@@ -118,13 +120,24 @@ def until(check: object, timeout: float = 15) -> bool:
     return False
 
 
+def operator_channel(address: str) -> grpc.Channel:
+    """As the CLI does: the operator certificate ($FLAGELLA_TLS_DIR or
+    ~/.config/flagella/tls), plaintext with FLAGELLA_INSECURE=true."""
+    parser = argparse.ArgumentParser()
+    certs.add_tls_flags(parser)
+    args = parser.parse_args([])
+    if args.insecure:
+        return grpc.insecure_channel(address)
+    return grpc.secure_channel(address, certs.channel_credentials(args))
+
+
 def main() -> int:
     if os.geteuid() != 0:
         print("the demo needs root (it creates network namespaces)", file=sys.stderr)
         return 2
     servers: list[subprocess.Popen[str]] = []
     ips: dict[str, str] = {}
-    lb = lb_pb2_grpc.LoadBalancerServiceStub(grpc.insecure_channel(LB))
+    lb = lb_pb2_grpc.LoadBalancerServiceStub(operator_channel(LB))
     ok = True
     try:
         say("three pods, each a network namespace, networked by `flagella-cni ADD`")

@@ -42,11 +42,16 @@ def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
 
 
 @pytest.fixture
-def spawn(tmp_path: Path) -> Iterator[Callable[..., ServiceProcess]]:
-    """Start flagella service processes; all are stopped at the end of the test."""
+def spawn(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[Callable[..., ServiceProcess]]:
+    """Start flagella service processes, with mutual TLS (plaintext in a
+    test marked `insecure`); all are stopped at the end of the test."""
     started: list[ServiceProcess] = []
+    insecure = request.node.get_closest_marker("insecure") is not None
 
     def _spawn(svc: str, *args: str, wait: bool = True, **kwargs: object) -> ServiceProcess:
+        kwargs.setdefault("insecure", insecure)
         proc = ServiceProcess(svc, args, log_dir=tmp_path, **kwargs)  # type: ignore[arg-type]
         started.append(proc)
         proc.start()

@@ -18,6 +18,8 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from harness.net import free_port
 
+from flagella.common import pki
+
 PROBE = Path(__file__).resolve().parents[2] / "docker" / "healthcheck.py"
 
 
@@ -44,11 +46,14 @@ async def server() -> AsyncIterator[tuple[str, health.aio.HealthServicer]]:
     await srv.stop(0)
 
 
-async def run_probe(*args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+async def run_probe(
+    *args: str, env: dict[str, str] | None = None, insecure: bool = True
+) -> tuple[int, str]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-S",  # as lean as in the image: the standard library only
         str(PROBE),
+        *(["--insecure"] if insecure else []),
         *args,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -110,3 +115,37 @@ def test_hpack_integers() -> None:
     """RFC 7541 C.1: 10 and 1337 with a 5-bit prefix."""
     assert probe.hpack_int(10, 5, 0) == bytes([0b01010])
     assert probe.hpack_int(1337, 5, 0) == bytes([0b11111, 0b10011010, 0b00001010])
+
+
+async def test_a_service_with_mutual_tls_is_probed_with_its_certificate(tmp_path: Path) -> None:
+    """The probe presents the service's certificate from the service's own
+    settings (FLAGELLA_<SVC>_TLS_*), over TLS with ALPN h2."""
+    ca = pki.CertificateAuthority.create()
+    lb = ca.issue(pki.service("lb"), dns=["localhost"], ips=["127.0.0.1"])
+    pki.write_bundle(tmp_path, lb, ca.cert_pem)
+    srv = grpc.aio.server()
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, srv)
+    creds = grpc.ssl_server_credentials(
+        [(lb.key, lb.cert)], root_certificates=ca.cert_pem, require_client_auth=True
+    )
+    port = srv.add_secure_port("127.0.0.1:0", creds)
+    await srv.start()
+    try:
+        await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        env = {
+            "FLAGELLA_LB_LISTEN": f"0.0.0.0:{port}",
+            "FLAGELLA_LB_TLS_CERT": str(tmp_path / "tls.crt"),
+            "FLAGELLA_LB_TLS_KEY": str(tmp_path / "tls.key"),
+            "FLAGELLA_TLS_CA": str(tmp_path / "ca.crt"),
+        }
+        assert await run_probe(env=env, insecure=False) == (0, f"127.0.0.1:{port}: SERVING")
+        # Plaintext against a TLS port: unhealthy, not a hang.
+        code, _ = await run_probe(f"127.0.0.1:{port}")
+        assert code == 1
+        # No certificate files: unhealthy, naming the problem.
+        code, out = await run_probe(f"127.0.0.1:{port}", env={}, insecure=False)
+        assert code == 1
+        assert "No such file" in out
+    finally:
+        await srv.stop(0)

@@ -21,6 +21,8 @@ from flagella.api.endpoint.v1 import endpoint_pb2_grpc
 from flagella.api.ipam.v1 import ipam_pb2_grpc
 from flagella.api.lb.v1 import lb_pb2_grpc
 from flagella.api.policy.v1 import policy_pb2_grpc
+from flagella.common.pki import Identity
+from harness import tls
 from harness.etcd import EtcdServer
 from harness.netns import Netns, NetnsSet
 from harness.procs import ServiceProcess
@@ -171,27 +173,30 @@ class Cluster:
 
     # --- stubs ---
 
-    def channel(self, address: str) -> grpc.Channel:
-        ch = grpc.insecure_channel(address)
+    def channel(self, address: str, as_: Identity = tls.OPERATOR) -> grpc.Channel:
+        """A channel presenting as_'s certificate (an operator's unless told)."""
+        ch = tls.session().channel(address, as_)
         self._channels.append(ch)
         return ch
 
-    def ipam(self) -> ipam_pb2_grpc.IpamServiceStub:
-        return ipam_pb2_grpc.IpamServiceStub(self.channel(self.services["ipam"].address))
+    def ipam(self, as_: Identity = tls.OPERATOR) -> ipam_pb2_grpc.IpamServiceStub:
+        return ipam_pb2_grpc.IpamServiceStub(self.channel(self.services["ipam"].address, as_))
 
-    def policy(self) -> policy_pb2_grpc.PolicyServiceStub:
-        return policy_pb2_grpc.PolicyServiceStub(self.channel(self.services["policy"].address))
+    def policy(self, as_: Identity = tls.OPERATOR) -> policy_pb2_grpc.PolicyServiceStub:
+        return policy_pb2_grpc.PolicyServiceStub(self.channel(self.services["policy"].address, as_))
 
-    def lb(self) -> lb_pb2_grpc.LoadBalancerServiceStub:
-        return lb_pb2_grpc.LoadBalancerServiceStub(self.channel(self.services["lb"].address))
+    def lb(self, as_: Identity = tls.OPERATOR) -> lb_pb2_grpc.LoadBalancerServiceStub:
+        return lb_pb2_grpc.LoadBalancerServiceStub(self.channel(self.services["lb"].address, as_))
 
-    def endpoint(self) -> endpoint_pb2_grpc.EndpointServiceStub:
+    def endpoint(self, as_: Identity = tls.OPERATOR) -> endpoint_pb2_grpc.EndpointServiceStub:
         return endpoint_pb2_grpc.EndpointServiceStub(
-            self.channel(self.services["endpoint"].address)
+            self.channel(self.services["endpoint"].address, as_)
         )
 
-    def datapath(self, node: Node) -> datapath_pb2_grpc.DatapathServiceStub:
-        return datapath_pb2_grpc.DatapathServiceStub(self.channel(node.address))
+    def datapath(
+        self, node: Node, as_: Identity = tls.OPERATOR
+    ) -> datapath_pb2_grpc.DatapathServiceStub:
+        return datapath_pb2_grpc.DatapathServiceStub(self.channel(node.address, as_))
 
     def cleanup(self) -> None:
         for ch in self._channels:

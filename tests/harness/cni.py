@@ -19,7 +19,9 @@ from typing import Any
 
 import grpc
 
+from flagella.common import pki
 from flagella.datapath.cnirelay import CniRelay
+from harness import tls
 
 PLUGIN = shutil.which("flagella-cni", path=str(Path(sys.executable).parent)) or "flagella-cni"
 
@@ -44,7 +46,8 @@ def node_relay(endpoint_address: str, node: str) -> Iterator[str]:
     """A node's side of flagella-cni without its datapath (which needs root
     and BPF): the datapath's own relay (flagella.datapath.cnirelay) on a
     socket of its own, on an event loop in a thread, relaying to the
-    endpoint service at endpoint_address as `node`. Yields the socket path."""
+    endpoint service at endpoint_address as `node` (with node's certificate
+    from the session's PKI). Yields the socket path."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="cni-relay", daemon=True)
     thread.start()
@@ -52,7 +55,7 @@ def node_relay(endpoint_address: str, node: str) -> Iterator[str]:
     path = f"{folder}/cni.sock"
 
     async def start() -> tuple[CniRelay, grpc.aio.Channel]:
-        channel = grpc.aio.insecure_channel(endpoint_address)
+        channel = tls.session().aio_channel(endpoint_address, pki.node(node))
         relay = CniRelay(path, node, endpoint_address, channel)
         await relay.open()
         return relay, channel

@@ -148,9 +148,12 @@ def wait_for(cond: Any, timeout: float = 20.0, interval: float = 0.05) -> Any:
 @contextlib.contextmanager
 def lb_with_etcd(tmp: Path, *args: str) -> Iterator[tuple[EtcdServer, LbClient]]:
     """A fresh etcd and one lb process on it (extra lb flags in args), and a
-    client; all stopped and removed at the end."""
+    client; all stopped and removed at the end. Plaintext: the client
+    plays every role (docs/DEVELOPMENT.md)."""
     etcd = EtcdServer(tmp / "etcd").start()
-    proc = ServiceProcess("lb", ["--etcd-endpoints", etcd.endpoint, *args], log_dir=tmp)
+    proc = ServiceProcess(
+        "lb", ["--etcd-endpoints", etcd.endpoint, *args], log_dir=tmp, insecure=True
+    )
     client = None
     try:
         proc.start().wait_serving()

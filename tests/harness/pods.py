@@ -11,8 +11,12 @@ from google.protobuf.duration_pb2 import Duration
 
 from flagella.api.datapath.v1 import datapath_pb2
 from flagella.api.policy.v1 import policy_pb2
+from flagella.common import pki
 from harness.cluster import Cluster, Node
 from harness.netns import Netns
+
+# These calls are the endpoint service's to make.
+ENDPOINT = pki.service("endpoint")
 
 
 @dataclass
@@ -28,7 +32,7 @@ def add_pod(
 ) -> Pod:
     """What the endpoint service does for an ADD, step by step."""
     ns = cluster.pod(node, name)
-    policy = cluster.policy()
+    policy = cluster.policy(as_=ENDPOINT)
     alloc = policy.AllocateIdentity(
         policy_pb2.AllocateIdentityRequest(
             labels=[policy_pb2.Label(source="k8s", key=k, value=v) for k, v in labels.items()],
@@ -37,7 +41,7 @@ def add_pod(
         ),
         timeout=10,
     )
-    dp = cluster.datapath(node)
+    dp = cluster.datapath(node, as_=ENDPOINT)
     resp = dp.SetupEndpoint(
         datapath_pb2.SetupEndpointRequest(
             endpoint_id=endpoint_id,

@@ -1,10 +1,15 @@
 """flagella services as real processes: `python -m flagella.<svc>` with
-flags, waited on through the gRPC health service, stopped by PID."""
+flags, waited on through the gRPC health service, stopped by PID.
+
+Every process runs with mutual TLS and its own certificate from the session
+CA (a datapath: its node's), unless spawned with insecure=True (the
+explicit --insecure switch: see docs/DEVELOPMENT.md for when a test may)."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -16,20 +21,44 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from flagella.common import pki
+from flagella.common.pki import Identity
+from flagella.common.tls import target_options
+from harness import tls
 from harness.net import free_port
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
-def health_status(address: str, service: str = "", timeout: float = 1.0) -> int | None:
-    """The health status of address, or None if it does not answer."""
-    with grpc.insecure_channel(address) as ch:
+def health_status(
+    address: str,
+    service: str = "",
+    timeout: float = 1.0,
+    credentials: grpc.ChannelCredentials | None = None,
+) -> int | None:
+    """The health status of address, or None if it does not answer
+    (plaintext without credentials)."""
+    ch = (
+        grpc.secure_channel(address, credentials, options=target_options(address))
+        if credentials is not None
+        else grpc.insecure_channel(address)
+    )
+    with ch:
         stub: Any = health_pb2_grpc.HealthStub(ch)  # its type stubs lack Check
         try:
             resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         except grpc.RpcError:
             return None
         return int(resp.status)
+
+
+def default_identity(svc: str, args: Sequence[str]) -> Identity:
+    """A service's own identity; a datapath's is its node's."""
+    if svc != "datapath":
+        return pki.service(svc)
+    args = list(args)
+    name = args[args.index("--node-name") + 1] if "--node-name" in args else socket.gethostname()
+    return pki.node(name)
 
 
 class ServiceProcess:
@@ -45,6 +74,9 @@ class ServiceProcess:
         log_dir: Path | None = None,
         prefix: Sequence[str] = (),
         listen: str | None = None,
+        insecure: bool = False,
+        identity: Identity | None = None,
+        test_pki: tls.TestPki | None = None,
     ) -> None:
         self.svc = svc
         self.port = port or free_port()
@@ -57,6 +89,33 @@ class ServiceProcess:
         self.log_path = log_dir / f"flagella-{svc}-{self.port}.log"
         self.returncode: int | None = None
         self.proc: subprocess.Popen[bytes] | None = None
+        self.insecure = insecure or "--insecure" in self.args
+        self.pki = test_pki or tls.session()
+        self.identity = identity or default_identity(svc, self.args)
+
+    def tls_args(self) -> list[str]:
+        """Flags giving the process its certificate (before the test's own
+        flags, which win)."""
+        return ["--insecure"] if self.insecure else self.pki.args(self.identity)
+
+    def credentials(self, identity: Identity = tls.OPERATOR) -> grpc.ChannelCredentials | None:
+        return None if self.insecure else self.pki.credentials(identity)
+
+    def health(self, service: str = "", timeout: float = 1.0) -> int | None:
+        """This process's health status for service (None: no answer)."""
+        return health_status(self.address, service, timeout, self.credentials())
+
+    def channel(self, identity: Identity = tls.OPERATOR) -> grpc.Channel:
+        """A blocking channel to this process, as identity (an operator
+        unless told), or plaintext when the process runs --insecure."""
+        if self.insecure:
+            return grpc.insecure_channel(self.address)
+        return self.pki.channel(self.address, identity)
+
+    def aio_channel(self, identity: Identity = tls.OPERATOR) -> grpc.aio.Channel:
+        if self.insecure:
+            return grpc.aio.insecure_channel(self.address)
+        return self.pki.aio_channel(self.address, identity)
 
     @property
     def pid(self) -> int:
@@ -71,6 +130,7 @@ class ServiceProcess:
             f"flagella.{self.svc}",
             "--listen",
             self.address,
+            *self.tls_args(),
             *self.args,
         ]
         with self.log_path.open("ab") as log:
@@ -85,7 +145,7 @@ class ServiceProcess:
                 raise RuntimeError(
                     f"{self.svc} exited with {self.proc.returncode}:\n{self.logs()[-3000:]}"
                 )
-            if health_status(self.address, timeout=0.5) == SERVING:
+            if self.health(timeout=0.5) == SERVING:
                 return self
             time.sleep(0.05)
         raise RuntimeError(f"{self.svc} not SERVING after {timeout}s:\n{self.logs()[-3000:]}")

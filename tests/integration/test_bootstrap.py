@@ -13,9 +13,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from harness import tls
 from harness.etcd import EtcdServer
 from harness.net import free_port
-from harness.procs import SERVING, ServiceProcess, health_status
+from harness.procs import SERVING, ServiceProcess
 
 pytestmark = pytest.mark.integration
 
@@ -31,8 +32,18 @@ SERVICES = {
 
 
 def grpcurl(*args: str) -> subprocess.CompletedProcess[str]:
+    """grpcurl as an operator (mutual TLS with the session CA)."""
+    folder = tls.session().bundle(tls.OPERATOR)
+    certs = [
+        "-cacert",
+        f"{folder}/ca.crt",
+        "-cert",
+        f"{folder}/tls.crt",
+        "-key",
+        f"{folder}/tls.key",
+    ]
     return subprocess.run(
-        [GRPCURL, "-plaintext", *args], capture_output=True, text=True, timeout=30, check=False
+        [GRPCURL, *certs, *args], capture_output=True, text=True, timeout=30, check=False
     )
 
 
@@ -164,22 +175,22 @@ def test_unreachable_etcd_is_not_serving_until_etcd_appears(
         deadline = time.monotonic() + 10
         status = None
         while time.monotonic() < deadline and status is None:
-            status = health_status(proc.address)
+            status = proc.health()
             time.sleep(0.1)
         assert status is not None, proc.logs()
         assert status != SERVING
         time.sleep(1.0)
-        assert health_status(proc.address) != SERVING
+        assert proc.health() != SERVING
         # Alive all along: a liveness probe would not restart it.
-        assert health_status(proc.address, "flagella.liveness") == SERVING
+        assert proc.health("flagella.liveness") == SERVING
         etcd.start()
         proc.wait_serving(timeout=20)
         # etcd going away flips it back to NOT_SERVING, and back again.
         etcd.stop()
         deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and health_status(proc.address) == SERVING:
+        while time.monotonic() < deadline and proc.health() == SERVING:
             time.sleep(0.1)
-        assert health_status(proc.address) not in (SERVING, None)
+        assert proc.health() not in (SERVING, None)
         etcd.start()
         proc.wait_serving(timeout=20)
     finally:
@@ -213,6 +224,7 @@ def test_listen_on_a_port_in_use_fails_with_reason(
             f"127.0.0.1:{port}",
             "--etcd-endpoints",
             etcd.endpoint,
+            *first.tls_args(),
         ],
         capture_output=True,
         text=True,

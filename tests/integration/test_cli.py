@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from harness import tls
 from harness.cluster import Cluster, Node
 from harness.cni import cni, netconf
 from harness.net import free_port
@@ -34,7 +35,9 @@ spec:
 
 
 @pytest.fixture
-def suite(cluster: Cluster) -> tuple[Cluster, Node]:
+def suite(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> tuple[Cluster, Node]:
+    # The CLI finds its operator certificate here.
+    monkeypatch.setenv("FLAGELLA_TLS_DIR", str(tls.session().bundle(tls.OPERATOR)))
     cluster.start(services=("ipam", "policy", "lb", "endpoint"))
     return cluster, cluster.add_node("n1")
 

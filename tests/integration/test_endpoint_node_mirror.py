@@ -20,7 +20,8 @@ from flagella.common.errors import NotFound, Unavailable
 from flagella.common.tasks import TaskGroup
 from flagella.endpoint.peers import IpamPeer
 
-pytestmark = pytest.mark.integration
+# One client plays several roles here (docs/DEVELOPMENT.md): plaintext.
+pytestmark = [pytest.mark.integration, pytest.mark.insecure]
 
 
 async def until(check: Callable[[], bool], timeout: float = 15) -> None:

@@ -22,7 +22,8 @@ from ipam_support import V4, V6, Ipam, expect_error, ipam_args, owner, spawn_ipa
 
 from flagella.api.ipam.v1 import ipam_pb2 as pb
 
-pytestmark = pytest.mark.integration
+# One client plays several roles here (docs/DEVELOPMENT.md): plaintext.
+pytestmark = [pytest.mark.integration, pytest.mark.insecure]
 
 Code = grpc.StatusCode
 CLUSTER = ("--cluster-cidr", "10.10.0.0/16", "--cluster-cidr", "fd00:10::/104")
@@ -37,7 +38,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EtcdServer, 
     (each test uses its own node names)."""
     base = tmp_path_factory.mktemp("ipam-api")
     etcd = EtcdServer(base / "etcd").start()
-    proc = ServiceProcess("ipam", ipam_args(etcd, *CLUSTER, *MASKS), log_dir=base)
+    proc = ServiceProcess("ipam", ipam_args(etcd, *CLUSTER, *MASKS), log_dir=base, insecure=True)
     try:
         proc.start().wait_serving()
         client = Ipam(proc.address)

@@ -20,7 +20,8 @@ from ipam_support import V4, V6, expect_error, spawn_ipam
 
 from flagella.api.ipam.v1 import ipam_pb2 as pb
 
-pytestmark = pytest.mark.integration
+# One client plays several roles here (docs/DEVELOPMENT.md): plaintext.
+pytestmark = [pytest.mark.integration, pytest.mark.insecure]
 
 Code = grpc.StatusCode
 TOKEN = "test-token-4f2a"

@@ -14,7 +14,8 @@ from harness.lb import LbClient, etcd_dump, lb_with_etcd, rpc_error, service
 from flagella.api.lb.v1 import lb_pb2 as pb
 from flagella.lb.maglev import DEFAULT_SEED, MaglevBackend, backend_key, lookup_table, parse_seed
 
-pytestmark = pytest.mark.integration
+# One client plays several roles here (docs/DEVELOPMENT.md): plaintext.
+pytestmark = [pytest.mark.integration, pytest.mark.insecure]
 
 
 @pytest.fixture(scope="module")

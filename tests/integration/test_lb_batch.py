@@ -18,7 +18,8 @@ from harness.procs import ServiceProcess
 
 from flagella.api.lb.v1 import lb_pb2 as pb
 
-pytestmark = pytest.mark.integration
+# One client plays several roles here (docs/DEVELOPMENT.md): plaintext.
+pytestmark = [pytest.mark.integration, pytest.mark.insecure]
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +159,9 @@ def test_two_replicas_batching_at_once_never_share_an_id(tmp_path: Path) -> None
     tmp = tmp_path
     etcd = EtcdServer(tmp / "etcd").start()
     procs = [
-        ServiceProcess("lb", ["--etcd-endpoints", etcd.endpoint], log_dir=tmp / f"r{i}")
+        ServiceProcess(
+            "lb", ["--etcd-endpoints", etcd.endpoint], log_dir=tmp / f"r{i}", insecure=True
+        )
         for i in range(2)
     ]
     for i in range(2):

@@ -18,7 +18,8 @@ from harness.procs import ServiceProcess
 
 from flagella.api.lb.v1 import lb_pb2 as pb
 
-pytestmark = pytest.mark.integration
+# One client plays several roles here (docs/DEVELOPMENT.md): plaintext.
+pytestmark = [pytest.mark.integration, pytest.mark.insecure]
 
 PORTS = [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080}]
 SLICE_PORTS = [{"name": "http", "port": 8080, "protocol": "TCP"}]

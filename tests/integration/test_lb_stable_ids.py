@@ -16,7 +16,8 @@ from harness.procs import ServiceProcess
 
 from flagella.api.lb.v1 import lb_pb2 as pb
 
-pytestmark = pytest.mark.integration
+# One client plays several roles here (docs/DEVELOPMENT.md): plaintext.
+pytestmark = [pytest.mark.integration, pytest.mark.insecure]
 
 
 def all_ids(services: list[pb.Service]) -> tuple[list[int], list[int], list[int]]:
@@ -186,6 +187,7 @@ def test_a_replica_with_another_maglev_seed_refuses_to_start(
             etcd.endpoint,
             "--maglev-hash-seed",
             "AAAAAAAAAAAAAAAA",
+            "--insecure",
         ],
         capture_output=True,
         text=True,

@@ -15,7 +15,8 @@ from flagella.common.etcd import Etcd
 from flagella.lb.model import Algorithm, Frontend, Protocol, ServiceRecord, ServiceType, Source
 from flagella.lb.store import LbStore, service_key
 
-pytestmark = pytest.mark.integration
+# One client plays several roles here (docs/DEVELOPMENT.md): plaintext.
+pytestmark = [pytest.mark.integration, pytest.mark.insecure]
 
 K = pb.ServiceEvent
 

@@ -18,7 +18,8 @@ from policy_client import IDENT_PREFIX, IP_PREFIX, etcd_keys, pod_labels, stub, 
 
 from flagella.api.policy.v1 import policy_pb2 as pb
 
-pytestmark = pytest.mark.integration
+# One client plays several roles here (docs/DEVELOPMENT.md): plaintext.
+pytestmark = [pytest.mark.integration, pytest.mark.insecure]
 
 Spawn = Callable[..., ServiceProcess]
 

@@ -23,7 +23,8 @@ from flagella.api.policy.v1 import policy_pb2 as pb
 from flagella.api.policy.v1 import policy_pb2_grpc as pbg
 from flagella.policy import keys
 
-pytestmark = pytest.mark.integration
+# One client plays several roles here (docs/DEVELOPMENT.md): plaintext.
+pytestmark = [pytest.mark.integration, pytest.mark.insecure]
 
 Spawn = Callable[..., ServiceProcess]
 

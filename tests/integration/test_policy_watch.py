@@ -17,7 +17,8 @@ from policy_client import pod_labels, stub, watch_ipcache, watch_policy
 from flagella.api.policy.v1 import policy_pb2 as pb
 from flagella.common.etcd import Etcd
 
-pytestmark = pytest.mark.integration
+# One client plays several roles here (docs/DEVELOPMENT.md): plaintext.
+pytestmark = [pytest.mark.integration, pytest.mark.insecure]
 
 Spawn = Callable[..., ServiceProcess]
 

@@ -25,6 +25,8 @@ from flagella.api.endpoint.v1 import endpoint_pb2, endpoint_pb2_grpc
 from flagella.api.ipam.v1 import ipam_pb2, ipam_pb2_grpc
 from flagella.api.lb.v1 import lb_pb2, lb_pb2_grpc
 from flagella.api.policy.v1 import policy_pb2, policy_pb2_grpc
+from flagella.cli import certs
+from flagella.common.tls import target_options
 
 DEFAULT_ADDRESSES = {
     "ipam": "127.0.0.1:50051",
@@ -102,10 +104,22 @@ class Clients:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self._channels: dict[str, grpc.Channel] = {}
+        self._credentials: grpc.ChannelCredentials | None = None
+
+    def open(self, address: str) -> grpc.Channel:
+        """A channel presenting the operator certificate (plaintext with --insecure)."""
+        if self.args.insecure:
+            return grpc.insecure_channel(address)
+        if self._credentials is None:
+            try:
+                self._credentials = certs.channel_credentials(self.args)
+            except certs.CertsError as exc:
+                raise CliError(str(exc)) from None
+        return grpc.secure_channel(address, self._credentials, options=target_options(address))
 
     def channel(self, svc: str) -> grpc.Channel:
         if svc not in self._channels:
-            self._channels[svc] = grpc.insecure_channel(getattr(self.args, f"{svc}_address"))
+            self._channels[svc] = self.open(getattr(self.args, f"{svc}_address"))
         return self._channels[svc]
 
     def call(self, svc: str, fn: Callable[..., Any], request: Message, **kwargs: Any) -> Any:
@@ -138,9 +152,9 @@ class Clients:
 # --- status ---
 
 
-def check_health(address: str, timeout: float) -> tuple[str, str]:
+def check_health(clients: Clients, address: str, timeout: float) -> tuple[str, str]:
     """(status, detail) of one service's gRPC health."""
-    with grpc.insecure_channel(address) as channel:
+    with clients.open(address) as channel:
         # The health stub's type stubs lack its methods.
         stub: Any = health_pb2_grpc.HealthStub(channel)
         try:
@@ -155,7 +169,7 @@ def cmd_status(args: argparse.Namespace, clients: Clients) -> int:
     deadline = time.monotonic() + args.wait
     while True:
         rows = {
-            svc: check_health(getattr(args, f"{svc}_address"), args.timeout)
+            svc: check_health(clients, getattr(args, f"{svc}_address"), args.timeout)
             for svc in DEFAULT_ADDRESSES
         }
         healthy = all(status == "SERVING" for status, _ in rows.values())
@@ -521,7 +535,9 @@ def build_parser() -> argparse.ArgumentParser:
         )
     parser.add_argument("-o", "--output", choices=("table", "json"), default="table")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds per call")
+    certs.add_tls_flags(parser)
     sub = parser.add_subparsers(dest="command", required=True)
+    certs.add_parser(sub)
 
     status = sub.add_parser("status", help="health of every service, map pressure")
     status.add_argument(
@@ -597,7 +613,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     clients = Clients(args)
     try:
         return int(args.func(args, clients))
-    except CliError as exc:
+    except (CliError, certs.CertsError) as exc:
         print(f"flagella: {exc}", file=sys.stderr)
         return 1
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeVar
 
 from flagella.common.errors import ConfigError
+from flagella.common.pki import Identity
 
 T = TypeVar("T", bound="ServiceConfig")
 Parser = Callable[[str], Any]
@@ -88,6 +89,26 @@ class ServiceConfig:
     etcd_timeout: float = option(5.0, "timeout of one etcd request, seconds")
     log_level: str = option("info", "log level", choices=("debug", "info", "warning", "error"))
     shutdown_grace: float = option(5.0, "seconds in-flight calls get to finish on SIGTERM")
+    tls_cert: str = option(
+        "/etc/flagella/tls/tls.crt", "this service's certificate (PEM), shown to callers and peers"
+    )
+    tls_key: str = option("/etc/flagella/tls/tls.key", "the certificate's private key (PEM)")
+    tls_ca: str = option(
+        "/etc/flagella/tls/ca.crt", "the cluster CA (PEM): callers and peers must be issued by it"
+    )
+    insecure: bool = option(
+        False,
+        "DEVELOPMENT ONLY: plaintext gRPC with no authentication or authorization",
+    )
+    health_listen: str = option(
+        "",
+        "also serve grpc.health.v1.Health alone, in plaintext, here (for Kubernetes probes)",
+        parse=parse_host_port,
+    )
+
+    def tls_identity(self, service: str) -> Identity:
+        """Who this process is: its certificate must name this identity."""
+        return Identity("service", service)
 
     def validate(self) -> None:
         """Cross-field checks; raise ConfigError."""

@@ -4,7 +4,9 @@ It parses the typed config (exit 2 with a one-line reason when it is bad),
 sets up JSON logs and tracing, and serves grpc.aio with the standard health
 service (NOT_SERVING until the service is ready, and again on SIGTERM before a
 graceful stop), server reflection, OpenTelemetry interceptors and the error
-interceptor that maps domain errors to gRPC status codes.
+interceptor that maps domain errors to gRPC status codes. Every port
+requires mutual TLS and every call is authorized (flagella.common.authz)
+unless --insecure, a development switch, says otherwise.
 """
 
 from __future__ import annotations
@@ -17,15 +19,20 @@ import signal
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from flagella.common import tls
+from flagella.common.authz import AuthInterceptor, Authorizer
 from flagella.common.config import ServiceConfig, load_config
 from flagella.common.errors import ConfigError, FlagellaError
+from flagella.common.handlers import WrappingInterceptor, relay, rewrap
 from flagella.common.logs import setup_logging
+from flagella.common.pki import TlsFileError
 from flagella.common.tasks import TaskGroup
 from flagella.common.tracing import Tracing, setup_tracing
 
@@ -57,7 +64,7 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, "internal error"
 
 
-class ErrorInterceptor(grpc.aio.ServerInterceptor):
+class ErrorInterceptor(WrappingInterceptor):
     """Turns exceptions escaping a handler into a status: domain errors into
     their code with their message, anything else into INTERNAL with a generic
     message and a logged traceback. Until the service has started, its own
@@ -66,15 +73,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, readiness: Readiness | None = None) -> None:
         self.readiness = readiness
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> Any:
-        handler: Any = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        method = handler_call_details.method
+    def wrap(self, handler: Any, method: str) -> Any:
         starting = (
             self.readiness is not None
             and not self.readiness.started
@@ -91,48 +90,34 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 )
             await context.abort(code, details)
 
-        if handler.unary_unary is not None:
-            inner_uu = handler.unary_unary
-
-            async def unary_unary(request: Any, context: Any) -> Any:
+        def unary(inner: Callable[..., Any]) -> Callable[..., Any]:
+            async def call(request: Any, context: Any) -> Any:
                 if starting:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "service is starting")
                 try:
-                    return await inner_uu(request, context)
+                    return await inner(request, context)
                 except grpc.aio.AbortError:
                     raise
                 except Exception as exc:
                     await fail(exc, context)
 
-            return grpc.unary_unary_rpc_method_handler(
-                unary_unary,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.unary_stream is not None:
-            inner_us = handler.unary_stream
+            return call
 
-            async def unary_stream(request: Any, context: Any) -> AsyncIterator[Any]:
+        def stream(inner: Callable[..., Any]) -> Callable[..., Any]:
+            async def call(request: Any, context: Any) -> AsyncIterator[Any]:
                 if starting:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "service is starting")
                 try:
-                    result = inner_us(request, context)
-                    if hasattr(result, "__aiter__"):
-                        async for item in result:
-                            yield item
-                    else:
-                        await result
+                    async for item in relay(inner(request, context)):
+                        yield item
                 except grpc.aio.AbortError:
                     raise
                 except Exception as exc:
                     await fail(exc, context)
 
-            return grpc.unary_stream_rpc_method_handler(
-                unary_stream,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        return handler
+            return call
+
+        return rewrap(handler, unary, stream)
 
 
 # --- readiness ---
@@ -259,22 +244,31 @@ class Runtime(Generic[C]):
     # The service's background tasks: stopped after the server, before
     # the service's own stop().
     tasks: TaskGroup = field(default_factory=lambda: TaskGroup("runtime"))
+    # This process's certificate files; None only with --insecure.
+    tls: tls.TlsFiles | None = None
+    # Who may call what; a service that owns scoped resources registers
+    # their resolvers (authz.node_of) here.
+    authorizer: Authorizer = field(default_factory=Authorizer)
     _channels: list[grpc.aio.Channel] = field(default_factory=list)
 
     def channel(self, target: str) -> grpc.aio.Channel:
-        """A client channel to a peer service, traced; closed on shutdown."""
-        ch = grpc.aio.insecure_channel(
-            target,
-            interceptors=self.tracing.client_interceptors(),
-            options=[
-                ("grpc.keepalive_time_ms", 20_000),
-                ("grpc.keepalive_timeout_ms", 10_000),
-                ("grpc.enable_retries", 1),
-                ("grpc.initial_reconnect_backoff_ms", 100),
-                ("grpc.min_reconnect_backoff_ms", 100),
-                ("grpc.max_reconnect_backoff_ms", 2_000),
-            ],
-        )
+        """A client channel to a peer service, traced, presenting this
+        service's certificate (the latest files) and checking the peer's
+        against the CA; closed on shutdown."""
+        options = [
+            ("grpc.keepalive_time_ms", 20_000),
+            ("grpc.keepalive_timeout_ms", 10_000),
+            ("grpc.enable_retries", 1),
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 2_000),
+        ]
+        interceptors = self.tracing.client_interceptors()
+        ch: grpc.aio.Channel
+        if self.tls is None:
+            ch = grpc.aio.insecure_channel(target, interceptors=interceptors, options=options)
+        else:
+            ch = tls.secure_channel(target, self.tls, options=options, interceptors=interceptors)
         self._channels.append(ch)
         return ch
 
@@ -303,10 +297,42 @@ class App(Protocol):
         """Release what start() acquired (after the server stopped)."""
 
 
+def add_port(server: grpc.aio.Server, address: str, files: tls.TlsFiles | None) -> None:
+    """Listen on address: mutual TLS, or plaintext when files is None."""
+    if address.startswith("unix:"):
+        # A stale socket from a crashed run would make the bind fail.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(address[len("unix:") :])
+        os.makedirs(os.path.dirname(address[len("unix:") :]) or ".", exist_ok=True)
+    try:
+        if files is None:
+            server.add_insecure_port(address)
+        else:
+            server.add_secure_port(address, tls.server_credentials(files))
+    except RuntimeError as exc:
+        raise FatalError(f"cannot listen on {address}: {exc}") from exc
+
+
+async def health_server(address: str, servicer: health.aio.HealthServicer) -> grpc.aio.Server:
+    """grpc.health.v1.Health alone, in plaintext: for Kubernetes probes,
+    which cannot present a certificate. It tells SERVING or NOT_SERVING and
+    nothing else, so it needs no authentication."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    add_port(server, address, None)
+    await server.start()
+    return server
+
+
 async def serve(runtime: Runtime[C], service: App) -> None:
     cfg = runtime.config
+    auth = [] if runtime.tls is None else [AuthInterceptor(runtime.authorizer)]
     server = grpc.aio.server(
-        interceptors=[*runtime.tracing.server_interceptors(), ErrorInterceptor(runtime.readiness)],
+        interceptors=[
+            *runtime.tracing.server_interceptors(),
+            *auth,
+            ErrorInterceptor(runtime.readiness),
+        ],
         options=[("grpc.so_reuseport", 0)],
     )
     runtime.readiness.add_services(service.service_names)
@@ -317,17 +343,23 @@ async def serve(runtime: Runtime[C], service: App) -> None:
     )
     await runtime.readiness.publish()
     for address in (cfg.listen, *cfg.extra_listen):
-        if address.startswith("unix:"):
-            # A stale socket from a crashed run would make the bind fail.
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(address[len("unix:") :])
-            os.makedirs(os.path.dirname(address[len("unix:") :]) or ".", exist_ok=True)
-        try:
-            server.add_insecure_port(address)
-        except RuntimeError as exc:
-            raise FatalError(f"cannot listen on {address}: {exc}") from exc
+        add_port(server, address, runtime.tls)
     await server.start()
-    log.info("listening", extra={"address": [cfg.listen, *cfg.extra_listen], "pid": os.getpid()})
+    probes = (
+        await health_server(cfg.health_listen, runtime.readiness.servicer)
+        if cfg.health_listen
+        else None
+    )
+    log.info(
+        "listening",
+        extra={
+            "address": [cfg.listen, *cfg.extra_listen],
+            "health_address": cfg.health_listen or None,
+            "mtls": runtime.tls is not None,
+            "identity": runtime.tls.current.identity.uri if runtime.tls else None,
+            "pid": os.getpid(),
+        },
+    )
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -350,6 +382,8 @@ async def serve(runtime: Runtime[C], service: App) -> None:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         await runtime.readiness.set_stopping()
+        if probes is not None:
+            await probes.stop(0)
         await server.stop(cfg.shutdown_grace)
         await runtime.tasks.stop()
         with contextlib.suppress(Exception):
@@ -357,6 +391,30 @@ async def serve(runtime: Runtime[C], service: App) -> None:
         await runtime.close_channels()
         runtime.tracing.shutdown()
         log.info("stopped")
+
+
+def load_tls(cfg: ServiceConfig, name: str) -> tls.TlsFiles | None:
+    """The service's certificate files, checked; None with --insecure.
+    Raises ConfigError naming the option, the file and the problem."""
+    if cfg.insecure:
+        return None
+    paths = tls.TlsPaths(Path(cfg.tls_cert), Path(cfg.tls_key), Path(cfg.tls_ca))
+    option_of = {
+        str(paths.cert): "--tls-cert",
+        str(paths.key): "--tls-key",
+        str(paths.ca): "--tls-ca",
+    }
+    try:
+        files = tls.TlsFiles(paths)
+    except TlsFileError as exc:
+        raise ConfigError(option_of.get(exc.path, "--tls-cert"), str(exc)) from None
+    expected = cfg.tls_identity(name)
+    if files.current.identity != expected:
+        raise ConfigError(
+            "--tls-cert",
+            f"{paths.cert}: names {files.current.identity.uri}, but this process is {expected.uri}",
+        )
+    return files
 
 
 def main(
@@ -383,7 +441,17 @@ def main(
     except ConfigError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
+    try:
+        files = load_tls(cfg, name)
+    except ConfigError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
     setup_logging(prog, cfg.log_level)
+    if files is None:
+        log.warning(
+            "INSECURE: --insecure is set: plaintext gRPC, no authentication, no authorization; "
+            "anyone who reaches a port can call anything. Development only."
+        )
 
     async def run() -> None:
         runtime = Runtime(
@@ -392,6 +460,7 @@ def main(
             tracing=setup_tracing(prog, env),
             readiness=Readiness(health.aio.HealthServicer()),
             environ=env,
+            tls=files,
         )
         await serve(runtime, make_service(runtime))
 

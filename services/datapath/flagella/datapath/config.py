@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from flagella.common.config import ServiceConfig, option, parse_host_port, parse_ip
 from flagella.common.errors import ConfigError
+from flagella.common.pki import Identity
 
 
 @dataclass(frozen=True)
@@ -45,11 +46,20 @@ class DatapathConfig(ServiceConfig):
     )
     gc_interval_seconds: float = option(30.0, "conntrack and NAT garbage collection period")
 
+    def tls_identity(self, service: str) -> Identity:
+        # The datapath registers its node (and asks for its node's policy):
+        # it holds the node's certificate.
+        return Identity("node", self.node_name)
+
     def validate(self) -> None:
         super().validate()
         if not self.node_name:
             raise ConfigError("--node-name", "must not be empty")
         if not self.cni_socket.startswith("/") or len(self.cni_socket.encode()) > 107:
             raise ConfigError("--cni-socket", "must be an absolute path of at most 107 bytes")
+        try:
+            self.tls_identity("datapath")  # its certificate names it
+        except ValueError as exc:
+            raise ConfigError("--node-name", str(exc)) from None
         if self.gc_interval_seconds <= 0:
             raise ConfigError("--gc-interval-seconds", "must be positive")

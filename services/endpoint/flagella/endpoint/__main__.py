@@ -82,12 +82,14 @@ class EndpointApp:
             runtime.readiness,
             {"ipam": PeerHealth(ipam_channel), "policy": PeerHealth(policy_channel)},
         )
+        self.servicer = EndpointServicer(
+            self.service, self.status, CniRunner(self.service, self.status)
+        )
+        # Nodes delete and check only the endpoints on them.
+        runtime.authorizer.resolvers["endpoint"] = self.servicer.node_of
 
     def register(self, server: grpc.aio.Server) -> None:
-        endpoint_pb2_grpc.add_EndpointServiceServicer_to_server(
-            EndpointServicer(self.service, self.status, CniRunner(self.service, self.status)),
-            server,
-        )
+        endpoint_pb2_grpc.add_EndpointServiceServicer_to_server(self.servicer, server)
 
     async def start(self) -> None:
         # The node mirror fills in the background; until it is synced, node

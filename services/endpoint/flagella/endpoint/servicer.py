@@ -9,7 +9,7 @@ from typing import Any, Protocol
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from flagella.api.endpoint.v1 import endpoint_pb2, endpoint_pb2_grpc
-from flagella.common.errors import InvalidArgument
+from flagella.common.errors import InvalidArgument, NotFound
 from flagella.endpoint.model import Endpoint, State
 from flagella.endpoint.service import CreateRequest, EndpointService
 from flagella.endpoint.status import CniStatus
@@ -156,9 +156,10 @@ class CniRun(Protocol):
 
 
 def caller_node(request: endpoint_pb2.CniRequest, context: Any) -> str:
-    """The node a relayed CNI invocation comes from. The one place that
-    decides it: the request's node, which the node's datapath sets (until
-    calls carry the node's certificate, whose identity then decides)."""
+    """The node a relayed CNI invocation comes from: the request's node,
+    which the node's datapath sets and authorization holds to the caller's
+    certificate (authz: `Cni` is own_node("node")), so a node acts only for
+    itself."""
     if not request.node:
         raise InvalidArgument("node is required", field="node")
     return request.node
@@ -185,6 +186,19 @@ class EndpointServicer(endpoint_pb2_grpc.EndpointServiceServicer):
         if which == "attachment":
             return await self.service.get(*attachment_of(request.attachment))
         raise InvalidArgument("give id or attachment", field="by")
+
+    async def node_of(self, request: Any) -> str | None:
+        """The node of the endpoint a request names, for authorization
+        (authz.node_of("endpoint")); None when there is no such endpoint,
+        or the request names none (the handler then says what is wrong)."""
+        try:
+            if request.DESCRIPTOR.name == "CheckEndpointRequest":
+                ep = await self.service.get(*attachment_of(request.attachment))
+            else:
+                ep = await self._resolve(request)
+        except (NotFound, InvalidArgument):
+            return None
+        return ep.node
 
     async def GetEndpoint(
         self, request: endpoint_pb2.GetEndpointRequest, context: Any
