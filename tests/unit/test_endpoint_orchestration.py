@@ -318,6 +318,53 @@ async def test_patch_labels_switches_identity_and_rolls_back_on_failure() -> Non
     assert list(world.refs) == [("c1/eth0", patched.identity)]
 
 
+async def test_a_label_change_cancelled_midway_is_rolled_back() -> None:
+    """A Kubernetes watcher's term can end while it changes an endpoint's
+    identity: the change is undone, not left half-done."""
+    world = World()
+    svc, _ = make(world)
+    ep = await svc.create(REQ)
+    started = asyncio.Event()
+
+    async def stuck(address: str, endpoint_id: int, min_revision: int, timeout: float) -> int:
+        started.set()
+        await asyncio.sleep(60)
+        return min_revision
+
+    world.wait_policy = stuck  # type: ignore[method-assign]
+    task = asyncio.create_task(svc.patch_labels(ep.id, {"app": "web", "tier": "front"}))
+    await started.wait()
+    assert world.veths[ep.id] != ep.identity  # switched, waiting for its policy
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    current = await svc.get_by_id(ep.id)
+    assert (current.identity, current.labels, current.state) == (
+        ep.identity,
+        ep.labels,
+        State.READY,
+    )
+    assert world.veths[ep.id] == ep.identity
+    assert world.ipcache["10.0.0.5/32"] == ep.identity
+    assert list(world.refs) == [("c1/eth0", ep.identity)]
+
+
+async def test_a_label_change_that_cannot_be_recorded_drops_its_new_identity() -> None:
+    world = World()
+    svc, store = make(world)
+    ep = await svc.create(REQ)
+    world.fail_at = "node"
+    with pytest.raises(Unavailable):
+        await svc.patch_labels(ep.id, {"app": "web", "tier": "front"})
+    assert list(world.refs) == [("c1/eth0", ep.identity)]
+    assert (await svc.get_by_id(ep.id)).identity == ep.identity
+    # The same labels again: nothing to do, nothing written.
+    world.fail_at = ""
+    writes = store.writes
+    assert (await svc.patch_labels(ep.id, dict(ep.labels))).identity == ep.identity
+    assert store.writes == writes
+
+
 async def test_restore_reconciles_ready_endpoints_with_ipam_and_datapath() -> None:
     world = World()
     svc, store = make(world)

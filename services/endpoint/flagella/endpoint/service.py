@@ -178,7 +178,8 @@ class Datapath(Protocol):
 
 
 class PodLabels(Protocol):
-    async def labels(self, namespace: str, name: str) -> dict[str, str]: ...
+    async def labels(self, namespace: str, name: str) -> dict[str, str]:
+        """The identity labels of a pod, from Kubernetes."""
 
 
 @dataclass(frozen=True)
@@ -213,11 +214,22 @@ def pod_of(ep: Endpoint) -> str:
 
 
 def identity_labels(ep: Endpoint) -> dict[str, str]:
-    """Pod labels plus the namespace label Kubernetes policies select on."""
+    """Pod labels plus the namespace label Kubernetes policies select on
+    (labels from Kubernetes carry it already: flagella.endpoint.labels)."""
     labels = dict(ep.labels)
     if ep.pod_namespace:
         labels.setdefault("io.kubernetes.pod.namespace", ep.pod_namespace)
     return labels
+
+
+def record_health(ep: Endpoint) -> dict[str, str]:
+    """The health of the components the endpoint's record shows: "ok" or
+    what is wrong."""
+    return {
+        "ipam": "ok" if ep.addresses else "no address",
+        "identity": "ok" if ep.identity else "no identity",
+        "policy": "ok" if ep.policy_revision else "policy not realized",
+    }
 
 
 class EndpointService:
@@ -265,8 +277,12 @@ class EndpointService:
                 await self._remove(found, "superseded by a new ADD")
             raise Aborted("another ADD of this attachment is in progress; try again")
 
+    @staticmethod
+    def _from_kubernetes(req: CreateRequest) -> bool:
+        return req.resolve_labels_from_kubernetes and not req.labels
+
     async def _labels_for(self, req: CreateRequest) -> dict[str, str]:
-        if req.labels or not req.resolve_labels_from_kubernetes:
+        if not self._from_kubernetes(req):
             return dict(req.labels)
         if self.pod_labels is None:
             raise FailedPrecondition(
@@ -285,6 +301,7 @@ class EndpointService:
             pod_name=req.pod_name,
             pod_namespace=req.pod_namespace,
             labels=dict(labels),
+            labels_from_kubernetes=self._from_kubernetes(req),
             mtu=req.mtu,
         )
         ep.transition(State.WAITING_FOR_IDENTITY, "CNI ADD")
@@ -484,6 +501,8 @@ class EndpointService:
             ep, revision = await self._fresh(found[0])
             if ep.state is not State.READY:
                 raise FailedPrecondition(f"endpoint {ep.id} is {ep.state.value}, not ready")
+            if ep.labels == labels:
+                return ep
             old_identity, old_labels = ep.identity, dict(ep.labels)
             ep.labels = dict(labels)
             new_identity, wanted = await self.policy.allocate_identity(
@@ -491,10 +510,19 @@ class EndpointService:
             )
             if new_identity == old_identity:
                 return await self._save(ep, revision)
-            node = await self.ipam.node(ep.node)
-            ep.identity = new_identity
-            ep.transition(State.REGENERATING, f"labels changed: identity {new_identity}")
-            revision = await self.store.update(ep, revision)
+            # Cancelled too (a Kubernetes watcher's term can end mid-change),
+            # each failure undoes what was done: never a pod half-switched.
+            try:
+                node = await self.ipam.node(ep.node)
+                ep.identity = new_identity
+                ep.transition(State.REGENERATING, f"labels changed: identity {new_identity}")
+                revision = await self.store.update(ep, revision)
+            except BaseException:
+                # Nothing switched yet: only the new reference to drop.
+                await asyncio.shield(
+                    self.policy.release_identity(new_identity, ep.node, owner_of(ep))
+                )
+                raise
             try:
                 await self.datapath.update_identity(node.datapath_address, ep.id, new_identity)
                 for address in ep.addresses:
@@ -502,19 +530,25 @@ class EndpointService:
                 ep.policy_revision = await self.datapath.wait_policy(
                     node.datapath_address, ep.id, wanted, self.settings.policy_wait_s
                 )
-            except FlagellaError:
-                # Back to the old identity: never leave the pod half-switched.
-                ep.labels, ep.identity = old_labels, old_identity
-                await self.datapath.update_identity(node.datapath_address, ep.id, old_identity)
-                for address in ep.addresses:
-                    await self.policy.upsert_ipcache(address, old_identity, ep.node, node.host_ip)
-                await self.policy.release_identity(new_identity, ep.node, owner_of(ep))
-                ep.transition(State.READY, "label change rolled back")
-                await self.store.update(ep, revision)
+            except BaseException:
+                ep.labels = old_labels
+                await asyncio.shield(self._switch_back(ep, node, old_identity, revision))
                 raise
             await self.policy.release_identity(old_identity, ep.node, owner_of(ep))
             ep.transition(State.READY, f"identity {new_identity} realized")
             return await self._save(ep, revision)
+
+    async def _switch_back(
+        self, ep: Endpoint, node: NodeInfo, old_identity: int, revision: int
+    ) -> None:
+        """Back to the old identity after a failed label change."""
+        new_identity, ep.identity = ep.identity, old_identity
+        await self.datapath.update_identity(node.datapath_address, ep.id, old_identity)
+        for address in ep.addresses:
+            await self.policy.upsert_ipcache(address, old_identity, ep.node, node.host_ip)
+        await self.policy.release_identity(new_identity, ep.node, owner_of(ep))
+        ep.transition(State.READY, "label change rolled back")
+        await self.store.update(ep, revision)
 
     async def _fresh(self, ep: Endpoint) -> tuple[Endpoint, int]:
         found = await self.store.get(ep.container_id, ep.ifname)
@@ -552,11 +586,7 @@ class EndpointService:
 
     async def health(self, ep: Endpoint) -> dict[str, str]:
         """Per component: "ok" or what is wrong."""
-        out = {
-            "ipam": "ok" if ep.addresses else "no address",
-            "identity": "ok" if ep.identity else "no identity",
-            "policy": "ok" if ep.policy_revision else "policy not realized",
-        }
+        out = record_health(ep)
         try:
             node = await self.ipam.node(ep.node)
             realized = {
