@@ -365,6 +365,42 @@ async def test_a_label_change_that_cannot_be_recorded_drops_its_new_identity() -
     assert store.writes == writes
 
 
+async def test_restore_finishes_a_label_change_a_crash_interrupted() -> None:
+    """A crash after the new identity is recorded: the pod runs, so restore
+    finishes the change (it never removes the pod's networking) and drops
+    the old identity."""
+    world = World()
+    svc, store = make(world)
+    ep = await svc.create(REQ)
+    crashed: dict[tuple[str, str], tuple[bytes, int]] = {}
+
+    async def crash(address: str, endpoint_id: int, identity: int) -> None:
+        crashed.update(store.data)  # etcd as the crash leaves it
+        raise asyncio.CancelledError
+
+    world.update_identity = crash  # type: ignore[method-assign]
+    with pytest.raises(asyncio.CancelledError):
+        await svc.patch_labels(ep.id, {"app": "web", "tier": "front"})
+    new_identity = 256 + 3
+    # The rollback never ran: the process was gone.
+    world.refs[("c1/eth0", new_identity)] = 1
+    del world.update_identity
+    restarted, again = make(world)
+    again.data = dict(crashed)
+    again.rev = store.rev
+    [interrupted] = await again.list_all()
+    assert interrupted.state is State.REGENERATING
+    await restarted.restore()
+    current = await restarted.get_by_id(ep.id)
+    assert (current.identity, current.state) == (new_identity, State.READY)
+    assert current.labels == {"app": "web", "tier": "front"}
+    assert not [s for s in current.steps if s.startswith("relabel")]
+    assert world.veths[ep.id] == new_identity
+    assert world.ipcache["10.0.0.5/32"] == new_identity
+    assert list(world.refs) == [("c1/eth0", new_identity)]
+    assert world.ips  # its address kept
+
+
 async def test_restore_reconciles_ready_endpoints_with_ipam_and_datapath() -> None:
     world = World()
     svc, store = make(world)

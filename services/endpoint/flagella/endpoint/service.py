@@ -52,6 +52,9 @@ STEP_IPAM = "ipam"
 STEP_IDENTITY = "identity"
 STEP_DATAPATH = "datapath"
 STEP_IPCACHE = "ipcache"
+# "relabel:<old identity>" while a label change is under way (restore
+# finishes it: the pod runs, its record already holds the new identity).
+STEP_RELABEL = "relabel:"
 
 
 @dataclass(frozen=True)
@@ -220,6 +223,18 @@ def identity_labels(ep: Endpoint) -> dict[str, str]:
     if ep.pod_namespace:
         labels.setdefault("io.kubernetes.pod.namespace", ep.pod_namespace)
     return labels
+
+
+def relabelled_from(ep: Endpoint) -> int | None:
+    """The identity a label change under way left, or None."""
+    for step in ep.steps:
+        if step.startswith(STEP_RELABEL):
+            return int(step[len(STEP_RELABEL) :])
+    return None
+
+
+def without_relabel(steps: list[str]) -> list[str]:
+    return [s for s in steps if not s.startswith(STEP_RELABEL)]
 
 
 def record_health(ep: Endpoint) -> dict[str, str]:
@@ -515,6 +530,7 @@ class EndpointService:
             try:
                 node = await self.ipam.node(ep.node)
                 ep.identity = new_identity
+                ep.steps.append(f"{STEP_RELABEL}{old_identity}")
                 ep.transition(State.REGENERATING, f"labels changed: identity {new_identity}")
                 revision = await self.store.update(ep, revision)
             except BaseException:
@@ -535,6 +551,7 @@ class EndpointService:
                 await asyncio.shield(self._switch_back(ep, node, old_identity, revision))
                 raise
             await self.policy.release_identity(old_identity, ep.node, owner_of(ep))
+            ep.steps = without_relabel(ep.steps)
             ep.transition(State.READY, f"identity {new_identity} realized")
             return await self._save(ep, revision)
 
@@ -547,7 +564,21 @@ class EndpointService:
         for address in ep.addresses:
             await self.policy.upsert_ipcache(address, old_identity, ep.node, node.host_ip)
         await self.policy.release_identity(new_identity, ep.node, owner_of(ep))
+        ep.steps = without_relabel(ep.steps)
         ep.transition(State.READY, "label change rolled back")
+        await self.store.update(ep, revision)
+
+    async def _finish_relabel(self, ep: Endpoint, old_identity: int) -> None:
+        """After a restart: the label change a crash interrupted, done (its
+        record holds the new labels and identity, both references held)."""
+        ep, revision = await self._fresh(ep)
+        node = await self.ipam.node(ep.node)
+        await self.datapath.update_identity(node.datapath_address, ep.id, ep.identity)
+        for address in ep.addresses:
+            await self.policy.upsert_ipcache(address, ep.identity, ep.node, node.host_ip)
+        await self.policy.release_identity(old_identity, ep.node, owner_of(ep))
+        ep.steps = without_relabel(ep.steps)
+        ep.transition(State.READY, "restore: label change finished")
         await self.store.update(ep, revision)
 
     async def _fresh(self, ep: Endpoint) -> tuple[Endpoint, int]:
@@ -672,8 +703,10 @@ class EndpointService:
         return removed
 
     async def restore(self) -> None:
-        """After a restart: roll back every endpoint that was mid-operation,
-        then reconcile the ready ones against IPAM and their node's datapath.
+        """After a restart: roll back every endpoint that was mid-operation
+        (but finish a label change: its pod runs, and its record holds the
+        new identity), then reconcile the ready ones against IPAM and their
+        node's datapath.
         A ready endpoint's IPs are never released here: one IPAM lost is
         claimed again (the same address), one its datapath lost is set up
         again (or, when its netns is gone, left to the sweep)."""
@@ -684,6 +717,10 @@ class EndpointService:
                 continue
             async with self._lock(*ep.key):
                 try:
+                    old_identity = relabelled_from(ep)
+                    if old_identity is not None:
+                        await self._finish_relabel(ep, old_identity)
+                        continue
                     await self._remove(ep, f"restore: interrupted while {ep.state.value}")
                 except FlagellaError as exc:
                     log.warning(
