@@ -3,15 +3,19 @@ builds them), the FlagellaEndpoint object of a pod, and the policy side:
 the labels survive the identity label filter, and a NetworkPolicy's
 namespaceSelector and a CiliumNetworkPolicy's service account selector
 select the pods they name (policy resolution on the labels the endpoint
-service builds)."""
+service builds); and the endpoint service's Kubernetes options."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from policy_world import World
 
+from flagella.common.config import load_config
+from flagella.common.errors import ConfigError
 from flagella.endpoint import flagellaendpoint as fe
+from flagella.endpoint.config import EndpointConfig
 from flagella.endpoint.labels import (
     NamespaceInfo,
     PodInfo,
@@ -211,3 +215,17 @@ def test_an_update_keeps_the_stored_version_and_others_labels() -> None:
     moved = fe.desired(POD, [endpoint("eth0", identity=777)])
     assert moved is not None
     assert not fe.up_to_date(update, moved)
+
+
+def test_the_endpoint_service_takes_the_kubernetes_and_leader_options() -> None:
+    def load(*argv: str) -> EndpointConfig:
+        return load_config(
+            EndpointConfig, prog="e", env_prefix="FLAGELLA_ENDPOINT_", argv=argv, environ={}
+        )
+
+    assert load().kubeconfig == ""
+    cfg = load("--kubeconfig", "in-cluster", "--leader-election-namespace", "kube-system")
+    assert (cfg.kubeconfig, cfg.leader_election_namespace) == ("in-cluster", "kube-system")
+    with pytest.raises(ConfigError) as err:
+        load("--leader-lease-duration", "5", "--leader-renew-deadline", "6")
+    assert err.value.option == "--leader-lease-duration"

@@ -192,12 +192,25 @@ class EndpointWatchers:
         if self.reader.api is not None:
             await self.reader.api.close()
 
-    # --- what to look at (every replica, so a new leader starts warm) ---
+    # --- what to look at ---
+
+    def _mark(self, pods: Iterable[str]) -> None:
+        # Only while leading: a term starts by looking at everything, and a
+        # follower's marks would pile up with every pod the cluster runs.
+        if self.elector is not None and self.elector.is_leader:
+            self.dirty.mark(pods)
+
+    def _mark_all(self) -> None:
+        self._mark({*self.by_pod, *self.objects.keys()})
 
     async def _follow(self, table: Table[str, Any], pods: Callable[[str], Iterable[str]]) -> None:
         async for batch in table.subscribe():
+            if batch.snapshot:
+                # The whole table (this follower fell behind): what it
+                # lacks went unseen, so look at everything.
+                self._mark_all()
             for change in batch.changes:
-                self.dirty.mark(pods(change.key))
+                self._mark(pods(change.key))
 
     def _pods_in(self, namespace_key: str) -> set[str]:
         """The pods with endpoints in a namespace (its key "/<name>")."""
@@ -206,6 +219,9 @@ class EndpointWatchers:
 
     async def _follow_endpoints(self) -> None:
         async for batch in self.endpoints.subscribe():
+            if batch.snapshot:
+                self._mark_all()  # the pods whose endpoints went unseen
+                self.by_pod.clear()
             for change in batch.changes:
                 for ep, add in ((change.prev, False), (change.record, True)):
                     pod = pod_key(ep) if ep is not None else None
@@ -215,7 +231,7 @@ class EndpointWatchers:
                     (keys.add if add else keys.discard)(change.key)
                     if not keys:
                         del self.by_pod[pod]
-                    self.dirty.mark([pod])
+                    self._mark([pod])
 
     def endpoints_of(self, pod: str) -> list[Endpoint]:
         found = (self.endpoints.get(k) for k in self.by_pod.get(pod, ()))
@@ -229,9 +245,10 @@ class EndpointWatchers:
         self.synced.clear()
         self.retry_backoff.reset()
         self._written.clear()
+        self._reported.clear()
         for table in (self.pods, self.namespaces, self.objects, self.endpoints):
             await table.wait_initialized()
-        self.dirty.mark({*self.by_pod, *self.objects.keys()})
+        self._mark_all()
         log.info(
             "kubernetes endpoint sync",
             extra={"pods": len(self.by_pod), "objects": len(self.objects)},
