@@ -1,8 +1,8 @@
 """The endpoint service and the Kubernetes API, against KubeListWatchServer
 (harness/kube_api.py), the local HTTP server that stands in for the API
 server, and a real etcd (endpoint records written there as the service
-writes them): two replicas elect one writer of FlagellaEndpoints, which
-takes over when the leader dies; a failed identity change is reported as
+writes them): two replicas elect one writer of FlagellaEndpoints, whose
+first sync removes a stale one, and which another takes over when it dies; a failed identity change is reported as
 an Event on the pod; CNI ADD's label read names the missing pod, and fails
 closed while the API server is away (health flagella.kubernetes says so).
 Traffic and identities through real pods: tests/e2e/test_k8s_endpoints.py."""
@@ -25,6 +25,7 @@ from harness.procs import ServiceProcess, health_status
 
 from flagella.api.endpoint.v1 import endpoint_pb2, endpoint_pb2_grpc
 from flagella.common.etcd import Etcd
+from flagella.endpoint.flagellaendpoint import MANAGED_BY
 from flagella.endpoint.kube import LEASE_NAME, RELABEL_FAILED
 from flagella.endpoint.model import Endpoint, State
 from flagella.endpoint.store import EndpointStore
@@ -110,6 +111,9 @@ def test_two_replicas_elect_one_writer_of_flagellaendpoints_on_the_stand_in_api_
 ) -> None:
     kube_api.apply("pods", pod("shop", "web-0", {"app": "web"}))
     uid = (kube_api.get("pods", "shop", "web-0") or {})["metadata"]["uid"]
+    # Left by an earlier run, for an endpoint long gone.
+    stale = {"namespace": "shop", "name": "gone", "labels": {MANAGED_BY[0]: MANAGED_BY[1]}}
+    kube_api.apply("flagellaendpoints", {"metadata": stale, "status": {"id": 1}})
     replicas = [start_endpoint(), start_endpoint()]
     ep = write(etcd, ready_endpoint())
 
@@ -119,6 +123,7 @@ def test_two_replicas_elect_one_writer_of_flagellaendpoints_on_the_stand_in_api_
             identity, state))  # fmt: skip
 
     assert wait_until(lambda: shows(300, "ready"), 10)
+    assert kube_api.get("flagellaendpoints", "shop", "gone") is None
     obj = kube_api.get("flagellaendpoints", "shop", "web-0")
     assert obj is not None
     assert obj["metadata"]["ownerReferences"][0]["uid"] == uid

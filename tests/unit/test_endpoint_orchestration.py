@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from flagella.common.errors import Unavailable
+from flagella.common.errors import FailedPrecondition, Unavailable
 from flagella.endpoint.model import Endpoint, State
 from flagella.endpoint.service import (
     Allocated,
@@ -399,6 +399,22 @@ async def test_restore_finishes_a_label_change_a_crash_interrupted() -> None:
     assert world.ipcache["10.0.0.5/32"] == new_identity
     assert list(world.refs) == [("c1/eth0", new_identity)]
     assert world.ips  # its address kept
+
+
+async def test_labels_that_follow_kubernetes_change_only_from_there() -> None:
+    world = World()
+    svc, _ = make(world)
+    ep = await svc.create(REQ)
+    ep.labels_from_kubernetes = True  # as an ADD with kubernetes: true records it
+    found = await svc.store.get(*ep.key)
+    assert found is not None
+    await svc.store.update(ep, found[1])
+    with pytest.raises(FailedPrecondition) as refused:
+        await svc.patch_labels(ep.id, {"app": "other"})
+    assert refused.value.field == "labels"
+    assert "Kubernetes" in refused.value.message
+    moved = await svc.patch_labels(ep.id, {"app": "other", "x": "1"}, from_kubernetes=True)
+    assert moved.identity != ep.identity
 
 
 async def test_restore_reconciles_ready_endpoints_with_ipam_and_datapath() -> None:

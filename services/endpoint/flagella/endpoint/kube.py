@@ -272,7 +272,7 @@ class EndpointWatchers:
             if not ep.labels_from_kubernetes or ep.state is not State.READY or ep.labels == want:
                 continue
             try:
-                moved = await self.service.patch_labels(ep.id, want)
+                moved = await self.service.patch_labels(ep.id, want, from_kubernetes=True)
             except NotFound:
                 continue  # deleted meanwhile
             except FlagellaError as exc:

@@ -508,12 +508,23 @@ class EndpointService:
 
     # --- labels ---
 
-    async def patch_labels(self, endpoint_id: int, labels: dict[str, str]) -> Endpoint:
+    async def patch_labels(
+        self, endpoint_id: int, labels: dict[str, str], *, from_kubernetes: bool = False
+    ) -> Endpoint:
+        """The endpoint with these labels, moved to their identity.
+        from_kubernetes: the labels are its pod's in Kubernetes (the
+        watchers'); labels that follow Kubernetes change only that way."""
         found = await self.store.get_by_id(endpoint_id)
         if found is None:
             raise NotFound(f"no endpoint {endpoint_id}", field="id")
         async with self._lock(found[0].container_id, found[0].ifname):
             ep, revision = await self._fresh(found[0])
+            if ep.labels_from_kubernetes and not from_kubernetes:
+                raise FailedPrecondition(
+                    f"endpoint {ep.id}'s labels follow its pod {pod_of(ep)} in Kubernetes: "
+                    "change them there",
+                    field="labels",
+                )
             if ep.state is not State.READY:
                 raise FailedPrecondition(f"endpoint {ep.id} is {ep.state.value}, not ready")
             if ep.labels == labels:
