@@ -157,22 +157,27 @@ def test_a_pod_relabelled_through_the_stand_in_api_server_crosses_a_policy_bound
 def test_a_namespace_selector_and_a_namespace_label_change_on_the_stand_in_api_server(
     env: Env,
 ) -> None:
-    """namespaceSelector {team: a} selects the client in alpha, not the one
-    in beta; relabelling the namespaces swaps them within 1 s."""
+    """namespaceSelector {team: a} selects the client in alpha, not the ones
+    in beta; relabelling the namespaces swaps them within 1 s (every pod of
+    a namespace moves at once)."""
     backend = server(env, "shop", "ns-server", {"app": "server"})
     in_alpha = add_pod(env, "alpha", "ns-client-a", {"app": "client"})
     in_beta = add_pod(env, "beta", "ns-client-b", {"app": "client"})
+    in_beta2 = add_pod(env, "beta", "ns-client-b2", {"app": "client"})
     peer = {"namespaceSelector": {"matchLabels": {"team": "a"}}, "podSelector": {}}
     env.kube_api.apply(
         "networkpolicies", k8s_policy("NetworkPolicy", "shop", "ns", ingress_from(peer))
     )
     try:
-        with probing({"alpha": (in_alpha, backend), "beta": (in_beta, backend)}, PORT) as probes:
+        pairs = {"alpha": (in_alpha, backend), "beta": (in_beta, backend),
+                 "beta2": (in_beta2, backend)}  # fmt: skip
+        with probing(pairs, PORT) as probes:
             t0 = time.time()
-            settle(probes, t0, {"alpha": True, "beta": False}, "namespaceSelector", 5)
+            settle(probes, t0, {"alpha": True, "beta": False, "beta2": False}, "selector", 5)
             t1 = time.time()
             label_namespace(env, "beta", {"team": "a"})
-            settle(probes, t1, {"alpha": True, "beta": True}, "beta joins team a", WITHIN_S)
+            both = {"alpha": True, "beta": True, "beta2": True}
+            settle(probes, t1, both, "beta joins team a", WITHIN_S)
             t2 = time.time()
             label_namespace(env, "alpha", {"team": "c"})
             settle(probes, t2, {"alpha": False, "beta": True}, "alpha leaves team a", WITHIN_S)
@@ -195,8 +200,11 @@ def test_flagellaendpoints_on_the_stand_in_api_server_follow_their_pods_and_vani
     assert pod is not None
 
     def shows(identity: int) -> bool:
+        """The object shows the endpoint ready with identity (it shows the
+        states on the way too)."""
         obj = flagella_endpoint(env, "shop", "fe-web")
-        return obj is not None and obj["status"]["identity"]["id"] == identity
+        return obj is not None and (obj["status"]["identity"]["id"], obj["status"]["state"]) == (
+            identity, "ready")  # fmt: skip
 
     assert wait_until(lambda: shows(ep.identity), 5)
     obj = flagella_endpoint(env, "shop", "fe-web")

@@ -10,7 +10,8 @@ Reads:
   and the endpoints of etcd into a table (EtcdSource), on every replica.
 
 Writes, only while this replica holds the Lease flagella-endpoint-pods
-(flagella.common.leader), per pod (level-triggered, DirtyKeys):
+(flagella.common.leader), per pod (level-triggered, DirtyKeys; up to
+SYNC_CONCURRENCY pods at once, one pod never twice at once):
 - labels: each ready endpoint whose labels came from Kubernetes and differ
   from what its Pod and Namespace now say changes identity through
   EndpointService.patch_labels (new identity, datapath endpoint, ipcache,
@@ -66,6 +67,9 @@ LEASE_NAME = "flagella-endpoint-pods"
 COMPONENT = "flagella-endpoint"
 RELABEL_FAILED = "IdentityChangeFailed"
 WATCH_TIMEOUT_S = 60  # the API server ends each watch call after this; we re-watch
+# Pods synced at once: a namespace relabel moves all its pods' endpoints
+# together, each waiting for its node to realize its new policy.
+SYNC_CONCURRENCY = 16
 
 
 class KubeReader:
@@ -253,7 +257,9 @@ class EndpointWatchers:
             "kubernetes endpoint sync",
             extra={"pods": len(self.by_pod), "objects": len(self.objects)},
         )
-        await self.dirty.sync_forever(self._sync, set(), self.retry_backoff, self.synced.set)
+        await self.dirty.sync_forever(
+            self._sync, set(), self.retry_backoff, self.synced.set, concurrency=SYNC_CONCURRENCY
+        )
 
     async def _sync(self, key: str) -> bool:
         """The pod at key: its endpoints' labels, then its FlagellaEndpoint.
