@@ -2,7 +2,8 @@
 as the pod), as CiliumEndpoint shows a pod's endpoint: its node, IPs,
 identity (id and labels), state, the policy revision its datapath enforces
 and its health. All of it is in `status` (no spec: nobody but the endpoint
-service writes it). Its ownerReference is the Pod (by uid), so Kubernetes'
+service writes it; the CRD has no status subresource, so one create or
+update writes the whole object). Its ownerReference is the Pod (by uid), so Kubernetes'
 garbage collector deletes it with the pod; the label
 app.kubernetes.io/managed-by=flagella-endpoint marks the objects the
 endpoint service owns (and may delete when stale).
