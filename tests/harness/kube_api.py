@@ -130,7 +130,10 @@ class _Change:
 
 
 class KubeListWatchServer:
-    def __init__(self) -> None:
+    def __init__(self, *, without: tuple[str, ...] = ()) -> None:
+        """without: resources not served (404), as a kind whose CRD a cluster
+        lacks."""
+        self.without = without
         self.port = free_port()
         self._lock = threading.Condition()
         self._rv = 100
@@ -358,6 +361,8 @@ class KubeListWatchServer:
         url = urlparse(h.path)
         self.requests.append(h.path)
         coll = COLLECTIONS.get(url.path)
+        if coll is not None and coll[0] in self.without:
+            coll = None
         one = object_path(url.path) if coll is None else None
         if one is not None and one[2] is not None:
             self._get_one(h, one[0], one[1], one[2])

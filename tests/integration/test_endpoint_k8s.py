@@ -39,8 +39,11 @@ NOWHERE = "127.0.0.1:9"  # ipam and policy: not needed by what is tested here
 
 
 @pytest.fixture
-def kube_api() -> Iterator[KubeListWatchServer]:
-    with KubeListWatchServer() as server:
+def kube_api(request: pytest.FixtureRequest) -> Iterator[KubeListWatchServer]:
+    """The stand-in API server; `@pytest.mark.parametrize("kube_api", [("x",)],
+    indirect=True)` leaves resource x unserved (a cluster without its CRD)."""
+    without = tuple(getattr(request, "param", ()))
+    with KubeListWatchServer(without=without) as server:
         server.apply("namespaces", {"metadata": {"name": "shop", "labels": {"team": "a"}}})
         yield server
 
@@ -176,6 +179,22 @@ def test_an_identity_change_that_fails_is_an_event_on_the_pod_in_the_stand_in_ap
     # Retried, but reported once for this version of the pod.
     assert wait_until(lambda: log_count(proc, "endpoint identity not changed") >= 2, 10)
     assert len(kube_api.events_about("Pod", "shop", "web-0")) == 1
+
+
+@pytest.mark.parametrize("kube_api", [("flagellaendpoints",)], indirect=True)
+def test_labels_are_followed_without_the_flagellaendpoint_crd_on_the_stand_in_api_server(
+    etcd: EtcdServer, kube_api: KubeListWatchServer, start_endpoint: Callable[[], ServiceProcess]
+) -> None:
+    """A cluster without the FlagellaEndpoint CRD: the endpoint service
+    still follows pod labels (here it tries, and reports that the policy
+    service cannot be reached), and says in its health that not every
+    watcher is listed."""
+    kube_api.apply("pods", pod("shop", "web-0", {"app": "web", "tier": "front"}))
+    write(etcd, ready_endpoint(labels_from_kubernetes=True))
+    proc = start_endpoint()
+    assert wait_until(lambda: kube_api.events_about("Pod", "shop", "web-0"), 10)
+    assert health_status(proc.address, "flagella.kubernetes") != SERVING
+    assert health_status(proc.address) == SERVING
 
 
 def test_cni_add_reads_its_labels_from_the_stand_in_api_server_and_fails_closed_without_it(

@@ -244,13 +244,15 @@ class EndpointWatchers:
     # --- the leader ---
 
     async def lead(self) -> None:
-        """Once every table is listed: every pod with an endpoint and every
-        FlagellaEndpoint, then what changes."""
+        """Once pods, namespaces and endpoints are listed: every pod with an
+        endpoint and every FlagellaEndpoint, then what changes. (Labels do
+        not wait for FlagellaEndpoints: without their CRD, identities still
+        follow the pods; the objects are synced once they are listed.)"""
         self.synced.clear()
         self.retry_backoff.reset()
         self._written.clear()
         self._reported.clear()
-        for table in (self.pods, self.namespaces, self.objects, self.endpoints):
+        for table in (self.pods, self.namespaces, self.endpoints):
             await table.wait_initialized()
         self._mark_all()
         log.info(
@@ -313,6 +315,8 @@ class EndpointWatchers:
         return wrote
 
     async def _sync_object(self, key: str) -> bool:
+        if not self.objects.initialized.is_set():
+            return True  # its first list marks every pod again
         namespace, _, name = key.partition("/")
         pod = self.pods.get(key)
         want = fe.desired(pod, self.endpoints_of(key)) if pod is not None else None
