@@ -8,6 +8,9 @@
 #                           (default /run/flagella/cni.sock, the datapath's default)
 #   FLAGELLA_CNI_CONFLIST   file name of the conflist (default 05-flagella.conflist)
 #   FLAGELLA_CNI_MTU        pod interface MTU (default 1500)
+#   FLAGELLA_CNI_KUBERNETES true: pods' identity labels come from the API server
+#                           (their Pod and Namespace, followed by the endpoint
+#                           service); false: from the CNI arguments (default true)
 #
 # The plugin talks only to its node's datapath, over that socket: the
 # conflist names no service address and no node.
@@ -21,6 +24,11 @@ src=/opt/flagella/cni
 socket=${FLAGELLA_CNI_SOCKET:-/run/flagella/cni.sock}
 name=${FLAGELLA_CNI_CONFLIST:-05-flagella.conflist}
 mtu=${FLAGELLA_CNI_MTU:-1500}
+kubernetes=${FLAGELLA_CNI_KUBERNETES:-true}
+case "$kubernetes" in
+  true|false) ;;
+  *) echo "FLAGELLA_CNI_KUBERNETES=$kubernetes is neither true nor false" >&2; exit 1 ;;
+esac
 case "$socket" in
   /*) ;;
   *) echo "FLAGELLA_CNI_SOCKET=$socket is not an absolute path" >&2; exit 1 ;;
@@ -44,7 +52,8 @@ cat >"$conf/.$name.tmp" <<JSON
     {
       "type": "flagella-cni",
       "socket": "$socket",
-      "mtu": $mtu
+      "mtu": $mtu,
+      "kubernetes": $kubernetes
     }
   ]
 }

@@ -195,7 +195,12 @@ def test_datapath_image_installs_a_cni_plugin_that_runs_on_the_host(
     conflist = json.loads((conf_dir / "05-flagella.conflist").read_text())
     assert conflist["cniVersion"] == "1.1.0"
     (plugin,) = conflist["plugins"]
-    assert plugin == {"type": "flagella-cni", "socket": "/run/flagella/cni.sock", "mtu": 1500}
+    assert plugin == {
+        "type": "flagella-cni",
+        "socket": "/run/flagella/cni.sock",
+        "mtu": 1500,
+        "kubernetes": True,
+    }
     res = subprocess.run(
         [str(bin_dir / "flagella-cni")],
         input=b'{"cniVersion": "1.0.0"}',

@@ -3,8 +3,10 @@ and every overlay build with `kubectl kustomize`, the output passes
 `kubernetes-validate --strict`, and the rules the design sets hold for every
 object: only the datapath has capabilities or host access, everything else
 is non-root with no capabilities and a read-only root; RBAC reads what each
-service watches and lets it write only its Events and Leases; the policy
-CRDs are structural and take the policies flagella documents."""
+service watches and lets it write only its Events and Leases (and the
+endpoint service its FlagellaEndpoints); the policy CRDs are structural and
+take the policies flagella documents; the FlagellaEndpoint CRD takes the
+objects the endpoint service writes and shows them with printer columns."""
 
 from __future__ import annotations
 
@@ -22,6 +24,10 @@ import jsonschema  # type: ignore[import-untyped]  # (kubernetes-validate brings
 import pytest
 import yaml
 
+from flagella.endpoint import flagellaendpoint
+from flagella.endpoint.kube import LEASE_NAME as ENDPOINT_LEASE
+from flagella.endpoint.labels import PodInfo
+from flagella.endpoint.model import Endpoint, State
 from flagella.lb.k8s import LEASE_NAME as LB_LEASE
 from flagella.policy.kube import KINDS as POLICY_KINDS
 
@@ -37,15 +43,26 @@ POLICY_LEASES = tuple(sorted(k.lease for k in POLICY_KINDS))
 READS = {
     "flagella-ipam": {("", "nodes")},
     "flagella-policy": POLICY_READS,
-    "flagella-endpoint": {("", "pods")},
+    "flagella-endpoint": {
+        ("", "pods"),
+        ("", "namespaces"),
+        (flagellaendpoint.GROUP, flagellaendpoint.PLURAL),
+    },
     "flagella-lb": {("", "services"), ("discovery.k8s.io", "endpointslices")},
 }
 # Everything else each account may do: (group, resource, verb, namespace or
 # "" for every namespace, the resource names it is limited to or ()).
 LEASES = "coordination.k8s.io"
+FE_WRITES = ("create", "update", "delete")
 OTHER = {
     "flagella-ipam": set(),
-    "flagella-endpoint": set(),
+    "flagella-endpoint": {
+        *((flagellaendpoint.GROUP, flagellaendpoint.PLURAL, v, "", ()) for v in FE_WRITES),
+        ("", "events", "create", "", ()),
+        (LEASES, "leases", "create", "flagella", ()),
+        (LEASES, "leases", "get", "flagella", (ENDPOINT_LEASE,)),
+        (LEASES, "leases", "update", "flagella", (ENDPOINT_LEASE,)),
+    },
     "flagella-policy": {
         ("", "events", "create", "", ()),
         (LEASES, "leases", "create", "flagella", ()),
@@ -57,6 +74,17 @@ OTHER = {
         (LEASES, "leases", "get", "flagella", (LB_LEASE,)),
         (LEASES, "leases", "update", "flagella", (LB_LEASE,)),
     },
+}
+# What each account may write at all: (group, resource).
+WRITES = {
+    "flagella-ipam": set(),
+    "flagella-policy": {("", "events"), (LEASES, "leases")},
+    "flagella-endpoint": {
+        ("", "events"),
+        (LEASES, "leases"),
+        (flagellaendpoint.GROUP, flagellaendpoint.PLURAL),
+    },
+    "flagella-lb": {(LEASES, "leases")},
 }
 CLUSTER_SCOPED = ("Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition")
 # Service link variables Kubernetes sets in every pod of the namespace.
@@ -235,8 +263,9 @@ def test_rbac_reads_what_flagella_watches_and_writes_only_events_and_leases(
     rendered: dict[str, Path], target: str
 ) -> None:
     """Each account reads exactly what its service watches; policy can
-    write only Events (create) and its own Leases, lb only its own Lease,
-    the others nothing at all; no wildcards."""
+    write only Events (create) and its own Leases, endpoint only
+    FlagellaEndpoints, Events (create) and its own Lease, lb only its own
+    Lease, the others nothing at all; no wildcards."""
     objs = objects(rendered[target])
     granted = permissions(objs)
     accounts = {o["metadata"]["name"] for o in objs if o["kind"] == "ServiceAccount"}
@@ -252,7 +281,7 @@ def test_rbac_reads_what_flagella_watches_and_writes_only_events_and_leases(
         rest = {p for p in perms if (p[0], p[1], p[2]) not in reads or p[3] or p[4]}
         assert rest == OTHER[account], account
         writes = {(g, r) for g, r, v, _, _ in rest if v not in READ_VERBS}
-        assert writes <= {("", "events"), (LEASES, "leases")}, account
+        assert writes <= WRITES[account], account
     # Pods that read nothing from the API carry no token.
     for obj, spec in workloads(rendered[target]):
         if spec["serviceAccountName"] not in granted:
@@ -282,7 +311,8 @@ def test_policy_crds_are_structural_have_printer_columns_and_take_the_documented
         if o["kind"] == "CustomResourceDefinition"
     }
     kinds = {k.kind: k for k in POLICY_KINDS if k.group != "networking.k8s.io"}
-    assert set(crds) == set(kinds)
+    assert set(crds) == {*kinds, flagellaendpoint.KIND}
+    crds.pop(flagellaendpoint.KIND)
     docs = [
         d
         for text in re.findall(r"```yaml\n(.*?)```", (ROOT / "docs/policy.md").read_text(), re.S)
@@ -316,6 +346,64 @@ def test_policy_crds_are_structural_have_printer_columns_and_take_the_documented
         ]
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate({"spec": {"endpointSelector": {"matchLabels": {"a": 1}}}}, schema)
+
+
+def test_the_flagellaendpoint_crd_takes_what_the_endpoint_service_writes_with_printer_columns(
+    rendered: dict[str, Path],
+) -> None:
+    [crd] = [
+        o
+        for o in objects(rendered["k8s"])
+        if o["kind"] == "CustomResourceDefinition"
+        and o["spec"]["names"]["kind"] == flagellaendpoint.KIND
+    ]
+    spec = crd["spec"]
+    assert crd["metadata"]["name"] == f"{flagellaendpoint.PLURAL}.{flagellaendpoint.GROUP}"
+    assert (spec["group"], spec["names"]["plural"], spec["scope"]) == (
+        flagellaendpoint.GROUP,
+        flagellaendpoint.PLURAL,
+        "Namespaced",
+    )
+    [version] = spec["versions"]
+    assert version["name"] == flagellaendpoint.VERSION
+    schema = version["schema"]["openAPIV3Schema"]
+    _structural(schema, flagellaendpoint.KIND)
+    # kubectl get flagellaendpoints -A: identity, state, node, IPs.
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert columns["Identity"] == ".status.identity.id"
+    assert columns["State"] == ".status.state"
+    assert columns["Node"] == ".status.node"
+    assert columns["IPv4"] == ".status.networking.addressing[0].ipv4"
+    assert columns["IPv6"] == ".status.networking.addressing[0].ipv6"
+    pod = PodInfo("shop", "web-0", "0b6c-uid", labels={"app": "web"})
+    for state in State:
+        eps = [
+            Endpoint(
+                id=7, container_id="c1", ifname=ifname, netns_path="/run/netns/x", node="n1",
+                pod_name="web-0", pod_namespace="shop", labels={"app": "web"}, identity=300,
+                addresses=[f"10.0.0.{i + 5}/32", f"fd00::{i + 5}/128"], state=state,
+                policy_revision=4,
+            )
+            for i, ifname in enumerate(("eth0", "net1"))
+        ]  # fmt: skip
+        obj = flagellaendpoint.desired(pod, eps)
+        assert obj is not None
+        jsonschema.validate(obj, schema)
+        # Every field the service writes is in the schema: the API server
+        # would prune anything else.
+        _all_declared(obj["status"], schema["properties"]["status"], "status")
+        [owner] = obj["metadata"]["ownerReferences"]
+        assert (owner["kind"], owner["uid"]) == ("Pod", pod.uid)
+
+
+def _all_declared(value: Any, node: dict[str, Any], path: str) -> None:
+    if isinstance(value, dict):
+        for key, child in value.items():
+            assert key in node.get("properties", {}), f"{path}.{key} is not in the schema"
+            _all_declared(child, node["properties"][key], f"{path}.{key}")
+    elif isinstance(value, list):
+        for item in value:
+            _all_declared(item, node["items"], f"{path}[]")
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -401,25 +489,30 @@ def test_replicas_and_etcd_membership(rendered: dict[str, Path]) -> None:
 def test_cni_conflist_carries_what_the_plugin_reads(rendered: dict[str, Path]) -> None:
     """The init container installs flagella-cni with a conflist whose plugin
     entry the CNI parser (in the endpoint service) accepts: type, socket,
-    mtu, and no address or node (the plugin talks only to its node's
+    mtu, labels from the API server, and no address or node (the plugin talks only to its node's
     datapath, which serves that socket from the node's /run/flagella)."""
     from flagella.endpoint import cni
 
     script = (ROOT / "docker/datapath/install-cni.sh").read_text()
     body = script.split("<<JSON\n", 1)[1].split("\nJSON\n", 1)[0]
-    conflist = body.replace("$socket", "/run/flagella/cni.sock").replace("$mtu", "1500")
+    conflist = (
+        body.replace("$socket", "/run/flagella/cni.sock")
+        .replace("$mtu", "1500")
+        .replace("$kubernetes", "true")
+    )
     parsed = json.loads(conflist)
     (plugin,) = parsed["plugins"]
-    assert set(plugin) == {"type", "socket", "mtu"}
+    assert set(plugin) == {"type", "socket", "mtu", "kubernetes"}
     # The runtime hands the plugin its entry with the list's name and version.
     conf = cni.parse_netconf(
         json.dumps({"cniVersion": parsed["cniVersion"], "name": parsed["name"], **plugin}).encode(),
         "DEL",
     )
-    assert (conf.type, conf.raw["socket"], conf.mtu) == (
+    assert (conf.type, conf.raw["socket"], conf.mtu, conf.resolve_labels_from_kubernetes) == (
         "flagella-cni",
         "/run/flagella/cni.sock",
         1500,
+        True,
     )
     datapath = next(o for o in objects(rendered["k8s"]) if is_datapath(o))
     init = pod_spec(datapath)["initContainers"][0]

@@ -7,25 +7,23 @@ follows KubeListWatchServer (harness/kube_api.py), a local HTTP server that
 stands in for it (list/watch, Leases, Events); the test names say so.
 
 Pods are probed continuously with new TCP connections (each a new flow, so
-conntrack never hides a change), and every sample is timed."""
+conntrack never hides a change), and every sample is timed (harness.probe)."""
 
 from __future__ import annotations
 
 import contextlib
-import os
-import select
-import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from harness import probe
 from harness.cluster import Cluster, Node
 from harness.cni import check_result, cni, netconf
 from harness.kube_api import POLICY_KINDS, KubeListWatchServer, k8s_policy
-from harness.netns import Netns, wait_until
+from harness.netns import wait_until
+from harness.probe import Pod, Probe
 
 from flagella.api.ipam.v1 import ipam_pb2
 
@@ -33,71 +31,6 @@ pytestmark = [pytest.mark.privileged, pytest.mark.integration]
 
 PORT = 8080
 WITHIN_S = 1.0
-# New connections, one after the other; prints "<start time> ok|fail" each.
-PROBE = r"""
-import socket, sys, time
-host, port = sys.argv[1], int(sys.argv[2])
-while True:
-    t = time.time()
-    try:
-        s = socket.create_connection((host, port), timeout=0.3)
-        s.sendall(b"HELLO\n")
-        ok = bool(s.recv(4096))
-        s.close()
-    except OSError:
-        ok = False
-    print(f"{t:.3f} {'ok' if ok else 'fail'}", flush=True)
-    time.sleep(0.03)
-"""
-
-
-@dataclass
-class Pod:
-    name: str
-    ns: Netns
-    ip: str
-
-
-class Probe:
-    """A client pod connecting to a server pod over and over."""
-
-    def __init__(self, client: Pod, server: Pod) -> None:
-        self.proc = client.ns.popen(sys.executable, "-u", "-c", PROBE, server.ip, str(PORT))
-        assert self.proc.stdout is not None
-        self._fd = self.proc.stdout.fileno()
-        os.set_blocking(self._fd, False)
-        self._rest = ""
-        self.samples: list[tuple[float, bool]] = []
-
-    def read(self) -> list[tuple[float, bool]]:
-        """Every sample so far (reads what the probe printed)."""
-        buf = self._rest
-        while select.select([self._fd], [], [], 0)[0]:
-            chunk = os.read(self._fd, 65536).decode()
-            if not chunk:
-                break
-            buf += chunk
-        *lines, self._rest = buf.split("\n")
-        for line in lines:
-            t, verdict = line.split()
-            self.samples.append((float(t), verdict == "ok"))
-        return self.samples
-
-    def settled(self, since: float, ok: bool, hold: float = 0.5) -> float | None:
-        """When the samples started after since turned ok (or not) for good
-        (at least hold seconds of them), or None yet."""
-        samples = [s for s in self.read() if s[0] >= since]
-        if not samples or samples[-1][0] - since < hold:
-            return None
-        turned = None
-        for t, verdict in samples:
-            if verdict != ok:
-                turned = None
-            elif turned is None:
-                turned = t
-        if turned is None or samples[-1][0] - turned < hold:
-            return None
-        return turned - since
 
 
 @pytest.fixture
@@ -156,27 +89,16 @@ def pods(cluster: Cluster, node: Node) -> tuple[Pod, Pod, Pod]:
     return frontend, backend, other
 
 
-@contextlib.contextmanager
-def probing(frontend: Pod, backend: Pod, other: Pod) -> Iterator[dict[str, Probe]]:
+def probing(
+    frontend: Pod, backend: Pod, other: Pod
+) -> contextlib.AbstractContextManager[dict[str, Probe]]:
     """frontend and other probing backend, for the duration."""
-    probes = {"frontend": Probe(frontend, backend), "other": Probe(other, backend)}
-    try:
-        yield probes
-    finally:
-        for p in probes.values():
-            p.proc.kill()
-            p.proc.wait(5)
+    return probe.probing({"frontend": (frontend, backend), "other": (other, backend)}, PORT)
 
 
 def settle(probes: dict[str, Probe], since: float, want: dict[str, bool], what: str) -> None:
     """Each probe turns to want within WITHIN_S of since, and stays."""
-    assert wait_until(
-        lambda: all(p.settled(since, want[k]) is not None for k, p in probes.items()), 10
-    ), what
-    for k, p in probes.items():
-        took = p.settled(since, want[k])
-        assert took is not None
-        assert took <= WITHIN_S, f"{what}: {k} took {took:.2f}s"
+    probe.settle(probes, since, want, what, WITHIN_S)
 
 
 @pytest.mark.parametrize("kind", list(POLICY_KINDS))

@@ -2,9 +2,10 @@
 for a few collections (no real API server can run on these machines).
 
 It serves, for the collections in COLLECTIONS (Services, EndpointSlices,
-NetworkPolicies, and the CiliumNetworkPolicy, CiliumClusterwideNetworkPolicy
-and FlagellaNetworkPolicy custom resources, each at its all-namespaces path
-/api/v1/<plural> or /apis/<group>/<version>/<plural>):
+Pods, Namespaces, NetworkPolicies, and the CiliumNetworkPolicy,
+CiliumClusterwideNetworkPolicy, FlagellaNetworkPolicy and FlagellaEndpoint
+custom resources, each at its all-namespaces path /api/v1/<plural> or
+/apis/<group>/<version>/<plural>):
 - LIST: GET -> {"kind": "<Kind>List", "metadata": {"resourceVersion"}, "items"}
   [&limit=N[&continue=T]]: pages of at most N items, all of the first
   page's resourceVersion, "continue" in the metadata while more follow; a
@@ -16,18 +17,26 @@ and FlagellaNetworkPolicy custom resources, each at its all-namespaces path
   ERROR event carrying a Status with code 410 (Gone), as the real server
   answers an expired watch. With allowWatchBookmarks=true, bookmark() sends
   a BOOKMARK at the current resourceVersion.
-It also takes the writes flagella makes:
-- Leases (/apis/coordination.k8s.io/v1/namespaces/<ns>/leases[/<name>]):
-  GET one (404 when absent), POST to create (409 AlreadyExists), PUT to
-  update, 409 Conflict when the body's metadata.resourceVersion is not the
-  stored one (optimistic concurrency, as the real server does).
+- GET of one object at its own path (a Pod, a Namespace, a Lease, a
+  FlagellaEndpoint): the object, or 404.
+It also takes the writes flagella makes (what a client may write is in
+WRITABLE; Pods and Namespaces only tests write, with apply()):
+- Leases (/apis/coordination.k8s.io/v1/namespaces/<ns>/leases[/<name>]) and
+  FlagellaEndpoints (/apis/flagella.io/v1/namespaces/<ns>/flagellaendpoints
+  [/<name>]): POST to create (409 AlreadyExists), PUT to update (404 when
+  absent; 409 Conflict when the body's metadata.resourceVersion is not the
+  stored one: optimistic concurrency, as the real server does), DELETE
+  (FlagellaEndpoints; 404 when absent). Writes are watched like any change.
 - Events (/api/v1/namespaces/<ns>/events): POST to create; kept in
   `events`, in order.
 One resourceVersion counter covers all objects, as etcd's revision does for
-the real server; a new object gets a metadata.uid. Tests change objects with
-apply() and delete(), can drop the history with compact(), and can take the
-server down() and up() again on the same port (as an API server restarts;
-its objects are kept).
+the real server; a new object gets a metadata.uid; a new Namespace gets the
+kubernetes.io/metadata.name label, as the real server gives it. Deleting an
+object deletes the objects whose ownerReferences name its uid, as the
+garbage collector does (at once, here). Tests change objects with apply()
+and delete(), can drop the history with compact(), and can take the server
+down() and up() again on the same port (as an API server restarts; its
+objects are kept).
 """
 
 from __future__ import annotations
@@ -75,9 +84,41 @@ COLLECTIONS = {
         "FlagellaNetworkPolicyList",
         "flagella.io/v1",
     ),
+    "/api/v1/pods": ("pods", "PodList", "v1"),
+    "/api/v1/namespaces": ("namespaces", "NamespaceList", "v1"),
+    "/apis/flagella.io/v1/flagellaendpoints": (
+        "flagellaendpoints",
+        "FlagellaEndpointList",
+        "flagella.io/v1",
+    ),
 }
-LEASE_PATH = re.compile(r"^/apis/coordination\.k8s\.io/v1/namespaces/([^/]+)/leases(?:/([^/]+))?$")
-EVENT_PATH = re.compile(r"^/api/v1/namespaces/([^/]+)/events$")
+# One object's path (or a namespaced collection's, for POST): its resource,
+# namespace ("" when cluster-scoped) and name (None: the collection).
+OBJECT_PATHS = (
+    re.compile(r"^/api/v1/namespaces/(?P<ns>[^/]+)/(?P<res>pods|events)(?:/(?P<name>[^/]+))?$"),
+    re.compile(r"^/api/v1/(?P<res>namespaces)/(?P<name>[^/]+)$"),
+    re.compile(
+        r"^/apis/(?:coordination\.k8s\.io|flagella\.io)/v1/namespaces/(?P<ns>[^/]+)/"
+        r"(?P<res>leases|flagellaendpoints)(?:/(?P<name>[^/]+))?$"
+    ),
+)
+# What clients may create, update and delete: resource -> (kind, apiVersion,
+# the methods allowed).
+WRITABLE = {
+    "leases": ("Lease", "coordination.k8s.io/v1", ("POST", "PUT")),
+    "flagellaendpoints": ("FlagellaEndpoint", "flagella.io/v1", ("POST", "PUT", "DELETE")),
+}
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
+
+
+def object_path(path: str) -> tuple[str, str, str | None] | None:
+    """(resource, namespace, name or None) of an object's path, or None."""
+    for pattern in OBJECT_PATHS:
+        m = pattern.match(path)
+        if m is not None:
+            groups = m.groupdict()
+            return groups["res"], groups.get("ns") or "", groups["name"]
+    return None
 
 
 @dataclass
@@ -89,19 +130,24 @@ class _Change:
 
 
 class KubeListWatchServer:
-    def __init__(self) -> None:
+    def __init__(self, *, without: tuple[str, ...] = ()) -> None:
+        """without: resources not served (404), as a kind whose CRD a cluster
+        lacks."""
+        self.without = without
         self.port = free_port()
         self._lock = threading.Condition()
         self._rv = 100
         self._objects: dict[str, dict[tuple[str, str], dict[str, Any]]] = {
             resource: {} for resource, _, _ in COLLECTIONS.values()
         }
-        self._objects["leases"] = {}
+        for resource in WRITABLE:
+            self._objects.setdefault(resource, {})
         self.events: list[dict[str, Any]] = []
         self._history: list[_Change] = []
         self._oldest = self._rv  # watches from before this get 410
         self.requests: list[str] = []
         self.gone_sent = 0
+        self.garbage_collected = 0  # objects deleted with their owner
         self._generation = 0
         self._closing = False
         self._bookmarks = 0
@@ -161,6 +207,9 @@ class KubeListWatchServer:
             def do_PUT(self) -> None:
                 server._write(self, "PUT")
 
+            def do_DELETE(self) -> None:
+                server._write(self, "DELETE")
+
         self.httpd = _QuietServer(("127.0.0.1", self.port), Handler)
         self.httpd.daemon_threads = True
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
@@ -203,28 +252,65 @@ class KubeListWatchServer:
     def apply(self, resource: str, obj: dict[str, Any]) -> int:
         """Create or replace an object; returns its new resourceVersion."""
         with self._lock:
-            self._rv += 1
-            obj = copy.deepcopy(obj)
-            meta = obj.setdefault("metadata", {})
-            meta["resourceVersion"] = str(self._rv)
-            key = (meta.get("namespace", ""), meta["name"])
-            old = self._objects[resource].get(key)
-            meta.setdefault("uid", old["metadata"]["uid"] if old else str(uuid.uuid4()))
-            kind = "MODIFIED" if old is not None else "ADDED"
-            self._objects[resource][key] = obj
-            self._history.append(_Change(self._rv, resource, kind, obj))
-            self._lock.notify_all()
-            return self._rv
+            return self._store(resource, copy.deepcopy(obj))
 
     def delete(self, resource: str, namespace: str, name: str) -> int:
+        """Delete an object, and what it owns; returns the resourceVersion
+        of its deletion."""
         with self._lock:
-            obj = self._objects[resource].pop((namespace, name))
-            self._rv += 1
-            obj = copy.deepcopy(obj)
-            obj["metadata"]["resourceVersion"] = str(self._rv)
-            self._history.append(_Change(self._rv, resource, "DELETED", obj))
-            self._lock.notify_all()
-            return self._rv
+            return self._delete(resource, namespace, name)
+
+    def get(self, resource: str, namespace: str, name: str) -> dict[str, Any] | None:
+        """The stored object, or None."""
+        with self._lock:
+            obj = self._objects[resource].get((namespace, name))
+            return copy.deepcopy(obj) if obj is not None else None
+
+    def list(self, resource: str) -> list[dict[str, Any]]:
+        """Every stored object of a resource, by (namespace, name)."""
+        with self._lock:
+            return [copy.deepcopy(o) for _, o in sorted(self._objects[resource].items())]
+
+    def _store(self, resource: str, obj: dict[str, Any]) -> int:
+        """Store obj (the lock held): a new resourceVersion, the uid it had
+        or a new one, a watch event."""
+        self._rv += 1
+        meta = obj.setdefault("metadata", {})
+        meta["resourceVersion"] = str(self._rv)
+        key = (meta.get("namespace", ""), meta["name"])
+        if resource == "namespaces":
+            meta["labels"] = {**(meta.get("labels") or {}), NAMESPACE_NAME_LABEL: meta["name"]}
+        old = self._objects[resource].get(key)
+        if old is not None:
+            meta["uid"] = old["metadata"]["uid"]
+            meta["creationTimestamp"] = old["metadata"].get("creationTimestamp")
+        else:
+            meta.setdefault("uid", str(uuid.uuid4()))
+            meta.setdefault("creationTimestamp", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        kind = "MODIFIED" if old is not None else "ADDED"
+        self._objects[resource][key] = obj
+        self._history.append(_Change(self._rv, resource, kind, copy.deepcopy(obj)))
+        self._lock.notify_all()
+        return self._rv
+
+    def _delete(self, resource: str, namespace: str, name: str) -> int:
+        """Delete (the lock held), then what the object owned (the garbage
+        collector's cascade)."""
+        obj = self._objects[resource].pop((namespace, name))
+        self._rv += 1
+        rv = self._rv
+        obj = copy.deepcopy(obj)
+        obj["metadata"]["resourceVersion"] = str(rv)
+        self._history.append(_Change(rv, resource, "DELETED", obj))
+        uid = obj["metadata"].get("uid")
+        for other, objects in self._objects.items():
+            for key, owned in list(objects.items()):
+                owners = (owned.get("metadata") or {}).get("ownerReferences") or []
+                if uid and any(o.get("uid") == uid for o in owners) and key in objects:
+                    self.garbage_collected += 1
+                    self._delete(other, *key)
+        self._lock.notify_all()
+        return rv
 
     def compact(self) -> None:
         """Forget the history: watches from an older resourceVersion get 410."""
@@ -274,11 +360,13 @@ class KubeListWatchServer:
     def _handle(self, h: BaseHTTPRequestHandler) -> None:
         url = urlparse(h.path)
         self.requests.append(h.path)
-        lease = LEASE_PATH.match(url.path)
-        if lease is not None and lease.group(2) is not None:
-            self._get_lease(h, lease.group(1), lease.group(2))
-            return
         coll = COLLECTIONS.get(url.path)
+        if coll is not None and coll[0] in self.without:
+            coll = None
+        one = object_path(url.path) if coll is None else None
+        if one is not None and one[2] is not None:
+            self._get_one(h, one[0], one[1], one[2])
+            return
         if coll is None:
             self._send_json(h, 404, _status(404, "NotFound", f"{url.path} not served here"))
             return
@@ -315,7 +403,7 @@ class KubeListWatchServer:
         self._send_json(h, 200, body)
 
     def _write(self, h: BaseHTTPRequestHandler, method: str) -> None:
-        """POST/PUT of a Lease, POST of an Event."""
+        """POST/PUT/DELETE of what WRITABLE allows, POST of an Event."""
         url = urlparse(h.path)
         self.requests.append(f"{method} {h.path}")
         length = int(h.headers.get("Content-Length") or 0)
@@ -324,50 +412,59 @@ class KubeListWatchServer:
         except ValueError:
             self._send_json(h, 400, _status(400, "BadRequest", "body is not JSON"))
             return
-        lease = LEASE_PATH.match(url.path)
-        event = EVENT_PATH.match(url.path)
-        if event is not None and method == "POST":
+        where = object_path(url.path)
+        if where is not None and where[0] == "events" and where[2] is None and method == "POST":
             with self._lock:
                 self._rv += 1
                 meta = body.setdefault("metadata", {})
-                meta.update(namespace=event.group(1), resourceVersion=str(self._rv))
+                meta.update(namespace=where[1], resourceVersion=str(self._rv))
                 meta.setdefault("uid", str(uuid.uuid4()))
                 self.events.append(body)
             self._send_json(h, 201, body)
             return
-        if lease is None or (method == "POST") != (lease.group(2) is None):
+        if (
+            where is None
+            or where[0] not in WRITABLE
+            or method not in WRITABLE[where[0]][2]
+            or (method == "POST") != (where[2] is None)
+        ):
             self._send_json(h, 405, _status(405, "MethodNotAllowed", f"{method} {url.path}"))
             return
-        namespace = lease.group(1)
+        resource, namespace, name = where
+        kind, api_version, _ = WRITABLE[resource]
         meta = body.setdefault("metadata", {})
-        name = lease.group(2) or meta.get("name", "")
+        name = name or meta.get("name", "")
         key = (namespace, name)
         with self._lock:
-            leases = self._objects["leases"]
-            current = leases.get(key)
+            current = self._objects[resource].get(key)
             if method == "POST" and current is not None:
-                self._send_json(h, 409, _status(409, "AlreadyExists", f"lease {name} exists"))
+                self._send_json(h, 409, _status(409, "AlreadyExists", f"{resource} {name} exists"))
                 return
-            if method == "PUT":
-                if current is None:
-                    self._send_json(h, 404, _status(404, "NotFound", f"no lease {name}"))
-                    return
-                if meta.get("resourceVersion") != current["metadata"]["resourceVersion"]:
-                    message = f"the object has been modified; lease {name}"
-                    self._send_json(h, 409, _status(409, "Conflict", message))
-                    return
-            self._rv += 1
-            meta.update(name=name, namespace=namespace, resourceVersion=str(self._rv))
-            meta["uid"] = current["metadata"]["uid"] if current else str(uuid.uuid4())
-            body.update(kind="Lease", apiVersion="coordination.k8s.io/v1")
-            leases[key] = copy.deepcopy(body)
-        self._send_json(h, 201 if method == "POST" else 200, body)
+            if method != "POST" and current is None:
+                self._send_json(h, 404, _status(404, "NotFound", f"{resource} {name} not found"))
+                return
+            if method == "DELETE":
+                self._delete(resource, namespace, name)
+                self._send_json(h, 200, _status(200, "", "deleted") | {"status": "Success"})
+                return
+            if (
+                method == "PUT"
+                and meta.get("resourceVersion") != current["metadata"]["resourceVersion"]
+            ):
+                message = f"the object has been modified; {resource} {name}"
+                self._send_json(h, 409, _status(409, "Conflict", message))
+                return
+            meta.update(name=name, namespace=namespace)
+            meta.pop("uid", None)
+            body.update(kind=kind, apiVersion=api_version)
+            self._store(resource, body)
+            stored = copy.deepcopy(body)
+        self._send_json(h, 201 if method == "POST" else 200, stored)
 
-    def _get_lease(self, h: BaseHTTPRequestHandler, namespace: str, name: str) -> None:
-        with self._lock:
-            obj = copy.deepcopy(self._objects["leases"].get((namespace, name)))
+    def _get_one(self, h: BaseHTTPRequestHandler, resource: str, namespace: str, name: str) -> None:
+        obj = self.get(resource, namespace, name) if resource in self._objects else None
         if obj is None:
-            self._send_json(h, 404, _status(404, "NotFound", f"leases {name} not found"))
+            self._send_json(h, 404, _status(404, "NotFound", f"{resource} {name} not found"))
         else:
             self._send_json(h, 200, obj)
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from flagella.common.errors import Unavailable
+from flagella.common.errors import FailedPrecondition, Unavailable
 from flagella.endpoint.model import Endpoint, State
 from flagella.endpoint.service import (
     Allocated,
@@ -316,6 +316,105 @@ async def test_patch_labels_switches_identity_and_rolls_back_on_failure() -> Non
     assert current.state is State.READY
     assert world.veths[ep.id] == patched.identity
     assert list(world.refs) == [("c1/eth0", patched.identity)]
+
+
+async def test_a_label_change_cancelled_midway_is_rolled_back() -> None:
+    """A Kubernetes watcher's term can end while it changes an endpoint's
+    identity: the change is undone, not left half-done."""
+    world = World()
+    svc, _ = make(world)
+    ep = await svc.create(REQ)
+    started = asyncio.Event()
+
+    async def stuck(address: str, endpoint_id: int, min_revision: int, timeout: float) -> int:
+        started.set()
+        await asyncio.sleep(60)
+        return min_revision
+
+    world.wait_policy = stuck  # type: ignore[method-assign]
+    task = asyncio.create_task(svc.patch_labels(ep.id, {"app": "web", "tier": "front"}))
+    await started.wait()
+    assert world.veths[ep.id] != ep.identity  # switched, waiting for its policy
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    current = await svc.get_by_id(ep.id)
+    assert (current.identity, current.labels, current.state) == (
+        ep.identity,
+        ep.labels,
+        State.READY,
+    )
+    assert world.veths[ep.id] == ep.identity
+    assert world.ipcache["10.0.0.5/32"] == ep.identity
+    assert list(world.refs) == [("c1/eth0", ep.identity)]
+
+
+async def test_a_label_change_that_cannot_be_recorded_drops_its_new_identity() -> None:
+    world = World()
+    svc, store = make(world)
+    ep = await svc.create(REQ)
+    world.fail_at = "node"
+    with pytest.raises(Unavailable):
+        await svc.patch_labels(ep.id, {"app": "web", "tier": "front"})
+    assert list(world.refs) == [("c1/eth0", ep.identity)]
+    assert (await svc.get_by_id(ep.id)).identity == ep.identity
+    # The same labels again: nothing to do, nothing written.
+    world.fail_at = ""
+    writes = store.writes
+    assert (await svc.patch_labels(ep.id, dict(ep.labels))).identity == ep.identity
+    assert store.writes == writes
+
+
+async def test_restore_finishes_a_label_change_a_crash_interrupted() -> None:
+    """A crash after the new identity is recorded: the pod runs, so restore
+    finishes the change (it never removes the pod's networking) and drops
+    the old identity."""
+    world = World()
+    svc, store = make(world)
+    ep = await svc.create(REQ)
+    crashed: dict[tuple[str, str], tuple[bytes, int]] = {}
+
+    async def crash(address: str, endpoint_id: int, identity: int) -> None:
+        crashed.update(store.data)  # etcd as the crash leaves it
+        raise asyncio.CancelledError
+
+    world.update_identity = crash  # type: ignore[method-assign]
+    with pytest.raises(asyncio.CancelledError):
+        await svc.patch_labels(ep.id, {"app": "web", "tier": "front"})
+    new_identity = 256 + 3
+    # The rollback never ran: the process was gone.
+    world.refs[("c1/eth0", new_identity)] = 1
+    del world.update_identity
+    restarted, again = make(world)
+    again.data = dict(crashed)
+    again.rev = store.rev
+    [interrupted] = await again.list_all()
+    assert interrupted.state is State.REGENERATING
+    await restarted.restore()
+    current = await restarted.get_by_id(ep.id)
+    assert (current.identity, current.state) == (new_identity, State.READY)
+    assert current.labels == {"app": "web", "tier": "front"}
+    assert not [s for s in current.steps if s.startswith("relabel")]
+    assert world.veths[ep.id] == new_identity
+    assert world.ipcache["10.0.0.5/32"] == new_identity
+    assert list(world.refs) == [("c1/eth0", new_identity)]
+    assert world.ips  # its address kept
+
+
+async def test_labels_that_follow_kubernetes_change_only_from_there() -> None:
+    world = World()
+    svc, _ = make(world)
+    ep = await svc.create(REQ)
+    ep.labels_from_kubernetes = True  # as an ADD with kubernetes: true records it
+    found = await svc.store.get(*ep.key)
+    assert found is not None
+    await svc.store.update(ep, found[1])
+    with pytest.raises(FailedPrecondition) as refused:
+        await svc.patch_labels(ep.id, {"app": "other"})
+    assert refused.value.field == "labels"
+    assert "Kubernetes" in refused.value.message
+    moved = await svc.patch_labels(ep.id, {"app": "other", "x": "1"}, from_kubernetes=True)
+    assert moved.identity != ep.identity
 
 
 async def test_restore_reconciles_ready_endpoints_with_ipam_and_datapath() -> None:

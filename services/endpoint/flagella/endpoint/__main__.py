@@ -13,18 +13,15 @@ import grpc
 
 from flagella.api.endpoint.v1 import endpoint_pb2, endpoint_pb2_grpc
 from flagella.common.etcd import Etcd
-from flagella.common.server import Probes, Runtime
+from flagella.common.kubestatus import health_report
+from flagella.common.leader import Election
+from flagella.common.server import FatalError, Probes, Runtime
 from flagella.common.server import main as serve_main
 from flagella.common.tasks import TaskGroup
 from flagella.endpoint.cnirun import CniRunner
 from flagella.endpoint.config import EndpointConfig
-from flagella.endpoint.peers import (
-    DatapathPeers,
-    IpamPeer,
-    KubernetesPodLabels,
-    PeerHealth,
-    PolicyPeer,
-)
+from flagella.endpoint.kube import EndpointWatchers, KubeReader
+from flagella.endpoint.peers import DatapathPeers, IpamPeer, PeerHealth, PolicyPeer
 from flagella.endpoint.service import EndpointService, Settings
 from flagella.endpoint.servicer import EndpointServicer
 from flagella.endpoint.status import CniStatus
@@ -57,6 +54,7 @@ class EndpointApp:
 
     def __init__(self, runtime: Runtime[EndpointConfig]) -> None:
         cfg: EndpointConfig = runtime.config
+        self.runtime = runtime
         self.config = cfg
         self.tasks: TaskGroup = runtime.tasks
         self.etcd = Etcd(cfg.etcd_endpoints, timeout=cfg.etcd_timeout)
@@ -64,12 +62,14 @@ class EndpointApp:
         ipam_channel = runtime.channel(cfg.ipam_address)
         policy_channel = runtime.channel(cfg.policy_address)
         self.ipam = IpamPeer(ipam_channel)
+        # Its reader answers once start() made the API client.
+        self.kube_reader = KubeReader() if cfg.kubeconfig else None
         self.service = EndpointService(
             EndpointStore(self.etcd),
             self.ipam,
             PolicyPeer(policy_channel),
             DatapathPeers(runtime.channel),
-            pod_labels=KubernetesPodLabels(cfg.kubeconfig) if cfg.kubeconfig else None,
+            pod_labels=self.kube_reader,
             settings=Settings(
                 reservation_s=cfg.reservation_seconds,
                 policy_wait_s=cfg.policy_wait_seconds,
@@ -78,6 +78,7 @@ class EndpointApp:
             ),
             fault_hook=fault_hook(cfg.fault_injection) if cfg.fault_injection else None,
         )
+        self.kube: EndpointWatchers | None = None
         self.status = CniStatus(
             runtime.readiness,
             {"ipam": PeerHealth(ipam_channel), "policy": PeerHealth(policy_channel)},
@@ -101,9 +102,22 @@ class EndpointApp:
         interval = self.config.gc_interval_seconds
         if interval > 0:
             self.tasks.supervise("endpoint-sweep", lambda: self.service.sweep_loop(interval))
+        if self.kube_reader is not None:
+            await self._follow_kubernetes(self.kube_reader)
+
+    async def _follow_kubernetes(self, reader: KubeReader) -> None:
+        cfg = self.config
+        self.kube = EndpointWatchers(self.service, self.etcd, cfg.kubeconfig, reader)
+        try:
+            await self.kube.connect()
+        except Exception as exc:
+            raise FatalError(f"cannot use --kubeconfig {cfg.kubeconfig}: {exc}") from exc
+        self.kube.start(self.tasks, Election.of(cfg), health_report(self.runtime.readiness))
 
     async def stop(self) -> None:
-        # The runtime stopped the tasks (node watch, sweep, probes) already.
+        # The runtime stopped the tasks (node watch, sweep, probes, watchers) already.
+        if self.kube is not None:
+            await self.kube.stop()
         await self.etcd.close()
 
 

@@ -4,21 +4,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flagella.common.config import ServiceConfig, option, parse_host_port, parse_ip
+from flagella.common.config import option, parse_host_port, parse_ip
 from flagella.common.errors import ConfigError
+from flagella.common.kubeapi import KubeConfig
 
 
 @dataclass(frozen=True)
-class EndpointConfig(ServiceConfig):
+class EndpointConfig(KubeConfig):
     """flagella endpoint service: endpoint lifecycle; orchestrates ipam, policy
-    and the node's datapath for CNI."""
+    and the node's datapath for CNI. With --kubeconfig: labels read at ADD
+    and followed from the API server, endpoint status written to it."""
 
     listen: str = option("127.0.0.1:50053", "gRPC address to serve on", parse=parse_host_port)
     ipam_address: str = option("127.0.0.1:50051", "ipam service", parse=parse_host_port)
     policy_address: str = option("127.0.0.1:50052", "policy service", parse=parse_host_port)
-    kubeconfig: str = option(
-        "", "read pod labels from Kubernetes with this kubeconfig ('in-cluster' inside a pod)"
-    )
     reservation_seconds: float = option(
         120.0, "an IP reserved for an ADD that never completes is freed after this"
     )

@@ -68,6 +68,9 @@ class Endpoint:
     pod_name: str = ""
     pod_namespace: str = ""
     labels: dict[str, str] = field(default_factory=dict)
+    # The labels were read from Kubernetes at ADD (its Pod and Namespace),
+    # and follow them there while the endpoint lives (flagella.endpoint.kube).
+    labels_from_kubernetes: bool = False
     identity: int = 0
     # CIDR notation (host routes: /32, /128).
     addresses: list[str] = field(default_factory=list)

@@ -1,10 +1,9 @@
 """The endpoint service's peers over gRPC: ipam, policy, the datapath of each
-node, and (optionally) the Kubernetes API for pod labels. Adapters from the
-service's protocols (service.py) to the generated stubs."""
+node. Adapters from the service's protocols (service.py) to the generated
+stubs. (The Kubernetes API, for pod labels, is flagella.endpoint.kube.)"""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -302,34 +301,3 @@ class DatapathPeers:
             RealizedEndpoint(e.endpoint_id, e.container_id, e.ifname, e.netns_path, e.identity)
             for e in resp.endpoints
         ]
-
-
-class KubernetesPodLabels:
-    """Pod labels from the Kubernetes API (kubeconfig path or 'in-cluster')."""
-
-    def __init__(self, kubeconfig: str) -> None:
-        from kubernetes import client, config
-
-        if kubeconfig == "in-cluster":
-            config.load_incluster_config()  # type: ignore[no-untyped-call]
-        else:
-            config.load_kube_config(config_file=kubeconfig)  # type: ignore[no-untyped-call]
-        self.api = client.CoreV1Api()
-
-    async def labels(self, namespace: str, name: str) -> dict[str, str]:
-        from kubernetes.client.exceptions import ApiException
-
-        def read() -> dict[str, str]:
-            pod = self.api.read_namespaced_pod(name=name, namespace=namespace)
-            return dict((pod.metadata and pod.metadata.labels) or {})
-
-        try:
-            return await asyncio.to_thread(read)
-        except ApiException as exc:
-            if exc.status == 404:
-                raise NotFound(
-                    f"pod {namespace}/{name} not found in Kubernetes", field="pod_name"
-                ) from exc
-            raise Unavailable(f"kubernetes: {exc.status} {exc.reason}") from exc
-        except OSError as exc:
-            raise Unavailable(f"kubernetes: {exc}") from exc

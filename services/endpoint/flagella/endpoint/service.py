@@ -52,6 +52,9 @@ STEP_IPAM = "ipam"
 STEP_IDENTITY = "identity"
 STEP_DATAPATH = "datapath"
 STEP_IPCACHE = "ipcache"
+# "relabel:<old identity>" while a label change is under way (restore
+# finishes it: the pod runs, its record already holds the new identity).
+STEP_RELABEL = "relabel:"
 
 
 @dataclass(frozen=True)
@@ -178,7 +181,8 @@ class Datapath(Protocol):
 
 
 class PodLabels(Protocol):
-    async def labels(self, namespace: str, name: str) -> dict[str, str]: ...
+    async def labels(self, namespace: str, name: str) -> dict[str, str]:
+        """The identity labels of a pod, from Kubernetes."""
 
 
 @dataclass(frozen=True)
@@ -213,11 +217,34 @@ def pod_of(ep: Endpoint) -> str:
 
 
 def identity_labels(ep: Endpoint) -> dict[str, str]:
-    """Pod labels plus the namespace label Kubernetes policies select on."""
+    """Pod labels plus the namespace label Kubernetes policies select on
+    (labels from Kubernetes carry it already: flagella.endpoint.labels)."""
     labels = dict(ep.labels)
     if ep.pod_namespace:
         labels.setdefault("io.kubernetes.pod.namespace", ep.pod_namespace)
     return labels
+
+
+def relabelled_from(ep: Endpoint) -> int | None:
+    """The identity a label change under way left, or None."""
+    for step in ep.steps:
+        if step.startswith(STEP_RELABEL):
+            return int(step[len(STEP_RELABEL) :])
+    return None
+
+
+def without_relabel(steps: list[str]) -> list[str]:
+    return [s for s in steps if not s.startswith(STEP_RELABEL)]
+
+
+def record_health(ep: Endpoint) -> dict[str, str]:
+    """The health of the components the endpoint's record shows: "ok" or
+    what is wrong."""
+    return {
+        "ipam": "ok" if ep.addresses else "no address",
+        "identity": "ok" if ep.identity else "no identity",
+        "policy": "ok" if ep.policy_revision else "policy not realized",
+    }
 
 
 class EndpointService:
@@ -273,8 +300,12 @@ class EndpointService:
                 await self._remove(found, "superseded by a new ADD")
             raise Aborted("another ADD of this attachment is in progress; try again")
 
+    @staticmethod
+    def _from_kubernetes(req: CreateRequest) -> bool:
+        return req.resolve_labels_from_kubernetes and not req.labels
+
     async def _labels_for(self, req: CreateRequest) -> dict[str, str]:
-        if req.labels or not req.resolve_labels_from_kubernetes:
+        if not self._from_kubernetes(req):
             return dict(req.labels)
         if self.pod_labels is None:
             raise FailedPrecondition(
@@ -293,6 +324,7 @@ class EndpointService:
             pod_name=req.pod_name,
             pod_namespace=req.pod_namespace,
             labels=dict(labels),
+            labels_from_kubernetes=self._from_kubernetes(req),
             mtu=req.mtu,
         )
         ep.transition(State.WAITING_FOR_IDENTITY, "CNI ADD")
@@ -492,14 +524,27 @@ class EndpointService:
 
     # --- labels ---
 
-    async def patch_labels(self, endpoint_id: int, labels: dict[str, str]) -> Endpoint:
+    async def patch_labels(
+        self, endpoint_id: int, labels: dict[str, str], *, from_kubernetes: bool = False
+    ) -> Endpoint:
+        """The endpoint with these labels, moved to their identity.
+        from_kubernetes: the labels are its pod's in Kubernetes (the
+        watchers'); labels that follow Kubernetes change only that way."""
         found = await self.store.get_by_id(endpoint_id)
         if found is None:
             raise NotFound(f"no endpoint {endpoint_id}", field="id")
         async with self._lock(found[0].container_id, found[0].ifname):
             ep, revision = await self._fresh(found[0])
+            if ep.labels_from_kubernetes and not from_kubernetes:
+                raise FailedPrecondition(
+                    f"endpoint {ep.id}'s labels follow its pod {pod_of(ep)} in Kubernetes: "
+                    "change them there",
+                    field="labels",
+                )
             if ep.state is not State.READY:
                 raise FailedPrecondition(f"endpoint {ep.id} is {ep.state.value}, not ready")
+            if ep.labels == labels:
+                return ep
             old_identity, old_labels = ep.identity, dict(ep.labels)
             ep.labels = dict(labels)
             new_identity, wanted = await self.policy.allocate_identity(
@@ -507,10 +552,20 @@ class EndpointService:
             )
             if new_identity == old_identity:
                 return await self._save(ep, revision)
-            node = await self.ipam.node(ep.node)
-            ep.identity = new_identity
-            ep.transition(State.REGENERATING, f"labels changed: identity {new_identity}")
-            revision = await self.store.update(ep, revision)
+            # Cancelled too (a Kubernetes watcher's term can end mid-change),
+            # each failure undoes what was done: never a pod half-switched.
+            try:
+                node = await self.ipam.node(ep.node)
+                ep.identity = new_identity
+                ep.steps.append(f"{STEP_RELABEL}{old_identity}")
+                ep.transition(State.REGENERATING, f"labels changed: identity {new_identity}")
+                revision = await self.store.update(ep, revision)
+            except BaseException:
+                # Nothing switched yet: only the new reference to drop.
+                await asyncio.shield(
+                    self.policy.release_identity(new_identity, ep.node, owner_of(ep))
+                )
+                raise
             try:
                 await self.datapath.update_identity(node.datapath_address, ep.id, new_identity)
                 for address in ep.addresses:
@@ -518,19 +573,40 @@ class EndpointService:
                 ep.policy_revision = await self.datapath.wait_policy(
                     node.datapath_address, ep.id, wanted, self.settings.policy_wait_s
                 )
-            except FlagellaError:
-                # Back to the old identity: never leave the pod half-switched.
-                ep.labels, ep.identity = old_labels, old_identity
-                await self.datapath.update_identity(node.datapath_address, ep.id, old_identity)
-                for address in ep.addresses:
-                    await self.policy.upsert_ipcache(address, old_identity, ep.node, node.host_ip)
-                await self.policy.release_identity(new_identity, ep.node, owner_of(ep))
-                ep.transition(State.READY, "label change rolled back")
-                await self.store.update(ep, revision)
+            except BaseException:
+                ep.labels = old_labels
+                await asyncio.shield(self._switch_back(ep, node, old_identity, revision))
                 raise
             await self.policy.release_identity(old_identity, ep.node, owner_of(ep))
+            ep.steps = without_relabel(ep.steps)
             ep.transition(State.READY, f"identity {new_identity} realized")
             return await self._save(ep, revision)
+
+    async def _switch_back(
+        self, ep: Endpoint, node: NodeInfo, old_identity: int, revision: int
+    ) -> None:
+        """Back to the old identity after a failed label change."""
+        new_identity, ep.identity = ep.identity, old_identity
+        await self.datapath.update_identity(node.datapath_address, ep.id, old_identity)
+        for address in ep.addresses:
+            await self.policy.upsert_ipcache(address, old_identity, ep.node, node.host_ip)
+        await self.policy.release_identity(new_identity, ep.node, owner_of(ep))
+        ep.steps = without_relabel(ep.steps)
+        ep.transition(State.READY, "label change rolled back")
+        await self.store.update(ep, revision)
+
+    async def _finish_relabel(self, ep: Endpoint, old_identity: int) -> None:
+        """After a restart: the label change a crash interrupted, done (its
+        record holds the new labels and identity, both references held)."""
+        ep, revision = await self._fresh(ep)
+        node = await self.ipam.node(ep.node)
+        await self.datapath.update_identity(node.datapath_address, ep.id, ep.identity)
+        for address in ep.addresses:
+            await self.policy.upsert_ipcache(address, ep.identity, ep.node, node.host_ip)
+        await self.policy.release_identity(old_identity, ep.node, owner_of(ep))
+        ep.steps = without_relabel(ep.steps)
+        ep.transition(State.READY, "restore: label change finished")
+        await self.store.update(ep, revision)
 
     async def _fresh(self, ep: Endpoint) -> tuple[Endpoint, int]:
         found = await self.store.get(ep.container_id, ep.ifname)
@@ -576,11 +652,7 @@ class EndpointService:
 
     async def health(self, ep: Endpoint) -> dict[str, str]:
         """Per component: "ok" or what is wrong."""
-        out = {
-            "ipam": "ok" if ep.addresses else "no address",
-            "identity": "ok" if ep.identity else "no identity",
-            "policy": "ok" if ep.policy_revision else "policy not realized",
-        }
+        out = record_health(ep)
         try:
             node = await self.ipam.node(ep.node)
             realized = {
@@ -666,8 +738,10 @@ class EndpointService:
         return removed
 
     async def restore(self) -> None:
-        """After a restart: roll back every endpoint that was mid-operation,
-        then reconcile the ready ones against IPAM and their node's datapath.
+        """After a restart: roll back every endpoint that was mid-operation
+        (but finish a label change: its pod runs, and its record holds the
+        new identity), then reconcile the ready ones against IPAM and their
+        node's datapath.
         A ready endpoint's IPs are never released here: one IPAM lost is
         claimed again (the same address), one its datapath lost is set up
         again (or, when its netns is gone, left to the sweep)."""
@@ -678,6 +752,10 @@ class EndpointService:
                 continue
             async with self._lock(*ep.key):
                 try:
+                    old_identity = relabelled_from(ep)
+                    if old_identity is not None:
+                        await self._finish_relabel(ep, old_identity)
+                        continue
                     await self._remove(ep, f"restore: interrupted while {ep.state.value}")
                 except FlagellaError as exc:
                     log.warning(

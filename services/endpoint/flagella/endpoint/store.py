@@ -13,11 +13,14 @@ only costs a retry, and the failed transaction reads the current one.
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 from flagella.common import etcd as e
 from flagella.common.errors import Aborted
 from flagella.endpoint.model import Endpoint
+
+log = logging.getLogger(__name__)
 
 PREFIX = "flagella/endpoint/v1/"
 ENDPOINTS = PREFIX + "endpoints/"
@@ -29,6 +32,21 @@ MAX_ID = 16**12 - 1
 
 def endpoint_key(container_id: str, ifname: str) -> str:
     return f"{ENDPOINTS}{container_id}/{ifname}"
+
+
+class EndpointCodec:
+    """The endpoints of etcd as a table (flagella.common.sync.EtcdSource):
+    keyed "<container id>/<ifname>"."""
+
+    def key(self, key: str) -> str | None:
+        return key[len(ENDPOINTS) :] if key.startswith(ENDPOINTS) else None
+
+    def decode(self, key: str, kv: e.KeyValue) -> Endpoint | None:
+        try:
+            return Endpoint.from_json(kv.value)
+        except (ValueError, TypeError, KeyError) as exc:
+            log.warning("endpoint record not readable", extra={"key": key, "error": repr(exc)})
+            return None
 
 
 class Created(NamedTuple):

@@ -5,15 +5,15 @@ from __future__ import annotations
 import sys
 
 import grpc
-from grpc_health.v1 import health_pb2
 
 from flagella.api.policy.v1 import policy_pb2, policy_pb2_grpc
 from flagella.common.etcd import Etcd
+from flagella.common.kubestatus import health_report
 from flagella.common.leader import Election
 from flagella.common.server import FatalError, Probes, Runtime
 from flagella.common.server import main as serve_main
 from flagella.policy.config import PolicyConfig
-from flagella.policy.kube import KINDS, KUBERNETES_HEALTH, PolicyWatchers
+from flagella.policy.kube import KINDS, PolicyWatchers
 from flagella.policy.service import PolicyService
 from flagella.policy.servicer import PolicyServicer
 from flagella.policy.settings import Settings
@@ -58,20 +58,11 @@ class PolicyApp:
                 await self.kube.start(
                     self.runtime.tasks,
                     Election.of(cfg),
-                    report=self._kubernetes_status,
+                    report=health_report(self.runtime.readiness),
                     kinds=[k for k in KINDS if k.kind in cfg.kubernetes_policy_kinds],
                 )
             except Exception as exc:
                 raise FatalError(f"cannot use --kubeconfig {cfg.kubeconfig}: {exc}") from exc
-
-    async def _kubernetes_status(self, live: bool, reason: str) -> None:
-        """Health name flagella.kubernetes: the watchers are listed and
-        watching. Not a readiness condition: without the API server the
-        rules in etcd are still enforced and served."""
-        status = health_pb2.HealthCheckResponse
-        await self.runtime.readiness.servicer.set(
-            KUBERNETES_HEALTH, status.SERVING if live else status.NOT_SERVING
-        )
 
     async def stop(self) -> None:
         await self.probes.stop()

@@ -33,13 +33,14 @@ import asyncio
 import functools
 import importlib
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from flagella.common.backoff import Backoff
 from flagella.common.errors import FlagellaError, InvalidArgument
 from flagella.common.kubeapi import EventRecorder, api_client
+from flagella.common.kubestatus import StatusReport, report_liveness
 from flagella.common.leader import Election, LeaderElector
 from flagella.common.sync import KubeSource, Table
 from flagella.common.sync.dirty import DirtyKeys
@@ -51,7 +52,6 @@ from flagella.policy.rules import Rule, RuleSource, compile_rule, parse_object
 log = logging.getLogger(__name__)
 
 LEASE_PREFIX = "flagella-policy-"
-KUBERNETES_HEALTH = "flagella.kubernetes"
 INVALID_REASON = "InvalidPolicy"
 WATCH_TIMEOUT_S = 60  # the API server ends each watch call after this; we re-watch
 
@@ -229,9 +229,6 @@ class PolicyWatcher:
             )
 
 
-StatusReport = Callable[[bool, str], Awaitable[None]]
-
-
 class PolicyWatchers:
     """The four watchers of a replica, on one API client."""
 
@@ -264,19 +261,9 @@ class PolicyWatchers:
             tasks.spawn(f"k8s-{kind.plural}-leader", watcher.elector.run(watcher.lead))
             self.watchers.append(watcher)
         if report is not None:
-            tasks.spawn("k8s-status", self._report_status(report))
+            tables = [(w.kind.plural, w.table) for w in self.watchers]
+            tasks.spawn("k8s-status", report_liveness(tables, report))
         log.info("watching kubernetes policy", extra={"identity": election.identity})
-
-    async def _report_status(self, report: StatusReport, interval: float = 0.5) -> None:
-        """Whether every watcher is listed and watching (its table live)."""
-        last: tuple[bool, str] | None = None
-        while True:
-            away = [f"{w.kind.plural}: {w.table.reason}" for w in self.watchers if not w.table.live]
-            now = (not away, "; ".join(away))
-            if now != last:
-                await report(*now)
-                last = now
-            await asyncio.sleep(interval)
 
     async def stop(self) -> None:
         """After the tasks stopped: close the client's connections."""

@@ -43,8 +43,12 @@ class DirtyKeys:
         failed: set[str],
         backoff: Backoff,
         idle: Callable[[], None] | None = None,
+        *,
+        concurrency: int = 1,
     ) -> None:
-        """Sync each key as it is marked (in order, one at a time), forever.
+        """Sync each key as it is marked, forever: in order, one at a time,
+        or up to `concurrency` keys at once (never one key twice at once:
+        a pass ends before the next takes what was marked meanwhile).
         A key whose sync answers False joins failed and is synced again
         after a backoff (reset once none fail); idle() is called after each
         pass that left nothing failed."""
@@ -57,12 +61,28 @@ class DirtyKeys:
                 keys |= failed
                 retry_at = None
             failed -= keys
-            for key in sorted(keys):
-                if not await sync(key):
-                    failed.add(key)
+            failed |= await _sync_all(sync, sorted(keys), concurrency)
             if not failed:
                 backoff.reset()
                 if idle is not None:
                     idle()
             elif retry_at is None:
                 retry_at = loop.time() + backoff.next()
+
+
+async def _sync_all(
+    sync: Callable[[str], Awaitable[bool]], keys: list[str], concurrency: int
+) -> set[str]:
+    """The keys whose sync answered False."""
+    if concurrency <= 1:
+        return {key for key in keys if not await sync(key)}
+    slots = asyncio.Semaphore(concurrency)
+
+    async def one(key: str) -> bool:
+        async with slots:
+            return await sync(key)
+
+    # A sync that raises stops the others (as it would stop a sequence).
+    async with asyncio.TaskGroup() as group:
+        tasks = [group.create_task(one(key)) for key in keys]
+    return {key for key, task in zip(keys, tasks, strict=True) if not task.result()}
