@@ -1,0 +1,243 @@
+"""Several nodes, end to end: three node netns on one underlay (a bridge in
+its own netns), each with its own datapath process (own pin folder and state
+folder), one etcd and one control plane; pods made by the real
+`flagella-cni`. Pods on every pair of nodes talk (TCP, UDP, ICMP; IPv4 and
+IPv6), a Kubernetes NetworkPolicy lets one cross-node client in and drops
+another with its true identity, ClusterIPs whose backends are all on other
+nodes are reached from every node, pods reach an outside host masqueraded to
+their node's address. The same tests run for both routing modes; one
+cluster per mode is shared by the module's tests (those that change the
+cluster's shape run last)."""
+
+from __future__ import annotations
+
+import ipaddress
+import itertools
+import json
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from harness.cluster import Cluster, Node, standalone_cluster
+from harness.cni import cni, netconf
+from harness.netns import Netns, wait_until
+from harness.underlay import Underlay
+
+from flagella.api.datapath.v1 import datapath_pb2
+from flagella.api.lb.v1 import lb_pb2
+from flagella.api.policy.v1 import policy_pb2
+
+pytestmark = [pytest.mark.privileged, pytest.mark.integration]
+
+MODES = ["native"]
+CIDR6 = "fd00:10:200::/104"
+TCP4, UDP4, TCP6, UDP6 = 8080, 8081, 8086, 8087
+
+# Many probes from one process: [kind, host, port] with kind tcp, udp or
+# ping; prints a JSON list of answers (the server's line; "pong"), null when
+# nothing came back.
+PROBES = r"""
+import json, socket, subprocess, sys
+timeout = float(sys.argv[1])
+out = []
+for kind, host, port in json.loads(sys.argv[2]):
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        if kind == "tcp":
+            s = socket.create_connection((host, port), timeout=timeout)
+            s.sendall(b"HELLO\n")
+            out.append(s.recv(4096).decode().strip()); s.close()
+        elif kind == "udp":
+            s = socket.socket(family, socket.SOCK_DGRAM); s.settimeout(timeout)
+            s.sendto(b"HELLO", (host, port))
+            out.append(s.recvfrom(4096)[0].decode().strip()); s.close()
+        else:
+            r = subprocess.run(["ping", "-c", "1", "-W", str(int(max(timeout, 1))), host],
+                               capture_output=True)
+            out.append("pong" if r.returncode == 0 else None)
+    except OSError:
+        out.append(None)
+print(json.dumps(out))
+"""
+
+
+@dataclass
+class Pod:
+    name: str
+    node: Node
+    ns: Netns
+    ip4: str
+    ip6: str
+    namespace: str
+
+
+@dataclass
+class MultiNode:
+    mode: str
+    cluster: Cluster
+    underlay: Underlay
+    nodes: list[Node]
+    pods: list[Pod] = field(default_factory=list)
+
+    def add_pod(self, node: Node, name: str, namespace: str, labels: dict[str, str]) -> Pod:
+        ns = self.cluster.pod(node, name)
+        conf = netconf(self.cluster.socket("endpoint"), node.name, labels)
+        rc, result = cni(
+            "ADD", conf, container_id=f"ctr-{name}", netns=ns.path, pod=(namespace, name)
+        )
+        assert rc == 0, result
+        ips = [ipaddress.ip_interface(ip["address"]).ip for ip in result["ips"]]
+        ip4 = next(str(ip) for ip in ips if ip.version == 4)
+        ip6 = next(str(ip) for ip in ips if ip.version == 6)
+        return Pod(name, node, ns, ip4, ip6, namespace)
+
+
+def probes(
+    ns: Netns, targets: list[tuple[str, str, int]], timeout: float = 2.0
+) -> list[str | None]:
+    out = ns.run(
+        sys.executable, "-c", PROBES, str(timeout), json.dumps(targets),
+        timeout=len(targets) * (timeout + 1) + 30,
+    )  # fmt: skip
+    answers: list[str | None] = json.loads(out.stdout)
+    return answers
+
+
+def serve_all(pod: Pod) -> None:
+    pod.ns.serve("tcp", TCP4, pod.name)
+    pod.ns.serve("udp", UDP4, pod.name)
+    pod.ns.serve("tcp", TCP6, pod.name, v6=True)
+    pod.ns.serve("udp", UDP6, pod.name, v6=True)
+
+
+@pytest.fixture(scope="module", params=MODES)
+def mn(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[MultiNode]:
+    if os.geteuid() != 0:
+        pytest.skip("needs root (netns, veth, BPF)")
+    mode: str = request.param
+    tmp: Path = tmp_path_factory.mktemp(f"multinode-{mode}")
+    with standalone_cluster(tmp) as cluster:
+        cluster.start(
+            services=("ipam", "policy", "lb", "endpoint"),
+            extra={"ipam": ["--cluster-cidr", CIDR6]},
+        )
+        underlay = Underlay(cluster.nss)
+        nodes = [cluster.add_node(f"n{i}", underlay=underlay) for i in (1, 2, 3)]
+        mn = MultiNode(mode, cluster, underlay, nodes)
+        for node in nodes:
+            pod = mn.add_pod(node, f"web{node.index}", "apps", {"app": "web"})
+            serve_all(pod)
+            mn.pods.append(pod)
+        yield mn
+
+
+def test_pods_on_every_pair_of_nodes_talk(mn: MultiNode) -> None:
+    for a, b in itertools.permutations(mn.pods, 2):
+        targets: list[tuple[str, str, int]] = [
+            ("tcp", b.ip4, TCP4), ("udp", b.ip4, UDP4), ("ping", b.ip4, 0),
+            ("tcp", b.ip6, TCP6), ("udp", b.ip6, UDP6), ("ping", b.ip6, 0),
+        ]  # fmt: skip
+        want = [
+            f"{b.name} {a.ip4} HELLO", f"{b.name} {a.ip4} HELLO", "pong",
+            f"{b.name} {a.ip6} HELLO", f"{b.name} {a.ip6} HELLO", "pong",
+        ]  # fmt: skip
+        assert probes(a.ns, targets) == want, (a.name, b.name)
+
+
+DB_FROM_TRUSTED = """
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: db-from-trusted, namespace: db}
+spec:
+  podSelector: {matchLabels: {app: db}}
+  policyTypes: [Ingress]
+  ingress:
+  - from:
+    - namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: trusted}}
+    ports: [{port: 8080, protocol: TCP}]
+"""
+
+
+def identity_of(mn: MultiNode, ip: str) -> int:
+    entries = mn.cluster.policy().ListIPCache(policy_pb2.ListIPCacheRequest(), timeout=10).entries
+    return next(e.identity for e in entries if e.prefix in (ip, f"{ip}/32"))
+
+
+def test_namespace_policy_admits_one_cross_node_client_and_drops_another(mn: MultiNode) -> None:
+    n1, n2, n3 = mn.nodes
+    db = mn.add_pod(n3, "db", "db", {"app": "db"})
+    db.ns.serve("tcp", TCP4, "db")
+    good = mn.add_pod(n1, "good", "trusted", {"app": "client"})
+    bad = mn.add_pod(n2, "bad", "other", {"app": "client"})
+    for client in (good, bad):
+        assert wait_until(lambda c=client: probes(c.ns, [("tcp", db.ip4, TCP4)])[0], timeout=10)
+
+    policy = mn.cluster.policy()
+    policy.PutRules(policy_pb2.PutRulesRequest(document=DB_FROM_TRUSTED), timeout=10)
+    try:
+        assert wait_until(lambda: probes(bad.ns, [("tcp", db.ip4, TCP4)], timeout=1) == [None])
+        assert probes(good.ns, [("tcp", db.ip4, TCP4)]) == [f"db {good.ip4} HELLO"]
+        flows = list(
+            mn.cluster.datapath(n3).ObserveFlows(
+                datapath_pb2.ObserveFlowsRequest(
+                    verdicts=[datapath_pb2.FLOW_VERDICT_DROPPED], last=200, follow=False
+                ),
+                timeout=10,
+            )
+        )
+        dropped = [f for f in flows if f.src_ip == bad.ip4 and f.dst_ip == db.ip4]
+        assert dropped, flows
+        assert {f.src_identity for f in dropped} == {identity_of(mn, bad.ip4)}
+        assert {f.drop_reason for f in dropped} == {datapath_pb2.DROP_REASON_POLICY_L3}
+        assert {f.node for f in dropped} == {n3.name}
+        assert not [f for f in flows if f.src_ip == good.ip4]
+    finally:
+        policy.DeleteRule(policy_pb2.DeleteRuleRequest(name="db/db-from-trusted"), timeout=10)
+
+
+def test_cluster_ip_with_every_backend_on_other_nodes(mn: MultiNode) -> None:
+    lb = mn.cluster.lb()
+    for i, pod in enumerate(mn.pods):
+        others = [p for p in mn.pods if p.node is not pod.node]
+        for family, vip, port in ((4, f"10.96.1.{i + 1}", TCP4), (6, f"fd00:96::{i + 1}", TCP6)):
+            lb.UpsertService(
+                lb_pb2.UpsertServiceRequest(
+                    service=lb_pb2.Service(
+                        name=f"apps/far{i}-v{family}",
+                        frontend=lb_pb2.Frontend(
+                            address=vip, port=80, protocol=lb_pb2.PROTOCOL_TCP
+                        ),
+                        type=lb_pb2.SERVICE_TYPE_CLUSTER_IP,
+                        backends=[
+                            lb_pb2.Backend(address=p.ip4 if family == 4 else p.ip6, port=port)
+                            for p in others
+                        ],
+                    )
+                ),
+                timeout=10,
+            )
+            assert wait_until(
+                lambda v=vip, p=pod: probes(p.ns, [("tcp", v, 80)], timeout=1)[0], timeout=10
+            )
+            answers = probes(pod.ns, [("tcp", vip, 80)] * 20)
+            assert None not in answers, answers
+            served = {str(a).split()[0] for a in answers}
+            assert served == {p.name for p in others}, (vip, served)
+            client = pod.ip4 if family == 4 else pod.ip6
+            assert {str(a).split()[1] for a in answers} == {client}
+
+
+def test_pods_reach_an_outside_host_masqueraded_to_their_node(mn: MultiNode) -> None:
+    out = mn.underlay.outside
+    out.serve("tcp", 9000, "outside")
+    out.serve("tcp", 9006, "outside", v6=True)
+    ul = mn.underlay
+    for pod in mn.pods:
+        node_ip6 = next(a for a in pod.node.args if ":" in a and a.startswith("fd00:100"))
+        answers = probes(pod.ns, [("tcp", ul.outside_ip4, 9000), ("tcp", ul.outside_ip6, 9006)])
+        assert answers == [f"outside {pod.node.ip} HELLO", f"outside {node_ip6} HELLO"], pod.name
