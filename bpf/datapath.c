@@ -7,6 +7,10 @@
  *                   NAT of NodePort replies from local backends
  *   from_netdev     tc ingress of the node's uplink: NodePort (DNAT to a local
  *                   backend, or DNAT + SNAT to a remote one), reverse SNAT
+ *   from_tunnel     tc ingress of the VXLAN device (tunnel mode): the source
+ *                   identity from the VNI, delivery to the local pod
+ *   to_tunnel       tc egress of the VXLAN device: the tunnel key of what the
+ *                   node's own stack routes into it
  *
  * Layouts and constants: layout.h. Behaviour: docs/datapath-bpf.md.
  */
@@ -386,13 +390,18 @@ static __always_inline int rewrite_port(struct __sk_buff *skb, struct pkt *p, in
 
 /* --- lookups --- */
 
-static __always_inline __u32 ipcache_identity(const union v6addr *addr, __u8 family)
+static __always_inline struct ipcache_value *ipcache_get(const union v6addr *addr, __u8 family)
 {
 	struct ipcache_key k = {};
 	k.prefixlen = 8 + 128;
 	k.family = family;
 	__builtin_memcpy(k.addr, addr->u8, 16);
-	struct ipcache_value *v = ipcache.lookup(&k);
+	return ipcache.lookup(&k);
+}
+
+static __always_inline __u32 ipcache_identity(const union v6addr *addr, __u8 family)
+{
+	struct ipcache_value *v = ipcache_get(addr, family);
 	return v ? v->identity : ID_WORLD;
 }
 
@@ -407,6 +416,19 @@ static __always_inline __u32 peer_identity(struct dp_config *cfg, const union v6
 	    (addr_eq(addr, &cfg->node_ip4) || addr_eq(addr, &cfg->node_ip6)))
 		return ID_HOST;
 	return id;
+}
+
+/* The source identity of a packet entering a local pod: what from-tunnel
+ * read from the VNI (in the mark), else by the source address. */
+static __always_inline __u32 ingress_peer(struct __sk_buff *skb, struct dp_config *cfg,
+					  struct pkt *p)
+{
+	__u32 mark = skb->mark;
+	if ((mark & MARK_MAGIC_MASK) == MARK_MAGIC_IDENTITY)
+		return mark & MARK_IDENTITY_MASK;
+	struct endpoint_key sk = {};
+	addr_copy(&sk.addr, &p->saddr);
+	return peer_identity(cfg, &p->saddr, p->family, endpoints.lookup(&sk));
 }
 
 /* 0: allowed, else the drop reason. */
@@ -775,6 +797,32 @@ static __always_inline int redirect_local(struct __sk_buff *skb, struct endpoint
 	return bpf_redirect(dst->ifindex, 0);
 }
 
+/* --- tunnel mode --- */
+
+static __always_inline int set_tunnel(struct __sk_buff *skb, __be32 node, __u32 identity)
+{
+	struct bpf_tunnel_key key = {};
+	key.remote_ipv4 = bpf_ntohl(node);
+	key.tunnel_id = identity & MARK_IDENTITY_MASK;
+	key.tunnel_ttl = TUNNEL_TTL;
+	return bpf_skb_set_tunnel_key(skb, &key, sizeof(key), BPF_F_ZERO_CSUM_TX);
+}
+
+/* A destination in another node's pod CIDR goes into the tunnel, to that
+ * node, with the source identity as VNI (as Cilium). -1: not a tunnel
+ * destination; -DROP_INVALID_PACKET: the key could not be set; else the
+ * redirect's TC action. */
+static __always_inline int tunnel_redirect(struct __sk_buff *skb, struct pkt *p,
+					   struct dp_config *cfg, __u32 src_identity)
+{
+	struct ipcache_value *v = ipcache_get(&p->daddr, p->family);
+	if (!v || !v->tunnel_ip)
+		return -1;
+	if (set_tunnel(skb, v->tunnel_ip, src_identity) < 0)
+		return -DROP_INVALID_PACKET;
+	return bpf_redirect(cfg->tunnel_ifindex, 0);
+}
+
 /* ------------------------------------------------------------------ */
 
 int from_container(struct __sk_buff *skb)
@@ -844,6 +892,13 @@ int from_container(struct __sk_buff *skb)
 			return drop(skb, &p, DROP_REDIRECT_FAILED, DIR_EGRESS, ep_id, my_id, dst->identity);
 		return ret;
 	}
+	if (cfg && (cfg->flags & CFG_TUNNEL)) {
+		ret = tunnel_redirect(skb, &p, cfg, my_id);
+		if (ret == -DROP_INVALID_PACKET)
+			return drop(skb, &p, DROP_INVALID_PACKET, DIR_EGRESS, ep_id, my_id, 0);
+		if (ret >= 0)
+			return ret;
+	}
 	/* Up the host stack (other nodes, outside). The pod addressed its
 	 * gateway's MAC, which need not be this veth's. */
 	if (skb->pkt_type != PACKET_HOST)
@@ -887,9 +942,7 @@ int to_container(struct __sk_buff *skb)
 		}
 	} else if (st == CT_ESTABLISHED && ce) {
 		if (ce->policy_gen != ep->policy_gen) {
-			struct endpoint_key sk = {};
-			addr_copy(&sk.addr, &p.saddr);
-			__u32 peer = peer_identity(cfg, &p.saddr, p.family, endpoints.lookup(&sk));
+			__u32 peer = ingress_peer(skb, cfg, &p);
 			if ((ep->flags & EP_F_INGRESS_ENFORCED) &&
 			    !(peer == ID_HOST && cfg && (cfg->flags & CFG_ALLOW_HOST))) {
 				ret = policy_check(ep_id, peer, DIR_INGRESS, &p);
@@ -899,9 +952,7 @@ int to_container(struct __sk_buff *skb)
 			ce->policy_gen = ep->policy_gen;
 		}
 	} else {
-		struct endpoint_key sk = {};
-		addr_copy(&sk.addr, &p.saddr);
-		__u32 peer = peer_identity(cfg, &p.saddr, p.family, endpoints.lookup(&sk));
+		__u32 peer = ingress_peer(skb, cfg, &p);
 		if ((ep->flags & EP_F_INGRESS_ENFORCED) &&
 		    !(peer == ID_HOST && cfg && (cfg->flags & CFG_ALLOW_HOST))) {
 			ret = policy_check(ep_id, peer, DIR_INGRESS, &p);
@@ -1080,7 +1131,10 @@ int to_netdev(struct __sk_buff *skb)
 	}
 	if (addr_is_zero(&nat_ip))
 		return TC_ACT_OK;
-	__u32 dst_id = ipcache_identity(&p.daddr, p.family);
+	struct ipcache_value *dv = ipcache_get(&p.daddr, p.family);
+	__u32 dst_id = dv ? dv->identity : ID_WORLD;
+	if (dv && (dv->flags & IPC_F_CLUSTER))
+		return TC_ACT_OK; /* a node or a node's pod CIDR: no masquerade */
 	if (dst_id != ID_WORLD && dst_id < ID_LOCAL_SCOPE)
 		return TC_ACT_OK; /* inside the cluster: no masquerade */
 
@@ -1234,4 +1288,69 @@ int from_netdev(struct __sk_buff *skb)
 	if (ret >= 0)
 		return ret;
 	return rev_snat(skb, &p, cfg, now);
+}
+
+/* ------------------------------------------------------------------ */
+/* The VXLAN device (tunnel mode). */
+
+/* A packet out of the tunnel: the VNI is the source identity its node
+ * gave it (that node's host: remote-node here); only nodes of the cluster
+ * may send. A local pod's packet is handed to its veth with the identity in
+ * the mark, and its to-container applies the ingress policy; anything else
+ * goes up the stack. */
+int from_tunnel(struct __sk_buff *skb)
+{
+	struct pkt p = {};
+	int ret = parse(skb, &p);
+	if (ret == PASS)
+		return TC_ACT_OK;
+	if (ret < 0)
+		return drop(skb, &p, -ret, DIR_INGRESS, 0, 0, 0);
+	struct bpf_tunnel_key key = {};
+	if (bpf_skb_get_tunnel_key(skb, &key, sizeof(key), 0) < 0)
+		return drop(skb, &p, DROP_INVALID_PACKET, DIR_INGRESS, 0, 0, 0);
+	union v6addr outer;
+	set_v4mapped(&outer, bpf_htonl(key.remote_ipv4));
+	if (ipcache_identity(&outer, 4) != ID_REMOTE_NODE)
+		return drop(skb, &p, DROP_UNKNOWN_NODE, DIR_INGRESS, 0, 0, 0);
+	__u32 id = key.tunnel_id;
+	if (id == ID_HOST)
+		id = ID_REMOTE_NODE;
+	else if (id == ID_UNKNOWN)
+		id = ID_WORLD;
+
+	struct endpoint_key ek = {};
+	addr_copy(&ek.addr, &p.daddr);
+	struct endpoint_info *ep = endpoints.lookup(&ek);
+	if (!ep) {
+		if (skb->pkt_type != PACKET_HOST)
+			bpf_skb_change_type(skb, PACKET_HOST);
+		return TC_ACT_OK;
+	}
+	skb->mark = MARK_MAGIC_IDENTITY | id;
+	ret = redirect_local(skb, ep);
+	if (ret < 0)
+		return drop(skb, &p, DROP_REDIRECT_FAILED, DIR_INGRESS, ep->ep_id, id, ep->identity);
+	return ret;
+}
+
+/* Into the tunnel. Pods' packets arrive with their key set (from-container);
+ * the node's own (routed to the device: remote pod CIDRs in tunnel mode, and
+ * NodePort to remote backends) get the destination's node and the host
+ * identity. Neighbour discovery and other link chatter stays here. */
+int to_tunnel(struct __sk_buff *skb)
+{
+	struct bpf_tunnel_key key = {};
+	if (bpf_skb_get_tunnel_key(skb, &key, sizeof(key), 0) == 0)
+		return TC_ACT_OK;
+	struct pkt p = {};
+	int ret = parse(skb, &p);
+	if (ret != 0)
+		return TC_ACT_SHOT;
+	struct ipcache_value *v = ipcache_get(&p.daddr, p.family);
+	if (!v || !v->tunnel_ip)
+		return drop(skb, &p, DROP_NO_TUNNEL_ENDPOINT, DIR_EGRESS, 0, ID_HOST, 0);
+	if (set_tunnel(skb, v->tunnel_ip, ID_HOST) < 0)
+		return drop(skb, &p, DROP_INVALID_PACKET, DIR_EGRESS, 0, ID_HOST, 0);
+	return TC_ACT_OK;
 }

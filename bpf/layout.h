@@ -49,6 +49,8 @@ union v6addr {
 #define DROP_FIB_LOOKUP_FAILED 163
 #define DROP_REDIRECT_FAILED 164
 #define DROP_FRAG_NOT_SUPPORTED 165
+#define DROP_UNKNOWN_NODE 166       /* a tunnel packet from an address that is no node */
+#define DROP_NO_TUNNEL_ENDPOINT 167 /* the tunnel has no node for the destination */
 /* metrics only: events the ring buffer had no room for (direction 0) */
 #define METRIC_EVENTS_LOST 255
 
@@ -93,9 +95,16 @@ struct ipcache_key {
 	__u8 pad[3];
 };
 
+/* The prefix is inside the cluster (a node's pod CIDR, a node): pod
+ * traffic to it is never masqueraded, whatever its identity. */
+#define IPC_F_CLUSTER (1U << 0)
+
 struct ipcache_value {
 	__u32 identity;
-	__u32 flags;
+	__u32 flags;        /* IPC_F_* */
+	__be32 tunnel_ip;   /* tunnel mode: the node hosting the prefix (IPv4
+			     * underlay); 0: this node, or not in a pod CIDR */
+	__u32 pad;
 };
 
 /* --- policy: one LPM trie for every endpoint ---
@@ -270,6 +279,7 @@ struct nat_value {
 #define CFG_ALLOW_HOST (1U << 2)   /* host identity always reaches local pods */
 #define CFG_VERDICT_EVENTS (1U << 3) /* emit policy-verdict events */
 #define CFG_DROP_EVENTS (1U << 4)  /* emit drop events */
+#define CFG_TUNNEL (1U << 5)       /* tunnel routing mode: pods of other nodes via VXLAN */
 
 struct dp_config {
 	union v6addr node_ip4; /* v4-mapped; zero: none */
@@ -277,7 +287,17 @@ struct dp_config {
 	__u32 flags;           /* CFG_* */
 	__u16 nat_port_min;    /* host order, inclusive */
 	__u16 nat_port_max;
+	__u32 tunnel_ifindex;  /* CFG_TUNNEL: the collect-metadata VXLAN device */
+	__u32 pad;
 };
+
+/* --- tunnel mode: the source identity rides in the VNI; from-tunnel hands
+ * it to the destination's to-container in skb->mark (a packet from a pod
+ * has its mark scrubbed crossing into the node's netns). --- */
+#define MARK_MAGIC_MASK 0xFF000000U
+#define MARK_MAGIC_IDENTITY 0x0F000000U
+#define MARK_IDENTITY_MASK 0x00FFFFFFU
+#define TUNNEL_TTL 64
 
 /* --- metrics (cilium_metrics): index = direction * 256 + reason --- */
 struct metrics_value {

@@ -32,7 +32,7 @@ from flagella.api.policy.v1 import policy_pb2
 
 pytestmark = [pytest.mark.privileged, pytest.mark.integration]
 
-MODES = ["native"]
+MODES = ["native", "tunnel"]
 CIDR6 = "fd00:10:200::/104"
 TCP4, UDP4, TCP6, UDP6 = 8080, 8081, 8086, 8087
 
@@ -127,7 +127,10 @@ def mn(
             extra={"ipam": ["--cluster-cidr", CIDR6]},
         )
         underlay = Underlay(cluster.nss)
-        nodes = [cluster.add_node(f"n{i}", underlay=underlay) for i in (1, 2, 3)]
+        nodes = [
+            cluster.add_node(f"n{i}", underlay=underlay, extra=["--routing-mode", mode])
+            for i in (1, 2, 3)
+        ]
         mn = MultiNode(mode, cluster, underlay, nodes)
         for node in nodes:
             pod = mn.add_pod(node, f"web{node.index}", "apps", {"app": "web"})

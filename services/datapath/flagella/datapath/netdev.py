@@ -168,6 +168,18 @@ async def _link(ipr: AsyncIPRoute, ifname: str) -> Any | None:
     return found[0] if found else None
 
 
+async def link_named(ipr: AsyncIPRoute, ifname: str) -> Any | None:
+    """The link named ifname in ipr's netns (its full record), or None."""
+    return await _link(ipr, ifname)
+
+
+async def link_mtu(name: str) -> int | None:
+    """The MTU of a link of the datapath's netns, or None when absent."""
+    async with iproute() as ipr:
+        link = await _link(ipr, name)
+    return None if link is None else int(link.get("IFLA_MTU"))
+
+
 def _interface(link: Any, mtu: int, sandbox: str = "", name: str = "") -> Interface:
     """An Interface from a link record read before the caller set its mtu
     (and maybe its name); the mac address does not change."""

@@ -283,6 +283,16 @@ class Datapath:
             ],
         )
 
+    def attach_tunnel(self, ifindex: int) -> None:
+        """from_tunnel / to_tunnel on the node's VXLAN device (tunnel mode)."""
+        tc.attach_all(
+            ifindex,
+            [
+                (self._prog_fds["from_tunnel"], "from_tunnel", tc.INGRESS),
+                (self._prog_fds["to_tunnel"], "to_tunnel", tc.EGRESS),
+            ],
+        )
+
     def detach(self, ifindex: int) -> bool:
         """Removes the programs from both hooks (works for attach and
         attach_netdev); False if none was there."""

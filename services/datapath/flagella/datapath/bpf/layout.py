@@ -22,7 +22,10 @@ from flagella.datapath.bpf import syscall
 # Bump on any change of bpf/layout.h semantics. The pin folder name also
 # carries a hash of the ctypes layouts and map definitions, so a change of
 # sizes or fields always gets a new folder even if this is forgotten.
-LAYOUT_VERSION = 2  # 2: Maglev as a hash of maps; NodePort conntrack and NAT
+# 2: Maglev as a hash of maps; NodePort conntrack and NAT.
+# 3: tunnel mode: the ipcache's tunnel endpoint and flags, the tunnel device in
+#    the config.
+LAYOUT_VERSION = 3
 
 
 class DropReason(enum.IntEnum):
@@ -44,6 +47,8 @@ class DropReason(enum.IntEnum):
     FIB_LOOKUP_FAILED = 163
     REDIRECT_FAILED = 164
     FRAG_NOT_SUPPORTED = 165
+    UNKNOWN_NODE = 166
+    NO_TUNNEL_ENDPOINT = 167
 
 
 # metrics: reason 0 counts forwarded packets; (direction 0, 255) counts
@@ -137,6 +142,9 @@ CFG_MASQUERADE6 = 1 << 1
 CFG_ALLOW_HOST = 1 << 2
 CFG_VERDICT_EVENTS = 1 << 3
 CFG_DROP_EVENTS = 1 << 4
+CFG_TUNNEL = 1 << 5
+# ipcache flags
+IPC_F_CLUSTER = 1 << 0
 
 POLICY_PREFIX_L3 = 104
 POLICY_PREFIX_PROTO = 112
@@ -269,7 +277,12 @@ class IPCacheKey(ctypes.Structure):
 
 
 class IPCacheValue(ctypes.Structure):
-    _fields_ = [("identity", ctypes.c_uint32), ("flags", ctypes.c_uint32)]
+    _fields_ = [
+        ("identity", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("tunnel_ip", ctypes.c_uint8 * 4),  # IPv4, network order
+        ("pad", ctypes.c_uint32),
+    ]
 
 
 class PolicyKey(ctypes.Structure):
@@ -400,6 +413,8 @@ class DpConfig(ctypes.Structure):
         ("flags", ctypes.c_uint32),
         ("nat_port_min", ctypes.c_uint16),
         ("nat_port_max", ctypes.c_uint16),
+        ("tunnel_ifindex", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32),
     ]
 
 
@@ -460,6 +475,7 @@ _CFG_FLAGS = {
     CFG_ALLOW_HOST: "allow-host",
     CFG_VERDICT_EVENTS: "verdict-events",
     CFG_DROP_EVENTS: "drop-events",
+    CFG_TUNNEL: "tunnel",
 }
 
 
@@ -503,7 +519,10 @@ def decode_ipcache_key(k: IPCacheKey) -> Fields:
 
 
 def decode_ipcache_value(v: IPCacheValue) -> Fields:
-    return {"identity": str(v.identity), "flags": str(v.flags)}
+    out = {"identity": str(v.identity), "flags": _flags(v.flags, {IPC_F_CLUSTER: "cluster"})}
+    if any(v.tunnel_ip):
+        out["tunnel_ip"] = str(ipaddress.IPv4Address(bytes(v.tunnel_ip)))
+    return out
 
 
 def policy_port_range(k: PolicyKey) -> tuple[int, int]:
@@ -645,6 +664,7 @@ def decode_config(v: DpConfig) -> Fields:
         "flags": _flags(v.flags, _CFG_FLAGS),
         "nat_port_min": str(v.nat_port_min),
         "nat_port_max": str(v.nat_port_max),
+        "tunnel_ifindex": str(v.tunnel_ifindex),
     }
 
 

@@ -89,6 +89,10 @@ class _DropReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DropReason
     """A non-first IP fragment (no L4 header to judge; fragments are not
     tracked).
     """
+    DROP_REASON_UNKNOWN_NODE: _DropReason.ValueType  # 166
+    """Tunnel mode: a VXLAN packet whose outer source is no node of the cluster."""
+    DROP_REASON_NO_TUNNEL_ENDPOINT: _DropReason.ValueType  # 167
+    """Tunnel mode: the node's own packet to an address no node's pod CIDR holds."""
 
 class DropReason(_DropReason, metaclass=_DropReasonEnumTypeWrapper):
     """Drop reasons; the numbers are the datapath's own codes."""
@@ -116,6 +120,10 @@ DROP_REASON_FRAG_NOT_SUPPORTED: DropReason.ValueType  # 165
 """A non-first IP fragment (no L4 header to judge; fragments are not
 tracked).
 """
+DROP_REASON_UNKNOWN_NODE: DropReason.ValueType  # 166
+"""Tunnel mode: a VXLAN packet whose outer source is no node of the cluster."""
+DROP_REASON_NO_TUNNEL_ENDPOINT: DropReason.ValueType  # 167
+"""Tunnel mode: the node's own packet to an address no node's pod CIDR holds."""
 Global___DropReason: _TypeAlias = DropReason  # noqa: Y015
 
 class _FlowDirection:
