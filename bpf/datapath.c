@@ -1116,6 +1116,14 @@ int to_netdev(struct __sk_buff *skb)
 		}
 	}
 
+	/* A reply of a connection opened towards the pod from outside (routed
+	 * to it, not translated on the way in) keeps the pod's address. */
+	struct ct_key rk = {};
+	ct_fill(&rk, &p, CT_SCOPE_INGRESS, 1);
+	struct ct_entry *re = ct.lookup(&rk);
+	if (re && re->expires > now)
+		return TC_ACT_OK;
+
 	struct dp_config *cfg = get_config();
 	if (!cfg)
 		return TC_ACT_OK;

@@ -244,3 +244,137 @@ def test_pods_reach_an_outside_host_masqueraded_to_their_node(mn: MultiNode) -> 
         node_ip6 = next(a for a in pod.node.args if ":" in a and a.startswith("fd00:100"))
         answers = probes(pod.ns, [("tcp", ul.outside_ip4, 9000), ("tcp", ul.outside_ip6, 9006)])
         assert answers == [f"outside {pod.node.ip} HELLO", f"outside {node_ip6} HELLO"], pod.name
+
+
+# Sends n bytes on one TCP connection and reads them back (the pods' echo
+# servers echo lines starting with ECHO); prints the count read back.
+BULK = r"""
+import socket, sys, threading
+host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+s = socket.create_connection((host, port), timeout=20)
+line = b"ECHO" + b"x" * 4091 + b"\n"
+chunks = n // len(line)
+def send():
+    for _ in range(chunks):
+        s.sendall(line)
+threading.Thread(target=send, daemon=True).start()
+got = 0
+while got < chunks * len(line):
+    data = s.recv(65536)
+    if not data:
+        break
+    got += len(data)
+print(got)
+"""
+
+
+def test_ten_megabytes_cross_nodes(mn: MultiNode) -> None:
+    """Full-size segments both ways across nodes: the pod MTU leaves room
+    for the tunnel's encapsulation (a blackholed size would stall)."""
+    a, b = mn.pods[0], mn.pods[1]
+    n = 10 * 1024 * 1024
+    for host, port in ((b.ip4, TCP4), (b.ip6, TCP6)):
+        out = a.ns.run(sys.executable, "-c", BULK, host, str(port), str(n), timeout=60)
+        assert int(out.stdout) >= n - 4096, (host, out.stdout)
+    mtu = int(str(a.ns.link("eth0")["mtu"]))
+    assert mtu == (1450 if mn.mode == "tunnel" else 1500)
+
+
+def test_the_mode_shows_in_routes_and_ipcache(mn: MultiNode) -> None:
+    n1 = mn.nodes[0]
+    routes = n1.netns.run("ip", "-j", "route", "show", "proto", "102").stdout
+    others = [p for p in mn.pods if p.node is not n1]
+    dump = mn.cluster.datapath(n1).DumpMap(datapath_pb2.DumpMapRequest(name="ipcache"), timeout=20)
+    entries = {e.key["prefix"]: dict(e.value) for e in dump.entries}
+    for pod in others:
+        entry = entries[f"{pod.ip4}/32"]
+        assert entry["identity"] == str(identity_of(mn, pod.ip4))
+        assert entry["flags"] == "cluster"
+        if mn.mode == "tunnel":
+            assert entry["tunnel_ip"] == pod.node.ip
+        else:
+            assert "tunnel_ip" not in entry
+    for node in mn.nodes[1:]:
+        assert entries[f"{node.ip}/32"]["identity"] == "6"  # remote-node
+    assert entries[f"{n1.ip}/32"]["identity"] == "1"  # host
+    devices = {r.get("dev") for r in json.loads(routes)}
+    gateways = {r.get("gateway") for r in json.loads(routes)}
+    if mn.mode == "tunnel":
+        assert devices == {"flagella_vxlan"}
+        assert gateways == {None}
+    else:
+        assert devices == {"up0"}
+        assert {n.ip for n in mn.nodes[1:]} <= gateways
+
+
+GUARD = """
+apiVersion: flagella.io/v1
+kind: FlagellaNetworkPolicy
+metadata: {{name: guard, namespace: apps}}
+spec:
+  endpointSelector: {{matchLabels: {{app: guard}}}}
+  ingress:
+  - fromEntities: [{entities}]
+    toPorts: [{{ports: [{{port: "8080", protocol: TCP}}]}}]
+"""
+
+
+def flows_to(mn: MultiNode, node: Node, ip: str, verdict: int) -> list[datapath_pb2.Flow]:
+    return [
+        f
+        for f in mn.cluster.datapath(node).ObserveFlows(
+            datapath_pb2.ObserveFlowsRequest(verdicts=[verdict], last=500, follow=False),  # type: ignore[list-item]
+            timeout=10,
+        )
+        if f.dst_ip == ip and f.dst_port == TCP4
+    ]
+
+
+def test_entities_across_nodes(mn: MultiNode) -> None:
+    """The identity a pod's node sees: another node's host is remote-node,
+    its own host is host, a pod of another node its own identity, an
+    outside host world; fromEntities select them as in Cilium."""
+    n1, n2, _ = mn.nodes
+    web3 = mn.pods[2]
+    guard = mn.add_pod(n1, "guard", "apps", {"app": "guard"})
+    guard.ns.serve("tcp", TCP4, "guard")
+    outside = mn.underlay.outside
+    # The outside host routes the guard's CIDR via its node (no tunnel).
+    outside.ip("route", "replace", f"{guard.ip4}/32", "via", n1.ip)
+    policy = mn.cluster.policy()
+
+    def allowed(ns: Netns) -> bool:
+        return ns.request("tcp", guard.ip4, TCP4, timeout=1) is not None
+
+    try:
+        policy.PutRules(
+            policy_pb2.PutRulesRequest(document=GUARD.format(entities="remote-node")), timeout=10
+        )
+        assert wait_until(lambda: not allowed(web3.ns))
+        assert allowed(n2.netns)
+        assert allowed(n1.netns)  # the local host: always (allow-host)
+        assert not allowed(outside)
+        fwd = flows_to(mn, n1, guard.ip4, datapath_pb2.FLOW_VERDICT_FORWARDED)
+        assert {f.src_identity for f in fwd if f.src_ip == n2.ip} == {6}  # remote-node
+        assert {f.src_identity for f in fwd if f.src_ip == n1.ip} == {1}  # host
+        dropped = flows_to(mn, n1, guard.ip4, datapath_pb2.FLOW_VERDICT_DROPPED)
+        assert {f.src_identity for f in dropped if f.src_ip == web3.ip4} == {
+            identity_of(mn, web3.ip4)
+        }
+        assert {f.src_identity for f in dropped if f.src_ip == mn.underlay.outside_ip4} == {2}
+
+        policy.PutRules(
+            policy_pb2.PutRulesRequest(document=GUARD.format(entities="cluster")), timeout=10
+        )
+        assert wait_until(lambda: allowed(web3.ns))
+        assert allowed(n2.netns)
+        assert not allowed(outside)
+
+        policy.PutRules(
+            policy_pb2.PutRulesRequest(document=GUARD.format(entities="world")), timeout=10
+        )
+        assert wait_until(lambda: allowed(outside))
+        assert not allowed(web3.ns)
+        assert not allowed(n2.netns)
+    finally:
+        policy.DeleteRule(policy_pb2.DeleteRuleRequest(name="apps/guard"), timeout=10)
