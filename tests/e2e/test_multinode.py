@@ -16,6 +16,7 @@ import itertools
 import json
 import os
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,7 @@ from harness.netns import Netns, wait_until
 from harness.underlay import Underlay
 
 from flagella.api.datapath.v1 import datapath_pb2
+from flagella.api.ipam.v1 import ipam_pb2
 from flagella.api.lb.v1 import lb_pb2
 from flagella.api.policy.v1 import policy_pb2
 
@@ -35,6 +37,7 @@ pytestmark = [pytest.mark.privileged, pytest.mark.integration]
 MODES = ["native", "tunnel"]
 CIDR6 = "fd00:10:200::/104"
 TCP4, UDP4, TCP6, UDP6 = 8080, 8081, 8086, 8087
+LEASE_TTL = 4  # seconds a node's registration and references outlive it
 
 # Many probes from one process: [kind, host, port] with kind tcp, udp or
 # ping; prints a JSON list of answers (the server's line; "pong"), null when
@@ -124,7 +127,10 @@ def mn(
     with standalone_cluster(tmp) as cluster:
         cluster.start(
             services=("ipam", "policy", "lb", "endpoint"),
-            extra={"ipam": ["--cluster-cidr", CIDR6]},
+            extra={
+                "ipam": ["--cluster-cidr", CIDR6, "--node-lease-ttl", str(LEASE_TTL)],
+                "policy": ["--node-lease-ttl", str(LEASE_TTL)],
+            },
         )
         underlay = Underlay(cluster.nss)
         nodes = [
@@ -378,3 +384,94 @@ def test_entities_across_nodes(mn: MultiNode) -> None:
         assert not allowed(n2.netns)
     finally:
         policy.DeleteRule(policy_pb2.DeleteRuleRequest(name="apps/guard"), timeout=10)
+
+
+# --- the cluster's shape changes: these run last ---
+
+
+def test_kill9_of_a_datapath_under_a_cross_node_stream(mn: MultiNode) -> None:
+    """The datapath of the stream's client node dies and comes back: the
+    stream never fails (maps pinned, programs attached, the tunnel device
+    kept), and pods of the other nodes keep talking meanwhile."""
+    web1, web2, web3 = mn.pods
+    stream = web1.ns.stream(web2.ip4, TCP4, 0.05)
+    assert stream.stdout is not None
+    assert stream.stdout.readline().startswith("ok")
+    node = web1.node
+    assert node.process is not None
+    node.process.kill9()
+    assert probes(web2.ns, [("tcp", web3.ip4, TCP4), ("tcp", web3.ip6, TCP6)]) == [
+        f"web3 {web2.ip4} HELLO",
+        f"web3 {web2.ip6} HELLO",
+    ]
+    time.sleep(1.0)
+    mn.cluster.start_datapath(node)
+    assert probes(web1.ns, [("tcp", web3.ip4, TCP4)]) == [f"web3 {web1.ip4} HELLO"]
+    time.sleep(1.0)
+    stream.kill()
+    lines = stream.stdout.read().split("\n")
+    assert [line for line in lines if line.startswith("fail")] == []
+    assert sum(line.startswith("ok ") for line in lines) > 20
+
+
+# Connects to host:port every 50 ms until it answers; prints the wall-clock
+# time of the first answer.
+FIRST_CONTACT = r"""
+import socket, sys, time
+host, port, deadline = sys.argv[1], int(sys.argv[2]), time.time() + float(sys.argv[3])
+while time.time() < deadline:
+    try:
+        s = socket.create_connection((host, port), timeout=0.2)
+        s.sendall(b"HELLO\n"); s.recv(100); print(time.time()); sys.exit(0)
+    except OSError:
+        time.sleep(0.05)
+sys.exit(1)
+"""
+
+
+def test_a_node_added_later_reaches_existing_pods_within_2s(mn: MultiNode) -> None:
+    web1 = mn.pods[0]
+    n4 = mn.cluster.add_node(
+        "n4", underlay=mn.underlay, extra=["--routing-mode", mn.mode], start=False
+    )
+    contact = n4.netns.popen(sys.executable, "-c", FIRST_CONTACT, web1.ip4, str(TCP4), "60")
+    mn.cluster.start_datapath(n4)
+    assert contact.wait(60) == 0
+    assert contact.stdout is not None
+    reached = float(contact.stdout.read().split()[-1])
+    node = mn.cluster.ipam().GetNode(ipam_pb2.GetNodeRequest(name="n4"), timeout=10)
+    registered = node.registered_at.ToNanoseconds() / 1e9
+    assert 0 <= reached - registered <= 2.0, reached - registered
+    # A pod of the new node reaches the pods of every other node.
+    web4 = mn.add_pod(n4, "web4", "apps", {"app": "web"})
+    targets = [("tcp", p.ip4, TCP4) for p in mn.pods] + [("tcp", p.ip6, TCP6) for p in mn.pods]
+    want = [f"{p.name} {web4.ip4} HELLO" for p in mn.pods]
+    want += [f"{p.name} {web4.ip6} HELLO" for p in mn.pods]
+    assert probes(web4.ns, targets) == want
+
+
+def test_a_node_stopped_for_good_is_gone_from_the_others_after_its_lease(mn: MultiNode) -> None:
+    n1, _, n3 = mn.nodes[:3]
+    web3 = mn.pods[2]
+    cidrs = list(
+        mn.cluster.ipam().GetNode(ipam_pb2.GetNodeRequest(name=n3.name), timeout=10).pod_cidrs
+    )
+    assert n3.process is not None
+    n3.process.stop()
+
+    def gone() -> bool:
+        dump = mn.cluster.datapath(n1).DumpMap(
+            datapath_pb2.DumpMapRequest(name="ipcache"), timeout=20
+        )
+        prefixes = {e.key["prefix"] for e in dump.entries}
+        routes = n1.netns.run("ip", "-j", "route", "show", "proto", "102").stdout
+        routes += n1.netns.run("ip", "-j", "-6", "route", "show", "proto", "102").stdout
+        left[:] = [
+            *(prefixes & {f"{n3.ip}/32", f"{web3.ip4}/32", f"{web3.ip6}/128", *cidrs}),
+            *(c for c in cidrs if c.split("/")[0] in routes),
+        ]
+        return not left
+
+    left: list[str] = []
+    assert not gone()
+    assert wait_until(gone, timeout=4 * LEASE_TTL + 10, interval=0.5), left

@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 RTPROT_FLAGELLA = 0x66
 ESRCH = 3
 RT_SCOPE_LINK = 253
+RT_SCOPE_NOWHERE = 255
 
 
 def _family(cidr: str) -> int:
@@ -63,7 +64,14 @@ class RouteOps:
     async def delete(self, key: str) -> None:
         async with iproute() as ipr:
             try:
-                await ipr.route("del", dst=key, proto=RTPROT_FLAGELLA, family=_family(key))
+                # Any scope (a device route is link-scoped), as `ip route del`.
+                await ipr.route(
+                    "del",
+                    dst=key,
+                    proto=RTPROT_FLAGELLA,
+                    family=_family(key),
+                    scope=RT_SCOPE_NOWHERE,
+                )
             except NetlinkError as exc:
                 if exc.code != ESRCH:
                     raise
