@@ -386,6 +386,40 @@ def test_entities_across_nodes(mn: MultiNode) -> None:
         policy.DeleteRule(policy_pb2.DeleteRuleRequest(name="apps/guard"), timeout=10)
 
 
+def test_nodeport_on_one_node_reaches_a_backend_on_another(mn: MultiNode) -> None:
+    """From the outside host to node n1's address and node port, served by
+    a pod of n3 only: DNAT and SNAT to n1's address at n1 (Cilium's default
+    NodePort mode), the client seeing n1 as its peer."""
+    n1, n3 = mn.nodes[0], mn.nodes[2]
+    web3 = mn.pods[2]
+    svc = (
+        mn.cluster.lb()
+        .UpsertService(
+            lb_pb2.UpsertServiceRequest(
+                service=lb_pb2.Service(
+                    name="apps/np",
+                    frontend=lb_pb2.Frontend(
+                        address="10.96.2.1", port=80, protocol=lb_pb2.PROTOCOL_TCP
+                    ),
+                    type=lb_pb2.SERVICE_TYPE_NODE_PORT,
+                    backends=[lb_pb2.Backend(address=web3.ip4, port=TCP4)],
+                )
+            ),
+            timeout=10,
+        )
+        .service
+    )
+    assert svc.node_port
+    outside = mn.underlay.outside
+    assert wait_until(
+        lambda: outside.request("tcp", n1.ip, svc.node_port, timeout=1) is not None, timeout=10
+    )
+    answers = probes(outside, [("tcp", n1.ip, svc.node_port)] * 10)
+    # The backend on n3 saw n1's address (SNAT), and answered.
+    assert answers == [f"web3 {n1.ip} HELLO"] * 10
+    assert n3 is web3.node
+
+
 # --- the cluster's shape changes: these run last ---
 
 
