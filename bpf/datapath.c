@@ -52,6 +52,7 @@ BPF_TABLE("lru_hash", struct affinity_key, struct affinity_value, affinity, COMP
 BPF_F_TABLE("lpm_trie", struct srcrange_key, __u32, srcrange, COMPILE_MAX, BPF_F_NO_PREALLOC);
 BPF_TABLE("lru_hash", struct ct_key, struct ct_entry, ct, COMPILE_MAX);
 BPF_TABLE("lru_hash", struct ct_key, struct nat_value, snat, COMPILE_MAX);
+BPF_TABLE("lru_hash", struct frag_key, struct frag_value, frags, COMPILE_MAX);
 BPF_TABLE("array", __u32, struct dp_config, config, 1);
 BPF_TABLE("percpu_array", __u32, struct metrics_value, metrics, 768);
 BPF_RINGBUF_OUTPUT(events, 1);
@@ -74,6 +75,15 @@ BPF_TABLE("array", __u32, struct flow_event, event_layout, 1);
 
 #define IP_MF 0x2000
 #define IP_OFFSET 0x1FFF
+#define IP6_OFFSET 0xFFF8 /* the fragment header's frag_off, host order */
+
+/* The IPv6 fragment header (bcc's 6.1 uapi headers have none). */
+struct frag_hdr {
+	__u8 nexthdr;
+	__u8 reserved;
+	__be16 frag_off;
+	__be32 identification;
+};
 
 #define PASS 1 /* parse result: let it through untouched (ARP, ND) */
 
@@ -92,7 +102,7 @@ struct pkt {
 	__u8 echo;       /* ICMP echo: the id sits at l4_off + 4 */
 	__u8 csum_flags; /* extra bpf_l4_csum_replace flags (UDP: mangled 0) */
 	__u8 icmp_error; /* ICMP error: an inner packet follows at l4_off + 8 */
-	__u8 pad;
+	__u8 frag_later; /* a later IP fragment: no L4 header, ports from frags */
 };
 
 static __always_inline void set_v4mapped(union v6addr *a, __be32 ip)
@@ -211,6 +221,45 @@ static __always_inline int parse_l4(struct __sk_buff *skb, struct pkt *p)
 	return 0;
 }
 
+static __always_inline void frag_fill(struct frag_key *k, struct pkt *p, __be32 id)
+{
+	addr_copy(&k->saddr, &p->saddr);
+	addr_copy(&k->daddr, &p->daddr);
+	k->id = id;
+	k->proto = p->proto;
+}
+
+/* The first fragment of a datagram: remember its ports for the others. */
+static __always_inline void frag_first(struct pkt *p, __be32 id)
+{
+	struct frag_key k = {};
+	struct frag_value v = {};
+	frag_fill(&k, p, id);
+	v.sport = p->sport;
+	v.dport = p->dport;
+	v.icmp_type = p->icmp_type;
+	v.echo = p->echo;
+	frags.update(&k, &v);
+}
+
+/* A later fragment: the ports its first fragment had; there is no L4
+ * header to read or rewrite (checksums included). */
+static __always_inline int frag_later(struct pkt *p, __be32 id)
+{
+	struct frag_key k = {};
+	frag_fill(&k, p, id);
+	struct frag_value *v = frags.lookup(&k);
+	if (!v)
+		return -DROP_FRAG_NOT_SUPPORTED;
+	p->sport = v->sport;
+	p->dport = v->dport;
+	p->icmp_type = v->icmp_type;
+	p->echo = v->echo;
+	p->frag_later = 1;
+	p->csum_off = 0;
+	return 0;
+}
+
 /* Fills p from the packet. Returns 0, PASS, or -reason. */
 static __always_inline int parse(struct __sk_buff *skb, struct pkt *p)
 {
@@ -228,14 +277,19 @@ static __always_inline int parse(struct __sk_buff *skb, struct pkt *p)
 			return -DROP_INVALID_PACKET;
 		if (ip->ihl < 5 || ip->version != 4)
 			return -DROP_INVALID_PACKET;
-		if (ip->frag_off & bpf_htons(IP_OFFSET))
-			return -DROP_FRAG_NOT_SUPPORTED;
+		__u16 fo = bpf_ntohs(ip->frag_off);
+		__be32 id = ip->id;
 		p->family = 4;
 		p->proto = ip->protocol;
 		set_v4mapped(&p->saddr, ip->saddr);
 		set_v4mapped(&p->daddr, ip->daddr);
 		p->l4_off = ETH_HLEN + ip->ihl * 4;
-		return parse_l4(skb, p);
+		if (fo & IP_OFFSET)
+			return frag_later(p, id);
+		int ret = parse_l4(skb, p);
+		if (ret == 0 && (fo & IP_MF))
+			frag_first(p, id);
+		return ret;
 	}
 	if (eth->h_proto == bpf_htons(ETH_P_IPV6)) {
 		struct ipv6hdr *ip6 = (void *)(eth + 1);
@@ -246,11 +300,26 @@ static __always_inline int parse(struct __sk_buff *skb, struct pkt *p)
 		__builtin_memcpy(p->daddr.u8, ip6->daddr.in6_u.u6_addr8, 16);
 		__u8 nh = ip6->nexthdr;
 		__u32 off = ETH_HLEN + sizeof(struct ipv6hdr);
+		__be32 frag_id = 0;
+		int first = 0;
 #pragma unroll
 		for (int i = 0; i < 4; i++) {
 			__u8 ext[2];
-			if (nh == IPPROTO_FRAGMENT)
-				return -DROP_FRAG_NOT_SUPPORTED;
+			if (nh == IPPROTO_FRAGMENT) {
+				struct frag_hdr fh;
+				if (bpf_skb_load_bytes(skb, off, &fh, sizeof(fh)) < 0)
+					return -DROP_INVALID_PACKET;
+				nh = fh.nexthdr;
+				off += sizeof(fh);
+				frag_id = fh.identification;
+				if (bpf_ntohs(fh.frag_off) & IP6_OFFSET) {
+					p->proto = nh;
+					p->l4_off = off;
+					return frag_later(p, frag_id);
+				}
+				first = 1;
+				continue;
+			}
 			if (nh != IPPROTO_HOPOPTS && nh != IPPROTO_ROUTING &&
 			    nh != IPPROTO_DSTOPTS && nh != IPPROTO_AH)
 				break;
@@ -264,7 +333,10 @@ static __always_inline int parse(struct __sk_buff *skb, struct pkt *p)
 		}
 		p->proto = nh;
 		p->l4_off = off;
-		return parse_l4(skb, p);
+		int ret6 = parse_l4(skb, p);
+		if (ret6 == 0 && first)
+			frag_first(p, frag_id);
+		return ret6;
 	}
 	if (eth->h_proto == bpf_htons(ETH_P_ARP))
 		return PASS;
@@ -373,6 +445,11 @@ static __always_inline int rewrite_port(struct __sk_buff *skb, struct pkt *p, in
 
 	if (old == nw)
 		return 0;
+	if (p->frag_later) {
+		/* no L4 header in this fragment: the first one carried the port */
+		*cur = nw;
+		return 0;
+	}
 	if (p->proto == IPPROTO_TCP || p->proto == IPPROTO_UDP) {
 		off = p->l4_off + (is_src ? 0 : 2);
 	} else if (p->echo) {
@@ -786,15 +863,49 @@ static __always_inline int rev_nat(struct __sk_buff *skb, struct pkt *p, __u32 r
 	return 0;
 }
 
-/* Local delivery: Ethernet addresses of the destination pod, then its veth. */
-static __always_inline int redirect_local(struct __sk_buff *skb, struct endpoint_info *dst)
+/* A router's hop where the datapath forwards past the node's stack: the
+ * TTL (IPv4, checksum kept right) or hop limit less one. 0, or -reason: it
+ * ran out (no ICMP time exceeded is sent). */
+static __always_inline int hop(struct __sk_buff *skb, struct pkt *p)
+{
+	__u8 ttl;
+	__u32 off = ETH_HLEN + (p->family == 4 ? offsetof(struct iphdr, ttl)
+					       : offsetof(struct ipv6hdr, hop_limit));
+	if (bpf_skb_load_bytes(skb, off, &ttl, 1) < 0)
+		return -DROP_INVALID_PACKET;
+	if (ttl <= 1)
+		return -DROP_TTL_EXCEEDED;
+	__u8 nttl = ttl - 1;
+	if (p->family == 4) {
+		/* ttl and protocol share one 16-bit word of the checksum */
+		__u8 proto;
+		if (bpf_skb_load_bytes(skb, off + 1, &proto, 1) < 0)
+			return -DROP_INVALID_PACKET;
+		__be16 old = bpf_htons(((__u16)ttl << 8) | proto);
+		__be16 nw = bpf_htons(((__u16)nttl << 8) | proto);
+		if (bpf_l3_csum_replace(skb, ETH_HLEN + offsetof(struct iphdr, check), old, nw, 2) < 0)
+			return -DROP_INVALID_PACKET;
+	}
+	if (bpf_skb_store_bytes(skb, off, &nttl, 1, 0) < 0)
+		return -DROP_INVALID_PACKET;
+	return 0;
+}
+
+/* Local delivery: a hop, Ethernet addresses of the destination pod, then
+ * its veth. The TC action, or -reason. */
+static __always_inline int redirect_local(struct __sk_buff *skb, struct pkt *p,
+					  struct endpoint_info *dst)
 {
 	__u8 macs[12];
 	__builtin_memcpy(macs, dst->mac, 6);
 	__builtin_memcpy(macs + 6, dst->node_mac, 6);
+	__u32 ifindex = dst->ifindex;
+	int ret = hop(skb, p);
+	if (ret < 0)
+		return ret;
 	if (bpf_skb_store_bytes(skb, 0, macs, 12, 0) < 0)
-		return -1;
-	return bpf_redirect(dst->ifindex, 0);
+		return -DROP_REDIRECT_FAILED;
+	return bpf_redirect(ifindex, 0);
 }
 
 /* --- tunnel mode --- */
@@ -809,18 +920,22 @@ static __always_inline int set_tunnel(struct __sk_buff *skb, __be32 node, __u32 
 }
 
 /* A destination in another node's pod CIDR goes into the tunnel, to that
- * node, with the source identity as VNI (as Cilium). -1: not a tunnel
- * destination; -DROP_INVALID_PACKET: the key could not be set; else the
- * redirect's TC action. */
+ * node, with the source identity as VNI (as Cilium), one hop on. -1: not a
+ * tunnel destination; -reason: dropped; else the redirect's TC action. */
 static __always_inline int tunnel_redirect(struct __sk_buff *skb, struct pkt *p,
 					   struct dp_config *cfg, __u32 src_identity)
 {
 	struct ipcache_value *v = ipcache_get(&p->daddr, p->family);
 	if (!v || !v->tunnel_ip)
 		return -1;
-	if (set_tunnel(skb, v->tunnel_ip, src_identity) < 0)
+	__be32 node = v->tunnel_ip;
+	__u32 ifindex = cfg->tunnel_ifindex;
+	int ret = hop(skb, p);
+	if (ret < 0)
+		return ret;
+	if (set_tunnel(skb, node, src_identity) < 0)
 		return -DROP_INVALID_PACKET;
-	return bpf_redirect(cfg->tunnel_ifindex, 0);
+	return bpf_redirect(ifindex, 0);
 }
 
 /* ------------------------------------------------------------------ */
@@ -887,15 +1002,16 @@ int from_container(struct __sk_buff *skb)
 
 	count(DIR_EGRESS, REASON_FORWARDED, p.len);
 	if (dst) {
-		ret = redirect_local(skb, dst);
+		__u32 dst_id = dst->identity;
+		ret = redirect_local(skb, &p, dst);
 		if (ret < 0)
-			return drop(skb, &p, DROP_REDIRECT_FAILED, DIR_EGRESS, ep_id, my_id, dst->identity);
+			return drop(skb, &p, -ret, DIR_EGRESS, ep_id, my_id, dst_id);
 		return ret;
 	}
 	if (cfg && (cfg->flags & CFG_TUNNEL)) {
 		ret = tunnel_redirect(skb, &p, cfg, my_id);
-		if (ret == -DROP_INVALID_PACKET)
-			return drop(skb, &p, DROP_INVALID_PACKET, DIR_EGRESS, ep_id, my_id, 0);
+		if (ret < -1)
+			return drop(skb, &p, -ret, DIR_EGRESS, ep_id, my_id, 0);
 		if (ret >= 0)
 			return ret;
 	}
@@ -1043,9 +1159,12 @@ static __always_inline int nat_out(struct dp_config *cfg, struct pkt *p, union v
  * the Ethernet addresses of the FIB's answer, or through the neighbour
  * subsystem when the next hop is not resolved yet. Not up the host stack:
  * the packet's source is the node's own address, which the stack drops as
- * martian on a packet arriving from outside. A TC action, or -1. */
+ * martian on a packet arriving from outside. A TC action, or -reason. */
 static __always_inline int fib_redirect(struct __sk_buff *skb, struct pkt *p)
 {
+	int hopped = hop(skb, p);
+	if (hopped < 0)
+		return hopped;
 	struct bpf_fib_lookup fib = {};
 	fib.ifindex = skb->ifindex;
 	fib.l4_protocol = p->proto;
@@ -1066,7 +1185,7 @@ static __always_inline int fib_redirect(struct __sk_buff *skb, struct pkt *p)
 		__builtin_memcpy(macs, fib.dmac, 6);
 		__builtin_memcpy(macs + 6, fib.smac, 6);
 		if (bpf_skb_store_bytes(skb, 0, macs, 12, 0) < 0)
-			return -1;
+			return -DROP_REDIRECT_FAILED;
 		return bpf_redirect(fib.ifindex, 0);
 	}
 	if (rc == BPF_FIB_LKUP_RET_NO_NEIGH) {
@@ -1080,7 +1199,7 @@ static __always_inline int fib_redirect(struct __sk_buff *skb, struct pkt *p)
 		}
 		return redirect_neigh(fib.ifindex, &nh, sizeof(nh), 0);
 	}
-	return -1;
+	return -DROP_FIB_LOOKUP_FAILED;
 }
 
 int to_netdev(struct __sk_buff *skb)
@@ -1201,9 +1320,11 @@ static __always_inline int nodeport_lb(struct __sk_buff *skb, struct pkt *p, str
 				return drop(skb, p, DROP_CT_INSERT_FAILED, DIR_INGRESS, dst->ep_id,
 					    ne.identity, dst->identity);
 		}
-		ret = redirect_local(skb, dst);
+		__u64 dst_ep = dst->ep_id;
+		__u32 dst_id = dst->identity;
+		ret = redirect_local(skb, p, dst);
 		if (ret < 0)
-			return drop(skb, p, DROP_REDIRECT_FAILED, DIR_INGRESS, dst->ep_id, 0, dst->identity);
+			return drop(skb, p, -ret, DIR_INGRESS, dst_ep, 0, dst_id);
 		return ret;
 	}
 
@@ -1223,7 +1344,7 @@ static __always_inline int nodeport_lb(struct __sk_buff *skb, struct pkt *p, str
 		return drop(skb, p, DROP_NAT_FAILED, DIR_INGRESS, 0, 0, 0);
 	ret = fib_redirect(skb, p);
 	if (ret < 0)
-		return drop(skb, p, DROP_FIB_LOOKUP_FAILED, DIR_INGRESS, 0, 0, 0);
+		return drop(skb, p, -ret, DIR_INGRESS, 0, 0, 0);
 	count(DIR_INGRESS, REASON_FORWARDED, p->len);
 	return ret;
 }
@@ -1258,7 +1379,7 @@ static __always_inline int rev_snat(struct __sk_buff *skb, struct pkt *p, struct
 			return drop(skb, p, ret, DIR_INGRESS, 0, 0, 0);
 		ret = fib_redirect(skb, p);
 		if (ret < 0)
-			return drop(skb, p, DROP_FIB_LOOKUP_FAILED, DIR_INGRESS, 0, 0, 0);
+			return drop(skb, p, -ret, DIR_INGRESS, 0, 0, 0);
 		count(DIR_INGRESS, REASON_FORWARDED, p->len);
 		return ret;
 	}
@@ -1267,9 +1388,11 @@ static __always_inline int rev_snat(struct __sk_buff *skb, struct pkt *p, struct
 	addr_copy(&ek.addr, &to);
 	struct endpoint_info *dst = endpoints.lookup(&ek);
 	if (dst) {
-		int ret = redirect_local(skb, dst);
+		__u64 dst_ep = dst->ep_id;
+		__u32 dst_id = dst->identity;
+		int ret = redirect_local(skb, p, dst);
 		if (ret < 0)
-			return drop(skb, p, DROP_REDIRECT_FAILED, DIR_INGRESS, dst->ep_id, 0, dst->identity);
+			return drop(skb, p, -ret, DIR_INGRESS, dst_ep, 0, dst_id);
 		return ret;
 	}
 	return TC_ACT_OK;
@@ -1335,10 +1458,12 @@ int from_tunnel(struct __sk_buff *skb)
 			bpf_skb_change_type(skb, PACKET_HOST);
 		return TC_ACT_OK;
 	}
+	__u64 ep_id = ep->ep_id;
+	__u32 ep_identity = ep->identity;
 	skb->mark = MARK_MAGIC_IDENTITY | id;
-	ret = redirect_local(skb, ep);
+	ret = redirect_local(skb, &p, ep);
 	if (ret < 0)
-		return drop(skb, &p, DROP_REDIRECT_FAILED, DIR_INGRESS, ep->ep_id, id, ep->identity);
+		return drop(skb, &p, -ret, DIR_INGRESS, ep_id, id, ep_identity);
 	return ret;
 }
 

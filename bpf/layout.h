@@ -48,9 +48,10 @@ union v6addr {
 #define DROP_UNKNOWN_ENDPOINT 162
 #define DROP_FIB_LOOKUP_FAILED 163
 #define DROP_REDIRECT_FAILED 164
-#define DROP_FRAG_NOT_SUPPORTED 165
+#define DROP_FRAG_NOT_SUPPORTED 165 /* a later fragment whose first was not seen */
 #define DROP_UNKNOWN_NODE 166       /* a tunnel packet from an address that is no node */
 #define DROP_NO_TUNNEL_ENDPOINT 167 /* the tunnel has no node for the destination */
+#define DROP_TTL_EXCEEDED 168       /* a forwarded packet's TTL / hop limit ran out */
 /* metrics only: events the ring buffer had no room for (direction 0) */
 #define METRIC_EVENTS_LOST 255
 
@@ -271,6 +272,25 @@ struct nat_value {
 	__u16 flags;      /* NAT_F_* */
 	__u32 rev_nat_id; /* NAT_IN with NAT_F_NODEPORT: the frontend */
 	__u64 expires;
+};
+
+/* --- IP fragments (cilium_ipv4_frag_datagrams): the first fragment's
+ * ports (and ICMP type), so the datagram's later fragments, which carry no
+ * L4 header, get the same conntrack entry, verdict and translation --- */
+struct frag_key {
+	union v6addr saddr;
+	union v6addr daddr;
+	__be32 id;  /* IPv4: the header's 16-bit id; IPv6: the fragment header's */
+	__u8 proto;
+	__u8 pad[3];
+};
+
+struct frag_value {
+	__be16 sport;
+	__be16 dport;
+	__u8 icmp_type;
+	__u8 echo;
+	__u16 pad;
 };
 
 /* --- node configuration: one entry --- */

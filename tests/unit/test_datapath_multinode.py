@@ -75,6 +75,9 @@ def test_ipcache_merges_pods_and_nodes() -> None:
     pods, nodes = PolicyEntries(view), NodeEntries(view)
 
     pods.replace_all({"10.2.0.7/32": 300, "10.1.0.5/32": 301, "8.8.8.0/24": 16777217})
+    # Half the picture: nothing changes yet (after a restart the map keeps
+    # the entries it holds, tunnel endpoints included).
+    assert target.desired() == {}
     nodes.replace_all({"me": ME, "a": A})
     assert target.desired() == {
         # a pod of node a: its identity, a's tunnel endpoint, in the cluster
@@ -110,7 +113,7 @@ def test_native_mode_names_no_tunnel_endpoint() -> None:
     target: Reconciler[str, IPCacheInfo] = Reconciler("ipcache", NoOps())
     view = IPCacheView(target, "me", tunnel=False)
     NodeEntries(view).replace_all({"me": ME, "a": A})
-    PolicyEntries(view).upsert("10.2.0.7/32", 300)
+    PolicyEntries(view).replace_all({"10.2.0.7/32": 300})
     assert target.get("10.2.0.7/32") == IPCacheInfo(300, "", cluster=True)
     assert target.get("10.2.0.0/24") == IPCacheInfo(2, "", cluster=True)
 

@@ -119,6 +119,10 @@ class IPCacheView:
         return IPCacheInfo(identity, owner.tunnel_ip if self.tunnel else "", cluster=True)
 
     def _refresh(self, prefixes: Iterable[str]) -> None:
+        if not self._synced >= self.sources:
+            # Half the picture (a restart: the policy's entries but not yet
+            # the nodes'): the map keeps what it holds until both are in.
+            return
         for prefix in prefixes:
             info = self._info(prefix)
             if info is None:
@@ -151,8 +155,14 @@ class IPCacheView:
         return before | set(entries) | set(self.identities)
 
     def _snapshot(self, source: str) -> None:
+        """A full sync of one source: once every source had one, the whole
+        picture goes to the map, which is pruned (and again after any later
+        full sync)."""
+        first = not self._synced >= self.sources
         self._synced.add(source)
         if self._synced >= self.sources:
+            if first:
+                self._refresh(set(self.identities) | set(self._node_prefixes))
             self.target.request_prune()
 
     # --- called by the two tables' targets ---

@@ -165,6 +165,9 @@ class Datapath:
         self.nat = Nat(specs["snat"], fds["snat"], pin("snat"))
         self.config = Config(specs["config"], fds["config"], pin("config"))
         self.metrics = Metrics(specs["metrics"], fds["metrics"], pin("metrics"))
+        self.frags: BpfMap[L.FragKey, L.FragValue] = BpfMap(
+            specs["frags"], fds["frags"], pin("frags")
+        )
         self.maps: dict[str, BpfMap] = {  # type: ignore[type-arg]
             "endpoints": self.endpoints,
             "ipcache": self.ipcache,
@@ -179,6 +182,7 @@ class Datapath:
             "snat": self.nat,
             "config": self.config,
             "metrics": self.metrics,
+            "frags": self.frags,
         }
 
     # --- lifecycle ---

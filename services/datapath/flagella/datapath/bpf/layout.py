@@ -24,7 +24,7 @@ from flagella.datapath.bpf import syscall
 # sizes or fields always gets a new folder even if this is forgotten.
 # 2: Maglev as a hash of maps; NodePort conntrack and NAT.
 # 3: tunnel mode: the ipcache's tunnel endpoint and flags, the tunnel device in
-#    the config.
+#    the config; the frags map (IP fragments tracked).
 LAYOUT_VERSION = 3
 
 
@@ -49,6 +49,7 @@ class DropReason(enum.IntEnum):
     FRAG_NOT_SUPPORTED = 165
     UNKNOWN_NODE = 166
     NO_TUNNEL_ENDPOINT = 167
+    TTL_EXCEEDED = 168
 
 
 # metrics: reason 0 counts forwarded packets; (direction 0, 255) counts
@@ -406,6 +407,26 @@ class NatValue(ctypes.Structure):
     ]
 
 
+class FragKey(ctypes.Structure):
+    _fields_ = [
+        ("saddr", V6Addr),
+        ("daddr", V6Addr),
+        ("id", ctypes.c_uint32),  # network order
+        ("proto", ctypes.c_uint8),
+        ("pad", ctypes.c_uint8 * 3),
+    ]
+
+
+class FragValue(ctypes.Structure):
+    _fields_ = [
+        ("sport", ctypes.c_uint16),
+        ("dport", ctypes.c_uint16),
+        ("icmp_type", ctypes.c_uint8),
+        ("echo", ctypes.c_uint8),
+        ("pad", ctypes.c_uint16),
+    ]
+
+
 class DpConfig(ctypes.Structure):
     _fields_ = [
         ("node_ip4", V6Addr),
@@ -657,6 +678,19 @@ def decode_nat_value(v: NatValue) -> Fields:
     return out
 
 
+def decode_frag_key(k: FragKey) -> Fields:
+    return {
+        "src": get_addr(k.saddr),
+        "dst": get_addr(k.daddr),
+        "id": str(socket.ntohl(k.id)),
+        "proto": str(k.proto),
+    }
+
+
+def decode_frag_value(v: FragValue) -> Fields:
+    return {"sport": str(port_host(v.sport)), "dport": str(port_host(v.dport))}
+
+
 def decode_config(v: DpConfig) -> Fields:
     return {
         "node_ip4": get_addr(v.node_ip4) if any(v.node_ip4.u8) else "",
@@ -702,6 +736,7 @@ class MapSizes:
     srcrange: int = 16 * 1024
     ct: int = 256 * 1024
     snat: int = 128 * 1024
+    frags: int = 8192  # datagrams in flight as fragments (Cilium's default)
     events_bytes: int = 1 << 20
     # Per-endpoint budget of policy entries after range expansion (Cilium:
     # 16384 per endpoint policy map). Not part of the map layout.
@@ -764,6 +799,8 @@ def map_specs(sizes: MapSizes) -> tuple[MapSpec, ...]:
                 d(decode_ct_key), d(decode_ct_entry)),
         MapSpec("snat", s.MAP_TYPE_LRU_HASH, CtKey, NatValue, sizes.snat, 0,
                 d(decode_nat_key), d(decode_nat_value)),
+        MapSpec("frags", s.MAP_TYPE_LRU_HASH, FragKey, FragValue, sizes.frags, 0,
+                d(decode_frag_key), d(decode_frag_value)),
         MapSpec("config", s.MAP_TYPE_ARRAY, U32, DpConfig, 1, 0,
                 d(_decode_u32("index")), d(decode_config)),
         MapSpec("metrics", s.MAP_TYPE_PERCPU_ARRAY, U32, MetricsValue, 768, 0,

@@ -86,13 +86,17 @@ class _DropReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DropReason
     DROP_REASON_FIB_LOOKUP_FAILED: _DropReason.ValueType  # 163
     DROP_REASON_REDIRECT_FAILED: _DropReason.ValueType  # 164
     DROP_REASON_FRAG_NOT_SUPPORTED: _DropReason.ValueType  # 165
-    """A non-first IP fragment (no L4 header to judge; fragments are not
-    tracked).
+    """A non-first IP fragment whose first fragment was not seen (no L4 header
+    to judge it by).
     """
     DROP_REASON_UNKNOWN_NODE: _DropReason.ValueType  # 166
     """Tunnel mode: a VXLAN packet whose outer source is no node of the cluster."""
     DROP_REASON_NO_TUNNEL_ENDPOINT: _DropReason.ValueType  # 167
     """Tunnel mode: the node's own packet to an address no node's pod CIDR holds."""
+    DROP_REASON_TTL_EXCEEDED: _DropReason.ValueType  # 168
+    """A packet the datapath forwards (local delivery, tunnel, NodePort) whose
+    TTL / hop limit ran out.
+    """
 
 class DropReason(_DropReason, metaclass=_DropReasonEnumTypeWrapper):
     """Drop reasons; the numbers are the datapath's own codes."""
@@ -117,13 +121,17 @@ DROP_REASON_UNKNOWN_ENDPOINT: DropReason.ValueType  # 162
 DROP_REASON_FIB_LOOKUP_FAILED: DropReason.ValueType  # 163
 DROP_REASON_REDIRECT_FAILED: DropReason.ValueType  # 164
 DROP_REASON_FRAG_NOT_SUPPORTED: DropReason.ValueType  # 165
-"""A non-first IP fragment (no L4 header to judge; fragments are not
-tracked).
+"""A non-first IP fragment whose first fragment was not seen (no L4 header
+to judge it by).
 """
 DROP_REASON_UNKNOWN_NODE: DropReason.ValueType  # 166
 """Tunnel mode: a VXLAN packet whose outer source is no node of the cluster."""
 DROP_REASON_NO_TUNNEL_ENDPOINT: DropReason.ValueType  # 167
 """Tunnel mode: the node's own packet to an address no node's pod CIDR holds."""
+DROP_REASON_TTL_EXCEEDED: DropReason.ValueType  # 168
+"""A packet the datapath forwards (local delivery, tunnel, NodePort) whose
+TTL / hop limit ran out.
+"""
 Global___DropReason: _TypeAlias = DropReason  # noqa: Y015
 
 class _FlowDirection:
