@@ -15,11 +15,14 @@ import ipaddress
 import itertools
 import json
 import os
+import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 from harness.cluster import Cluster, Node, standalone_cluster
@@ -37,7 +40,9 @@ pytestmark = [pytest.mark.privileged, pytest.mark.integration]
 MODES = ["native", "tunnel"]
 CIDR6 = "fd00:10:200::/104"
 TCP4, UDP4, TCP6, UDP6 = 8080, 8081, 8086, 8087
-LEASE_TTL = 4  # seconds a node's registration and references outlive it
+LEASE_TTL = 12  # seconds a node's registration and references outlive it (a restart
+# under load must fit in it: the kill -9 test)
+CLI = shutil.which("flagella", path=str(Path(sys.executable).parent)) or "flagella"
 
 # Many probes from one process: [kind, host, port] with kind tcp, udp or
 # ping; prints a JSON list of answers (the server's line; "pong"), null when
@@ -116,6 +121,20 @@ def serve_all(pod: Pod) -> None:
     pod.ns.serve("udp", UDP6, pod.name, v6=True)
 
 
+def node_flags(mode: str) -> list[str]:
+    return ["--routing-mode", mode, "--health-interval-seconds", "0.5"]
+
+
+def node_health(mn: MultiNode) -> tuple[int, dict[str, Any]]:
+    """`flagella status --nodes -o json`: (exit status, the matrix)."""
+    out = subprocess.run(
+        [CLI, "--ipam-address", mn.cluster.socket("ipam"), "-o", "json", "status", "--nodes"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    data: dict[str, Any] = json.loads(out.stdout)["nodes"]
+    return out.returncode, data
+
+
 @pytest.fixture(scope="module", params=MODES)
 def mn(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
@@ -134,8 +153,7 @@ def mn(
         )
         underlay = Underlay(cluster.nss)
         nodes = [
-            cluster.add_node(f"n{i}", underlay=underlay, extra=["--routing-mode", mode])
-            for i in (1, 2, 3)
+            cluster.add_node(f"n{i}", underlay=underlay, extra=node_flags(mode)) for i in (1, 2, 3)
         ]
         mn = MultiNode(mode, cluster, underlay, nodes)
         for node in nodes:
@@ -521,6 +539,30 @@ def test_forwarding_decrements_the_ttl_as_routers_do(mn: MultiNode) -> None:
         assert not reaches(1, ip)
 
 
+def test_every_node_probes_the_others(mn: MultiNode) -> None:
+    """`flagella status --nodes` finds every datapath through the node
+    registry and shows how each node reaches the others."""
+
+    def all_probed() -> bool:
+        rc, data = node_health(mn)
+        return rc == 0 and all(len(e["peers"]) == len(mn.nodes) - 1 for e in data.values())
+
+    assert wait_until(all_probed, timeout=10)
+    _, data = node_health(mn)
+    names = {n.name for n in mn.nodes}
+    assert set(data) == names
+    for name, entry in data.items():
+        assert set(entry["peers"]) == names - {name}
+        for peer in entry["peers"].values():
+            assert peer["reachable"] is True
+            assert 0 < peer["latency_ms"] < 1000
+    table = subprocess.run(
+        [CLI, "--ipam-address", mn.cluster.socket("ipam"), "status", "--nodes"],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout  # fmt: skip
+    assert table.splitlines()[0].split() == ["FROM", "\\", "TO", *sorted(names)]
+
+
 # --- the cluster's shape changes: these run last ---
 
 
@@ -566,9 +608,7 @@ sys.exit(1)
 
 def test_a_node_added_later_reaches_existing_pods_within_2s(mn: MultiNode) -> None:
     web1 = mn.pods[0]
-    n4 = mn.cluster.add_node(
-        "n4", underlay=mn.underlay, extra=["--routing-mode", mn.mode], start=False
-    )
+    n4 = mn.cluster.add_node("n4", underlay=mn.underlay, extra=node_flags(mn.mode), start=False)
     contact = n4.netns.popen(sys.executable, "-c", FIRST_CONTACT, web1.ip4, str(TCP4), "60")
     mn.cluster.start_datapath(n4)
     assert contact.wait(60) == 0
@@ -593,6 +633,9 @@ def test_a_node_stopped_for_good_is_gone_from_the_others_after_its_lease(mn: Mul
     )
     assert n3.process is not None
     n3.process.stop()
+    # Its peers report it unreachable while it is still in their tables.
+    assert wait_until(lambda: node_health(mn)[1][n1.name]["peers"][n3.name]["reachable"] is False)
+    assert "error" in node_health(mn)[1][n3.name]
 
     def gone() -> bool:
         dump = mn.cluster.datapath(n1).DumpMap(
@@ -609,4 +652,4 @@ def test_a_node_stopped_for_good_is_gone_from_the_others_after_its_lease(mn: Mul
 
     left: list[str] = []
     assert not gone()
-    assert wait_until(gone, timeout=4 * LEASE_TTL + 10, interval=0.5), left
+    assert wait_until(gone, timeout=2 * LEASE_TTL + 20, interval=0.5), left

@@ -41,6 +41,8 @@ class DatapathConfig(ServiceConfig):
         "or native (each node's pod CIDRs routed via its node IP)",
     )
     tunnel_port: int = option(8472, "UDP port of the VXLAN tunnel (tunnel mode)")
+    health_port: int = option(4240, "TCP port other nodes probe this node's health on (0: none)")
+    health_interval_seconds: float = option(5.0, "period of the probes of the other nodes")
     enable_ip_forward: bool = option(True, "turn on IP forwarding in the node's netns")
     proc_sys: str = option(
         "/proc/sys",
@@ -60,6 +62,10 @@ class DatapathConfig(ServiceConfig):
             )
         if not 1 <= self.tunnel_port <= 65535:
             raise ConfigError("--tunnel-port", f"{self.tunnel_port} is not in 1..65535")
+        if not 0 <= self.health_port <= 65535:
+            raise ConfigError("--health-port", f"{self.health_port} is not in 0..65535")
+        if self.health_interval_seconds <= 0:
+            raise ConfigError("--health-interval-seconds", "must be positive")
         versions = {ipaddress.ip_address(ip).version for ip in self.node_ip}
         if self.tunnel and versions and 4 not in versions:
             raise ConfigError("--node-ip", "tunnel mode needs an IPv4 node IP (the underlay)")

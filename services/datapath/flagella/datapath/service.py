@@ -43,6 +43,7 @@ from flagella.datapath.bpf.policy import PolicyEntry
 from flagella.datapath.bpf.tables import ct_key
 from flagella.datapath.config import DatapathConfig
 from flagella.datapath.flows import FlowFilter, FlowHub, FlowRecord
+from flagella.datapath.health import NodeHealth
 from flagella.datapath.ipcache import IPCacheOps, IPCacheView
 from flagella.datapath.routes import RouteOps
 from flagella.datapath.state import EndpointRecord, StateDir
@@ -202,6 +203,12 @@ class DatapathService:
         self.tunnel_ifindex = 0
         # Tunnel mode: pods' MTU leaves room for the encapsulation.
         self.pod_mtu = 65535
+        self.health = NodeHealth(
+            config.node_name,
+            lambda: self.ipcache_view.nodes,
+            port=config.health_port,
+            interval=config.health_interval_seconds,
+        )
 
     @property
     def bpf(self) -> Datapath:
@@ -241,6 +248,9 @@ class DatapathService:
         await self._restore()
         for rec in self.reconcilers():
             rec.start(tasks)
+        if cfg.health_port:
+            tasks.supervise("health-listener", self.health.serve)
+            tasks.supervise("health-probes", self.health.run)
         self._start_events()
 
     async def _setup_routing_mode(self) -> None:
