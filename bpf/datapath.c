@@ -1235,14 +1235,6 @@ int to_netdev(struct __sk_buff *skb)
 		}
 	}
 
-	/* A reply of a connection opened towards the pod from outside (routed
-	 * to it, not translated on the way in) keeps the pod's address. */
-	struct ct_key rk = {};
-	ct_fill(&rk, &p, CT_SCOPE_INGRESS, 1);
-	struct ct_entry *re = ct.lookup(&rk);
-	if (re && re->expires > now)
-		return TC_ACT_OK;
-
 	struct dp_config *cfg = get_config();
 	if (!cfg)
 		return TC_ACT_OK;
@@ -1264,6 +1256,13 @@ int to_netdev(struct __sk_buff *skb)
 		return TC_ACT_OK; /* a node or a node's pod CIDR: no masquerade */
 	if (dst_id != ID_WORLD && dst_id < ID_LOCAL_SCOPE)
 		return TC_ACT_OK; /* inside the cluster: no masquerade */
+	/* A reply of a connection opened towards the pod from outside (routed
+	 * to it, not translated on the way in) keeps the pod's address. */
+	struct ct_key rk = {};
+	ct_fill(&rk, &p, CT_SCOPE_INGRESS, 1);
+	struct ct_entry *re = ct.lookup(&rk);
+	if (re && re->expires > now)
+		return TC_ACT_OK;
 
 	struct nat_value in = {};
 	addr_copy(&in.addr, &p.saddr);
@@ -1414,6 +1413,8 @@ int from_netdev(struct __sk_buff *skb)
 		addr_copy(&node_ip, &cfg->node_ip6);
 	if (addr_is_zero(&node_ip) || !addr_eq(&p.daddr, &node_ip))
 		return TC_ACT_OK; /* only the node address is translated here */
+	if ((cfg->flags & CFG_TUNNEL) && p.proto == IPPROTO_UDP && p.dport == cfg->tunnel_port)
+		return TC_ACT_OK; /* the tunnel's own packets: not a service's */
 	__u64 now = bpf_ktime_get_ns();
 	ret = nodeport_lb(skb, &p, cfg, &node_ip, now);
 	if (ret >= 0)

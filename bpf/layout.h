@@ -308,7 +308,8 @@ struct dp_config {
 	__u16 nat_port_min;    /* host order, inclusive */
 	__u16 nat_port_max;
 	__u32 tunnel_ifindex;  /* CFG_TUNNEL: the collect-metadata VXLAN device */
-	__u32 pad;
+	__be16 tunnel_port;    /* CFG_TUNNEL: its UDP port */
+	__u16 pad;
 };
 
 /* --- tunnel mode: the source identity rides in the VNI; from-tunnel hands

@@ -280,6 +280,7 @@ class DatapathService:
                 masquerade4=self.config.masquerade and bool(v4),
                 masquerade6=self.config.masquerade and bool(v6),
                 tunnel_ifindex=self.tunnel_ifindex,
+                tunnel_port=self.config.tunnel_port if self.tunnel_ifindex else 0,
             ),
         )
 

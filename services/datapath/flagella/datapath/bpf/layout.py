@@ -435,7 +435,8 @@ class DpConfig(ctypes.Structure):
         ("nat_port_min", ctypes.c_uint16),
         ("nat_port_max", ctypes.c_uint16),
         ("tunnel_ifindex", ctypes.c_uint32),
-        ("pad", ctypes.c_uint32),
+        ("tunnel_port", ctypes.c_uint16),  # network order
+        ("pad", ctypes.c_uint16),
     ]
 
 
@@ -699,6 +700,7 @@ def decode_config(v: DpConfig) -> Fields:
         "nat_port_min": str(v.nat_port_min),
         "nat_port_max": str(v.nat_port_max),
         "tunnel_ifindex": str(v.tunnel_ifindex),
+        "tunnel_port": str(port_host(v.tunnel_port)),
     }
 
 

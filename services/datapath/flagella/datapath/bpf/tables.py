@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import ipaddress
+import socket
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -210,8 +211,9 @@ class NodeConfig:
     nat_port_min: int = 61000
     nat_port_max: int = 65535
     # Tunnel mode: the VXLAN device pods of other nodes are reached through
-    # (0: native routing, the host stack routes them).
+    # (0: native routing, the host stack routes them), and its UDP port.
     tunnel_ifindex: int = 0
+    tunnel_port: int = 0
 
 
 class Config(BpfMap[L.U32, L.DpConfig]):
@@ -230,6 +232,7 @@ class Config(BpfMap[L.U32, L.DpConfig]):
             nat_port_min=v.nat_port_min,
             nat_port_max=v.nat_port_max,
             tunnel_ifindex=v.tunnel_ifindex if v.flags & L.CFG_TUNNEL else 0,
+            tunnel_port=L.port_host(v.tunnel_port) if v.flags & L.CFG_TUNNEL else 0,
         )
 
     def write(self, cfg: NodeConfig) -> None:
@@ -239,6 +242,7 @@ class Config(BpfMap[L.U32, L.DpConfig]):
             nat_port_min=cfg.nat_port_min,
             nat_port_max=cfg.nat_port_max,
             tunnel_ifindex=cfg.tunnel_ifindex,
+            tunnel_port=socket.htons(cfg.tunnel_port),
         )
         if cfg.node_ip4:
             if L.ip_family(cfg.node_ip4) != 4:
