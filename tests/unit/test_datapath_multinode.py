@@ -8,24 +8,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import pytest
+from harness.reconcile import NoOps
 
 from flagella.common.config import load_config
 from flagella.common.errors import ConfigError
 from flagella.common.reconcile import Reconciler
 from flagella.datapath.config import DatapathConfig
-from flagella.datapath.ipcache import IPCacheInfo, IPCacheView, NodeEntries, PolicyEntries
+from flagella.datapath.ipcache import IPCacheInfo, IPCacheView, node_entries, policy_entries
 from flagella.datapath.routes import NodeRecord, NodeRoutes
-
-
-class NoOps:
-    async def update(self, key: object, value: object) -> None:
-        pass
-
-    async def delete(self, key: object) -> None:
-        pass
-
-    async def list_actual(self) -> Iterable[object]:
-        return []
 
 
 def config(*argv: str) -> DatapathConfig:
@@ -72,7 +62,7 @@ def test_tunnel_mode_routes_every_remote_cidr_into_the_device() -> None:
 def test_ipcache_merges_pods_and_nodes() -> None:
     target: Reconciler[str, IPCacheInfo] = Reconciler("ipcache", NoOps())
     view = IPCacheView(target, "me", tunnel=True)
-    pods, nodes = PolicyEntries(view), NodeEntries(view)
+    pods, nodes = policy_entries(view), node_entries(view)
 
     pods.replace_all({"10.2.0.7/32": 300, "10.1.0.5/32": 301, "8.8.8.0/24": 16777217})
     # Half the picture: nothing changes yet (after a restart the map keeps
@@ -112,8 +102,8 @@ def test_ipcache_merges_pods_and_nodes() -> None:
 def test_native_mode_names_no_tunnel_endpoint() -> None:
     target: Reconciler[str, IPCacheInfo] = Reconciler("ipcache", NoOps())
     view = IPCacheView(target, "me", tunnel=False)
-    NodeEntries(view).replace_all({"me": ME, "a": A})
-    PolicyEntries(view).replace_all({"10.2.0.7/32": 300})
+    node_entries(view).replace_all({"me": ME, "a": A})
+    policy_entries(view).replace_all({"10.2.0.7/32": 300})
     assert target.get("10.2.0.7/32") == IPCacheInfo(300, "", cluster=True)
     assert target.get("10.2.0.0/24") == IPCacheInfo(2, "", cluster=True)
 
@@ -130,7 +120,7 @@ async def test_the_map_is_pruned_only_once_both_sources_had_their_snapshot() -> 
 
     target: Reconciler[str, IPCacheInfo] = Reconciler("ipcache", Ops())
     view = IPCacheView(target, "me", tunnel=True)
-    pods, nodes = PolicyEntries(view), NodeEntries(view)
+    pods, nodes = policy_entries(view), node_entries(view)
     pods.replace_all({"10.2.0.7/32": 300})
     await target.reconcile_once()
     assert deleted == []

@@ -29,7 +29,7 @@ from flagella.datapath.handlers import (
     RemoveBackends,
     ServicesCodec,
 )
-from flagella.datapath.ipcache import NodeEntries, PolicyEntries
+from flagella.datapath.ipcache import node_entries, policy_entries
 from flagella.datapath.node import NodeRegistration
 from flagella.datapath.routes import NodeRoutes, NodeRoutesCodec
 from flagella.datapath.service import DatapathService
@@ -88,7 +88,7 @@ class DatapathApp:
             )
             device = TUNNEL_DEVICE if cfg.tunnel else ""
             self._reconcile(nodes, NodeRoutes(cfg.node_name, self.service.routes, device=device))
-            self._reconcile(nodes, NodeEntries(self.service.ipcache_view), what="node-ipcache")
+            self._reconcile(nodes, node_entries(self.service.ipcache_view), what="node-ipcache")
         if cfg.policy_address:
             policy = policy_pb2_grpc.PolicyServiceStub(self.runtime.channel(cfg.policy_address))
             ipcache, _ = self._stream(
@@ -99,7 +99,7 @@ class DatapathApp:
                 IPCacheCodec(),
                 acknowledges_resume=False,  # policy's streams answer with the changes alone
             )
-            self._reconcile(ipcache, PolicyEntries(self.service.ipcache_view))
+            self._reconcile(ipcache, policy_entries(self.service.ipcache_view))
             policies, source = self._stream(
                 "policy",
                 lambda since: policy.WatchPolicy(

@@ -18,9 +18,9 @@ stream has not confirmed yet.
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from flagella.common.reconcile import Reconciler
 from flagella.datapath.bpf.layout import Identity
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from flagella.datapath.service import DatapathService
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+V = TypeVar("V")
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ class _Owner:
 
 class IPCacheView:
     """Policy ipcache entries and node registry entries into one reconciler
-    (see the module's docstring); PolicyEntries and NodeEntries are the
+    (see the module's docstring); policy_entries and node_entries are the
     Targets of the two tables."""
 
     def __init__(
@@ -197,43 +198,41 @@ class IPCacheView:
         return self.revision
 
 
-class PolicyEntries:
+class SourceTarget(Generic[V]):
+    """The Target one table of the view writes through: its snapshot and
+    its changes, keyed as that table is."""
+
+    def __init__(
+        self,
+        view: IPCacheView,
+        source: str,
+        replace: Callable[[dict[str, V]], int],
+        set_one: Callable[[str, V | None], int],
+    ) -> None:
+        self.view = view
+        self._replace = replace
+        self._set = set_one
+        view.sources.add(source)
+
+    @property
+    def revision(self) -> int:
+        return self.view.revision
+
+    def replace_all(self, items: dict[str, V]) -> int:
+        return self._replace(items)
+
+    def upsert(self, key: str, value: V) -> int:
+        return self._set(key, value)
+
+    def delete(self, key: str) -> int:
+        return self._set(key, None)
+
+
+def policy_entries(view: IPCacheView) -> SourceTarget[int]:
     """Target of the policy's ipcache table (prefix -> identity)."""
-
-    def __init__(self, view: IPCacheView) -> None:
-        self.view = view
-        view.sources.add("policy")
-
-    @property
-    def revision(self) -> int:
-        return self.view.revision
-
-    def replace_all(self, items: dict[str, int]) -> int:
-        return self.view.replace_identities(items)
-
-    def upsert(self, key: str, value: int) -> int:
-        return self.view.set_identity(key, value)
-
-    def delete(self, key: str) -> int:
-        return self.view.set_identity(key, None)
+    return SourceTarget(view, "policy", view.replace_identities, view.set_identity)
 
 
-class NodeEntries:
+def node_entries(view: IPCacheView) -> SourceTarget[NodeRecord]:
     """Target of the node registry's table (name -> node)."""
-
-    def __init__(self, view: IPCacheView) -> None:
-        self.view = view
-        view.sources.add("nodes")
-
-    @property
-    def revision(self) -> int:
-        return self.view.revision
-
-    def replace_all(self, items: dict[str, NodeRecord]) -> int:
-        return self.view.replace_nodes(items)
-
-    def upsert(self, key: str, value: NodeRecord) -> int:
-        return self.view.set_node(key, value)
-
-    def delete(self, key: str) -> int:
-        return self.view.set_node(key, None)
+    return SourceTarget(view, "nodes", view.replace_nodes, view.set_node)
