@@ -99,20 +99,19 @@ class Pair:
                 proc.stdout.readline()
         time.sleep(0.3)
 
-    def measure(self, seconds: int, round_trips: int, runs: int) -> tuple[float, float, float]:
-        """(Gbit/s, the best of `runs` iperf3 runs, which a shared machine's
-        other load only ever lowers; p50 µs; p99 µs)."""
-        gbps = 0.0
-        for _ in range(runs):
-            out = self.client.run(
-                "iperf3", "-c", self.server_ip, "-t", str(seconds), "-J", "-O", "1",
-                timeout=seconds + 60,
-            ).stdout  # fmt: skip
-            bps = float(json.loads(out)["end"]["sum_received"]["bits_per_second"])
-            gbps = max(gbps, bps / 1e9)
-        rr = self.client.run(PY, "-c", RR_CLIENT, self.server_ip, str(round_trips)).stdout
+    def throughput(self, seconds: int) -> float:
+        """Gbit/s of one iperf3 run."""
+        out = self.client.run(
+            "iperf3", "-c", self.server_ip, "-t", str(seconds), "-J", "-O", "1",
+            timeout=seconds + 60,
+        ).stdout  # fmt: skip
+        return float(json.loads(out)["end"]["sum_received"]["bits_per_second"]) / 1e9
+
+    def round_trips(self, n: int) -> tuple[float, float]:
+        """(p50 µs, p99 µs) of n 1-byte round trips."""
+        rr = self.client.run(PY, "-c", RR_CLIENT, self.server_ip, str(n)).stdout
         p50, p99 = (float(x) for x in rr.split())
-        return gbps, p50, p99
+        return p50, p99
 
 
 def kernel_pod(node: Netns, pod: Netns, host_if: str, ip: str, mtu: int) -> None:
@@ -130,9 +129,7 @@ def kernel_pod(node: Netns, pod: Netns, host_if: str, ip: str, mtu: int) -> None
     node.ip("route", "add", f"{ip}/32", "dev", host_if)
 
 
-def kernel_baselines(
-    cluster: Cluster, underlay: Underlay, *, seconds: int, round_trips: int, runs: int
-) -> dict[str, float]:
+def kernel_pairs(cluster: Cluster, underlay: Underlay) -> dict[str, Pair]:
     """Plain routing and a plain VXLAN (static FDB and neighbour entries)
     between two nodes that run no flagella."""
     nss = cluster.nss
@@ -160,14 +157,10 @@ def kernel_baselines(
         k.ip("neigh", "add", peer_vx, "lladdr", vx_mac[peer.name], "dev", "vx0", "nud", "permanent")
         k.run("bridge", "fdb", "append", vx_mac[peer.name], "dst", ips[peer.name], "dev", "vx0")
         k.ip("route", "add", f"10.230.{n}.3/32", "via", peer_vx, "dev", "vx0")
-    out: dict[str, float] = {}
-    for name, client, server, ip in (
-        ("kernel_routing", pods[1][0], pods[2][0], "10.230.2.2"),
-        ("kernel_vxlan", pods[1][1], pods[2][1], "10.230.2.3"),
-    ):
-        gbps, p50, p99 = Pair(client, server, ip).measure(seconds, round_trips, runs)
-        out |= {f"{name}_gbps": gbps, f"{name}_rr_p50_us": p50, f"{name}_rr_p99_us": p99}
-    return out
+    return {
+        "kernel_routing": Pair(pods[1][0], pods[2][0], "10.230.2.2"),
+        "kernel_vxlan": Pair(pods[1][1], pods[2][1], "10.230.2.3"),
+    }
 
 
 def pod_ip(cluster: Cluster, node: Node, host: int) -> str:
@@ -177,40 +170,34 @@ def pod_ip(cluster: Cluster, node: Node, host: int) -> str:
     return str(cidr[host])
 
 
-def set_mode(node: Node, mode: str) -> None:
-    i = node.args.index("--routing-mode")
-    node.args[i + 1] = mode
-
-
-def flagella_mode(
-    cluster: Cluster,
-    nodes: list[Node],
-    mode: str,
-    *,
-    seconds: int,
-    round_trips: int,
-    runs: int,
-    base: int,
-) -> tuple[dict[str, float], Netns, str]:
-    """Both datapaths (re)started in mode, a fresh pod pair, measured."""
-    for node in nodes:
-        if node.process is not None:
-            node.process.stop()
-        set_mode(node, mode)
-        cluster.start_datapath(node)
-    a = add_pod(cluster, nodes[0], f"a{mode[0]}", base, pod_ip(cluster, nodes[0], base),
-                {"app": "bench-client"})  # fmt: skip
-    b = add_pod(cluster, nodes[1], f"b{mode[0]}", base + 1, pod_ip(cluster, nodes[1], base + 1),
-                {"app": "bench-server"})  # fmt: skip
-    gbps, p50, p99 = Pair(a.ns, b.ns, b.ip).measure(seconds, round_trips, runs)
-    return {f"{mode}_gbps": gbps, f"{mode}_rr_p50_us": p50, f"{mode}_rr_p99_us": p99}, b.ns, b.ip
+def flagella_pair(cluster: Cluster, underlay: Underlay, mode: str, first: int) -> Pair:
+    """Two nodes in mode (underlay hosts first and first + 1) with a pod
+    each. The two modes' node pairs share the control plane and never talk
+    to each other (a native node has no tunnel device)."""
+    nodes = [
+        cluster.add_node(f"{mode}{i}", underlay=underlay, extra=["--routing-mode", mode])
+        for i in (1, 2)
+    ]
+    assert nodes[0].index == first, nodes[0].index
+    a, b = (
+        add_pod(
+            cluster,
+            node,
+            f"{mode[0]}{i}",
+            first * 10 + i,
+            pod_ip(cluster, node, 10 + i),
+            {"app": f"bench-{i}"},
+        )
+        for i, node in enumerate(nodes)
+    )
+    return Pair(a.ns, b.ns, b.ip)
 
 
 def join_convergence(
     cluster: Cluster, underlay: Underlay, target_ip: str, joins: int
 ) -> dict[str, float]:
-    """A third node joins (tunnel mode), again and again: registration to
-    the first answer from an existing pod, as its host sees it."""
+    """A node joins (tunnel mode), again and again: registration to the
+    first answer from an existing pod, as the joining node's host sees it."""
     node = cluster.add_node("j", underlay=underlay, extra=["--routing-mode", "tunnel"], start=False)
     ipam = cluster.ipam()
     samples = []
@@ -245,21 +232,31 @@ def bench_cluster() -> Iterator[tuple[Cluster, Underlay]]:
 
 
 def bench(quick: bool) -> dict[str, float]:
-    seconds, round_trips, runs, joins = (1, 500, 1, 2) if quick else (5, 5000, 3, 10)
+    """Every path's pair is up at once and measured in rounds, one path
+    after the other, so that the machine's other load falls on all alike:
+    the best throughput of the rounds (other load only ever lowers it), the
+    median of the rounds' latency percentiles."""
+    seconds, round_trips, rounds, joins = (1, 300, 1, 2) if quick else (4, 3000, 3, 10)
     figures: dict[str, float] = {}
     with bench_cluster() as (cluster, underlay):
-        runs_of = {"seconds": seconds, "round_trips": round_trips, "runs": runs}
-        figures |= kernel_baselines(cluster, underlay, **runs_of)
-        nodes = [
-            cluster.add_node(f"m{i}", underlay=underlay, extra=["--routing-mode", "native"],
-                             start=False)
-            for i in (1, 2)
-        ]  # fmt: skip
-        native, _, _ = flagella_mode(cluster, nodes, "native", base=10, **runs_of)
-        tunnel, server, server_ip = flagella_mode(cluster, nodes, "tunnel", base=20, **runs_of)
-        figures |= native | tunnel
-        figures |= join_convergence(cluster, underlay, server_ip, joins)
-        server.cleanup()
+        pairs = {
+            "native": flagella_pair(cluster, underlay, "native", 1),
+            "tunnel": flagella_pair(cluster, underlay, "tunnel", 3),
+        } | kernel_pairs(cluster, underlay)
+        gbps: dict[str, list[float]] = {name: [] for name in pairs}
+        p50s: dict[str, list[float]] = {name: [] for name in pairs}
+        p99s: dict[str, list[float]] = {name: [] for name in pairs}
+        for _ in range(rounds):
+            for name, pair in pairs.items():
+                gbps[name].append(pair.throughput(seconds))
+                p50, p99 = pair.round_trips(round_trips)
+                p50s[name].append(p50)
+                p99s[name].append(p99)
+        for name in pairs:
+            figures[f"{name}_gbps"] = max(gbps[name])
+            figures[f"{name}_rr_p50_us"] = statistics.median(p50s[name])
+            figures[f"{name}_rr_p99_us"] = statistics.median(p99s[name])
+        figures |= join_convergence(cluster, underlay, pairs["tunnel"].server_ip, joins)
     figures["native_vs_routing_pct"] = figures["native_gbps"] / figures["kernel_routing_gbps"] * 100
     figures["tunnel_vs_vxlan_pct"] = figures["tunnel_gbps"] / figures["kernel_vxlan_gbps"] * 100
     return figures
