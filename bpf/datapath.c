@@ -7,6 +7,10 @@
  *                   NAT of NodePort replies from local backends
  *   from_netdev     tc ingress of the node's uplink: NodePort (DNAT to a local
  *                   backend, or DNAT + SNAT to a remote one), reverse SNAT
+ *   from_tunnel     tc ingress of the VXLAN device (tunnel mode): the source
+ *                   identity from the VNI, delivery to the local pod
+ *   to_tunnel       tc egress of the VXLAN device: the tunnel key of what the
+ *                   node's own stack routes into it
  *
  * Layouts and constants: layout.h. Behaviour: docs/datapath-bpf.md.
  */
@@ -48,6 +52,7 @@ BPF_TABLE("lru_hash", struct affinity_key, struct affinity_value, affinity, COMP
 BPF_F_TABLE("lpm_trie", struct srcrange_key, __u32, srcrange, COMPILE_MAX, BPF_F_NO_PREALLOC);
 BPF_TABLE("lru_hash", struct ct_key, struct ct_entry, ct, COMPILE_MAX);
 BPF_TABLE("lru_hash", struct ct_key, struct nat_value, snat, COMPILE_MAX);
+BPF_TABLE("lru_hash", struct frag_key, struct frag_value, frags, COMPILE_MAX);
 BPF_TABLE("array", __u32, struct dp_config, config, 1);
 BPF_TABLE("percpu_array", __u32, struct metrics_value, metrics, 768);
 BPF_RINGBUF_OUTPUT(events, 1);
@@ -70,6 +75,15 @@ BPF_TABLE("array", __u32, struct flow_event, event_layout, 1);
 
 #define IP_MF 0x2000
 #define IP_OFFSET 0x1FFF
+#define IP6_OFFSET 0xFFF8 /* the fragment header's frag_off, host order */
+
+/* The IPv6 fragment header (bcc's 6.1 uapi headers have none). */
+struct frag_hdr {
+	__u8 nexthdr;
+	__u8 reserved;
+	__be16 frag_off;
+	__be32 identification;
+};
 
 #define PASS 1 /* parse result: let it through untouched (ARP, ND) */
 
@@ -88,7 +102,7 @@ struct pkt {
 	__u8 echo;       /* ICMP echo: the id sits at l4_off + 4 */
 	__u8 csum_flags; /* extra bpf_l4_csum_replace flags (UDP: mangled 0) */
 	__u8 icmp_error; /* ICMP error: an inner packet follows at l4_off + 8 */
-	__u8 pad;
+	__u8 frag_later; /* a later IP fragment: no L4 header, ports from frags */
 };
 
 static __always_inline void set_v4mapped(union v6addr *a, __be32 ip)
@@ -207,6 +221,45 @@ static __always_inline int parse_l4(struct __sk_buff *skb, struct pkt *p)
 	return 0;
 }
 
+static __always_inline void frag_fill(struct frag_key *k, struct pkt *p, __be32 id)
+{
+	addr_copy(&k->saddr, &p->saddr);
+	addr_copy(&k->daddr, &p->daddr);
+	k->id = id;
+	k->proto = p->proto;
+}
+
+/* The first fragment of a datagram: remember its ports for the others. */
+static __always_inline void frag_first(struct pkt *p, __be32 id)
+{
+	struct frag_key k = {};
+	struct frag_value v = {};
+	frag_fill(&k, p, id);
+	v.sport = p->sport;
+	v.dport = p->dport;
+	v.icmp_type = p->icmp_type;
+	v.echo = p->echo;
+	frags.update(&k, &v);
+}
+
+/* A later fragment: the ports its first fragment had; there is no L4
+ * header to read or rewrite (checksums included). */
+static __always_inline int frag_later(struct pkt *p, __be32 id)
+{
+	struct frag_key k = {};
+	frag_fill(&k, p, id);
+	struct frag_value *v = frags.lookup(&k);
+	if (!v)
+		return -DROP_FRAG_NOT_SUPPORTED;
+	p->sport = v->sport;
+	p->dport = v->dport;
+	p->icmp_type = v->icmp_type;
+	p->echo = v->echo;
+	p->frag_later = 1;
+	p->csum_off = 0;
+	return 0;
+}
+
 /* Fills p from the packet. Returns 0, PASS, or -reason. */
 static __always_inline int parse(struct __sk_buff *skb, struct pkt *p)
 {
@@ -224,14 +277,19 @@ static __always_inline int parse(struct __sk_buff *skb, struct pkt *p)
 			return -DROP_INVALID_PACKET;
 		if (ip->ihl < 5 || ip->version != 4)
 			return -DROP_INVALID_PACKET;
-		if (ip->frag_off & bpf_htons(IP_OFFSET))
-			return -DROP_FRAG_NOT_SUPPORTED;
+		__u16 fo = bpf_ntohs(ip->frag_off);
+		__be32 id = ip->id;
 		p->family = 4;
 		p->proto = ip->protocol;
 		set_v4mapped(&p->saddr, ip->saddr);
 		set_v4mapped(&p->daddr, ip->daddr);
 		p->l4_off = ETH_HLEN + ip->ihl * 4;
-		return parse_l4(skb, p);
+		if (fo & IP_OFFSET)
+			return frag_later(p, id);
+		int ret = parse_l4(skb, p);
+		if (ret == 0 && (fo & IP_MF))
+			frag_first(p, id);
+		return ret;
 	}
 	if (eth->h_proto == bpf_htons(ETH_P_IPV6)) {
 		struct ipv6hdr *ip6 = (void *)(eth + 1);
@@ -242,11 +300,26 @@ static __always_inline int parse(struct __sk_buff *skb, struct pkt *p)
 		__builtin_memcpy(p->daddr.u8, ip6->daddr.in6_u.u6_addr8, 16);
 		__u8 nh = ip6->nexthdr;
 		__u32 off = ETH_HLEN + sizeof(struct ipv6hdr);
+		__be32 frag_id = 0;
+		int first = 0;
 #pragma unroll
 		for (int i = 0; i < 4; i++) {
 			__u8 ext[2];
-			if (nh == IPPROTO_FRAGMENT)
-				return -DROP_FRAG_NOT_SUPPORTED;
+			if (nh == IPPROTO_FRAGMENT) {
+				struct frag_hdr fh;
+				if (bpf_skb_load_bytes(skb, off, &fh, sizeof(fh)) < 0)
+					return -DROP_INVALID_PACKET;
+				nh = fh.nexthdr;
+				off += sizeof(fh);
+				frag_id = fh.identification;
+				if (bpf_ntohs(fh.frag_off) & IP6_OFFSET) {
+					p->proto = nh;
+					p->l4_off = off;
+					return frag_later(p, frag_id);
+				}
+				first = 1;
+				continue;
+			}
 			if (nh != IPPROTO_HOPOPTS && nh != IPPROTO_ROUTING &&
 			    nh != IPPROTO_DSTOPTS && nh != IPPROTO_AH)
 				break;
@@ -260,7 +333,10 @@ static __always_inline int parse(struct __sk_buff *skb, struct pkt *p)
 		}
 		p->proto = nh;
 		p->l4_off = off;
-		return parse_l4(skb, p);
+		int ret6 = parse_l4(skb, p);
+		if (ret6 == 0 && first)
+			frag_first(p, frag_id);
+		return ret6;
 	}
 	if (eth->h_proto == bpf_htons(ETH_P_ARP))
 		return PASS;
@@ -369,6 +445,11 @@ static __always_inline int rewrite_port(struct __sk_buff *skb, struct pkt *p, in
 
 	if (old == nw)
 		return 0;
+	if (p->frag_later) {
+		/* no L4 header in this fragment: the first one carried the port */
+		*cur = nw;
+		return 0;
+	}
 	if (p->proto == IPPROTO_TCP || p->proto == IPPROTO_UDP) {
 		off = p->l4_off + (is_src ? 0 : 2);
 	} else if (p->echo) {
@@ -386,13 +467,18 @@ static __always_inline int rewrite_port(struct __sk_buff *skb, struct pkt *p, in
 
 /* --- lookups --- */
 
-static __always_inline __u32 ipcache_identity(const union v6addr *addr, __u8 family)
+static __always_inline struct ipcache_value *ipcache_get(const union v6addr *addr, __u8 family)
 {
 	struct ipcache_key k = {};
 	k.prefixlen = 8 + 128;
 	k.family = family;
 	__builtin_memcpy(k.addr, addr->u8, 16);
-	struct ipcache_value *v = ipcache.lookup(&k);
+	return ipcache.lookup(&k);
+}
+
+static __always_inline __u32 ipcache_identity(const union v6addr *addr, __u8 family)
+{
+	struct ipcache_value *v = ipcache_get(addr, family);
 	return v ? v->identity : ID_WORLD;
 }
 
@@ -407,6 +493,19 @@ static __always_inline __u32 peer_identity(struct dp_config *cfg, const union v6
 	    (addr_eq(addr, &cfg->node_ip4) || addr_eq(addr, &cfg->node_ip6)))
 		return ID_HOST;
 	return id;
+}
+
+/* The source identity of a packet entering a local pod: what from-tunnel
+ * read from the VNI (in the mark), else by the source address. */
+static __always_inline __u32 ingress_peer(struct __sk_buff *skb, struct dp_config *cfg,
+					  struct pkt *p)
+{
+	__u32 mark = skb->mark;
+	if ((mark & MARK_MAGIC_MASK) == MARK_MAGIC_IDENTITY)
+		return mark & MARK_IDENTITY_MASK;
+	struct endpoint_key sk = {};
+	addr_copy(&sk.addr, &p->saddr);
+	return peer_identity(cfg, &p->saddr, p->family, endpoints.lookup(&sk));
 }
 
 /* 0: allowed, else the drop reason. */
@@ -764,15 +863,79 @@ static __always_inline int rev_nat(struct __sk_buff *skb, struct pkt *p, __u32 r
 	return 0;
 }
 
-/* Local delivery: Ethernet addresses of the destination pod, then its veth. */
-static __always_inline int redirect_local(struct __sk_buff *skb, struct endpoint_info *dst)
+/* A router's hop where the datapath forwards past the node's stack: the
+ * TTL (IPv4, checksum kept right) or hop limit less one. 0, or -reason: it
+ * ran out (no ICMP time exceeded is sent). */
+static __always_inline int hop(struct __sk_buff *skb, struct pkt *p)
+{
+	__u8 ttl;
+	__u32 off = ETH_HLEN + (p->family == 4 ? offsetof(struct iphdr, ttl)
+					       : offsetof(struct ipv6hdr, hop_limit));
+	if (bpf_skb_load_bytes(skb, off, &ttl, 1) < 0)
+		return -DROP_INVALID_PACKET;
+	if (ttl <= 1)
+		return -DROP_TTL_EXCEEDED;
+	__u8 nttl = ttl - 1;
+	if (p->family == 4) {
+		/* ttl and protocol share one 16-bit word of the checksum */
+		__u8 proto;
+		if (bpf_skb_load_bytes(skb, off + 1, &proto, 1) < 0)
+			return -DROP_INVALID_PACKET;
+		__be16 old = bpf_htons(((__u16)ttl << 8) | proto);
+		__be16 nw = bpf_htons(((__u16)nttl << 8) | proto);
+		if (bpf_l3_csum_replace(skb, ETH_HLEN + offsetof(struct iphdr, check), old, nw, 2) < 0)
+			return -DROP_INVALID_PACKET;
+	}
+	if (bpf_skb_store_bytes(skb, off, &nttl, 1, 0) < 0)
+		return -DROP_INVALID_PACKET;
+	return 0;
+}
+
+/* Local delivery: a hop, Ethernet addresses of the destination pod, then
+ * its veth. The TC action, or -reason. */
+static __always_inline int redirect_local(struct __sk_buff *skb, struct pkt *p,
+					  struct endpoint_info *dst)
 {
 	__u8 macs[12];
 	__builtin_memcpy(macs, dst->mac, 6);
 	__builtin_memcpy(macs + 6, dst->node_mac, 6);
+	__u32 ifindex = dst->ifindex;
+	int ret = hop(skb, p);
+	if (ret < 0)
+		return ret;
 	if (bpf_skb_store_bytes(skb, 0, macs, 12, 0) < 0)
+		return -DROP_REDIRECT_FAILED;
+	return bpf_redirect(ifindex, 0);
+}
+
+/* --- tunnel mode --- */
+
+static __always_inline int set_tunnel(struct __sk_buff *skb, __be32 node, __u32 identity)
+{
+	struct bpf_tunnel_key key = {};
+	key.remote_ipv4 = bpf_ntohl(node);
+	key.tunnel_id = identity & MARK_IDENTITY_MASK;
+	key.tunnel_ttl = TUNNEL_TTL;
+	return bpf_skb_set_tunnel_key(skb, &key, sizeof(key), BPF_F_ZERO_CSUM_TX);
+}
+
+/* A destination in another node's pod CIDR goes into the tunnel, to that
+ * node, with the source identity as VNI (as Cilium), one hop on. -1: not a
+ * tunnel destination; -reason: dropped; else the redirect's TC action. */
+static __always_inline int tunnel_redirect(struct __sk_buff *skb, struct pkt *p,
+					   struct dp_config *cfg, __u32 src_identity)
+{
+	struct ipcache_value *v = ipcache_get(&p->daddr, p->family);
+	if (!v || !v->tunnel_ip)
 		return -1;
-	return bpf_redirect(dst->ifindex, 0);
+	__be32 node = v->tunnel_ip;
+	__u32 ifindex = cfg->tunnel_ifindex;
+	int ret = hop(skb, p);
+	if (ret < 0)
+		return ret;
+	if (set_tunnel(skb, node, src_identity) < 0)
+		return -DROP_INVALID_PACKET;
+	return bpf_redirect(ifindex, 0);
 }
 
 /* ------------------------------------------------------------------ */
@@ -839,10 +1002,18 @@ int from_container(struct __sk_buff *skb)
 
 	count(DIR_EGRESS, REASON_FORWARDED, p.len);
 	if (dst) {
-		ret = redirect_local(skb, dst);
+		__u32 dst_id = dst->identity;
+		ret = redirect_local(skb, &p, dst);
 		if (ret < 0)
-			return drop(skb, &p, DROP_REDIRECT_FAILED, DIR_EGRESS, ep_id, my_id, dst->identity);
+			return drop(skb, &p, -ret, DIR_EGRESS, ep_id, my_id, dst_id);
 		return ret;
+	}
+	if (cfg && (cfg->flags & CFG_TUNNEL)) {
+		ret = tunnel_redirect(skb, &p, cfg, my_id);
+		if (ret < -1)
+			return drop(skb, &p, -ret, DIR_EGRESS, ep_id, my_id, 0);
+		if (ret >= 0)
+			return ret;
 	}
 	/* Up the host stack (other nodes, outside). The pod addressed its
 	 * gateway's MAC, which need not be this veth's. */
@@ -887,9 +1058,7 @@ int to_container(struct __sk_buff *skb)
 		}
 	} else if (st == CT_ESTABLISHED && ce) {
 		if (ce->policy_gen != ep->policy_gen) {
-			struct endpoint_key sk = {};
-			addr_copy(&sk.addr, &p.saddr);
-			__u32 peer = peer_identity(cfg, &p.saddr, p.family, endpoints.lookup(&sk));
+			__u32 peer = ingress_peer(skb, cfg, &p);
 			if ((ep->flags & EP_F_INGRESS_ENFORCED) &&
 			    !(peer == ID_HOST && cfg && (cfg->flags & CFG_ALLOW_HOST))) {
 				ret = policy_check(ep_id, peer, DIR_INGRESS, &p);
@@ -899,9 +1068,7 @@ int to_container(struct __sk_buff *skb)
 			ce->policy_gen = ep->policy_gen;
 		}
 	} else {
-		struct endpoint_key sk = {};
-		addr_copy(&sk.addr, &p.saddr);
-		__u32 peer = peer_identity(cfg, &p.saddr, p.family, endpoints.lookup(&sk));
+		__u32 peer = ingress_peer(skb, cfg, &p);
 		if ((ep->flags & EP_F_INGRESS_ENFORCED) &&
 		    !(peer == ID_HOST && cfg && (cfg->flags & CFG_ALLOW_HOST))) {
 			ret = policy_check(ep_id, peer, DIR_INGRESS, &p);
@@ -992,9 +1159,12 @@ static __always_inline int nat_out(struct dp_config *cfg, struct pkt *p, union v
  * the Ethernet addresses of the FIB's answer, or through the neighbour
  * subsystem when the next hop is not resolved yet. Not up the host stack:
  * the packet's source is the node's own address, which the stack drops as
- * martian on a packet arriving from outside. A TC action, or -1. */
+ * martian on a packet arriving from outside. A TC action, or -reason. */
 static __always_inline int fib_redirect(struct __sk_buff *skb, struct pkt *p)
 {
+	int hopped = hop(skb, p);
+	if (hopped < 0)
+		return hopped;
 	struct bpf_fib_lookup fib = {};
 	fib.ifindex = skb->ifindex;
 	fib.l4_protocol = p->proto;
@@ -1015,7 +1185,7 @@ static __always_inline int fib_redirect(struct __sk_buff *skb, struct pkt *p)
 		__builtin_memcpy(macs, fib.dmac, 6);
 		__builtin_memcpy(macs + 6, fib.smac, 6);
 		if (bpf_skb_store_bytes(skb, 0, macs, 12, 0) < 0)
-			return -1;
+			return -DROP_REDIRECT_FAILED;
 		return bpf_redirect(fib.ifindex, 0);
 	}
 	if (rc == BPF_FIB_LKUP_RET_NO_NEIGH) {
@@ -1029,7 +1199,7 @@ static __always_inline int fib_redirect(struct __sk_buff *skb, struct pkt *p)
 		}
 		return redirect_neigh(fib.ifindex, &nh, sizeof(nh), 0);
 	}
-	return -1;
+	return -DROP_FIB_LOOKUP_FAILED;
 }
 
 int to_netdev(struct __sk_buff *skb)
@@ -1080,9 +1250,19 @@ int to_netdev(struct __sk_buff *skb)
 	}
 	if (addr_is_zero(&nat_ip))
 		return TC_ACT_OK;
-	__u32 dst_id = ipcache_identity(&p.daddr, p.family);
+	struct ipcache_value *dv = ipcache_get(&p.daddr, p.family);
+	__u32 dst_id = dv ? dv->identity : ID_WORLD;
+	if (dv && (dv->flags & IPC_F_CLUSTER))
+		return TC_ACT_OK; /* a node or a node's pod CIDR: no masquerade */
 	if (dst_id != ID_WORLD && dst_id < ID_LOCAL_SCOPE)
 		return TC_ACT_OK; /* inside the cluster: no masquerade */
+	/* A reply of a connection opened towards the pod from outside (routed
+	 * to it, not translated on the way in) keeps the pod's address. */
+	struct ct_key rk = {};
+	ct_fill(&rk, &p, CT_SCOPE_INGRESS, 1);
+	struct ct_entry *re = ct.lookup(&rk);
+	if (re && re->expires > now)
+		return TC_ACT_OK;
 
 	struct nat_value in = {};
 	addr_copy(&in.addr, &p.saddr);
@@ -1139,9 +1319,11 @@ static __always_inline int nodeport_lb(struct __sk_buff *skb, struct pkt *p, str
 				return drop(skb, p, DROP_CT_INSERT_FAILED, DIR_INGRESS, dst->ep_id,
 					    ne.identity, dst->identity);
 		}
-		ret = redirect_local(skb, dst);
+		__u64 dst_ep = dst->ep_id;
+		__u32 dst_id = dst->identity;
+		ret = redirect_local(skb, p, dst);
 		if (ret < 0)
-			return drop(skb, p, DROP_REDIRECT_FAILED, DIR_INGRESS, dst->ep_id, 0, dst->identity);
+			return drop(skb, p, -ret, DIR_INGRESS, dst_ep, 0, dst_id);
 		return ret;
 	}
 
@@ -1161,7 +1343,7 @@ static __always_inline int nodeport_lb(struct __sk_buff *skb, struct pkt *p, str
 		return drop(skb, p, DROP_NAT_FAILED, DIR_INGRESS, 0, 0, 0);
 	ret = fib_redirect(skb, p);
 	if (ret < 0)
-		return drop(skb, p, DROP_FIB_LOOKUP_FAILED, DIR_INGRESS, 0, 0, 0);
+		return drop(skb, p, -ret, DIR_INGRESS, 0, 0, 0);
 	count(DIR_INGRESS, REASON_FORWARDED, p->len);
 	return ret;
 }
@@ -1196,7 +1378,7 @@ static __always_inline int rev_snat(struct __sk_buff *skb, struct pkt *p, struct
 			return drop(skb, p, ret, DIR_INGRESS, 0, 0, 0);
 		ret = fib_redirect(skb, p);
 		if (ret < 0)
-			return drop(skb, p, DROP_FIB_LOOKUP_FAILED, DIR_INGRESS, 0, 0, 0);
+			return drop(skb, p, -ret, DIR_INGRESS, 0, 0, 0);
 		count(DIR_INGRESS, REASON_FORWARDED, p->len);
 		return ret;
 	}
@@ -1205,9 +1387,11 @@ static __always_inline int rev_snat(struct __sk_buff *skb, struct pkt *p, struct
 	addr_copy(&ek.addr, &to);
 	struct endpoint_info *dst = endpoints.lookup(&ek);
 	if (dst) {
-		int ret = redirect_local(skb, dst);
+		__u64 dst_ep = dst->ep_id;
+		__u32 dst_id = dst->identity;
+		int ret = redirect_local(skb, p, dst);
 		if (ret < 0)
-			return drop(skb, p, DROP_REDIRECT_FAILED, DIR_INGRESS, dst->ep_id, 0, dst->identity);
+			return drop(skb, p, -ret, DIR_INGRESS, dst_ep, 0, dst_id);
 		return ret;
 	}
 	return TC_ACT_OK;
@@ -1229,9 +1413,78 @@ int from_netdev(struct __sk_buff *skb)
 		addr_copy(&node_ip, &cfg->node_ip6);
 	if (addr_is_zero(&node_ip) || !addr_eq(&p.daddr, &node_ip))
 		return TC_ACT_OK; /* only the node address is translated here */
+	if ((cfg->flags & CFG_TUNNEL) && p.proto == IPPROTO_UDP && p.dport == cfg->tunnel_port)
+		return TC_ACT_OK; /* the tunnel's own packets: not a service's */
 	__u64 now = bpf_ktime_get_ns();
 	ret = nodeport_lb(skb, &p, cfg, &node_ip, now);
 	if (ret >= 0)
 		return ret;
 	return rev_snat(skb, &p, cfg, now);
+}
+
+/* ------------------------------------------------------------------ */
+/* The VXLAN device (tunnel mode). */
+
+/* A packet out of the tunnel: the VNI is the source identity its node
+ * gave it (that node's host: remote-node here); only nodes of the cluster
+ * may send. A local pod's packet is handed to its veth with the identity in
+ * the mark, and its to-container applies the ingress policy; anything else
+ * goes up the stack. */
+int from_tunnel(struct __sk_buff *skb)
+{
+	struct pkt p = {};
+	int ret = parse(skb, &p);
+	if (ret == PASS)
+		return TC_ACT_OK;
+	if (ret < 0)
+		return drop(skb, &p, -ret, DIR_INGRESS, 0, 0, 0);
+	struct bpf_tunnel_key key = {};
+	if (bpf_skb_get_tunnel_key(skb, &key, sizeof(key), 0) < 0)
+		return drop(skb, &p, DROP_INVALID_PACKET, DIR_INGRESS, 0, 0, 0);
+	union v6addr outer;
+	set_v4mapped(&outer, bpf_htonl(key.remote_ipv4));
+	if (ipcache_identity(&outer, 4) != ID_REMOTE_NODE)
+		return drop(skb, &p, DROP_UNKNOWN_NODE, DIR_INGRESS, 0, 0, 0);
+	__u32 id = key.tunnel_id;
+	if (id == ID_HOST)
+		id = ID_REMOTE_NODE;
+	else if (id == ID_UNKNOWN)
+		id = ID_WORLD;
+
+	struct endpoint_key ek = {};
+	addr_copy(&ek.addr, &p.daddr);
+	struct endpoint_info *ep = endpoints.lookup(&ek);
+	if (!ep) {
+		if (skb->pkt_type != PACKET_HOST)
+			bpf_skb_change_type(skb, PACKET_HOST);
+		return TC_ACT_OK;
+	}
+	__u64 ep_id = ep->ep_id;
+	__u32 ep_identity = ep->identity;
+	skb->mark = MARK_MAGIC_IDENTITY | id;
+	ret = redirect_local(skb, &p, ep);
+	if (ret < 0)
+		return drop(skb, &p, -ret, DIR_INGRESS, ep_id, id, ep_identity);
+	return ret;
+}
+
+/* Into the tunnel. Pods' packets arrive with their key set (from-container);
+ * the node's own (routed to the device: remote pod CIDRs in tunnel mode, and
+ * NodePort to remote backends) get the destination's node and the host
+ * identity. Neighbour discovery and other link chatter stays here. */
+int to_tunnel(struct __sk_buff *skb)
+{
+	struct bpf_tunnel_key key = {};
+	if (bpf_skb_get_tunnel_key(skb, &key, sizeof(key), 0) == 0)
+		return TC_ACT_OK;
+	struct pkt p = {};
+	int ret = parse(skb, &p);
+	if (ret != 0)
+		return TC_ACT_SHOT;
+	struct ipcache_value *v = ipcache_get(&p.daddr, p.family);
+	if (!v || !v->tunnel_ip)
+		return drop(skb, &p, DROP_NO_TUNNEL_ENDPOINT, DIR_EGRESS, 0, ID_HOST, 0);
+	if (set_tunnel(skb, v->tunnel_ip, ID_HOST) < 0)
+		return drop(skb, &p, DROP_INVALID_PACKET, DIR_EGRESS, 0, ID_HOST, 0);
+	return TC_ACT_OK;
 }

@@ -48,7 +48,10 @@ union v6addr {
 #define DROP_UNKNOWN_ENDPOINT 162
 #define DROP_FIB_LOOKUP_FAILED 163
 #define DROP_REDIRECT_FAILED 164
-#define DROP_FRAG_NOT_SUPPORTED 165
+#define DROP_FRAG_NOT_SUPPORTED 165 /* a later fragment whose first was not seen */
+#define DROP_UNKNOWN_NODE 166       /* a tunnel packet from an address that is no node */
+#define DROP_NO_TUNNEL_ENDPOINT 167 /* the tunnel has no node for the destination */
+#define DROP_TTL_EXCEEDED 168       /* a forwarded packet's TTL / hop limit ran out */
 /* metrics only: events the ring buffer had no room for (direction 0) */
 #define METRIC_EVENTS_LOST 255
 
@@ -93,9 +96,16 @@ struct ipcache_key {
 	__u8 pad[3];
 };
 
+/* The prefix is inside the cluster (a node's pod CIDR, a node): pod
+ * traffic to it is never masqueraded, whatever its identity. */
+#define IPC_F_CLUSTER (1U << 0)
+
 struct ipcache_value {
 	__u32 identity;
-	__u32 flags;
+	__u32 flags;        /* IPC_F_* */
+	__be32 tunnel_ip;   /* tunnel mode: the node hosting the prefix (IPv4
+			     * underlay); 0: this node, or not in a pod CIDR */
+	__u32 pad;
 };
 
 /* --- policy: one LPM trie for every endpoint ---
@@ -264,12 +274,32 @@ struct nat_value {
 	__u64 expires;
 };
 
+/* --- IP fragments (cilium_ipv4_frag_datagrams): the first fragment's
+ * ports (and ICMP type), so the datagram's later fragments, which carry no
+ * L4 header, get the same conntrack entry, verdict and translation --- */
+struct frag_key {
+	union v6addr saddr;
+	union v6addr daddr;
+	__be32 id;  /* IPv4: the header's 16-bit id; IPv6: the fragment header's */
+	__u8 proto;
+	__u8 pad[3];
+};
+
+struct frag_value {
+	__be16 sport;
+	__be16 dport;
+	__u8 icmp_type;
+	__u8 echo;
+	__u16 pad;
+};
+
 /* --- node configuration: one entry --- */
 #define CFG_MASQUERADE4 (1U << 0)
 #define CFG_MASQUERADE6 (1U << 1)
 #define CFG_ALLOW_HOST (1U << 2)   /* host identity always reaches local pods */
 #define CFG_VERDICT_EVENTS (1U << 3) /* emit policy-verdict events */
 #define CFG_DROP_EVENTS (1U << 4)  /* emit drop events */
+#define CFG_TUNNEL (1U << 5)       /* tunnel routing mode: pods of other nodes via VXLAN */
 
 struct dp_config {
 	union v6addr node_ip4; /* v4-mapped; zero: none */
@@ -277,7 +307,18 @@ struct dp_config {
 	__u32 flags;           /* CFG_* */
 	__u16 nat_port_min;    /* host order, inclusive */
 	__u16 nat_port_max;
+	__u32 tunnel_ifindex;  /* CFG_TUNNEL: the collect-metadata VXLAN device */
+	__be16 tunnel_port;    /* CFG_TUNNEL: its UDP port */
+	__u16 pad;
 };
+
+/* --- tunnel mode: the source identity rides in the VNI; from-tunnel hands
+ * it to the destination's to-container in skb->mark (a packet from a pod
+ * has its mark scrubbed crossing into the node's netns). --- */
+#define MARK_MAGIC_MASK 0xFF000000U
+#define MARK_MAGIC_IDENTITY 0x0F000000U
+#define MARK_IDENTITY_MASK 0x00FFFFFFU
+#define TUNNEL_TTL 64
 
 /* --- metrics (cilium_metrics): index = direction * 256 + reason --- */
 struct metrics_value {

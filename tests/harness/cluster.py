@@ -26,6 +26,7 @@ from harness import tls
 from harness.etcd import EtcdServer
 from harness.netns import Netns, NetnsSet
 from harness.procs import ServiceProcess
+from harness.underlay import Underlay
 
 Spawn = Callable[..., ServiceProcess]
 OUTSIDE_IP = "192.168.{n}.254"
@@ -111,21 +112,35 @@ class Cluster:
         )
         return self.services[svc]
 
-    def add_node(self, name: str, *, extra: Sequence[str] = (), start: bool = True) -> Node:
-        """A node netns with an uplink to its own outside netns, and its
-        datapath process."""
+    def add_node(
+        self,
+        name: str,
+        *,
+        extra: Sequence[str] = (),
+        start: bool = True,
+        underlay: Underlay | None = None,
+    ) -> Node:
+        """A node netns with an uplink to its own outside netns (or, given
+        an underlay, to that shared segment: IPv4 and IPv6 node IPs), and
+        its datapath process."""
         index = len(self.nodes) + 1
         netns = self.nss.new(f"n{index}")
-        outside = self.nss.new(f"o{index}")
-        ip = NODE_IP.format(n=100 + index)
-        out_ip = OUTSIDE_IP.format(n=100 + index)
-        netns.ip(
-            "link", "add", "up0", "type", "veth", "peer", "name", "eth0", "netns", outside.name
-        )
-        netns.ip("addr", "add", f"{ip}/24", "dev", "up0")
-        netns.ip("link", "set", "up0", "up")
-        outside.ip("addr", "add", f"{out_ip}/24", "dev", "eth0")
-        outside.ip("link", "set", "eth0", "up")
+        node_ips: list[str] = []
+        if underlay is None:
+            outside = self.nss.new(f"o{index}")
+            ip = NODE_IP.format(n=100 + index)
+            out_ip = OUTSIDE_IP.format(n=100 + index)
+            netns.ip(
+                "link", "add", "up0", "type", "veth", "peer", "name", "eth0", "netns", outside.name
+            )
+            netns.ip("addr", "add", f"{ip}/24", "dev", "up0")
+            netns.ip("link", "set", "up0", "up")
+            outside.ip("addr", "add", f"{out_ip}/24", "dev", "eth0")
+            outside.ip("link", "set", "eth0", "up")
+        else:
+            outside = underlay.outside
+            ip, ip6 = underlay.plug(netns, index, "up0")
+            node_ips.append(ip6)
         node = Node(
             name=name,
             index=index,
@@ -141,6 +156,7 @@ class Cluster:
         args = [
             "--node-name", name,
             "--node-ip", ip,
+            *(a for ip6 in node_ips for a in ("--node-ip", ip6)),
             "--uplink", "up0",
             "--bpf-root", node.bpf_root,
             "--state-dir", str(node.state_dir),

@@ -5,9 +5,10 @@ and the backends a batch of service changes removed."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Mapping
 
 from harness.aio import until
+from harness.reconcile import NoOps
 
 from flagella.api.ipam.v1 import ipam_pb2
 from flagella.api.policy.v1 import policy_pb2
@@ -19,17 +20,6 @@ from flagella.datapath.bpf import Backend, Service
 from flagella.datapath.handlers import IPCacheCodec, PolicyCodec, PolicySynced, removed_backends
 from flagella.datapath.routes import NodeRoutes, NodeRoutesCodec
 from flagella.datapath.service import IdentityPolicy
-
-
-class NoOps:
-    async def update(self, key: object, value: object) -> None:
-        pass
-
-    async def delete(self, key: object) -> None:
-        pass
-
-    async def list_actual(self) -> Iterable[object]:
-        return []
 
 
 def ip_event(

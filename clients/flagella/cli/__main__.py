@@ -165,7 +165,62 @@ def check_health(clients: Clients, address: str, timeout: float) -> tuple[str, s
         return STATUS_NAMES.get(resp.status, str(resp.status)), address
 
 
+def node_health(args: argparse.Namespace, clients: Clients) -> int:
+    """`status --nodes`: every node's datapath, found through the node
+    registry, and how it sees the other nodes (reachability, latency)."""
+    nodes = clients.call("ipam", clients.ipam().ListNodes, ipam_pb2.ListNodesRequest()).nodes
+    names = sorted(n.name for n in nodes)
+    data: dict[str, Any] = {}
+    for node in sorted(nodes, key=lambda n: n.name):
+        entry: dict[str, Any] = {"datapath": node.datapath_address, "peers": {}}
+        with grpc.insecure_channel(node.datapath_address) as channel:
+            try:
+                status = datapath_pb2_grpc.DatapathServiceStub(channel).GetStatus(
+                    datapath_pb2.GetStatusRequest(), timeout=args.timeout
+                )
+            except grpc.RpcError as exc:
+                code = exc.code() if hasattr(exc, "code") else None
+                entry["error"] = f"{code.name if code else 'error'}: datapath unreachable"
+                data[node.name] = entry
+                continue
+        for p in status.peers:
+            entry["peers"][p.node] = {
+                "ip": p.ip,
+                "reachable": p.reachable,
+                "latency_ms": round(p.latency.ToNanoseconds() / 1e6, 3),
+                "error": p.error,
+            }
+        data[node.name] = entry
+
+    def cell(src: str, dst: str) -> str:
+        if src == dst:
+            return "-"
+        if "error" in data[src]:
+            return "?"
+        peer = data[src]["peers"].get(dst)
+        if peer is None:
+            return "not probed"
+        return f"{peer['latency_ms']:.2f}ms" if peer["reachable"] else "UNREACHABLE"
+
+    emit(
+        args,
+        {"nodes": data},
+        ["FROM \\ TO", *names],
+        [[s, *(cell(s, d) for d in names)] for s in names],
+    )
+    if args.output != "json":
+        for name in names:
+            if "error" in data[name]:
+                print(f"{name}: {data[name]['error']} at {data[name]['datapath']}")
+    healthy = all(
+        "error" not in e and all(p["reachable"] for p in e["peers"].values()) for e in data.values()
+    )
+    return 0 if healthy else 1
+
+
 def cmd_status(args: argparse.Namespace, clients: Clients) -> int:
+    if args.nodes:
+        return node_health(args, clients)
     deadline = time.monotonic() + args.wait
     while True:
         rows = {
@@ -544,6 +599,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--wait", type=float, default=0.0, help="retry up to this many seconds until all serve"
     )
     status.add_argument("--brief", action="store_true", help="services only")
+    status.add_argument(
+        "--nodes",
+        action="store_true",
+        help="each node's view of the others (reachability, latency); datapaths found through "
+        "the node registry",
+    )
     status.set_defaults(func=cmd_status)
 
     endpoint = sub.add_parser("endpoint", help="endpoints")

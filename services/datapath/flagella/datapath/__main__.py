@@ -30,10 +30,12 @@ from flagella.datapath.handlers import (
     RemoveBackends,
     ServicesCodec,
 )
+from flagella.datapath.ipcache import node_entries, policy_entries
 from flagella.datapath.node import NodeRegistration
 from flagella.datapath.routes import NodeRoutes, NodeRoutesCodec
 from flagella.datapath.service import DatapathService
 from flagella.datapath.servicer import DatapathServicer
+from flagella.datapath.tunnel import TUNNEL_DEVICE
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +88,9 @@ class DatapathApp:
                 lambda since: ipam.WatchNodes(ipam_pb2.WatchNodesRequest(since_revision=since)),
                 NodeRoutesCodec(),
             )
-            self._reconcile(nodes, NodeRoutes(cfg.node_name, self.service.routes))
+            device = TUNNEL_DEVICE if cfg.tunnel else ""
+            self._reconcile(nodes, NodeRoutes(cfg.node_name, self.service.routes, device=device))
+            self._reconcile(nodes, node_entries(self.service.ipcache_view), what="node-ipcache")
         if cfg.policy_address:
             policy = policy_pb2_grpc.PolicyServiceStub(self.runtime.channel(cfg.policy_address))
             ipcache, _ = self._stream(
@@ -97,7 +101,7 @@ class DatapathApp:
                 IPCacheCodec(),
                 acknowledges_resume=False,  # policy's streams answer with the changes alone
             )
-            self._reconcile(ipcache, self.service.ipcache)
+            self._reconcile(ipcache, policy_entries(self.service.ipcache_view))
             policies, source = self._stream(
                 "policy",
                 lambda since: policy.WatchPolicy(
@@ -156,7 +160,12 @@ class DatapathApp:
         return table, source
 
     def _reconcile(
-        self, table: Table[K, R], target: Target[K, R], after: AfterBatch[K, R] | None = None
+        self,
+        table: Table[K, R],
+        target: Target[K, R],
+        after: AfterBatch[K, R] | None = None,
+        *,
+        what: str = "",
     ) -> None:
         """The table into desired state; the stream counts as synced once
         its first snapshot is there."""
@@ -168,7 +177,7 @@ class DatapathApp:
             streams_synced[table.name] = True
 
         self.runtime.tasks.supervise(
-            f"reconcile-{table.name}", lambda: reconcile_table(table, target, after=applied)
+            f"reconcile-{what or table.name}", lambda: reconcile_table(table, target, after=applied)
         )
 
     async def _gc(self, interval: float) -> None:

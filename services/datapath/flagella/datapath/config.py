@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 from dataclasses import dataclass
 
 from flagella.common.config import ServiceConfig, option, parse_host_port, parse_ip
 from flagella.common.errors import ConfigError
 from flagella.common.pki import Identity
+
+ROUTING_MODES = ("tunnel", "native")
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,14 @@ class DatapathConfig(ServiceConfig):
     )
     uplink: str = option("", "the node's uplink interface (masquerade and NodePort run on it)")
     masquerade: bool = option(True, "SNAT pod traffic leaving the cluster to the node address")
+    routing_mode: str = option(
+        "tunnel",
+        "how pods of other nodes are reached: tunnel (VXLAN, the source identity in the VNI) "
+        "or native (each node's pod CIDRs routed via its node IP)",
+    )
+    tunnel_port: int = option(8472, "UDP port of the VXLAN tunnel (tunnel mode)")
+    health_port: int = option(4240, "TCP port other nodes probe this node's health on (0: none)")
+    health_interval_seconds: float = option(5.0, "period of the probes of the other nodes")
     enable_ip_forward: bool = option(True, "turn on IP forwarding in the node's netns")
     proc_sys: str = option(
         "/proc/sys",
@@ -63,3 +74,20 @@ class DatapathConfig(ServiceConfig):
             raise ConfigError("--node-name", str(exc)) from None
         if self.gc_interval_seconds <= 0:
             raise ConfigError("--gc-interval-seconds", "must be positive")
+        if self.routing_mode not in ROUTING_MODES:
+            raise ConfigError(
+                "--routing-mode", f"{self.routing_mode!r} is not one of {', '.join(ROUTING_MODES)}"
+            )
+        if not 1 <= self.tunnel_port <= 65535:
+            raise ConfigError("--tunnel-port", f"{self.tunnel_port} is not in 1..65535")
+        if not 0 <= self.health_port <= 65535:
+            raise ConfigError("--health-port", f"{self.health_port} is not in 0..65535")
+        if self.health_interval_seconds <= 0:
+            raise ConfigError("--health-interval-seconds", "must be positive")
+        versions = {ipaddress.ip_address(ip).version for ip in self.node_ip}
+        if self.tunnel and versions and 4 not in versions:
+            raise ConfigError("--node-ip", "tunnel mode needs an IPv4 node IP (the underlay)")
+
+    @property
+    def tunnel(self) -> bool:
+        return self.routing_mode == "tunnel"

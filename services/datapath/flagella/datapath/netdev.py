@@ -168,6 +168,18 @@ async def _link(ipr: AsyncIPRoute, ifname: str) -> Any | None:
     return found[0] if found else None
 
 
+async def link_named(ipr: AsyncIPRoute, ifname: str) -> Any | None:
+    """The link named ifname in ipr's netns (its full record), or None."""
+    return await _link(ipr, ifname)
+
+
+async def link_mtu(name: str) -> int | None:
+    """The MTU of a link of the datapath's netns, or None when absent."""
+    async with iproute() as ipr:
+        link = await _link(ipr, name)
+    return None if link is None else int(link.get("IFLA_MTU"))
+
+
 def _interface(link: Any, mtu: int, sandbox: str = "", name: str = "") -> Interface:
     """An Interface from a link record read before the caller set its mtu
     (and maybe its name); the mac address does not change."""
@@ -235,24 +247,27 @@ async def setup_veth(spec: VethSpec) -> VethResult:
         host_index = int(host_link["index"])
         pod_index = int(pod_link["index"])
 
-        await host.link("set", index=host_index, mtu=spec.mtu, state="up")
-        host_if = _interface(host_link, spec.mtu)
+        has_v6 = any(a.version == 6 for a in addrs)
+        # Before the link is up: with DAD on, its link-local address stays
+        # tentative for up to 2 s, and the kernel sends no neighbour
+        # solicitation for the pod (forwarded IPv6 to it waits 1 s more).
         await write_sysctls(
             None,
             {
                 f"net.ipv4.conf.{host_name}.rp_filter": "0",
                 f"net.ipv4.conf.{host_name}.forwarding": "1",
-            },
+            }
+            | ({f"net.ipv6.conf.{host_name}.accept_dad": "0"} if has_v6 else {}),
             spec.proc_sys,
         )
+        await host.link("set", index=host_index, mtu=spec.mtu, state="up")
+        host_if = _interface(host_link, spec.mtu)
 
         # The loopback device is ifindex 1 in every netns (LOOPBACK_IFINDEX).
         await pod.link("set", index=LOOPBACK_IFINDEX, state="up")
         await write_sysctls(
             spec.netns_path,
-            {f"net.ipv6.conf.{spec.ifname}.accept_dad": "0"}
-            if any(a.version == 6 for a in addrs)
-            else {},
+            {f"net.ipv6.conf.{spec.ifname}.accept_dad": "0"} if has_v6 else {},
             spec.proc_sys,
         )
         await pod.link("set", index=pod_index, mtu=spec.mtu, state="up")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import ipaddress
 import logging
@@ -34,7 +35,7 @@ from flagella.common.errors import (
 from flagella.common.locks import KeyedLocks
 from flagella.common.reconcile import Reconciler, ReconcilerStatus
 from flagella.common.tasks import TaskGroup
-from flagella.datapath import netdev
+from flagella.datapath import netdev, tunnel
 from flagella.datapath.bpf import Datapath, MapStatus, NodeConfig, PolicyBudgetExceeded
 from flagella.datapath.bpf import Service as BpfService
 from flagella.datapath.bpf.layout import CT_SCOPE_SERVICE
@@ -42,6 +43,8 @@ from flagella.datapath.bpf.policy import PolicyEntry
 from flagella.datapath.bpf.tables import ct_key
 from flagella.datapath.config import DatapathConfig
 from flagella.datapath.flows import FlowFilter, FlowHub, FlowRecord
+from flagella.datapath.health import NodeHealth
+from flagella.datapath.ipcache import IPCacheOps, IPCacheView
 from flagella.datapath.routes import RouteOps
 from flagella.datapath.state import EndpointRecord, StateDir
 
@@ -87,21 +90,6 @@ class SetupRequest:
 
 
 # --- reconciler operations on the BPF maps ---
-
-
-class IPCacheOps:
-    def __init__(self, svc: DatapathService) -> None:
-        self.svc = svc
-
-    async def update(self, key: str, value: int) -> None:
-        await self.svc.writer.run(self.svc.bpf.ipcache.upsert, key, value)
-
-    async def delete(self, key: str) -> None:
-        await self.svc.writer.run(self.svc.bpf.ipcache.remove, key)
-
-    async def list_actual(self) -> Iterable[str]:
-        entries = await self.svc.writer.run(self.svc.bpf.ipcache.entries)
-        return list(entries)
 
 
 class PolicyOps:
@@ -201,6 +189,8 @@ class DatapathService:
         self.policy_synced_revision = 0
         self._realized_changed = asyncio.Condition()
         self.ipcache = Reconciler("ipcache", IPCacheOps(self))
+        # The policy's ipcache and the node registry, merged into the map.
+        self.ipcache_view = IPCacheView(self.ipcache, config.node_name, tunnel=config.tunnel)
         self.policy = Reconciler("policy", PolicyOps(self))
         self.service_ops = ServiceOps(self)
         self.services = Reconciler("services", self.service_ops)
@@ -210,6 +200,15 @@ class DatapathService:
         self._locks = KeyedLocks()
         self._reader: Any = None
         self.uplink_ifindex = 0
+        self.tunnel_ifindex = 0
+        # Tunnel mode: pods' MTU leaves room for the encapsulation.
+        self.pod_mtu = 65535
+        self.health = NodeHealth(
+            config.node_name,
+            lambda: self.ipcache_view.nodes,
+            port=config.health_port,
+            interval=config.health_interval_seconds,
+        )
 
     @property
     def bpf(self) -> Datapath:
@@ -238,6 +237,7 @@ class DatapathService:
             "BPF datapath loaded",
             extra={"folder": str(self.bpf.folder), "restored": not self.bpf.created},
         )
+        await self._setup_routing_mode()
         await self._write_node_config()
         if cfg.uplink:
             links = await netdev.links([cfg.uplink])
@@ -248,7 +248,25 @@ class DatapathService:
         await self._restore()
         for rec in self.reconcilers():
             rec.start(tasks)
+        if cfg.health_port:
+            tasks.supervise("health-listener", self.health.serve)
+            tasks.supervise("health-probes", self.health.run)
         self._start_events()
+
+    async def _setup_routing_mode(self) -> None:
+        """Tunnel mode: the VXLAN device with its programs, an MTU below the
+        uplink's by the encapsulation. Native: no tunnel device."""
+        cfg = self.config
+        if not cfg.tunnel:
+            if await tunnel.remove_tunnel():
+                log.info("tunnel device removed (native routing)")
+            return
+        uplink_mtu = (await netdev.link_mtu(cfg.uplink) if cfg.uplink else None) or 1500
+        mtu = uplink_mtu - tunnel.VXLAN_OVERHEAD
+        self.tunnel_ifindex = await tunnel.ensure_tunnel(cfg.tunnel_port, mtu, cfg.proc_sys)
+        await self.writer.run(self.bpf.attach_tunnel, self.tunnel_ifindex)
+        self.pod_mtu = mtu
+        log.info("tunnel mode", extra={"device": tunnel.TUNNEL_DEVICE, "mtu": mtu})
 
     async def _write_node_config(self) -> None:
         ips = [ipaddress.ip_address(ip) for ip in self.config.node_ip]
@@ -261,6 +279,8 @@ class DatapathService:
                 node_ip6=v6,
                 masquerade4=self.config.masquerade and bool(v4),
                 masquerade6=self.config.masquerade and bool(v6),
+                tunnel_ifindex=self.tunnel_ifindex,
+                tunnel_port=self.config.tunnel_port if self.tunnel_ifindex else 0,
             ),
         )
 
@@ -404,6 +424,8 @@ class DatapathService:
         return self._locks(endpoint_id)
 
     async def setup_endpoint(self, req: SetupRequest) -> tuple[netdev.VethResult, EndpointRecord]:
+        if req.mtu > self.pod_mtu:
+            req = dataclasses.replace(req, mtu=self.pod_mtu)
         if not os.path.exists(req.netns_path):
             raise NotFound(f"netns {req.netns_path} does not exist", field="netns_path")
         async with self._lock(req.endpoint_id):

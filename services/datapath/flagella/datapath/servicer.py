@@ -5,11 +5,13 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+from google.protobuf.duration_pb2 import Duration
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from flagella.api.datapath.v1 import datapath_pb2, datapath_pb2_grpc
 from flagella.common.errors import InvalidArgument
 from flagella.datapath.flows import FlowFilter, FlowRecord
+from flagella.datapath.health import PeerHealth
 from flagella.datapath.service import DatapathService, SetupRequest
 from flagella.datapath.state import EndpointRecord
 
@@ -68,6 +70,25 @@ def flow_to_proto(f: FlowRecord, node: str) -> datapath_pb2.Flow:
         endpoint_id=f.endpoint_id,
         ifindex=f.ifindex,
         node=node,
+    )
+
+
+def _by_node(p: PeerHealth) -> str:
+    return p.node
+
+
+def _peer_health(p: PeerHealth) -> datapath_pb2.NodeHealth:
+    latency = Duration()
+    latency.FromNanoseconds(int(p.latency_s * 1e9))
+    probed = Timestamp()
+    probed.FromNanoseconds(int(p.probed_at * 1e9))
+    return datapath_pb2.NodeHealth(
+        node=p.node,
+        ip=p.ip,
+        reachable=p.reachable,
+        latency=latency,
+        error=p.error,
+        probed_at=probed,
     )
 
 
@@ -211,6 +232,7 @@ class DatapathServicer(datapath_pb2_grpc.DatapathServiceServicer):
             ],
             streams_synced=svc.streams_synced,
             endpoints=len(svc.endpoints),
+            peers=[_peer_health(p) for p in sorted(svc.health.peers.values(), key=_by_node)],
         )
 
     async def ObserveFlows(

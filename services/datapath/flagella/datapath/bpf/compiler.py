@@ -18,7 +18,14 @@ from pathlib import Path
 
 from flagella.datapath.bpf import layout
 
-PROGRAMS = ("from_container", "to_container", "from_netdev", "to_netdev")
+PROGRAMS = (
+    "from_container",
+    "to_container",
+    "from_netdev",
+    "to_netdev",
+    "from_tunnel",
+    "to_tunnel",
+)
 
 _LD_IMM64 = 0x18
 _PSEUDO_MAP_FD = 1

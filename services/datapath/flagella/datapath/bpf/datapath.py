@@ -165,6 +165,9 @@ class Datapath:
         self.nat = Nat(specs["snat"], fds["snat"], pin("snat"))
         self.config = Config(specs["config"], fds["config"], pin("config"))
         self.metrics = Metrics(specs["metrics"], fds["metrics"], pin("metrics"))
+        self.frags: BpfMap[L.FragKey, L.FragValue] = BpfMap(
+            specs["frags"], fds["frags"], pin("frags")
+        )
         self.maps: dict[str, BpfMap] = {  # type: ignore[type-arg]
             "endpoints": self.endpoints,
             "ipcache": self.ipcache,
@@ -179,6 +182,7 @@ class Datapath:
             "snat": self.nat,
             "config": self.config,
             "metrics": self.metrics,
+            "frags": self.frags,
         }
 
     # --- lifecycle ---
@@ -280,6 +284,16 @@ class Datapath:
             [
                 (self._prog_fds["from_netdev"], "from_netdev", tc.INGRESS),
                 (self._prog_fds["to_netdev"], "to_netdev", tc.EGRESS),
+            ],
+        )
+
+    def attach_tunnel(self, ifindex: int) -> None:
+        """from_tunnel / to_tunnel on the node's VXLAN device (tunnel mode)."""
+        tc.attach_all(
+            ifindex,
+            [
+                (self._prog_fds["from_tunnel"], "from_tunnel", tc.INGRESS),
+                (self._prog_fds["to_tunnel"], "to_tunnel", tc.EGRESS),
             ],
         )
 

@@ -22,7 +22,10 @@ from flagella.datapath.bpf import syscall
 # Bump on any change of bpf/layout.h semantics. The pin folder name also
 # carries a hash of the ctypes layouts and map definitions, so a change of
 # sizes or fields always gets a new folder even if this is forgotten.
-LAYOUT_VERSION = 2  # 2: Maglev as a hash of maps; NodePort conntrack and NAT
+# 2: Maglev as a hash of maps; NodePort conntrack and NAT.
+# 3: tunnel mode: the ipcache's tunnel endpoint and flags, the tunnel device in
+#    the config; the frags map (IP fragments tracked).
+LAYOUT_VERSION = 3
 
 
 class DropReason(enum.IntEnum):
@@ -44,6 +47,9 @@ class DropReason(enum.IntEnum):
     FIB_LOOKUP_FAILED = 163
     REDIRECT_FAILED = 164
     FRAG_NOT_SUPPORTED = 165
+    UNKNOWN_NODE = 166
+    NO_TUNNEL_ENDPOINT = 167
+    TTL_EXCEEDED = 168
 
 
 # metrics: reason 0 counts forwarded packets; (direction 0, 255) counts
@@ -137,6 +143,9 @@ CFG_MASQUERADE6 = 1 << 1
 CFG_ALLOW_HOST = 1 << 2
 CFG_VERDICT_EVENTS = 1 << 3
 CFG_DROP_EVENTS = 1 << 4
+CFG_TUNNEL = 1 << 5
+# ipcache flags
+IPC_F_CLUSTER = 1 << 0
 
 POLICY_PREFIX_L3 = 104
 POLICY_PREFIX_PROTO = 112
@@ -269,7 +278,12 @@ class IPCacheKey(ctypes.Structure):
 
 
 class IPCacheValue(ctypes.Structure):
-    _fields_ = [("identity", ctypes.c_uint32), ("flags", ctypes.c_uint32)]
+    _fields_ = [
+        ("identity", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("tunnel_ip", ctypes.c_uint8 * 4),  # IPv4, network order
+        ("pad", ctypes.c_uint32),
+    ]
 
 
 class PolicyKey(ctypes.Structure):
@@ -393,6 +407,26 @@ class NatValue(ctypes.Structure):
     ]
 
 
+class FragKey(ctypes.Structure):
+    _fields_ = [
+        ("saddr", V6Addr),
+        ("daddr", V6Addr),
+        ("id", ctypes.c_uint32),  # network order
+        ("proto", ctypes.c_uint8),
+        ("pad", ctypes.c_uint8 * 3),
+    ]
+
+
+class FragValue(ctypes.Structure):
+    _fields_ = [
+        ("sport", ctypes.c_uint16),
+        ("dport", ctypes.c_uint16),
+        ("icmp_type", ctypes.c_uint8),
+        ("echo", ctypes.c_uint8),
+        ("pad", ctypes.c_uint16),
+    ]
+
+
 class DpConfig(ctypes.Structure):
     _fields_ = [
         ("node_ip4", V6Addr),
@@ -400,6 +434,9 @@ class DpConfig(ctypes.Structure):
         ("flags", ctypes.c_uint32),
         ("nat_port_min", ctypes.c_uint16),
         ("nat_port_max", ctypes.c_uint16),
+        ("tunnel_ifindex", ctypes.c_uint32),
+        ("tunnel_port", ctypes.c_uint16),  # network order
+        ("pad", ctypes.c_uint16),
     ]
 
 
@@ -460,6 +497,7 @@ _CFG_FLAGS = {
     CFG_ALLOW_HOST: "allow-host",
     CFG_VERDICT_EVENTS: "verdict-events",
     CFG_DROP_EVENTS: "drop-events",
+    CFG_TUNNEL: "tunnel",
 }
 
 
@@ -503,7 +541,10 @@ def decode_ipcache_key(k: IPCacheKey) -> Fields:
 
 
 def decode_ipcache_value(v: IPCacheValue) -> Fields:
-    return {"identity": str(v.identity), "flags": str(v.flags)}
+    out = {"identity": str(v.identity), "flags": _flags(v.flags, {IPC_F_CLUSTER: "cluster"})}
+    if any(v.tunnel_ip):
+        out["tunnel_ip"] = str(ipaddress.IPv4Address(bytes(v.tunnel_ip)))
+    return out
 
 
 def policy_port_range(k: PolicyKey) -> tuple[int, int]:
@@ -638,6 +679,19 @@ def decode_nat_value(v: NatValue) -> Fields:
     return out
 
 
+def decode_frag_key(k: FragKey) -> Fields:
+    return {
+        "src": get_addr(k.saddr),
+        "dst": get_addr(k.daddr),
+        "id": str(socket.ntohl(k.id)),
+        "proto": str(k.proto),
+    }
+
+
+def decode_frag_value(v: FragValue) -> Fields:
+    return {"sport": str(port_host(v.sport)), "dport": str(port_host(v.dport))}
+
+
 def decode_config(v: DpConfig) -> Fields:
     return {
         "node_ip4": get_addr(v.node_ip4) if any(v.node_ip4.u8) else "",
@@ -645,6 +699,8 @@ def decode_config(v: DpConfig) -> Fields:
         "flags": _flags(v.flags, _CFG_FLAGS),
         "nat_port_min": str(v.nat_port_min),
         "nat_port_max": str(v.nat_port_max),
+        "tunnel_ifindex": str(v.tunnel_ifindex),
+        "tunnel_port": str(port_host(v.tunnel_port)),
     }
 
 
@@ -682,6 +738,7 @@ class MapSizes:
     srcrange: int = 16 * 1024
     ct: int = 256 * 1024
     snat: int = 128 * 1024
+    frags: int = 8192  # datagrams in flight as fragments (Cilium's default)
     events_bytes: int = 1 << 20
     # Per-endpoint budget of policy entries after range expansion (Cilium:
     # 16384 per endpoint policy map). Not part of the map layout.
@@ -744,6 +801,8 @@ def map_specs(sizes: MapSizes) -> tuple[MapSpec, ...]:
                 d(decode_ct_key), d(decode_ct_entry)),
         MapSpec("snat", s.MAP_TYPE_LRU_HASH, CtKey, NatValue, sizes.snat, 0,
                 d(decode_nat_key), d(decode_nat_value)),
+        MapSpec("frags", s.MAP_TYPE_LRU_HASH, FragKey, FragValue, sizes.frags, 0,
+                d(decode_frag_key), d(decode_frag_value)),
         MapSpec("config", s.MAP_TYPE_ARRAY, U32, DpConfig, 1, 0,
                 d(_decode_u32("index")), d(decode_config)),
         MapSpec("metrics", s.MAP_TYPE_PERCPU_ARRAY, U32, MetricsValue, 768, 0,

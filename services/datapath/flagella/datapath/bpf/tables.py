@@ -4,6 +4,8 @@ conntrack and masquerade (NAT)."""
 from __future__ import annotations
 
 import ctypes
+import ipaddress
+import socket
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -169,8 +171,15 @@ class IPCache(BpfMap[L.IPCacheKey, L.IPCacheValue]):
     """cilium_ipcache: IP/prefix -> identity (longest prefix wins; no match
     is world)."""
 
-    def upsert(self, prefix: str, identity: int) -> None:
-        self.update(ipcache_key(prefix), L.IPCacheValue(identity=identity))
+    def upsert(
+        self, prefix: str, identity: int, *, tunnel_ip: str = "", cluster: bool = False
+    ) -> None:
+        """tunnel_ip: the node (IPv4) tunnel mode sends the prefix's traffic
+        to; cluster: inside the cluster (never masqueraded)."""
+        v = L.IPCacheValue(identity=identity, flags=L.IPC_F_CLUSTER if cluster else 0)
+        if tunnel_ip:
+            v.tunnel_ip[:] = list(ipaddress.IPv4Address(tunnel_ip).packed)
+        self.update(ipcache_key(prefix), v)
 
     def remove(self, prefix: str) -> bool:
         return self.delete(ipcache_key(prefix))
@@ -201,6 +210,10 @@ class NodeConfig:
     drop_events: bool = True
     nat_port_min: int = 61000
     nat_port_max: int = 65535
+    # Tunnel mode: the VXLAN device pods of other nodes are reached through
+    # (0: native routing, the host stack routes them), and its UDP port.
+    tunnel_ifindex: int = 0
+    tunnel_port: int = 0
 
 
 class Config(BpfMap[L.U32, L.DpConfig]):
@@ -218,12 +231,19 @@ class Config(BpfMap[L.U32, L.DpConfig]):
             drop_events=bool(v.flags & L.CFG_DROP_EVENTS),
             nat_port_min=v.nat_port_min,
             nat_port_max=v.nat_port_max,
+            tunnel_ifindex=v.tunnel_ifindex if v.flags & L.CFG_TUNNEL else 0,
+            tunnel_port=L.port_host(v.tunnel_port) if v.flags & L.CFG_TUNNEL else 0,
         )
 
     def write(self, cfg: NodeConfig) -> None:
         if not 0 < cfg.nat_port_min <= cfg.nat_port_max <= 65535:
             raise ValueError(f"bad NAT port range {cfg.nat_port_min}-{cfg.nat_port_max}")
-        v = L.DpConfig(nat_port_min=cfg.nat_port_min, nat_port_max=cfg.nat_port_max)
+        v = L.DpConfig(
+            nat_port_min=cfg.nat_port_min,
+            nat_port_max=cfg.nat_port_max,
+            tunnel_ifindex=cfg.tunnel_ifindex,
+            tunnel_port=socket.htons(cfg.tunnel_port),
+        )
         if cfg.node_ip4:
             if L.ip_family(cfg.node_ip4) != 4:
                 raise ValueError(f"node_ip4 {cfg.node_ip4} is not IPv4")
@@ -239,6 +259,7 @@ class Config(BpfMap[L.U32, L.DpConfig]):
             (cfg.allow_host, L.CFG_ALLOW_HOST),
             (cfg.verdict_events, L.CFG_VERDICT_EVENTS),
             (cfg.drop_events, L.CFG_DROP_EVENTS),
+            (cfg.tunnel_ifindex > 0, L.CFG_TUNNEL),
         ):
             if on:
                 flags |= bit

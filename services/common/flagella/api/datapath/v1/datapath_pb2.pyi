@@ -86,8 +86,16 @@ class _DropReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DropReason
     DROP_REASON_FIB_LOOKUP_FAILED: _DropReason.ValueType  # 163
     DROP_REASON_REDIRECT_FAILED: _DropReason.ValueType  # 164
     DROP_REASON_FRAG_NOT_SUPPORTED: _DropReason.ValueType  # 165
-    """A non-first IP fragment (no L4 header to judge; fragments are not
-    tracked).
+    """A non-first IP fragment whose first fragment was not seen (no L4 header
+    to judge it by).
+    """
+    DROP_REASON_UNKNOWN_NODE: _DropReason.ValueType  # 166
+    """Tunnel mode: a VXLAN packet whose outer source is no node of the cluster."""
+    DROP_REASON_NO_TUNNEL_ENDPOINT: _DropReason.ValueType  # 167
+    """Tunnel mode: the node's own packet to an address no node's pod CIDR holds."""
+    DROP_REASON_TTL_EXCEEDED: _DropReason.ValueType  # 168
+    """A packet the datapath forwards (local delivery, tunnel, NodePort) whose
+    TTL / hop limit ran out.
     """
 
 class DropReason(_DropReason, metaclass=_DropReasonEnumTypeWrapper):
@@ -113,8 +121,16 @@ DROP_REASON_UNKNOWN_ENDPOINT: DropReason.ValueType  # 162
 DROP_REASON_FIB_LOOKUP_FAILED: DropReason.ValueType  # 163
 DROP_REASON_REDIRECT_FAILED: DropReason.ValueType  # 164
 DROP_REASON_FRAG_NOT_SUPPORTED: DropReason.ValueType  # 165
-"""A non-first IP fragment (no L4 header to judge; fragments are not
-tracked).
+"""A non-first IP fragment whose first fragment was not seen (no L4 header
+to judge it by).
+"""
+DROP_REASON_UNKNOWN_NODE: DropReason.ValueType  # 166
+"""Tunnel mode: a VXLAN packet whose outer source is no node of the cluster."""
+DROP_REASON_NO_TUNNEL_ENDPOINT: DropReason.ValueType  # 167
+"""Tunnel mode: the node's own packet to an address no node's pod CIDR holds."""
+DROP_REASON_TTL_EXCEEDED: DropReason.ValueType  # 168
+"""A packet the datapath forwards (local delivery, tunnel, NodePort) whose
+TTL / hop limit ran out.
 """
 Global___DropReason: _TypeAlias = DropReason  # noqa: Y015
 
@@ -801,6 +817,7 @@ class DatapathStatus(_message.Message):
     RECONCILERS_FIELD_NUMBER: _builtins.int
     STREAMS_SYNCED_FIELD_NUMBER: _builtins.int
     ENDPOINTS_FIELD_NUMBER: _builtins.int
+    PEERS_FIELD_NUMBER: _builtins.int
     node: _builtins.str
     programs_loaded: _builtins.bool
     endpoints: _builtins.int
@@ -816,6 +833,10 @@ class DatapathStatus(_message.Message):
     def streams_synced(self) -> _containers.ScalarMap[_builtins.str, _builtins.bool]:
         """Control-plane streams and whether each has synced."""
 
+    @_builtins.property
+    def peers(self) -> _containers.RepeatedCompositeFieldContainer[Global___NodeHealth]:
+        """Health of the other nodes as this one probes them (--health-port)."""
+
     def __init__(
         self,
         *,
@@ -826,14 +847,54 @@ class DatapathStatus(_message.Message):
         reconcilers: _abc.Iterable[Global___ReconcilerStatus] | None = ...,
         streams_synced: _abc.Mapping[_builtins.str, _builtins.bool] | None = ...,
         endpoints: _builtins.int = ...,
+        peers: _abc.Iterable[Global___NodeHealth] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoints", b"endpoints", "maps", b"maps", "node", b"node", "programs", b"programs", "programs_loaded", b"programs_loaded", "reconcilers", b"reconcilers", "streams_synced", b"streams_synced"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoints", b"endpoints", "maps", b"maps", "node", b"node", "peers", b"peers", "programs", b"programs", "programs_loaded", b"programs_loaded", "reconcilers", b"reconcilers", "streams_synced", b"streams_synced"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DatapathStatus: _TypeAlias = DatapathStatus  # noqa: Y015
+
+@_typing.final
+class NodeHealth(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_FIELD_NUMBER: _builtins.int
+    IP_FIELD_NUMBER: _builtins.int
+    REACHABLE_FIELD_NUMBER: _builtins.int
+    LATENCY_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    PROBED_AT_FIELD_NUMBER: _builtins.int
+    node: _builtins.str
+    ip: _builtins.str
+    """The address probed (the node's first registered IP)."""
+    reachable: _builtins.bool
+    error: _builtins.str
+    @_builtins.property
+    def latency(self) -> _duration_pb2.Duration:
+        """The TCP connect's duration (when reachable)."""
+
+    @_builtins.property
+    def probed_at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        node: _builtins.str = ...,
+        ip: _builtins.str = ...,
+        reachable: _builtins.bool = ...,
+        latency: _duration_pb2.Duration | None = ...,
+        error: _builtins.str = ...,
+        probed_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["latency", b"latency", "probed_at", b"probed_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "ip", b"ip", "latency", b"latency", "node", b"node", "probed_at", b"probed_at", "reachable", b"reachable"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NodeHealth: _TypeAlias = NodeHealth  # noqa: Y015
 
 @_typing.final
 class Flow(_message.Message):
