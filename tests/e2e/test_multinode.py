@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from harness import tls
 from harness.cluster import Cluster, Node, standalone_cluster
 from harness.cni import cni, netconf
 from harness.netns import Netns, wait_until
@@ -43,6 +44,12 @@ TCP4, UDP4, TCP6, UDP6 = 8080, 8081, 8086, 8087
 LEASE_TTL = 12  # seconds a node's registration and references outlive it (a restart
 # under load must fit in it: the kill -9 test)
 CLI = shutil.which("flagella", path=str(Path(sys.executable).parent)) or "flagella"
+
+
+def operator_cli(*args: str) -> list[str]:
+    """The CLI as an operator (the session's operator certificate)."""
+    return [CLI, "--tls-dir", str(tls.session().bundle(tls.OPERATOR)), *args]
+
 
 # Many probes from one process: [kind, host, port] with kind tcp, udp or
 # ping; prints a JSON list of answers (the server's line; "pong"), null when
@@ -92,7 +99,7 @@ class MultiNode:
 
     def add_pod(self, node: Node, name: str, namespace: str, labels: dict[str, str]) -> Pod:
         ns = self.cluster.pod(node, name)
-        conf = netconf(self.cluster.socket("endpoint"), node.name, labels)
+        conf = netconf(node.cni_socket, labels)
         rc, result = cni(
             "ADD", conf, container_id=f"ctr-{name}", netns=ns.path, pod=(namespace, name)
         )
@@ -128,7 +135,7 @@ def node_flags(mode: str) -> list[str]:
 def node_health(mn: MultiNode) -> tuple[int, dict[str, Any]]:
     """`flagella status --nodes -o json`: (exit status, the matrix)."""
     out = subprocess.run(
-        [CLI, "--ipam-address", mn.cluster.socket("ipam"), "-o", "json", "status", "--nodes"],
+        operator_cli("--ipam-address", mn.cluster.socket("ipam"), "-o", "json", "status", "--nodes"),
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     data: dict[str, Any] = json.loads(out.stdout)["nodes"]
@@ -557,7 +564,7 @@ def test_every_node_probes_the_others(mn: MultiNode) -> None:
             assert peer["reachable"] is True
             assert 0 < peer["latency_ms"] < 1000
     table = subprocess.run(
-        [CLI, "--ipam-address", mn.cluster.socket("ipam"), "status", "--nodes"],
+        operator_cli("--ipam-address", mn.cluster.socket("ipam"), "status", "--nodes"),
         capture_output=True, text=True, timeout=60, check=True,
     ).stdout  # fmt: skip
     assert table.splitlines()[0].split() == ["FROM", "\\", "TO", *sorted(names)]
