@@ -91,7 +91,8 @@ async def test_one_leader_among_three_on_the_stand_in_api_server_then_takeovers(
         await groups[first].stop()
         released = kube_api.lease("flagella", "job")
         assert released is not None
-        assert released["spec"]["holderIdentity"] == ""
+        # Released ("" ), or already taken by the next one at its retry.
+        assert released["spec"]["holderIdentity"] != leaders[0].identity
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         await until(lambda: sum(e.is_leader for e in electors) == 1)

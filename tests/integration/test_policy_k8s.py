@@ -22,7 +22,7 @@ from harness.aio import until
 from harness.etcd import EtcdServer
 from harness.kube_api import POLICY_KINDS, KubeListWatchServer, k8s_policy
 from harness.lb import wait_for
-from harness.procs import SERVING, ServiceProcess, health_status
+from harness.procs import SERVING, ServiceProcess
 
 from flagella.api.policy.v1 import policy_pb2 as pb
 from flagella.api.policy.v1 import policy_pb2_grpc as pbg
@@ -91,7 +91,7 @@ class Policy:
 
     def __init__(self, proc: ServiceProcess) -> None:
         self.proc = proc
-        self.channel = grpc.insecure_channel(proc.address)
+        self.channel = proc.channel()
         self.stub = pbg.PolicyServiceStub(self.channel)
 
     def rules(self) -> dict[str, pb.Rule]:
@@ -283,18 +283,13 @@ def test_the_stand_in_api_server_away_rules_stay_status_says_so_and_watchers_res
     apply(kube_api, "FlagellaNetworkPolicy", "shop", "b", spec_of("FlagellaNetworkPolicy"))
     p = start_policy()
     wait_for(lambda: len(p.rules()) == 2)
-    wait_for(lambda: health_status(p.proc.address, KUBERNETES_HEALTH) == SERVING)
+    wait_for(lambda: p.proc.health(KUBERNETES_HEALTH) == SERVING)
     before = p.rules()
 
     kube_api.down()
-    wait_for(
-        lambda: (
-            health_status(p.proc.address, KUBERNETES_HEALTH)
-            == health_pb2.HealthCheckResponse.NOT_SERVING
-        )
-    )
+    wait_for(lambda: p.proc.health(KUBERNETES_HEALTH) == health_pb2.HealthCheckResponse.NOT_SERVING)
     # Still serving, the rules still there and unchanged.
-    assert health_status(p.proc.address) == SERVING
+    assert p.proc.health() == SERVING
     assert p.rules() == before
     kube_api.delete("networkpolicies", "shop", "a")
     apply(kube_api, "NetworkPolicy", "shop", "c", spec_of("NetworkPolicy"))
@@ -303,7 +298,7 @@ def test_the_stand_in_api_server_away_rules_stay_status_says_so_and_watchers_res
 
     kube_api.up()
     wait_for(lambda: set(p.rules()) == {"NetworkPolicy/shop/c", "FlagellaNetworkPolicy/shop/b"})
-    wait_for(lambda: health_status(p.proc.address, KUBERNETES_HEALTH) == SERVING)
+    wait_for(lambda: p.proc.health(KUBERNETES_HEALTH) == SERVING)
     assert p.rules()["FlagellaNetworkPolicy/shop/b"] == before["FlagellaNetworkPolicy/shop/b"]
 
 
@@ -445,6 +440,6 @@ def test_only_the_kinds_asked_for_are_followed_on_the_stand_in_api_server(
     apply(kube_api, "CiliumNetworkPolicy", "shop", "b", spec_of("CiliumNetworkPolicy"))
     p = start_policy("--kubernetes-policy-kinds", "NetworkPolicy")
     wait_for(lambda: set(p.rules()) == {"NetworkPolicy/shop/a"})
-    wait_for(lambda: health_status(p.proc.address, KUBERNETES_HEALTH) == SERVING)
+    wait_for(lambda: p.proc.health(KUBERNETES_HEALTH) == SERVING)
     assert not any("cilium" in r for r in kube_api.requests)
     assert holders(kube_api)["ciliumnetworkpolicies"] == ""
