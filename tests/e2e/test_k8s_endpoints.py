@@ -27,7 +27,6 @@ from harness.cni import check_result, cni, netconf
 from harness.kube_api import KubeListWatchServer, k8s_policy, object_path
 from harness.netns import wait_until
 from harness.probe import Pod, probing, settle
-from harness.procs import health_status
 
 from flagella.api.endpoint.v1 import endpoint_pb2
 from flagella.api.ipam.v1 import ipam_pb2
@@ -77,7 +76,7 @@ def add_pod(env: Env, namespace: str, name: str, labels: dict[str, str]) -> Pod:
     """The Pod in the API server, then its CNI ADD (labels read from there)."""
     env.kube_api.apply("pods", pod_object(namespace, name, labels))
     ns = env.cluster.pod(env.node, f"{namespace[:2]}{name}")
-    conf = netconf(env.cluster.socket("endpoint"), env.node.name, kubernetes=True)
+    conf = netconf(env.node.cni_socket, kubernetes=True)
     rc, result = cni("ADD", conf, container_id=f"ctr-{name}", netns=ns.path, pod=(namespace, name))
     assert rc == 0, result
     pod_cidrs = env.cluster.ipam().GetNode(ipam_pb2.GetNodeRequest(name=env.node.name)).pod_cidrs
@@ -86,7 +85,7 @@ def add_pod(env: Env, namespace: str, name: str, labels: dict[str, str]) -> Pod:
 
 
 def delete_pod(env: Env, namespace: str, pod: Pod) -> None:
-    conf = netconf(env.cluster.socket("endpoint"), env.node.name, kubernetes=True)
+    conf = netconf(env.node.cni_socket, kubernetes=True)
     rc, out = cni("DEL", conf, container_id=f"ctr-{pod.name}", netns=pod.ns.path)
     assert rc == 0, out
     if env.kube_api.get("pods", namespace, pod.name) is not None:
@@ -272,7 +271,7 @@ def test_the_stand_in_api_server_away_enforcement_continues_and_the_watchers_res
     client = add_pod(env, "shop", "away-client", {"app": "guest", "role": "frontend"})
     policy = ingress_from({"podSelector": {"matchLabels": {"role": "frontend"}}})
     env.kube_api.apply("networkpolicies", k8s_policy("NetworkPolicy", "shop", "away", policy))
-    endpoint = env.cluster.services["endpoint"].address
+    endpoint = env.cluster.services["endpoint"]
     try:
         with probing({"client": (client, backend)}, PORT) as probes:
             t0 = time.time()
@@ -281,11 +280,11 @@ def test_the_stand_in_api_server_away_enforcement_continues_and_the_watchers_res
             env.kube_api.down()
             # Changed while the watchers cannot see it.
             relabel(env, "shop", "away-client", {"app": "guest"})
-            assert wait_until(lambda: health_status(endpoint, "flagella.kubernetes") != SERVING, 10)
+            assert wait_until(lambda: endpoint.health("flagella.kubernetes") != SERVING, 10)
             # A pod cannot start without its labels: the ADD fails, closed.
             rc, out = cni(
                 "ADD",
-                netconf(env.cluster.socket("endpoint"), env.node.name, kubernetes=True),
+                netconf(env.node.cni_socket, kubernetes=True),
                 container_id="ctr-away-new",
                 netns=env.cluster.pod(env.node, "awnew").path,
                 pod=("shop", "away-new"),
@@ -298,7 +297,7 @@ def test_the_stand_in_api_server_away_enforcement_continues_and_the_watchers_res
             assert all(during), "enforcement changed while the API server was away"
             t2 = time.time()
             env.kube_api.up()
-            assert wait_until(lambda: health_status(endpoint, "flagella.kubernetes") == SERVING, 20)
+            assert wait_until(lambda: endpoint.health("flagella.kubernetes") == SERVING, 20)
             settle(probes, t2, {"client": False}, "the relabel seen on return", 20)
     finally:
         if env.kube_api.httpd is None:

@@ -21,9 +21,10 @@ from grpc_health.v1 import health_pb2
 from harness.etcd import EtcdServer
 from harness.kube_api import KubeListWatchServer
 from harness.netns import wait_until
-from harness.procs import ServiceProcess, health_status
+from harness.procs import ServiceProcess
 
 from flagella.api.endpoint.v1 import endpoint_pb2, endpoint_pb2_grpc
+from flagella.common import pki
 from flagella.common.etcd import Etcd
 from flagella.endpoint.flagellaendpoint import MANAGED_BY
 from flagella.endpoint.kube import LEASE_NAME, RELABEL_FAILED
@@ -193,32 +194,32 @@ def test_labels_are_followed_without_the_flagellaendpoint_crd_on_the_stand_in_ap
     write(etcd, ready_endpoint(labels_from_kubernetes=True))
     proc = start_endpoint()
     assert wait_until(lambda: kube_api.events_about("Pod", "shop", "web-0"), 10)
-    assert health_status(proc.address, "flagella.kubernetes") != SERVING
-    assert health_status(proc.address) == SERVING
+    assert proc.health("flagella.kubernetes") != SERVING
+    assert proc.health() == SERVING
 
 
 def test_cni_add_reads_its_labels_from_the_stand_in_api_server_and_fails_closed_without_it(
     kube_api: KubeListWatchServer, start_endpoint: Callable[[], ServiceProcess]
 ) -> None:
     proc = start_endpoint()
-    assert wait_until(lambda: health_status(proc.address, "flagella.kubernetes") == SERVING, 10)
+    assert wait_until(lambda: proc.health("flagella.kubernetes") == SERVING, 10)
     request = endpoint_pb2.CreateEndpointRequest(
         container_id="c-new", netns_path="/run/netns/new", ifname="eth0", node="n1",
         pod_name="absent", pod_namespace="shop", resolve_labels_from_kubernetes=True,
     )  # fmt: skip
-    with grpc.insecure_channel(proc.address) as channel:
+    with proc.channel(pki.node("n1")) as channel:
         stub = endpoint_pb2_grpc.EndpointServiceStub(channel)
         with pytest.raises(grpc.RpcError) as missing:
             stub.CreateEndpoint(request, timeout=10)
         assert missing.value.code() == grpc.StatusCode.NOT_FOUND
         assert "pod_name" in str(missing.value.details())
         kube_api.down()
-        assert wait_until(lambda: health_status(proc.address, "flagella.kubernetes") != SERVING, 10)
+        assert wait_until(lambda: proc.health("flagella.kubernetes") != SERVING, 10)
         with pytest.raises(grpc.RpcError) as away:
             stub.CreateEndpoint(request, timeout=10)
         assert away.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "kubernetes" in str(away.value.details())
         # The service itself stays ready: it still deletes and answers.
-        assert health_status(proc.address) == SERVING
+        assert proc.health() == SERVING
         kube_api.up()
-        assert wait_until(lambda: health_status(proc.address, "flagella.kubernetes") == SERVING, 20)
+        assert wait_until(lambda: proc.health("flagella.kubernetes") == SERVING, 20)

@@ -173,7 +173,7 @@ def node_health(args: argparse.Namespace, clients: Clients) -> int:
     data: dict[str, Any] = {}
     for node in sorted(nodes, key=lambda n: n.name):
         entry: dict[str, Any] = {"datapath": node.datapath_address, "peers": {}}
-        with grpc.insecure_channel(node.datapath_address) as channel:
+        with clients.open(node.datapath_address) as channel:
             try:
                 status = datapath_pb2_grpc.DatapathServiceStub(channel).GetStatus(
                     datapath_pb2.GetStatusRequest(), timeout=args.timeout
