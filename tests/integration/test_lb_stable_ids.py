@@ -188,6 +188,7 @@ def test_a_replica_with_another_maglev_seed_refuses_to_start(
             "--maglev-hash-seed",
             "AAAAAAAAAAAAAAAA",
             "--insecure",
+            *etcd.service_args("lb"),
         ],
         capture_output=True,
         text=True,
