@@ -59,12 +59,8 @@ class EtcdPki(TestPki):
         return self.bundle(etcd_client_identity(user)[0])
 
     def service_args(self, svc: str) -> list[str]:
-        folder = self.user_bundle(svc)
-        return [
-            "--etcd-cert", str(folder / pki.CERT_FILE),
-            "--etcd-key", str(folder / pki.KEY_FILE),
-            "--etcd-ca", str(folder / pki.CA_FILE),
-        ]  # fmt: skip
+        """A service's --etcd-cert/--etcd-key/--etcd-ca flags."""
+        return self.args(etcd_client_identity(svc)[0], flag="--etcd")
 
 
 ROOT = etcd_client_identity(etcdauth.ROOT)[0]

@@ -20,6 +20,7 @@ from harness import tls
 from harness.etcd import EtcdServer, session_pki
 from harness.lb import service
 from harness.procs import ServiceProcess
+from harness.suite import control_plane
 
 from flagella.api.ipam.v1 import ipam_pb2, ipam_pb2_grpc
 from flagella.api.lb.v1 import lb_pb2, lb_pb2_grpc
@@ -157,13 +158,8 @@ async def test_a_certificate_naming_no_etcd_user_is_refused(
 def test_the_services_run_as_their_etcd_users(
     etcd: EtcdServer, spawn: Callable[..., ServiceProcess]
 ) -> None:
-    common = ("--etcd-endpoints", etcd.endpoint)
-    ipam = spawn("ipam", *common, "--cluster-cidr", "10.244.0.0/16")
-    policy = spawn("policy", *common)
-    lb = spawn("lb", *common)
-    endpoint = spawn(
-        "endpoint", *common, "--ipam-address", ipam.address, "--policy-address", policy.address
-    )
+    procs = control_plane(spawn, etcd)
+    ipam, policy, lb = procs["ipam"], procs["policy"], procs["lb"]
     node = pki.node("n1")
     as_endpoint = pki.service("endpoint")
     with ipam.channel(node) as ch:
@@ -205,7 +201,7 @@ def test_the_services_run_as_their_etcd_users(
             await root.close()
 
     assert all(asyncio.run(stored()).values())
-    for proc in (ipam, policy, lb, endpoint):
+    for proc in procs.values():
         assert proc.health() == 1  # SERVING: its etcd probe reads as its user
         assert "permission denied" not in proc.logs().lower(), proc.svc
 
