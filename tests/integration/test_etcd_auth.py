@@ -16,6 +16,8 @@ from pathlib import Path
 import grpc
 import pytest
 from aetcd import rpc as etcd_rpc
+from cryptography import x509
+from cryptography.x509.oid import NameOID
 from harness import tls
 from harness.etcd import EtcdServer, session_pki
 from harness.lb import service
@@ -299,3 +301,41 @@ def test_etcd_auth_apply_sets_up_etcd_idempotently(tmp_path: Path) -> None:
         assert no_dir.stderr.startswith(f"flagella: root's etcd certificate: {tmp_path}/tls.crt")
     finally:
         etcd.cleanup()
+
+
+def test_flagella_certs_issues_etcd_certificates_whose_cn_is_the_user(tmp_path: Path) -> None:
+    ca = tmp_path / "etcd-ca"
+    assert _cli("certs", "ca", "--name", "flagella etcd CA", "--out", str(ca)).returncode == 0
+
+    def common_name(folder: Path) -> str:
+        cert = x509.load_pem_x509_certificate((folder / pki.CERT_FILE).read_bytes())
+        [cn] = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+        return str(cn.value)
+
+    for user, identity, cn in (
+        ("ipam", pki.service("ipam"), "flagella-ipam"),
+        ("root", pki.operator("etcd-root"), "root"),
+    ):
+        out = tmp_path / user
+        made = _cli("certs", "etcd-client", user, "--ca", str(ca), "--out", str(out))
+        assert made.returncode == 0, made.stderr
+        material = pki.load_material(out / pki.CERT_FILE, out / pki.KEY_FILE, out / pki.CA_FILE)
+        assert material.identity == identity
+        assert common_name(out) == cn
+    server = tmp_path / "server"
+    made = _cli(
+        "certs", "etcd-server", "etcd", "--ca", str(ca), "--out", str(server),
+        "--dns", "etcd.flagella.svc",
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    assert common_name(server) == "etcd"
+    cert = x509.load_pem_x509_certificate((server / pki.CERT_FILE).read_bytes())
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert {"etcd", "localhost", "etcd.flagella.svc"} <= set(san.get_values_for_type(x509.DNSName))
+    refused = _cli(
+        "certs", "etcd-client", "datapath", "--ca", str(ca), "--out", str(tmp_path / "x")
+    )
+    assert refused.returncode == 1
+    assert refused.stderr.strip() == (
+        "flagella: no etcd user for 'datapath': one of ipam, policy, endpoint, lb, root"
+    )
