@@ -44,9 +44,9 @@ def cpu_s(pid: int, which: str = "all") -> float:
     return {"user": user, "system": system, "all": user + system}[which] / TICK
 
 
-def etcd_requests(endpoint: str) -> dict[str, float]:
+def etcd_requests(metrics_url: str) -> dict[str, float]:
     """gRPC requests etcd has handled, by method (its /metrics)."""
-    with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=10) as resp:
+    with urllib.request.urlopen(metrics_url, timeout=10) as resp:
         text = resp.read().decode()
     out: dict[str, float] = {}
     for line in text.splitlines():
@@ -146,14 +146,14 @@ def main() -> int:
             system_before = {name: cpu_s(pid, "system") for name, pid in pids.items()}
             plugin_before = children_cpu_s()
             driver_before = self_cpu_s()
-            etcd_before = etcd_requests(cluster.etcd.endpoint)
+            etcd_before = etcd_requests(cluster.etcd.metrics_url)
             t0 = time.perf_counter()
             with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
                 wall = list(pool.map(lambda i, c=command: run(c, i), range(n)))
             rate = n / (time.perf_counter() - t0)
             plugin = children_cpu_s() - plugin_before
             driver = self_cpu_s() - driver_before
-            etcd_after = etcd_requests(cluster.etcd.endpoint)
+            etcd_after = etcd_requests(cluster.etcd.metrics_url)
             after = {name: cpu_s(pid) for name, pid in pids.items()}
             system = {
                 name: (cpu_s(pid, "system") - system_before[name]) / n * 1000

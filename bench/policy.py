@@ -34,7 +34,6 @@ from harness.procs import ServiceProcess  # noqa: E402
 from flagella.api.policy.v1 import policy_pb2 as pb  # noqa: E402
 from flagella.api.policy.v1 import policy_pb2_grpc as pbg  # noqa: E402
 from flagella.common import pki  # noqa: E402
-from flagella.common.etcd import Etcd  # noqa: E402
 from flagella.common.sync import Table  # noqa: E402
 from flagella.policy.labels import Label, LabelFilter, label_set  # noqa: E402
 from flagella.policy.rules import parse_document, rule_to_json  # noqa: E402
@@ -131,7 +130,7 @@ async def run_concurrently(
     return time.perf_counter() - start
 
 
-async def bench(quick: bool, etcd_endpoint: str, address: str) -> dict[str, Any]:
+async def bench(quick: bool, etcd_server: EtcdServer, address: str) -> dict[str, Any]:
     results: dict[str, Any] = {}
     # Identities are the endpoint service's to ask for; rules an operator's.
     session = tls.session()
@@ -204,7 +203,7 @@ async def bench(quick: bool, etcd_endpoint: str, address: str) -> dict[str, Any]
 
         seconds = await run_concurrently(owners, take, 32)
         results["owned_allocations_per_s"] = round(n_owners / seconds)
-        etcd = Etcd([etcd_endpoint])
+        etcd = etcd_server.client()
         try:
             kvs, _ = await etcd.get_prefix("flagella/state/identities/v1/value/")
         finally:
@@ -242,7 +241,7 @@ async def bench(quick: bool, etcd_endpoint: str, address: str) -> dict[str, Any]
         results["put_200_rules_ms"] = round((time.perf_counter() - start) * 1000, 1)
 
         # In-process: the service's own state, loaded from etcd.
-        etcd = Etcd([etcd_endpoint])
+        etcd = etcd_server.client()
         try:
             # What a replica's mirror reads at start.
             source = PolicyStore(etcd).mirror_source(Table("bench"))
@@ -388,7 +387,7 @@ def main() -> int:
     proc = ServiceProcess("policy", ["--etcd-endpoints", etcd.endpoint, "--log-level", "warning"])
     try:
         proc.start().wait_serving()
-        results = asyncio.run(bench(args.quick, etcd.endpoint, proc.address))
+        results = asyncio.run(bench(args.quick, etcd, proc.address))
     finally:
         proc.cleanup()
         etcd.cleanup()

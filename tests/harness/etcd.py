@@ -1,40 +1,140 @@
 """A real etcd server (Debian's etcd-server) on free loopback ports, with its
-data in a temporary folder; stopped by PID and reaped."""
+data in a temporary folder; stopped by PID and reaped.
+
+Secure by default, as flagella runs it: TLS with client certificates from
+the session's etcd CA (--client-cert-auth), authentication on, and the users
+and roles of flagella.common.etcdauth applied. A spawned service connects as
+its own etcd user (`ServiceProcess` passes its certificate); a test reads and
+writes anything as root through `etcd.client()`. `EtcdServer(secure=False)`
+is a plaintext etcd (services then need `--etcd-insecure`)."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import datetime as dt
+import functools
 import shutil
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
+from flagella.cli.certs import etcd_client_identity
+from flagella.common import etcdauth, pki
+from flagella.common.etcd import Etcd
+from flagella.common.tls import TlsFiles, TlsPaths
 from harness.net import free_port
+from harness.tls import TestPki
 
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
+SERVER = pki.service("etcd")
+
+
+class EtcdPki(TestPki):
+    """The etcd CA of a test session (apart from the cluster CA, as in a
+    deployment) and its bundles: etcd's server certificate, and client
+    certificates whose CN is the etcd user (a service's, or root)."""
+
+    __test__ = False
+
+    def issue(
+        self, identity: pki.Identity, lifetime: dt.timedelta = pki.LEAF_LIFETIME
+    ) -> pki.Issued:
+        if identity == SERVER:
+            return self.ca.issue(
+                identity,
+                dns=("localhost",),
+                ips=("127.0.0.1",),
+                lifetime=lifetime,
+                common_name="etcd",
+            )
+        user = etcdauth.ROOT if identity == ROOT else etcdauth.user_of(identity.name)
+        return self.ca.issue(identity, lifetime=lifetime, common_name=user)
+
+    def user_bundle(self, user: str) -> Path:
+        """The folder of a user's client certificate: a service name or root."""
+        return self.bundle(etcd_client_identity(user)[0])
+
+    def service_args(self, svc: str) -> list[str]:
+        """A service's --etcd-cert/--etcd-key/--etcd-ca flags."""
+        return self.args(etcd_client_identity(svc)[0], flag="--etcd")
+
+
+ROOT = etcd_client_identity(etcdauth.ROOT)[0]
+
+
+@functools.cache
+def session_pki() -> EtcdPki:
+    """The etcd PKI of this test session, in a temporary folder removed at exit."""
+    import atexit
+
+    root = Path(tempfile.mkdtemp(prefix="flagella-etcd-pki-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return EtcdPki(root, pki.CertificateAuthority.create("flagella test etcd CA"))
 
 
 class EtcdServer:
-    def __init__(self, data_dir: Path | None = None) -> None:
+    def __init__(
+        self, data_dir: Path | None = None, *, secure: bool = True, apply_auth: bool = True
+    ) -> None:
+        """secure: TLS and client certificates; apply_auth: then also the
+        users and roles, auth on (else etcd's auth is off until a test
+        applies it)."""
         self._own_dir = data_dir is None
         self.data_dir = data_dir or Path(tempfile.mkdtemp(prefix="flagella-etcd-"))
         self.client_port = free_port()
         self.peer_port = free_port()
+        self.metrics_port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = self.data_dir.with_suffix(".log")
+        self.secure = secure
+        self.pki = session_pki()
+        self._auth_applied = not apply_auth
 
     @property
     def endpoint(self) -> str:
         return f"127.0.0.1:{self.client_port}"
 
+    @property
+    def metrics_url(self) -> str:
+        """etcd's Prometheus metrics, plaintext (read-only, as usual)."""
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def client(self, user: str = etcdauth.ROOT, *, timeout: float = 5.0) -> Etcd:
+        """A client of this etcd as user (root, or a service's user)."""
+        if not self.secure:
+            return Etcd([self.endpoint], timeout=timeout)
+        files = TlsFiles(TlsPaths.in_dir(self.pki.user_bundle(user)))
+        return Etcd([self.endpoint], timeout=timeout, tls_files=files)
+
+    def service_args(self, svc: str) -> list[str]:
+        """A service's flags for its etcd credentials here."""
+        return self.pki.service_args(svc) if self.secure else ["--etcd-insecure"]
+
+    def _tls_flags(self) -> list[str]:
+        if not self.secure:
+            return []
+        folder = self.pki.bundle(SERVER)
+        return [
+            "--cert-file", str(folder / pki.CERT_FILE),
+            "--key-file", str(folder / pki.KEY_FILE),
+            "--trusted-ca-file", str(folder / pki.CA_FILE),
+            "--client-cert-auth",
+        ]  # fmt: skip
+
     def start(self, timeout: float = 10.0) -> EtcdServer:
-        client = f"http://127.0.0.1:{self.client_port}"
+        scheme = "https" if self.secure else "http"
+        client = f"{scheme}://127.0.0.1:{self.client_port}"
         peer = f"http://127.0.0.1:{self.peer_port}"
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
                 [
                     ETCD,
+                    *self._tls_flags(),
+                    "--listen-metrics-urls", f"http://127.0.0.1:{self.metrics_port}",
                     "--name", "test",
                     "--data-dir", str(self.data_dir / "data"),
                     "--listen-client-urls", client,
@@ -61,16 +161,39 @@ class EtcdServer:
                 time.sleep(0.02)
                 continue
             if self._healthy():
+                if self.secure and not self._auth_applied:
+                    self._apply_auth()
                 return self
             time.sleep(0.02)
         raise RuntimeError("etcd did not come up")
 
+    def _apply_auth(self) -> None:
+        """The users and roles of flagella.common.etcdauth, auth enabled
+        (in a thread: a test may start etcd inside its event loop)."""
+
+        async def apply() -> None:
+            etcd = self.client()
+            try:
+                await etcdauth.apply(etcd)
+            finally:
+                await etcd.close()
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pool.submit(asyncio.run, apply()).result()
+        self._auth_applied = True
+
     def _healthy(self) -> bool:
         import urllib.request
 
+        context = None
+        if self.secure:
+            folder = self.pki.user_bundle(etcdauth.ROOT)
+            context = ssl.create_default_context(cafile=str(folder / pki.CA_FILE))
+            context.load_cert_chain(folder / pki.CERT_FILE, folder / pki.KEY_FILE)
+        scheme = "https" if self.secure else "http"
         try:
-            url = f"http://127.0.0.1:{self.client_port}/health"
-            with urllib.request.urlopen(url, timeout=1) as resp:
+            url = f"{scheme}://127.0.0.1:{self.client_port}/health"
+            with urllib.request.urlopen(url, timeout=1, context=context) as resp:
                 return b'"true"' in resp.read()
         except OSError:
             return False

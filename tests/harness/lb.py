@@ -14,7 +14,6 @@ import grpc
 
 from flagella.api.lb.v1 import lb_pb2 as pb
 from flagella.api.lb.v1 import lb_pb2_grpc
-from flagella.common.etcd import Etcd
 from harness.etcd import EtcdServer
 from harness.procs import ServiceProcess
 
@@ -78,11 +77,11 @@ def rpc_error(fn: Any, *args: Any, **kw: Any) -> grpc.RpcError:
     raise AssertionError("the call succeeded")
 
 
-def etcd_dump(endpoint: str, prefix: str = LB_PREFIX) -> dict[str, bytes]:
+def etcd_dump(server: EtcdServer, prefix: str = LB_PREFIX) -> dict[str, bytes]:
     """Every key under prefix and its value, read directly from etcd."""
 
     async def dump() -> dict[str, bytes]:
-        etcd = Etcd([endpoint], timeout=5)
+        etcd = server.client()
         try:
             kvs, _ = await etcd.get_prefix(prefix)
             return {kv.key: kv.value for kv in kvs}

@@ -25,6 +25,7 @@ from flagella.common import pki
 from flagella.common.pki import Identity
 from flagella.common.tls import target_options
 from harness import tls
+from harness.etcd import session_pki as etcd_pki
 from harness.net import free_port
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -94,9 +95,12 @@ class ServiceProcess:
         self.identity = identity or default_identity(svc, self.args)
 
     def tls_args(self) -> list[str]:
-        """Flags giving the process its certificate (before the test's own
-        flags, which win)."""
-        return ["--insecure"] if self.insecure else self.pki.args(self.identity)
+        """Flags giving the process its certificates, for gRPC and for etcd
+        (before the test's own flags, which win: --etcd-insecure for a
+        plaintext etcd)."""
+        grpc_args = ["--insecure"] if self.insecure else self.pki.args(self.identity)
+        etcd_args = [] if self.svc == "datapath" else etcd_pki().service_args(self.svc)
+        return [*grpc_args, *etcd_args]
 
     def credentials(self, identity: Identity = tls.OPERATOR) -> grpc.ChannelCredentials | None:
         return None if self.insecure else self.pki.credentials(identity)

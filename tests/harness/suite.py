@@ -14,11 +14,10 @@ from harness.etcd import EtcdServer
 from harness.procs import ServiceProcess
 
 
-@contextlib.contextmanager
-def five_services(
-    spawn: Callable[..., ServiceProcess], etcd: EtcdServer, tmp: Path, node: str
-) -> Iterator[dict[str, ServiceProcess]]:
-    """{name: process}; the datapath is node's. Its pins are removed at the end."""
+def control_plane(
+    spawn: Callable[..., ServiceProcess], etcd: EtcdServer
+) -> dict[str, ServiceProcess]:
+    """ipam, policy, lb and endpoint on etcd (each as its etcd user)."""
     common = ("--etcd-endpoints", etcd.endpoint)
     ipam = spawn("ipam", *common, "--cluster-cidr", "10.244.0.0/16")
     policy = spawn("policy", *common)
@@ -26,6 +25,15 @@ def five_services(
     endpoint = spawn(
         "endpoint", *common, "--ipam-address", ipam.address, "--policy-address", policy.address
     )
+    return {"ipam": ipam, "policy": policy, "lb": lb, "endpoint": endpoint}
+
+
+@contextlib.contextmanager
+def five_services(
+    spawn: Callable[..., ServiceProcess], etcd: EtcdServer, tmp: Path, node: str
+) -> Iterator[dict[str, ServiceProcess]]:
+    """{name: process}; the datapath is node's. Its pins are removed at the end."""
+    services = control_plane(spawn, etcd)
     pins = f"/sys/fs/bpf/fl-suite-{uuid.uuid4().hex[:6]}"
     try:
         datapath = spawn(
@@ -35,7 +43,7 @@ def five_services(
             "--state-dir", str(tmp / f"dp-{node}"),
             "--no-enable-ip-forward",
         )  # fmt: skip
-        yield {"ipam": ipam, "policy": policy, "lb": lb, "endpoint": endpoint, "datapath": datapath}
+        yield {**services, "datapath": datapath}
         datapath.stop()
     finally:
         shutil.rmtree(pins, ignore_errors=True)

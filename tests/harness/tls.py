@@ -45,13 +45,14 @@ class TestPki:
         """A fresh certificate for identity, valid as a local server too."""
         return self.ca.issue(identity, dns=LOCAL_DNS, ips=LOCAL_IPS, lifetime=lifetime)
 
-    def args(self, identity: Identity) -> list[str]:
-        """The service flags pointing at identity's files."""
+    def args(self, identity: Identity, flag: str = "--tls") -> list[str]:
+        """The service flags pointing at identity's files (--tls-cert ...;
+        --etcd-cert ... with flag="--etcd")."""
         folder = self.bundle(identity)
         return [
-            "--tls-cert", str(folder / pki.CERT_FILE),
-            "--tls-key", str(folder / pki.KEY_FILE),
-            "--tls-ca", str(folder / pki.CA_FILE),
+            f"{flag}-cert", str(folder / pki.CERT_FILE),
+            f"{flag}-key", str(folder / pki.KEY_FILE),
+            f"{flag}-ca", str(folder / pki.CA_FILE),
         ]  # fmt: skip
 
     def credentials(self, identity: Identity = OPERATOR) -> grpc.ChannelCredentials:

@@ -9,10 +9,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+from harness.etcd import EtcdServer
 
 from flagella.api.policy.v1 import policy_pb2 as pb
 from flagella.api.policy.v1 import policy_pb2_grpc as pbg
-from flagella.common.etcd import Etcd
 
 IDENT_PREFIX = "flagella/state/identities/v1/"
 RULES_PREFIX = "flagella/policy/v1/rules/"
@@ -35,9 +35,9 @@ def stub(address: str) -> tuple[grpc.aio.Channel, pbg.PolicyServiceStub]:
     return channel, pbg.PolicyServiceStub(channel)
 
 
-async def etcd_keys(endpoint: str, prefix: str) -> dict[str, Any]:
+async def etcd_keys(server: EtcdServer, prefix: str) -> dict[str, Any]:
     """Every key under prefix with its JSON value, read from etcd."""
-    etcd = Etcd([endpoint])
+    etcd = server.client()
     try:
         kvs, _ = await etcd.get_prefix(prefix)
         return {kv.key: json.loads(kv.value) for kv in kvs}

@@ -28,7 +28,6 @@ from flagella.api.ipam.v1 import ipam_pb2, ipam_pb2_grpc
 from flagella.api.lb.v1 import lb_pb2
 from flagella.api.policy.v1 import policy_pb2, policy_pb2_grpc
 from flagella.common import authz, pki
-from flagella.common.etcd import Etcd
 from flagella.endpoint.model import Endpoint, State
 from flagella.endpoint.store import EndpointStore
 
@@ -277,7 +276,7 @@ def test_a_node_acts_only_for_itself(suite: dict[str, ServiceProcess], etcd: Etc
 
     # An endpoint that lives on node-b.
     async def plant() -> int:
-        client = Etcd([etcd.endpoint])
+        client = etcd.client()
         try:
             created = await EndpointStore(client).create(
                 Endpoint(

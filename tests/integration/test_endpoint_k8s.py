@@ -25,7 +25,6 @@ from harness.procs import ServiceProcess
 
 from flagella.api.endpoint.v1 import endpoint_pb2, endpoint_pb2_grpc
 from flagella.common import pki
-from flagella.common.etcd import Etcd
 from flagella.endpoint.flagellaendpoint import MANAGED_BY
 from flagella.endpoint.kube import LEASE_NAME, RELABEL_FAILED
 from flagella.endpoint.model import Endpoint, State
@@ -75,7 +74,7 @@ def write(etcd: EtcdServer, ep: Endpoint) -> Endpoint:
     """Create the endpoint's record (a new id), or update it, in etcd."""
 
     async def run() -> Endpoint:
-        client = Etcd([etcd.endpoint])
+        client = etcd.client()
         try:
             store = EndpointStore(client)
             found = await store.get(ep.container_id, ep.ifname)
@@ -153,7 +152,7 @@ def test_two_replicas_elect_one_writer_of_flagellaendpoints_on_the_stand_in_api_
 
 
 async def _delete(etcd: EtcdServer, ep: Endpoint) -> None:
-    client = Etcd([etcd.endpoint])
+    client = etcd.client()
     try:
         await EndpointStore(client).delete(ep)
     finally:

@@ -10,7 +10,6 @@ import pytest
 from harness.etcd import EtcdServer
 
 from flagella.common.errors import Aborted
-from flagella.common.etcd import Etcd
 from flagella.endpoint.model import Endpoint
 from flagella.endpoint.store import EndpointStore
 
@@ -19,7 +18,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture
 async def stores(etcd: EtcdServer) -> AsyncIterator[list[EndpointStore]]:
-    clients = [Etcd([etcd.endpoint]) for _ in range(3)]  # three "replicas"
+    clients = [etcd.client("endpoint") for _ in range(3)]  # three "replicas", its etcd user
     for c in clients:
         await asyncio.wait_for(c.wait_connected(), 30)
     yield [EndpointStore(c) for c in clients]

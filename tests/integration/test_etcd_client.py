@@ -20,7 +20,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture
 async def client(etcd: EtcdServer) -> AsyncIterator[e.Etcd]:
-    c = e.Etcd([etcd.endpoint], timeout=2.0)
+    c = etcd.client(timeout=2.0)
     await asyncio.wait_for(c.wait_connected(), 30)
     yield c
     await c.close()
@@ -182,7 +182,7 @@ async def test_resume_from_compacted_revision_resyncs(client: e.Etcd) -> None:
 
 async def test_watch_rides_out_an_etcd_restart(tmp_path: Path) -> None:
     server = EtcdServer(tmp_path / "restart").start()
-    c = e.Etcd([server.endpoint], timeout=1.0)
+    c = server.client(timeout=1.0)
     try:
         await c.connect()
         await c.put("r/a", b"1")

@@ -13,7 +13,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-import aetcd
 import grpc
 import pytest
 from harness.etcd import EtcdServer
@@ -207,9 +206,9 @@ def test_watch_nodes_resyncs_when_the_resume_revision_was_compacted(
     ipam.register("compact-3")  # etcd keeps the compaction revision: go past old + 1
 
     async def compact() -> None:
-        client = aetcd.Client(host="127.0.0.1", port=etcd.client_port)
+        client = etcd.client()
         try:
-            await client.compact(ipam.revision())
+            await client.client.compact(ipam.revision())
         finally:
             await client.close()
 

@@ -84,12 +84,12 @@ def test_create_get_update_list_delete(lb: tuple[EtcdServer, LbClient]) -> None:
     assert listed.revision >= updated.revision
     assert "other/db" in [x.name for x in c.list().services]
 
-    before = etcd_dump(etcd.endpoint)
+    before = etcd_dump(etcd)
     assert c.delete("crud/web")
     assert not c.delete("crud/web")
     err = rpc_error(c.get, "crud/web")
     assert err.code() == grpc.StatusCode.NOT_FOUND
-    after = etcd_dump(etcd.endpoint)
+    after = etcd_dump(etcd)
     gone = set(before) - set(after)
     # Its record, name, frontend, rev-NAT id and backend block are all freed.
     assert {k.split("/")[3] for k in gone} == {"services", "names", "frontends", "ids"}
@@ -135,7 +135,7 @@ def test_rejections_name_the_field_and_store_nothing(
         )
     )
     c.upsert(service("errors/mine", "10.96.2.2", 80, [("10.2.0.8", 80)]))
-    before = etcd_dump(etcd.endpoint)
+    before = etcd_dump(etcd)
     # As a create, and as an update of an existing service.
     for name, own_address in (("errors/new", "10.96.2.3"), ("errors/mine", "10.96.2.2")):
         kw: dict[str, Any] = {"port": 80, "backends": [("10.2.0.1", 80)]}
@@ -144,7 +144,7 @@ def test_rejections_name_the_field_and_store_nothing(
         err = rpc_error(c.upsert, service(name, address, **kw))
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (what, err.details())
         assert err.details().startswith(f"{field}: "), err.details()
-        assert etcd_dump(etcd.endpoint) == before
+        assert etcd_dump(etcd) == before
     assert rpc_error(c.get, "errors/new").code() == grpc.StatusCode.NOT_FOUND
 
 

@@ -62,7 +62,7 @@ def test_batch_creates_updates_and_keeps_ids(lb: tuple[EtcdServer, LbClient]) ->
     # Stored exactly as returned, and read back the same by name.
     for s in got[::37]:
         assert c.get(s.name) == s
-    stored = etcd_dump(etcd.endpoint)
+    stored = etcd_dump(etcd)
     for s in got:
         key = f"flagella/lb/v1/services/{s.id:05d}"
         assert json.loads(stored[key])["name"] == s.name
@@ -72,7 +72,7 @@ def test_batch_creates_updates_and_keeps_ids(lb: tuple[EtcdServer, LbClient]) ->
     again = batch(c, services)
     assert [r.created for r in again.results] == [False] * 300
     assert [r.service for r in again.results] == got
-    assert etcd_dump(etcd.endpoint) == stored
+    assert etcd_dump(etcd) == stored
 
     # Mixed: 10 changed (a second backend), 10 new; ids of the others kept.
     mixed = services[:10] + many("batch2", 10, third=11)
@@ -104,7 +104,7 @@ def test_a_bad_service_rejects_the_batch_and_stores_nothing(
 ) -> None:
     etcd, c = lb
     c.upsert(service("dup/owner", "10.96.7.1", 80, [("10.2.0.9", 80)]))
-    before = etcd_dump(etcd.endpoint)
+    before = etcd_dump(etcd)
     services = many("dup", 3, third=12)
     bad = services[index]
     if "name" in change:
@@ -119,7 +119,7 @@ def test_a_bad_service_rejects_the_batch_and_stores_nothing(
     err = rpc_error(batch, c, services)
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (what, err.details())
     assert err.details().startswith(f"{field}: "), (what, err.details())
-    assert etcd_dump(etcd.endpoint) == before, what
+    assert etcd_dump(etcd) == before, what
 
 
 def test_empty_and_oversized_batches(lb: tuple[EtcdServer, LbClient]) -> None:

@@ -112,7 +112,7 @@ def test_two_replicas_writing_at_once_never_share_an_id_or_a_frontend(
     assert results.count("won") == 1
     lost = [r for r in results if r != "won"]
     assert all(r.startswith("INVALID_ARGUMENT service.frontend: ") for r in lost), lost
-    keys = etcd_dump(etcd.endpoint, "flagella/lb/v1/frontends/TCP/10.98.9.9/")
+    keys = etcd_dump(etcd, "flagella/lb/v1/frontends/TCP/10.98.9.9/")
     assert len(keys) == 1
 
     # Both replicas update the same services concurrently: ids stay.
@@ -188,6 +188,7 @@ def test_a_replica_with_another_maglev_seed_refuses_to_start(
             "--maglev-hash-seed",
             "AAAAAAAAAAAAAAAA",
             "--insecure",
+            *etcd.service_args("lb"),
         ],
         capture_output=True,
         text=True,

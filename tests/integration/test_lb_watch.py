@@ -11,7 +11,6 @@ from harness.lb import LbClient, WatchState, service
 from harness.procs import ServiceProcess
 
 from flagella.api.lb.v1 import lb_pb2 as pb
-from flagella.common.etcd import Etcd
 from flagella.lb.model import Algorithm, Frontend, Protocol, ServiceRecord, ServiceType, Source
 from flagella.lb.store import LbStore, service_key
 
@@ -131,7 +130,7 @@ async def test_snapshot_pages_are_one_consistent_revision(etcd: EtcdServer) -> N
     """The snapshot is read in pages (a single range of 10,000 services would
     not fit in a gRPC message), all at the first page's revision, so writes
     between pages do not show up in it."""
-    client = Etcd([etcd.endpoint])
+    client = etcd.client()
     store = LbStore(client)
 
     def record(i: int) -> ServiceRecord:

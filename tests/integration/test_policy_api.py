@@ -143,7 +143,7 @@ async def test_errors_name_the_field_and_store_nothing(
     )
     listed = await s.ListRules(pb.ListRulesRequest())
     assert list(listed.rules) == []
-    assert await etcd_keys(etcd.endpoint, RULES_PREFIX) == {}
+    assert await etcd_keys(etcd, RULES_PREFIX) == {}
 
     await _fails(
         s.AllocateIdentity(
@@ -169,7 +169,7 @@ async def test_errors_name_the_field_and_store_nothing(
         grpc.StatusCode.INVALID_ARGUMENT,
         "labels",
     )
-    assert await etcd_keys(etcd.endpoint, IDENT_PREFIX) == {}
+    assert await etcd_keys(etcd, IDENT_PREFIX) == {}
 
     await _fails(
         s.UpsertIPCache(
@@ -185,7 +185,7 @@ async def test_errors_name_the_field_and_store_nothing(
         grpc.StatusCode.NOT_FOUND,
         "entry.identity",
     )
-    assert await etcd_keys(etcd.endpoint, IP_PREFIX) == {}
+    assert await etcd_keys(etcd, IP_PREFIX) == {}
     await _fails(s.GetRule(pb.GetRuleRequest(name="nope")), grpc.StatusCode.NOT_FOUND, "name")
     await _fails(
         s.ResolvePolicy(pb.ResolvePolicyRequest(identity=4242)),

@@ -98,7 +98,7 @@ async def test_three_replicas_race_and_a_kill9_loses_nothing(
 
     # what etcd holds: exactly 1,000 identities, bijective, the ones handed out
     await asyncio.sleep(1.5)  # a few GC rounds
-    state = await etcd_keys(etcd.endpoint, IDENT_PREFIX)
+    state = await etcd_keys(etcd, IDENT_PREFIX)
     by_id = {int(k.rsplit("/", 1)[1]): v["labels"] for k, v in state.items() if "/id/" in k}
     by_labels = {k.split("/labels/", 1)[1]: v["id"] for k, v in state.items() if "/labels/" in k}
     assert set(by_id) == ids
@@ -228,7 +228,7 @@ async def test_node_lease_expiry_and_garbage_collection(etcd: EtcdServer, spawn:
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
         kept = await s.GetIdentity(pb.GetIdentityRequest(id=live.identity.id))
         assert list(kept.referenced_by) == ["live"]
-        ipcache = await etcd_keys(etcd.endpoint, IP_PREFIX)
+        ipcache = await etcd_keys(etcd, IP_PREFIX)
         assert set(ipcache) == {IP_PREFIX + "10.0.0.2"}
         stream.cancel()
     finally:

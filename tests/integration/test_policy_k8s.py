@@ -26,7 +26,6 @@ from harness.procs import SERVING, ServiceProcess
 
 from flagella.api.policy.v1 import policy_pb2 as pb
 from flagella.api.policy.v1 import policy_pb2_grpc as pbg
-from flagella.common.etcd import Etcd
 
 pytestmark = pytest.mark.integration
 
@@ -125,7 +124,7 @@ def start_policy(
 
 def etcd_revision(etcd: EtcdServer) -> int:
     async def read() -> int:
-        client = Etcd([etcd.endpoint])
+        client = etcd.client()
         try:
             return await client.current_revision()
         finally:
@@ -396,7 +395,7 @@ async def test_the_invalid_object_counter_with_the_stand_in_api_server_in_proces
         {"endpointSelector": {}, "ingress": [{"toFQDNs": []}]},
     )
     apply(kube_api, "CiliumNetworkPolicy", "shop", "good", spec_of("CiliumNetworkPolicy"))
-    client = Etcd([etcd.endpoint])
+    client = etcd.client()
     async with TaskGroup() as tasks:
         service = PolicyService(PolicyStore(client), tasks=tasks)
         await service.start()

@@ -34,11 +34,11 @@ A = "9b1f0c3e5d7a2b4c6e8f0a1b3c5d7e9f1a2b3c4d5e6f708192a3b4c5d6e7f809/eth0"
 B = "0c1d2e3f4a5b6c7d8e9f0a1b2c3d4e5f6a7b8c9d0e1f2a3b4c5d6e7f8a9b0c1d/eth0"
 
 
-async def references(endpoint: str) -> dict[tuple[int, str], list[str]]:
+async def references(etcd: EtcdServer) -> dict[tuple[int, str], list[str]]:
     """What etcd holds: (identity, node) -> its owners, sorted ("" for the
     anonymous count, once per reference it counts)."""
     out: dict[tuple[int, str], list[str]] = defaultdict(list)
-    for key, value in (await etcd_keys(endpoint, IDENT_PREFIX + "value/")).items():
+    for key, value in (await etcd_keys(etcd, IDENT_PREFIX + "value/")).items():
         parsed = keys.parse_key(key)
         assert parsed.kind == "ref", key
         if parsed.c:
@@ -49,8 +49,8 @@ async def references(endpoint: str) -> dict[tuple[int, str], list[str]]:
     return {k: sorted(v) for k, v in out.items()}
 
 
-async def global_ids(endpoint: str) -> set[int]:
-    state = await etcd_keys(endpoint, IDENT_PREFIX + "id/")
+async def global_ids(etcd: EtcdServer) -> set[int]:
+    state = await etcd_keys(etcd, IDENT_PREFIX + "id/")
     return {int(k.rsplit("/", 1)[1]) for k in state}
 
 
@@ -91,7 +91,7 @@ async def test_owned_references_are_idempotent_and_exact(etcd: EtcdServer, spawn
         assert again.identity.id == ident
         assert again.identity.revision == first.identity.revision
         assert list(again.identity.referenced_by) == ["n1"]
-        assert await references(etcd.endpoint) == {(ident, "n1"): [A]}
+        assert await references(etcd) == {(ident, "n1"): [A]}
         stream = watch_policy(s, "n1")
         await stream.until_synced(again.identity.revision)
         assert set(stream.state) == {ident}
@@ -100,14 +100,14 @@ async def test_owned_references_are_idempotent_and_exact(etcd: EtcdServer, spawn
         # release of an owner holding nothing is a no-op
         second = await c.allocate(web, "n1", B)
         assert second.identity.revision > first.identity.revision
-        assert await references(etcd.endpoint) == {(ident, "n1"): sorted([A, B])}
+        assert await references(etcd) == {(ident, "n1"): sorted([A, B])}
         assert await c.release(ident, "n1", "nobody/eth0") is False
         assert await c.release(ident, "n1", A) is False
         assert await c.release(ident, "n1", A) is False
-        assert await references(etcd.endpoint) == {(ident, "n1"): [B]}
+        assert await references(etcd) == {(ident, "n1"): [B]}
         assert await c.release(ident, "n1", B) is True
         assert await c.release(ident, "n1", B) is False
-        assert await references(etcd.endpoint) == {}
+        assert await references(etcd) == {}
         await stream.until_synced(await seen(s))
         assert set(stream.state) == set()
 
@@ -116,14 +116,14 @@ async def test_owned_references_are_idempotent_and_exact(etcd: EtcdServer, spawn
             await c.allocate(web, "n1")
             await c.allocate(web, "n1", A)
             await c.allocate(web, "n1", A)
-            assert await references(etcd.endpoint) == {(ident, "n1"): ["", A]}
+            assert await references(etcd) == {(ident, "n1"): ["", A]}
             got = await s.GetIdentity(pb.GetIdentityRequest(id=ident))
             assert list(got.referenced_by) == ["n1"]
             # an owner that holds nothing releases nothing, not the anonymous one
             assert await c.release(ident, "n1", B) is False
             assert await c.release(ident, "n1", order[0]) is False
             assert await c.release(ident, "n1", order[1]) is True
-            assert await references(etcd.endpoint) == {}
+            assert await references(etcd) == {}
 
         # one owner on two identities (an endpoint changing labels)
         web2 = pod_labels("shop", app="web", version="2")
@@ -133,7 +133,7 @@ async def test_owned_references_are_idempotent_and_exact(etcd: EtcdServer, spawn
         await stream.until_synced(new.identity.revision)
         assert set(stream.state) == {ident, new.identity.id}
         assert await c.release(ident, "n1", A) is True  # the node's last on the old one
-        assert await references(etcd.endpoint) == {(new.identity.id, "n1"): [A]}
+        assert await references(etcd) == {(new.identity.id, "n1"): [A]}
         again = await c.allocate(web2, "n1", A)
         assert again.identity.revision == new.identity.revision
         await stream.until_synced(await seen(s))
@@ -152,7 +152,7 @@ async def test_owned_references_are_idempotent_and_exact(etcd: EtcdServer, spawn
         r2 = await c.allocate(init, "n3", A)
         assert r1.identity.id == r2.identity.id == 5
         assert r1.identity.revision == r2.identity.revision
-        assert await references(etcd.endpoint) == {(5, "n3"): [A]}
+        assert await references(etcd) == {(5, "n3"): [A]}
         assert await c.release(5, "n3", A) is True
 
         with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -185,7 +185,7 @@ async def test_owner_sequences_across_replicas(etcd: EtcdServer, spawn: Spawn) -
             assert again.identity.id == ident
             assert again.identity.revision > got.identity.revision  # a new reference
             assert await two.allocate(web, "n1", owner) == again
-            assert await references(etcd.endpoint) == {(ident, "n1"): [owner]}
+            assert await references(etcd) == {(ident, "n1"): [owner]}
             assert await one.release(ident, "n1", owner) is True
             assert await two.release(ident, "n1", owner) is False
     finally:
@@ -230,7 +230,7 @@ async def test_gc_waits_for_every_owner_and_the_anonymous_count(
         dead = (await c.allocate(gone, "dead", A)).identity.id
 
         async def exists(i: int) -> bool:
-            return i in await global_ids(etcd.endpoint)
+            return i in await global_ids(etcd)
 
         async def dead_freed() -> bool:
             return not await exists(dead)
@@ -247,7 +247,7 @@ async def test_gc_waits_for_every_owner_and_the_anonymous_count(
             return not await exists(ident)
 
         await _until(freed, "the identity was never garbage-collected")
-        assert await references(etcd.endpoint) == {}
+        assert await references(etcd) == {}
         for stream in streams:
             stream.cancel()
     finally:
@@ -319,12 +319,12 @@ async def test_owners_across_replicas_and_a_kill9_lose_nothing(
         await asyncio.gather(*tasks)
 
         held = {k: sorted(v) for k, v in expected.items() if v}
-        assert await references(etcd.endpoint) == held
+        assert await references(etcd) == held
         # identities nobody holds any more are freed, the others kept
         wanted = {ident for ident, _ in held}
 
         async def collected() -> bool:
-            return await global_ids(etcd.endpoint) == wanted
+            return await global_ids(etcd) == wanted
 
         await _until(collected, "identities without references were not garbage-collected")
 

@@ -15,7 +15,6 @@ from harness.procs import ServiceProcess
 from policy_client import pod_labels, stub, watch_ipcache, watch_policy
 
 from flagella.api.policy.v1 import policy_pb2 as pb
-from flagella.common.etcd import Etcd
 
 # One client plays several roles here (docs/DEVELOPMENT.md): plaintext.
 pytestmark = [pytest.mark.integration, pytest.mark.insecure]
@@ -164,7 +163,7 @@ async def test_policy_watch_resume_equals_fresh_snapshot(etcd: EtcdServer, spawn
 
         # resume from a revision etcd compacted away: a full resync
         await _allocate(s1, "shop", "late", "n1")
-        client_etcd = Etcd([etcd.endpoint])
+        client_etcd = etcd.client()
         try:
             current = await client_etcd.current_revision()
             await client_etcd.client.compact(current)

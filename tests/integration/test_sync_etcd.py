@@ -66,7 +66,7 @@ async def following(
 
 @pytest.fixture
 async def client(etcd: EtcdServer) -> AsyncIterator[Etcd]:
-    c = Etcd([etcd.endpoint], timeout=2.0)
+    c = etcd.client(timeout=2.0)
     await asyncio.wait_for(c.wait_connected(), 30)
     yield c
     await c.close()
@@ -97,7 +97,7 @@ def test_subscribers_see_etcd_as_it_was_at_every_batch_revision(
     etcd: EtcdServer, batches: list[list[tuple[str, str | None]]], writers: int, page_size: int
 ) -> None:
     async def run() -> None:
-        client = Etcd([etcd.endpoint], timeout=2.0)
+        client = etcd.client(timeout=2.0)
         await client.delete_prefix(PREFIX)
         await client.put(PREFIX + "k0", b"seed")
         seen: list[tuple[int, dict[str, str]]] = []

@@ -139,7 +139,7 @@ def names(table: Table[str, ipam_pb2.Node]) -> dict[str, str]:
 
 @pytest.fixture
 async def client(etcd: EtcdServer) -> AsyncIterator[Etcd]:
-    c = Etcd([etcd.endpoint], timeout=2.0)
+    c = etcd.client(timeout=2.0)
     await asyncio.wait_for(c.wait_connected(), 30)
     yield c
     await c.close()

@@ -25,7 +25,7 @@ from flagella.api.endpoint.v1 import endpoint_pb2, endpoint_pb2_grpc
 from flagella.api.ipam.v1 import ipam_pb2, ipam_pb2_grpc
 from flagella.api.lb.v1 import lb_pb2, lb_pb2_grpc
 from flagella.api.policy.v1 import policy_pb2, policy_pb2_grpc
-from flagella.cli import certs
+from flagella.cli import certs, etcdauth
 from flagella.common.tls import target_options
 
 DEFAULT_ADDRESSES = {
@@ -593,6 +593,7 @@ def build_parser() -> argparse.ArgumentParser:
     certs.add_tls_flags(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     certs.add_parser(sub)
+    etcdauth.add_parser(sub)
 
     status = sub.add_parser("status", help="health of every service, map pressure")
     status.add_argument(

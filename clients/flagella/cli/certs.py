@@ -11,7 +11,7 @@ from pathlib import Path
 
 import grpc
 
-from flagella.common import pki
+from flagella.common import etcdauth, pki
 
 SERVICES = ("ipam", "policy", "endpoint", "lb")
 NAMESPACE = "flagella"
@@ -73,9 +73,46 @@ def cmd_issue(args: argparse.Namespace) -> list[Path]:
     return pki.write_bundle(args.out, issued, ca.cert_pem, overwrite=args.force)
 
 
+def etcd_client_identity(name: str) -> tuple[pki.Identity, str]:
+    """The identity and CN (= etcd user) of an etcd client certificate: a
+    service's, or root's (what `flagella etcd-auth apply` runs as)."""
+    if name == etcdauth.ROOT:
+        return pki.operator("etcd-root"), etcdauth.ROOT
+    if name not in etcdauth.SERVICES:
+        raise CertsError(
+            f"no etcd user for {name!r}: one of {', '.join(etcdauth.SERVICES)}, {etcdauth.ROOT}"
+        )
+    return pki.service(name), etcdauth.user_of(name)
+
+
+def cmd_etcd(args: argparse.Namespace) -> list[Path]:
+    """etcd's server certificate, or a client certificate whose CN etcd
+    takes as the user; both from the etcd CA (`flagella certs ca --name "flagella etcd CA"`)."""
+    ca = load_ca(args.ca)
+    lifetime = dt.timedelta(hours=args.hours)
+    try:
+        if args.kind == "etcd-server":
+            dns = [args.name, "localhost", *args.dns]
+            ips = ["127.0.0.1", "::1", *args.ip]
+            # etcd ignores the URI SAN; the CN names the server in logs.
+            identity = pki.service("etcd")
+            issued = ca.issue(identity, dns=dns, ips=ips, lifetime=lifetime, common_name=args.name)
+        else:
+            identity, user = etcd_client_identity(args.name)
+            issued = ca.issue(identity, lifetime=lifetime, common_name=user)
+    except ValueError as exc:
+        raise CertsError(str(exc)) from None
+    return pki.write_bundle(args.out, issued, ca.cert_pem, overwrite=args.force)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
-        paths = cmd_ca(args) if args.kind == "ca" else cmd_issue(args)
+        if args.kind == "ca":
+            paths = cmd_ca(args)
+        elif args.kind.startswith("etcd-"):
+            paths = cmd_etcd(args)
+        else:
+            paths = cmd_issue(args)
     except FileExistsError as exc:
         raise CertsError(str(exc)) from None
     for path in paths:
@@ -103,6 +140,23 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         p.add_argument("--hours", type=float, default=24, help="lifetime (default 24 hours)")
         p.add_argument("--force", action="store_true", help="replace existing files")
         if kind != "operator":
+            p.add_argument("--dns", action="append", default=[], help="another DNS name it serves")
+            p.add_argument("--ip", action="append", default=[], help="another IP it serves on")
+    for kind, name_help, what in (
+        ("etcd-server", "etcd's host name", "etcd's server certificate"),
+        (
+            "etcd-client",
+            f"{', '.join(etcdauth.SERVICES)} or {etcdauth.ROOT}",
+            "an etcd client certificate: CN flagella-<service> (or root), etcd's user",
+        ),
+    ):
+        p = csub.add_parser(kind, help=f"{what}, from the etcd CA")
+        p.add_argument("name", help=name_help)
+        p.add_argument("--ca", required=True, help="folder with the etcd CA's ca.crt and ca.key")
+        p.add_argument("--out", required=True, help="folder for tls.crt, tls.key and ca.crt")
+        p.add_argument("--hours", type=float, default=24, help="lifetime (default 24 hours)")
+        p.add_argument("--force", action="store_true", help="replace existing files")
+        if kind == "etcd-server":
             p.add_argument("--dns", action="append", default=[], help="another DNS name it serves")
             p.add_argument("--ip", action="append", default=[], help="another IP it serves on")
     certs.set_defaults(func=lambda args, clients: run(args))

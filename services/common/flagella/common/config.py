@@ -17,7 +17,7 @@ import ipaddress
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NoReturn, TypeVar
+from typing import Any, ClassVar, NoReturn, TypeVar
 
 from flagella.common.errors import ConfigError
 from flagella.common.pki import Identity
@@ -75,6 +75,10 @@ def parse_ip(value: str) -> str:
 class ServiceConfig:
     """Options every service has."""
 
+    #: Whether the service keeps state in etcd (the datapath does not): only
+    #: then are the etcd certificate files required at start.
+    USES_ETCD: ClassVar[bool] = True
+
     listen: str = option("127.0.0.1:50050", "gRPC address to serve on", parse=parse_host_port)
     extra_listen: tuple[str, ...] = option(
         (),
@@ -87,6 +91,17 @@ class ServiceConfig:
         parse=parse_host_port,
     )
     etcd_timeout: float = option(5.0, "timeout of one etcd request, seconds")
+    etcd_cert: str = option(
+        "/etc/flagella/etcd-tls/tls.crt",
+        "client certificate (PEM) for etcd, from the etcd CA; its CN is the etcd user",
+    )
+    etcd_key: str = option("/etc/flagella/etcd-tls/tls.key", "the etcd certificate's key (PEM)")
+    etcd_ca: str = option(
+        "/etc/flagella/etcd-tls/ca.crt", "the etcd CA (PEM): etcd's server certificate is from it"
+    )
+    etcd_insecure: bool = option(
+        False, "DEVELOPMENT ONLY: plaintext etcd with no client certificate (etcd auth off)"
+    )
     log_level: str = option("info", "log level", choices=("debug", "info", "warning", "error"))
     shutdown_grace: float = option(5.0, "seconds in-flight calls get to finish on SIGTERM")
     tls_cert: str = option(

@@ -21,13 +21,20 @@ from typing import Any
 import aetcd
 import aetcd.exceptions
 import aetcd.rpc as etcd_rpc
+import aetcd.watcher
 import grpc
 
+from flagella.common import tls
 from flagella.common.backoff import Backoff, retry
 from flagella.common.errors import Unavailable
 from flagella.common.tasks import TaskGroup
 
 log = logging.getLogger(__name__)
+
+#: The key current_revision() reads (it is never written): a linearizable
+#: read needs a key, and with etcd auth on every service may read this one
+#: (flagella.common.etcdauth).
+REVISION_KEY = "flagella/revision"
 
 
 class Compacted(Exception):
@@ -199,14 +206,60 @@ def get_prefix_op(prefix: str, *, limit: int = 0, keys_only: bool = False) -> An
     )
 
 
-class Etcd:
-    """One connection to an etcd cluster (the first endpoint that answers)."""
+class _TlsClient(aetcd.Client):  # type: ignore[misc]  # aetcd is untyped
+    """aetcd's client over mutual TLS: aetcd only dials plaintext. etcd
+    (--client-cert-auth) takes the user from the certificate's CN, so no
+    password or token is sent. The channel follows the certificate files
+    when they are replaced (flagella.common.tls.ReloadingChannel)."""
 
-    def __init__(self, endpoints: Sequence[str], *, timeout: float = 5.0) -> None:
+    _is_connecting: bool
+    _connected: asyncio.Event
+
+    def __init__(self, files: tls.TlsFiles, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._files = files
+
+    async def connect(self) -> None:
+        if self._connected.is_set():
+            return
+        if self._is_connecting:  # another task is connecting: wait for it
+            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
+            return
+        self._is_connecting = True
+        try:
+            target = f"{self._host}:{self._port}"
+            self.channel = tls.secure_channel(
+                target, self._files, options=list(self._options.items())
+            )
+            self.kvstub = etcd_rpc.KVStub(self.channel)
+            self.clusterstub = etcd_rpc.ClusterStub(self.channel)
+            self.leasestub = etcd_rpc.LeaseStub(self.channel)
+            self.maintenancestub = etcd_rpc.MaintenanceStub(self.channel)
+            self._watcher = aetcd.watcher.Watcher(
+                etcd_rpc.WatchStub(self.channel), timeout=self._timeout, metadata=None
+            )
+            self._connected.set()
+        finally:
+            self._is_connecting = False
+
+
+class Etcd:
+    """One connection to an etcd cluster (the first endpoint that answers),
+    over mutual TLS as the certificate's user when given its files
+    (plaintext without: development only)."""
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        *,
+        timeout: float = 5.0,
+        tls_files: tls.TlsFiles | None = None,
+    ) -> None:
         if not endpoints:
             raise ValueError("no etcd endpoints")
         self.endpoints = list(endpoints)
         self.timeout = timeout
+        self.tls_files = tls_files
         self._client: aetcd.Client | None = None
         self._endpoint_index = 0
 
@@ -216,11 +269,11 @@ class Etcd:
 
     def _new_client(self) -> aetcd.Client:
         host, _, port = self.endpoint.rpartition(":")
-        return aetcd.Client(
-            host=host.strip("[]"),
-            port=int(port),
-            timeout=self.timeout,
-            options={
+        kwargs: dict[str, Any] = {
+            "host": host.strip("[]"),
+            "port": int(port),
+            "timeout": self.timeout,
+            "options": {
                 "grpc.keepalive_time_ms": 10_000,
                 "grpc.keepalive_timeout_ms": 5_000,
                 # Reconnect quickly when etcd comes back (gRPC's default
@@ -233,7 +286,10 @@ class Etcd:
                 # default 4 MiB limit breaks both.
                 "grpc.max_receive_message_length": 128 << 20,
             },
-        )
+        }
+        if self.tls_files is None:
+            return aetcd.Client(**kwargs)
+        return _TlsClient(self.tls_files, **kwargs)
 
     @property
     def client(self) -> aetcd.Client:
@@ -289,11 +345,17 @@ class Etcd:
             ) from exc
         except (TimeoutError, aetcd.exceptions.InternalError) as exc:
             raise Unavailable(f"etcd unavailable at {self.endpoint}: {exc!r}") from exc
+        except aetcd.exceptions.ClientError as exc:
+            # aetcd's own methods (get, lease ...) wrap the gRPC error, e.g.
+            # PERMISSION_DENIED from etcd's auth: name its code all the same.
+            cause = exc.__cause__
+            code = cause.code().name if isinstance(cause, grpc.aio.AioRpcError) else "error"
+            raise Unavailable(f"etcd error at {self.endpoint}: {code} {exc}") from exc
 
     async def current_revision(self) -> int:
         client = self.client
         await self._call(client.connect)
-        req = etcd_rpc.RangeRequest(key=b"\0", limit=1, count_only=True)
+        req = etcd_rpc.RangeRequest(key=_b(REVISION_KEY), count_only=True)
         resp = await self._call(
             client.kvstub.Range, req, timeout=self.timeout, metadata=client.metadata
         )

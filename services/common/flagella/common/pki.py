@@ -188,9 +188,11 @@ class CertificateAuthority:
         ips: Sequence[str] = (),
         lifetime: dt.timedelta = LEAF_LIFETIME,
         not_before: dt.datetime | None = None,
+        common_name: str = "",
     ) -> Issued:
         """A certificate for identity, usable as a TLS client and, when it has
-        DNS or IP names, as a TLS server reached by those names."""
+        DNS or IP names, as a TLS server reached by those names. The common
+        name is informative unless given: etcd reads its users from it."""
         key = new_key()
         start = not_before or (now() - BACKDATE)
         # A leaf never outlives its CA.
@@ -198,7 +200,8 @@ class CertificateAuthority:
         names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(identity.uri)]
         names += [x509.DNSName(d) for d in dns]
         names += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips]
-        common_name = f"{identity.kind}/{identity.name}"[:64]  # the URI SAN is what counts
+        # For flagella the URI SAN is what counts; etcd takes its user from the CN.
+        common_name = common_name or f"{identity.kind}/{identity.name}"[:64]
         usages = [ExtendedKeyUsageOID.CLIENT_AUTH]
         if dns or ips:
             usages.append(ExtendedKeyUsageOID.SERVER_AUTH)

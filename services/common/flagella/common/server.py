@@ -30,10 +30,12 @@ from flagella.common import tls
 from flagella.common.authz import AuthInterceptor, Authorizer
 from flagella.common.config import ServiceConfig, load_config
 from flagella.common.errors import ConfigError, FlagellaError
+from flagella.common.etcd import Etcd
 from flagella.common.handlers import WrappingInterceptor, relay, rewrap
 from flagella.common.logs import setup_logging
 from flagella.common.pki import TlsFileError
 from flagella.common.tasks import TaskGroup
+from flagella.common.tls import TlsFiles
 from flagella.common.tracing import Tracing, setup_tracing
 
 log = logging.getLogger(__name__)
@@ -246,6 +248,8 @@ class Runtime(Generic[C]):
     tasks: TaskGroup = field(default_factory=lambda: TaskGroup("runtime"))
     # This process's certificate files; None only with --insecure.
     tls: tls.TlsFiles | None = None
+    # This process's etcd client certificate files; None with --etcd-insecure.
+    etcd_tls: TlsFiles | None = None
     # Who may call what; a service that owns scoped resources registers
     # their resolvers (authz.node_of) here.
     authorizer: Authorizer = field(default_factory=Authorizer)
@@ -271,6 +275,11 @@ class Runtime(Generic[C]):
             ch = tls.secure_channel(target, self.tls, options=options, interceptors=interceptors)
         self._channels.append(ch)
         return ch
+
+    def etcd(self) -> Etcd:
+        """A client of the configured etcd, as this service's etcd user."""
+        cfg = self.config
+        return Etcd(cfg.etcd_endpoints, timeout=cfg.etcd_timeout, tls_files=self.etcd_tls)
 
     async def close_channels(self) -> None:
         for ch in self._channels:
@@ -398,20 +407,35 @@ def load_tls(cfg: ServiceConfig, name: str) -> tls.TlsFiles | None:
     Raises ConfigError naming the option, the file and the problem."""
     if cfg.insecure:
         return None
-    paths = tls.TlsPaths(Path(cfg.tls_cert), Path(cfg.tls_key), Path(cfg.tls_ca))
+    return _load_files(cfg, name, "--tls", cert=cfg.tls_cert, key=cfg.tls_key, ca=cfg.tls_ca)
+
+
+def load_etcd_tls(cfg: ServiceConfig, name: str) -> tls.TlsFiles | None:
+    """The service's etcd client certificate files, checked as the gRPC
+    ones are (from the etcd CA, naming this service); None with
+    --etcd-insecure or for a service that does not use etcd."""
+    if cfg.etcd_insecure or not cfg.USES_ETCD:
+        return None
+    return _load_files(cfg, name, "--etcd", cert=cfg.etcd_cert, key=cfg.etcd_key, ca=cfg.etcd_ca)
+
+
+def _load_files(
+    cfg: ServiceConfig, name: str, flag: str, *, cert: str, key: str, ca: str
+) -> tls.TlsFiles:
+    paths = tls.TlsPaths(Path(cert), Path(key), Path(ca))
     option_of = {
-        str(paths.cert): "--tls-cert",
-        str(paths.key): "--tls-key",
-        str(paths.ca): "--tls-ca",
+        str(paths.cert): f"{flag}-cert",
+        str(paths.key): f"{flag}-key",
+        str(paths.ca): f"{flag}-ca",
     }
     try:
         files = tls.TlsFiles(paths)
     except TlsFileError as exc:
-        raise ConfigError(option_of.get(exc.path, "--tls-cert"), str(exc)) from None
+        raise ConfigError(option_of.get(exc.path, f"{flag}-cert"), str(exc)) from None
     expected = cfg.tls_identity(name)
     if files.current.identity != expected:
         raise ConfigError(
-            "--tls-cert",
+            f"{flag}-cert",
             f"{paths.cert}: names {files.current.identity.uri}, but this process is {expected.uri}",
         )
     return files
@@ -443,6 +467,7 @@ def main(
         return 2
     try:
         files = load_tls(cfg, name)
+        etcd_files = load_etcd_tls(cfg, name)
     except ConfigError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
@@ -451,6 +476,11 @@ def main(
         log.warning(
             "INSECURE: --insecure is set: plaintext gRPC, no authentication, no authorization; "
             "anyone who reaches a port can call anything. Development only."
+        )
+    if cfg.USES_ETCD and etcd_files is None:
+        log.warning(
+            "INSECURE: --etcd-insecure is set: plaintext etcd, no client certificate. "
+            "Development only."
         )
 
     async def run() -> None:
@@ -461,6 +491,7 @@ def main(
             readiness=Readiness(health.aio.HealthServicer()),
             environ=env,
             tls=files,
+            etcd_tls=etcd_files,
         )
         await serve(runtime, make_service(runtime))
 

@@ -17,6 +17,8 @@ ROUTING_MODES = ("tunnel", "native")
 class DatapathConfig(ServiceConfig):
     """flagella datapath service: the privileged eBPF datapath of one node."""
 
+    USES_ETCD = False  # it never connects to etcd
+
     listen: str = option("127.0.0.1:50055", "gRPC address to serve on", parse=parse_host_port)
     node_name: str = option(socket.gethostname(), "name of this node in the node registry")
     node_ip: tuple[str, ...] = option(

@@ -12,7 +12,6 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from flagella.api.endpoint.v1 import endpoint_pb2, endpoint_pb2_grpc
-from flagella.common.etcd import Etcd
 from flagella.common.kubestatus import health_report
 from flagella.common.leader import Election
 from flagella.common.server import FatalError, Probes, Runtime
@@ -57,7 +56,7 @@ class EndpointApp:
         self.runtime = runtime
         self.config = cfg
         self.tasks: TaskGroup = runtime.tasks
-        self.etcd = Etcd(cfg.etcd_endpoints, timeout=cfg.etcd_timeout)
+        self.etcd = runtime.etcd()
         self.probes = Probes(runtime.readiness, runtime.tasks)
         ipam_channel = runtime.channel(cfg.ipam_address)
         policy_channel = runtime.channel(cfg.policy_address)

@@ -8,7 +8,6 @@ import sys
 import grpc
 
 from flagella.api.ipam.v1 import ipam_pb2, ipam_pb2_grpc
-from flagella.common.etcd import Etcd
 from flagella.common.server import FatalError, Probes, Runtime
 from flagella.common.server import main as serve_main
 from flagella.ipam.config import IpamConfig
@@ -34,7 +33,7 @@ class IpamApp:
 
     def __init__(self, runtime: Runtime[IpamConfig]) -> None:
         self.config: IpamConfig = runtime.config
-        self.etcd = Etcd(self.config.etcd_endpoints, timeout=self.config.etcd_timeout)
+        self.etcd = runtime.etcd()
         self.probes = Probes(runtime.readiness, runtime.tasks)
         store = IpamStore(self.etcd, runtime.tasks)
         self.service = IpamService(store, settings_of(self.config), tasks=runtime.tasks)

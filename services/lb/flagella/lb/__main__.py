@@ -9,7 +9,6 @@ import grpc
 from flagella.api.lb.v1 import lb_pb2, lb_pb2_grpc
 from flagella.common.backoff import retry
 from flagella.common.errors import Unavailable
-from flagella.common.etcd import Etcd
 from flagella.common.leader import Election
 from flagella.common.server import FatalError, Probes, Runtime
 from flagella.common.server import main as serve_main
@@ -27,7 +26,7 @@ class LbApp:
         cfg = runtime.config
         self.config = cfg
         self.tasks = runtime.tasks
-        self.etcd = Etcd(cfg.etcd_endpoints, timeout=cfg.etcd_timeout)
+        self.etcd = runtime.etcd()
         self.probes = Probes(runtime.readiness, runtime.tasks)
         self.store = LbStore(self.etcd)
         self.service = LbService(

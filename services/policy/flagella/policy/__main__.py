@@ -7,7 +7,6 @@ import sys
 import grpc
 
 from flagella.api.policy.v1 import policy_pb2, policy_pb2_grpc
-from flagella.common.etcd import Etcd
 from flagella.common.kubestatus import health_report
 from flagella.common.leader import Election
 from flagella.common.server import FatalError, Probes, Runtime
@@ -39,7 +38,7 @@ class PolicyApp:
     def __init__(self, runtime: Runtime[PolicyConfig]) -> None:
         cfg = runtime.config
         self.runtime = runtime
-        self.etcd = Etcd(cfg.etcd_endpoints, timeout=cfg.etcd_timeout)
+        self.etcd = runtime.etcd()
         self.probes = Probes(runtime.readiness)
         self.service = PolicyService(PolicyStore(self.etcd), settings_of(cfg), tasks=runtime.tasks)
         self.kube: PolicyWatchers | None = None
