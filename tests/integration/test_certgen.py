@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cryptography import x509
 from harness.kube_api import KubeListWatchServer
 
 from flagella.common import pki
@@ -34,14 +35,26 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([CLI, *args], capture_output=True, text=True, timeout=60, check=False)
 
 
-def node(name: str) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}}
+def node(name: str, ip: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": name},
+        "status": {"addresses": [{"type": "InternalIP", "address": ip}]},
+    }
+
+
+def ips_of(cert: bytes) -> set[str]:
+    san = x509.load_pem_x509_certificate(cert).extensions.get_extension_for_class(
+        x509.SubjectAlternativeName
+    )
+    return {str(ip) for ip in san.value.get_values_for_type(x509.IPAddress)}
 
 
 @pytest.fixture
 def kube_api() -> Iterator[KubeListWatchServer]:
     with KubeListWatchServer() as server:
-        server.apply("nodes", node("worker-1"))
+        server.apply("nodes", node("worker-1", "10.0.0.11"))
         server.apply(
             "roles",
             {
@@ -132,13 +145,15 @@ def test_k8s_sync_creates_keeps_renews_and_follows_nodes(
     assert renewed.not_after - pki.now() > dt.timedelta(hours=23)
 
     # A node joins: its Secret, and the datapath may read it too.
-    kube_api.apply("nodes", node("worker-2"))
+    kube_api.apply("nodes", node("worker-2", "10.0.0.12"))
     fourth = cli(*args)
     assert fourth.returncode == 0, fourth.stderr
     joined = material(
         tmp_path / "w2", decoded(kube_api.get("secrets", NS, "flagella-node-worker-2") or {})
     )
     assert joined.identity == pki.node("worker-2")
+    # The endpoint service dials a datapath at its node's address.
+    assert "10.0.0.12" in ips_of(joined.cert)
     assert (kube_api.get("roles", NS, ROLE) or {})["rules"][0]["resourceNames"] == [
         "flagella-node-worker-1",
         "flagella-node-worker-2",
@@ -173,7 +188,7 @@ def test_k8s_fetch_of_a_missing_secret_fails_after_waiting(
 
 def test_folder_sync_is_idempotent_renews_and_owns_each_identity_folder(tmp_path: Path) -> None:
     out = tmp_path / "tls"
-    args = ["certs", "sync", "--out", str(out), "--service", "ipam", "--node", "host-1"]
+    args = ["certs", "sync", "--out", str(out), "--service", "ipam", "--node", "host-1=10.1.0.1"]
     args += ["--operator", "compose", "--owner", f"service={os.getuid()}:{os.getgid()}"]
     first = cli(*args)
     assert first.returncode == 0, first.stderr
@@ -183,6 +198,8 @@ def test_folder_sync_is_idempotent_renews_and_owns_each_identity_folder(tmp_path
         folder = out / kind / name
         got = pki.load_material(folder / "tls.crt", folder / "tls.key", folder / "ca.crt")
         assert got.identity == pki.Identity(kind, name)
+    node_cert = (out / "node" / "host-1" / "tls.crt").read_bytes()
+    assert ips_of(node_cert) == {"127.0.0.1", "::1", "10.1.0.1"}
     stamps = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
     second = cli(*args)
     assert "0 written" in second.stdout
@@ -201,6 +218,11 @@ def test_folder_sync_is_idempotent_renews_and_owns_each_identity_folder(tmp_path
     assert "2 written" in third.stdout
     assert (out / "ca" / "ca.crt").read_bytes() == ca.cert_pem
 
+    # The node moved: its certificate names the new address.
+    moved = cli(*[a.replace("10.1.0.1", "10.1.0.2") for a in args])
+    assert "issued spiffe://flagella/node/host-1: serves other names" in moved.stdout
+    assert "10.1.0.2" in ips_of((out / "node" / "host-1" / "tls.crt").read_bytes())
+
     # A foreign CA in the folder's place: a new CA, every leaf re-issued.
     other = pki.CertificateAuthority.create(lifetime=dt.timedelta(hours=2))
     pki.write_files(out / "ca", {"ca.crt": other.cert_pem, "ca.key": other.key_pem}, overwrite=True)
@@ -216,6 +238,46 @@ def test_sync_refuses_bad_input_naming_it(tmp_path: Path) -> None:
     res = cli("certs", "sync", "--out", str(tmp_path), "--owner", "service=me")
     assert res.returncode != 0
     assert "--owner 'service=me'" in res.stderr
+    res = cli("certs", "sync", "--out", str(tmp_path), "--node", "n1=10.0.0.300")
+    assert res.returncode != 0
+    assert "--node 'n1=10.0.0.300'" in res.stderr
     res = cli("certs", "sync", "--out", str(tmp_path), "--hours", "4", "--renew-before", "8")
     assert res.returncode != 0
     assert "renewal window" in res.stderr
+
+
+def test_k8s_sync_with_an_external_ca_uses_it_and_never_writes_it(
+    kube_api: KubeListWatchServer, tmp_path: Path
+) -> None:
+    """The cert-manager overlay: cert-manager keeps the CA (a TLS Secret) and
+    the services' Secrets; certgen issues the node Secrets from that CA."""
+    kubeconfig = str(kube_api.write_kubeconfig(tmp_path / "kubeconfig"))
+    args = ["certs", "k8s-sync", "--kubeconfig", kubeconfig, "--external-ca", "--nodes-from-api"]
+    missing = cli(*args)
+    assert missing.returncode == 1
+    assert "flagella/flagella-ca is kept elsewhere" in missing.stderr
+    assert kube_api.get("secrets", NS, "flagella-ca") is None
+
+    ca = pki.CertificateAuthority.create()
+    kube_api.apply(
+        "secrets",
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "type": "kubernetes.io/tls",
+            "metadata": {"name": "flagella-ca", "namespace": NS},
+            "data": {
+                "tls.crt": base64.b64encode(ca.cert_pem).decode(),
+                "tls.key": base64.b64encode(ca.key_pem).decode(),
+            },
+        },
+    )
+    version = (kube_api.get("secrets", NS, "flagella-ca") or {})["metadata"]["resourceVersion"]
+    made = cli(*args)
+    assert made.returncode == 0, made.stderr
+    assert set(versions(kube_api)) == {"flagella-ca", "flagella-node-worker-1"}
+    got = material(
+        tmp_path / "n", decoded(kube_api.get("secrets", NS, "flagella-node-worker-1") or {})
+    )
+    assert got.ca == ca.cert_pem
+    assert versions(kube_api)["flagella-ca"] == version

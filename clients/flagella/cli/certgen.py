@@ -24,6 +24,7 @@ from flagella.cli import certs
 from flagella.cli.certsync import Bundle, FolderStore, Leaf, plan, sync
 from flagella.common import pki
 from flagella.common.backoff import Backoff
+from flagella.common.config import parse_ip
 
 CA_SECRET = "flagella-ca"
 NODE_ROLE = "flagella-datapath-node-certs"
@@ -65,11 +66,14 @@ def _status(exc: Exception) -> int:
 class SecretStore:
     """The CA and leaves as Secrets in one namespace."""
 
-    def __init__(self, api: Any, namespace: str) -> None:
+    def __init__(self, api: Any, namespace: str, *, external_ca: bool = False) -> None:
+        """external_ca: the CA Secret is kept by someone else (cert-manager,
+        as a TLS Secret: tls.crt, tls.key): read it, never write it."""
         from kubernetes import client
 
         self.core: Any = client.CoreV1Api(api)
         self.namespace = namespace
+        self.external_ca = external_ca
 
     def _read(self, name: str) -> dict[str, bytes] | None:
         from kubernetes.client.exceptions import ApiException
@@ -106,11 +110,19 @@ class SecretStore:
 
     def read_ca(self) -> tuple[bytes, bytes] | None:
         data = self._read(CA_SECRET)
-        if data is None or pki.CA_FILE not in data or certs.CA_KEY not in data:
+        cert, key = (
+            (pki.CERT_FILE, pki.KEY_FILE) if self.external_ca else (pki.CA_FILE, certs.CA_KEY)
+        )
+        if data is None or cert not in data or key not in data:
             return None
-        return data[pki.CA_FILE], data[certs.CA_KEY]
+        return data[cert], data[key]
 
     def write_ca(self, cert: bytes, key: bytes) -> None:
+        if self.external_ca:
+            raise certs.CertsError(
+                f"the CA in Secret {self.namespace}/{CA_SECRET} is kept elsewhere (--external-ca) "
+                "and is missing, unusable or about to expire"
+            )
         self._write(CA_SECRET, "Opaque", {pki.CA_FILE: cert, certs.CA_KEY: key}, {"labels": LABELS})
 
     def read_leaf(self, leaf: Leaf) -> Bundle | None:
@@ -129,11 +141,33 @@ class SecretStore:
         self._write(secret_name(leaf.identity), "kubernetes.io/tls", data, meta)
 
 
-def node_names(api: Any) -> list[str]:
+def api_nodes(api: Any) -> dict[str, list[str]]:
+    """Every Node's name -> its InternalIPs (where its datapath listens)."""
     from kubernetes import client
 
     core: Any = client.CoreV1Api(api)
-    return sorted(n.metadata.name for n in core.list_node().items)
+    return {
+        n.metadata.name: sorted(
+            a.address
+            for a in (n.status.addresses if n.status else None) or []
+            if a.type == "InternalIP"
+        )
+        for n in core.list_node().items
+    }
+
+
+def parse_nodes(values: list[str]) -> dict[str, list[str]]:
+    """NAME[=IP,IP...] -> {name: ips}."""
+    nodes: dict[str, list[str]] = {}
+    for value in values:
+        name, _, ips = value.partition("=")
+        for ip in filter(None, ips.split(",")):
+            try:
+                parse_ip(ip)
+            except ValueError as exc:
+                raise certs.CertsError(f"invalid --node {value!r}: {exc}") from None
+        nodes[name] = [ip for ip in ips.split(",") if ip]
+    return nodes
 
 
 def grant_node_secrets(api: Any, namespace: str, role: str, names: list[str]) -> bool:
@@ -187,7 +221,7 @@ def _owners(values: list[str]) -> dict[str, tuple[int, int]]:
     return owners
 
 
-def _leaves(args: argparse.Namespace, nodes: list[str]) -> list[Leaf]:
+def _leaves(args: argparse.Namespace, nodes: dict[str, list[str]]) -> list[Leaf]:
     try:
         return plan(args.service, nodes, args.operator, names=certs.default_names)
     except ValueError as exc:
@@ -211,7 +245,7 @@ def _sync(args: argparse.Namespace, store: Any, leaves: list[Leaf]) -> None:
 
 def cmd_sync(args: argparse.Namespace) -> int:
     store = FolderStore(args.out, _owners(args.owner))
-    _sync(args, store, _leaves(args, args.node))
+    _sync(args, store, _leaves(args, parse_nodes(args.node)))
     return 0
 
 
@@ -220,11 +254,11 @@ def cmd_k8s_sync(args: argparse.Namespace) -> int:
 
     api = kube_clients(args.kubeconfig)
     try:
-        nodes = sorted({*args.node, *(node_names(api) if args.nodes_from_api else [])})
+        nodes = {**(api_nodes(api) if args.nodes_from_api else {}), **parse_nodes(args.node)}
         leaves = _leaves(args, nodes)
-        _sync(args, SecretStore(api, args.namespace), leaves)
+        _sync(args, SecretStore(api, args.namespace, external_ca=args.external_ca), leaves)
         if args.node_role:
-            names = [secret_name(pki.node(n)) for n in nodes]
+            names = sorted(secret_name(pki.node(n)) for n in nodes)
             if grant_node_secrets(api, args.namespace, args.node_role, names):
                 print(f"role {args.node_role}: may read {len(names)} node Secrets")
     except ApiException as exc:
@@ -275,7 +309,12 @@ def cmd_k8s_fetch(args: argparse.Namespace) -> int:
 
 def _issue_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--service", action="append", default=[], help="a service (repeat)")
-    p.add_argument("--node", action="append", default=[], help="a node (repeat)")
+    p.add_argument(
+        "--node",
+        action="append",
+        default=[],
+        help="a node, NAME or NAME=IP[,IP...] with the addresses its datapath serves on (repeat)",
+    )
     p.add_argument("--operator", action="append", default=[], help="an operator (repeat)")
     p.add_argument("--hours", type=float, default=24, help="leaf lifetime (default 24 hours)")
     p.add_argument(
@@ -307,7 +346,14 @@ def add_parsers(csub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     _kube_flags(p)
     _issue_flags(p)
     p.add_argument(
-        "--nodes-from-api", action="store_true", help="a node certificate for every Node"
+        "--nodes-from-api",
+        action="store_true",
+        help="a node certificate for every Node, naming its InternalIPs",
+    )
+    p.add_argument(
+        "--external-ca",
+        action="store_true",
+        help=f"{CA_SECRET} is kept by cert-manager (tls.crt, tls.key): use it, never write it",
     )
     p.add_argument(
         "--node-role",

@@ -11,8 +11,9 @@ it likes and only what needs it changes.
 from __future__ import annotations
 
 import datetime as dt
+import ipaddress
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -66,17 +67,20 @@ class Store(Protocol):
 
 def plan(
     services: Iterable[str],
-    nodes: Iterable[str],
+    nodes: Mapping[str, Sequence[str]],
     operators: Iterable[str],
     *,
     names: Callable[[str, str], list[str]],
 ) -> list[Leaf]:
     """The leaves of a cluster: servers get names(kind, name) as DNS names,
     and loopback (callers in the same pod or on the node); operators are
-    clients only."""
+    clients only. nodes: name -> its addresses (where its datapath listens,
+    the address the endpoint service dials and checks)."""
     loopback = ("127.0.0.1", "::1")
     leaves = [Leaf(pki.service(s), tuple(names("service", s)), loopback) for s in services]
-    leaves += [Leaf(pki.node(n), tuple(names("node", n)), loopback) for n in nodes]
+    leaves += [
+        Leaf(pki.node(n), tuple(names("node", n)), (*loopback, *ips)) for n, ips in nodes.items()
+    ]
     leaves += [Leaf(pki.operator(o)) for o in operators]
     return leaves
 
@@ -126,7 +130,23 @@ def leaf_problem(
         return str(exc)
     if at + renew_before >= cert.not_valid_after_utc:
         return f"expires {cert.not_valid_after_utc:%Y-%m-%d %H:%M}Z"
+    if served_names(cert) != served_names_of(leaf):
+        return "serves other names"
     return ""
+
+
+def served_names(cert: x509.Certificate) -> tuple[set[str], set[str]]:
+    """The DNS names and IP addresses a certificate names."""
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return set(), set()
+    ips = {str(ip) for ip in san.get_values_for_type(x509.IPAddress)}
+    return set(san.get_values_for_type(x509.DNSName)), ips
+
+
+def served_names_of(leaf: Leaf) -> tuple[set[str], set[str]]:
+    return set(leaf.dns), {str(ipaddress.ip_address(ip)) for ip in leaf.ips}
 
 
 def sync(
