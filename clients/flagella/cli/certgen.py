@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from flagella.cli import certs
-from flagella.cli.certsync import Bundle, FolderStore, Leaf, plan, sync
+from flagella.cli.certsync import Bundle, FolderStore, Leaf, Store, plan, sync
 from flagella.common import pki
 from flagella.common.backoff import Backoff
 from flagella.common.config import parse_ip
@@ -228,7 +228,7 @@ def _leaves(args: argparse.Namespace, nodes: dict[str, list[str]]) -> list[Leaf]
         raise certs.CertsError(str(exc)) from None
 
 
-def _sync(args: argparse.Namespace, store: Any, leaves: list[Leaf]) -> None:
+def _sync(args: argparse.Namespace, store: Store, leaves: list[Leaf]) -> None:
     try:
         changes = sync(
             store,
@@ -245,7 +245,10 @@ def _sync(args: argparse.Namespace, store: Any, leaves: list[Leaf]) -> None:
 
 def cmd_sync(args: argparse.Namespace) -> int:
     store = FolderStore(args.out, _owners(args.owner))
-    _sync(args, store, _leaves(args, parse_nodes(args.node)))
+    try:
+        _sync(args, store, _leaves(args, parse_nodes(args.node)))
+    except OSError as exc:
+        raise certs.CertsError(f"{exc.filename}: {exc.strerror or exc}") from None
     return 0
 
 
