@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from harness.net import free_port
 
@@ -31,6 +32,8 @@ GRPC_SERVICE = {
     "datapath": "flagella.datapath.v1.DatapathService",
 }
 IMAGE_PREFIX = "flagella-test"
+# The compose datapath's node (its certificate names it).
+NODE_NAME = "compose-test-node"
 # Kept between runs (they only speed up the next one): the debootstrap base
 # (named by a hash of its inputs) and the flagella base with the wheels.
 CACHED_IMAGES = ("flagella-test-debootstrap", "flagella-test-base")
@@ -176,6 +179,7 @@ class ComposeStack:
     ports: dict[str, int]
     net: str
     registers_node: bool
+    tls_dir: Path
     removed_images: list[str] = field(default_factory=list)
 
     @property
@@ -218,8 +222,33 @@ class ComposeStack:
             for kind, extra in (("container", ["-a"]), ("network", []), ("volume", []))
         }
 
+    def tls(self, kind: str = "operator", name: str = "compose") -> Path:
+        """The folder of an identity's certificate (tls.crt, tls.key, ca.crt)
+        that the stack's certs service issued."""
+        return self.tls_dir / kind / name
+
     def grpcurl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        return sh([str(VENV_BIN / "grpcurl"), "-plaintext", *args], check=check, timeout=30)
+        """grpcurl as the stack's operator."""
+        t = self.tls()
+        creds = [
+            "-cacert",
+            str(t / "ca.crt"),
+            "-cert",
+            str(t / "tls.crt"),
+            "-key",
+            str(t / "tls.key"),
+        ]
+        return sh([str(VENV_BIN / "grpcurl"), *creds, *args], check=check, timeout=30)
+
+    def channel(self, svc: str, kind: str = "operator", name: str = "compose") -> Any:
+        """A grpc channel to svc with an identity's certificate."""
+        import grpc
+
+        t = self.tls(kind, name)
+        creds = grpc.ssl_channel_credentials(
+            (t / "ca.crt").read_bytes(), (t / "tls.key").read_bytes(), (t / "tls.crt").read_bytes()
+        )
+        return grpc.secure_channel(self.address(svc), creds)
 
     def remove_images(self) -> None:
         """Remove the images this run built (tagged per run), but the cached
@@ -282,6 +311,8 @@ def start_stack(docker: DockerDaemon) -> ComposeStack:
     }
     net = free_compose_net()
     registers = ipam_implements_register_node()
+    # The certs service's folder (root-owned keys: cleaned up by the caller).
+    tls_dir = Path(tempfile.mkdtemp(prefix="flagella-compose-tls-"))
     env = {
         **os.environ,
         "DOCKER_CONFIG": str(VENV_BIN.parent / "docker"),
@@ -299,6 +330,8 @@ def start_stack(docker: DockerDaemon) -> ComposeStack:
         "FLAGELLA_DATAPATH_PORT": str(ports["datapath"]),
         "FLAGELLA_OTLP_PORT": str(ports["otlp"]),
         "FLAGELLA_JAEGER_UI_PORT": str(ports["jaeger_ui"]),
+        "FLAGELLA_COMPOSE_TLS_DIR": str(tls_dir),
+        "FLAGELLA_NODE_NAME": NODE_NAME,
     }
     if not registers:
         env["FLAGELLA_DATAPATH_IPAM_ADDRESS"] = ""
@@ -313,11 +346,13 @@ def start_stack(docker: DockerDaemon) -> ComposeStack:
         ports=ports,
         net=net,
         registers_node=registers,
+        tls_dir=tls_dir,
     )
     try:
         stack.up()
     except BaseException:
         stack.remove_images()
+        shutil.rmtree(tls_dir, ignore_errors=True)
         raise
     return stack
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import time
 import urllib.request
@@ -24,7 +25,9 @@ from typing import Any
 import pytest
 from compose_stack import (
     GRPC_SERVICE,
+    NODE_NAME,
     SERVICES,
+    VENV_BIN,
     ComposeStack,
     DockerDaemon,
     cleanup_log_dir,
@@ -67,6 +70,7 @@ def compose_stack() -> Iterator[ComposeStack]:
         if stack is not None:
             stack.down()
             stack.remove_images()
+            shutil.rmtree(stack.tls_dir, ignore_errors=True)
         docker.stop()
         cleanup_log_dir(log_dir)
 
@@ -115,6 +119,58 @@ def test_grpcurl_reflection_lists_and_describes(
     described = compose_stack.grpcurl(address, "describe", GRPC_SERVICE[svc]).stdout
     assert f"{GRPC_SERVICE[svc]} is a service:" in described
     assert " rpc " in described
+
+
+@pytest.mark.privileged
+def test_the_stack_is_secure_by_default(require_root: None, compose_stack: ComposeStack) -> None:
+    """No plaintext and no FLAGELLA_INSECURE; the certs service issued every
+    identity from one CA and ran once, successfully; each container mounts
+    its own certificate folder alone, read-only, its key readable by its
+    user only."""
+    from flagella.common import pki
+
+    plain = sh(
+        [str(VENV_BIN / "grpcurl"), "-plaintext", compose_stack.address("ipam"), "list"],
+        check=False,
+        timeout=30,
+    )
+    assert plain.returncode != 0
+    state = containers(compose_stack)
+    tls_root = str(compose_stack.tls_dir)
+    ca = (compose_stack.tls_dir / "ca" / "ca.crt").read_bytes()
+    for name in SERVICES:
+        config = state[name]["Config"]
+        assert not [e for e in config["Env"] if e.split("=")[0].endswith("_INSECURE")
+                    and e.startswith("FLAGELLA_")], name  # fmt: skip
+        kind, who = ("node", NODE_NAME) if name == "datapath" else ("service", name)
+        folder = compose_stack.tls(kind, who)
+        mounts = [m for m in state[name]["Mounts"] if m["Source"].startswith(tls_root)]
+        assert [(m["Source"], m["Destination"], m["RW"]) for m in mounts] == [
+            (str(folder), "/etc/flagella/tls", False)
+        ], name
+        got = pki.load_material(folder / "tls.crt", folder / "tls.key", folder / "ca.crt")
+        assert (got.identity, got.ca) == (pki.Identity(kind, who), ca)
+        key = (folder / "tls.key").stat()
+        assert (key.st_uid, key.st_mode & 0o777) == (0 if name == "datapath" else 65532, 0o600)
+    [certs_id] = compose_stack.compose("ps", "-a", "-q", "certs").stdout.split()
+    [certs] = json.loads(sh(["docker", "inspect", certs_id]).stdout)
+    assert (certs["State"]["Status"], certs["State"]["ExitCode"]) == ("exited", 0)
+    # Again (as every `up` runs it): everything is valid, nothing is written.
+    again = compose_stack.compose("run", "--rm", "certs")
+    assert "0 written" in again.stdout
+
+
+@pytest.mark.privileged
+def test_the_cli_runs_in_a_container_as_the_operator(
+    require_root: None, compose_stack: ComposeStack
+) -> None:
+    res = compose_stack.compose("run", "--rm", "cli", "-o", "json", "status", check=False)
+    assert res.returncode == 0, res.stdout + res.stderr
+    status = json.loads(res.stdout)
+    assert {svc: s["status"] for svc, s in status["services"].items()} == dict.fromkeys(
+        SERVICES, "SERVING"
+    )
+    assert status["maps"]  # the datapath's GetStatus, an operator's call
 
 
 @pytest.mark.privileged
@@ -309,8 +365,6 @@ def test_create_endpoint_is_one_trace_across_the_services(
     published port: one trace, with spans of the endpoint service, ipam,
     policy and the datapath, each callee's server span a child of its
     caller's client span."""
-    import grpc
-
     from flagella.api.endpoint.v1 import endpoint_pb2, endpoint_pb2_grpc
     from flagella.api.ipam.v1 import ipam_pb2, ipam_pb2_grpc
 
@@ -318,14 +372,16 @@ def test_create_endpoint_is_one_trace_across_the_services(
     subprocess.run(["ip", "netns", "add", ns], check=True)
     attachment = endpoint_pb2.Attachment(container_id=f"compose-{os.getpid()}", ifname="eth0")
     try:
-        with grpc.insecure_channel(compose_stack.address("ipam")) as ch:
+        with compose_stack.channel("ipam") as ch:
             nodes = (
                 ipam_pb2_grpc.IpamServiceStub(ch)
                 .ListNodes(ipam_pb2.ListNodesRequest(), timeout=10)
                 .nodes
             )
         assert len(nodes) == 1
-        with grpc.insecure_channel(compose_stack.address("endpoint")) as ch:
+        # Endpoints on a node are created by that node (the datapath's
+        # certificate; the datapath relays flagella-cni's calls with it).
+        with compose_stack.channel("endpoint", "node", nodes[0].name) as ch:
             stub = endpoint_pb2_grpc.EndpointServiceStub(ch)
             created = stub.CreateEndpoint(
                 endpoint_pb2.CreateEndpointRequest(

@@ -4,9 +4,13 @@ and every overlay build with `kubectl kustomize`, the output passes
 object: only the datapath has capabilities or host access, everything else
 is non-root with no capabilities and a read-only root; RBAC reads what each
 service watches and lets it write only its Events and Leases (and the
-endpoint service its FlagellaEndpoints); the policy CRDs are structural and
-take the policies flagella documents; the FlagellaEndpoint CRD takes the
-objects the endpoint service writes and shows them with printer columns."""
+endpoint service its FlagellaEndpoints), certgen only Secrets in the
+namespace (plus the one Role it keeps and listing Nodes); every flagella
+workload mounts its own certificate and none runs --insecure; the
+cert-manager overlay's Certificates name the right identities; the policy
+CRDs are structural and take the policies flagella documents; the
+FlagellaEndpoint CRD takes the objects the endpoint service writes and
+shows them with printer columns."""
 
 from __future__ import annotations
 
@@ -49,11 +53,21 @@ READS = {
         (flagellaendpoint.GROUP, flagellaendpoint.PLURAL),
     },
     "flagella-lb": {("", "services"), ("discovery.k8s.io", "endpointslices")},
+    # Which nodes need a certificate, with their addresses.
+    "flagella-certgen": {("", "nodes")},
+    # Nothing as shipped: certgen names the node Secrets in its Role (see
+    # test_certgen_issues_every_identity_and_the_datapath_role_starts_empty).
+    "flagella-datapath": set(),
 }
+# The verbs of those reads, where not all of get/list/watch.
+READ_VERBS_OF = {"flagella-certgen": {"list"}}
 # Everything else each account may do: (group, resource, verb, namespace or
 # "" for every namespace, the resource names it is limited to or ()).
 LEASES = "coordination.k8s.io"
+RBAC = "rbac.authorization.k8s.io"
 FE_WRITES = ("create", "update", "delete")
+NODE_CERTS_ROLE = "flagella-datapath-node-certs"
+SERVICES = ("ipam", "policy", "endpoint", "lb")
 OTHER = {
     "flagella-ipam": set(),
     "flagella-endpoint": {
@@ -74,6 +88,13 @@ OTHER = {
         (LEASES, "leases", "get", "flagella", (LB_LEASE,)),
         (LEASES, "leases", "update", "flagella", (LB_LEASE,)),
     },
+    # Secrets of its own namespace only (no list, no delete, nowhere else),
+    # and the datapath's node-cert Role, which it keeps to the node Secrets.
+    "flagella-certgen": {
+        *(("", "secrets", v, "flagella", ()) for v in ("get", "create", "update")),
+        *((RBAC, "roles", v, "flagella", (NODE_CERTS_ROLE,)) for v in ("get", "update")),
+    },
+    "flagella-datapath": set(),
 }
 # What each account may write at all: (group, resource).
 WRITES = {
@@ -85,6 +106,8 @@ WRITES = {
         (flagellaendpoint.GROUP, flagellaendpoint.PLURAL),
     },
     "flagella-lb": {(LEASES, "leases")},
+    "flagella-certgen": {("", "secrets"), (RBAC, "roles")},
+    "flagella-datapath": set(),
 }
 CLUSTER_SCOPED = ("Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition")
 # Service link variables Kubernetes sets in every pod of the namespace.
@@ -277,7 +300,8 @@ def test_rbac_reads_what_flagella_watches_and_writes_only_events_and_leases(
         reads = {
             (g, r, v) for g, r, v, ns, names in perms if not ns and not names and v in READ_VERBS
         }
-        assert reads == {(g, r, v) for g, r in READS[account] for v in READ_VERBS}, account
+        verbs = READ_VERBS_OF.get(account, READ_VERBS)
+        assert reads == {(g, r, v) for g, r in READS[account] for v in verbs}, account
         rest = {p for p in perms if (p[0], p[1], p[2]) not in reads or p[3] or p[4]}
         assert rest == OTHER[account], account
         writes = {(g, r) for g, r, v, _, _ in rest if v not in READ_VERBS}
@@ -424,10 +448,14 @@ def test_services_have_grpc_probes_resources_and_disruption_budgets(
             assert c["resources"]["limits"]["memory"], (name, c["name"])
         for c in spec["containers"]:
             if name in flagella:
-                port = c["ports"][0]["containerPort"]
+                # The plaintext health-only port: the kubelet's gRPC probe
+                # cannot present a certificate (docs/SECURITY.md).
+                [port] = [p["containerPort"] for p in c["ports"] if p["name"] == "health"]
+                env = {e["name"]: e.get("value", "") for e in c["env"]}
+                assert env[f"FLAGELLA_{name.upper()}_HEALTH_LISTEN"].endswith(f":{port}"), name
                 assert c["readinessProbe"]["grpc"]["port"] == port, name
                 assert c["livenessProbe"]["grpc"]["port"] == port, name
-            else:
+            elif obj["kind"] not in ("Job", "CronJob"):  # a run to completion has no probes
                 assert c["readinessProbe"], name
                 assert c["livenessProbe"], name
         if obj["kind"] in ("Deployment", "StatefulSet") and name != "jaeger":
@@ -527,3 +555,137 @@ def test_cni_conflist_carries_what_the_plugin_reads(rendered: dict[str, Path]) -
     assert volumes[socket_mount["name"]]["hostPath"]["path"] == "/run/flagella"
     mounts = {m["mountPath"] for m in init["volumeMounts"]}
     assert mounts == {"/host/opt/cni/bin", "/host/etc/cni/net.d"}
+
+
+def volume_of(spec: dict[str, Any], container: dict[str, Any], path: str) -> dict[str, Any]:
+    [mount] = [m for m in container.get("volumeMounts", []) if m["mountPath"] == path]
+    [volume] = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    return dict(volume)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_flagella_workload_mounts_its_own_certificate_and_none_is_insecure(
+    rendered: dict[str, Path], target: str
+) -> None:
+    """Each service mounts exactly its own Secret at /etc/flagella/tls; the
+    datapath gets its node's from the Secret flagella-node-<node> through its
+    node-cert containers (the only ones with an API token); no
+    FLAGELLA_INSECURE or --insecure anywhere."""
+    objs = objects(rendered[target])
+    for obj in objs:
+        if obj["kind"] == "ConfigMap":
+            assert not [k for k in obj.get("data", {}) if re.match(r"FLAGELLA_(\w+_)?INSECURE$", k)]
+    mounted: dict[str, str] = {}
+    seen = set()
+    for obj, spec in workloads(rendered[target]):
+        name = obj["metadata"]["name"]
+        for c in all_containers(spec):
+            assert not [
+                e for e in c.get("env", []) if re.match(r"FLAGELLA_(\w+_)?INSECURE$", e["name"])
+            ]
+            assert "--insecure" not in [*c.get("command", []), *c.get("args", [])], name
+            for v in spec.get("volumes", []):
+                if "secret" in v and any(m["name"] == v["name"] for m in c.get("volumeMounts", [])):
+                    mounted.setdefault(v["secret"]["secretName"], f"{name}/{c['name']}")
+        if name in SERVICES:
+            seen.add(name)
+            [main] = spec["containers"]
+            volume = volume_of(spec, main, "/etc/flagella/tls")
+            assert volume["secret"]["secretName"] == f"flagella-service-{name}", name
+            # Readable by the service's group only (the pod's fsGroup).
+            assert volume["secret"]["defaultMode"] == 0o440
+            assert spec["securityContext"]["fsGroup"] == main.get("securityContext", {}).get(
+                "runAsGroup", spec["securityContext"]["runAsGroup"]
+            )
+        if is_datapath(obj):
+            seen.add(name)
+            assert spec["automountServiceAccountToken"] is False
+            main = next(c for c in spec["containers"] if c["name"] == "datapath")
+            tls = volume_of(spec, main, "/etc/flagella/tls")
+            assert tls["emptyDir"]["medium"] == "Memory"
+            assert next(m for m in main["volumeMounts"] if m["name"] == tls["name"])["readOnly"]
+            token_path = "/var/run/secrets/kubernetes.io/serviceaccount"
+            fetchers = [c for c in spec["initContainers"] if c["name"].startswith("node-cert")]
+            # One fetch before the datapath starts, one sidecar that renews.
+            assert [c.get("restartPolicy") for c in fetchers] == [None, "Always"]
+            for c in fetchers:
+                assert volume_of(spec, c, "/etc/flagella/tls") == tls
+                assert "serviceAccountToken" in str(volume_of(spec, c, token_path))
+                assert c["command"][1:3] == ["certs", "k8s-fetch"]
+                assert "--secret=flagella-node-$(NODE_NAME)" in c["command"]
+                env = {e["name"]: e for e in c["env"]}
+                assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+            for c in all_containers(spec):
+                if c not in fetchers:
+                    paths = {m["mountPath"] for m in c.get("volumeMounts", [])}
+                    assert token_path not in paths, c["name"]
+    assert seen == {*SERVICES, "datapath"}
+    # Nobody mounts another's Secret, nor the CA's.
+    assert mounted == {f"flagella-service-{s}": f"{s}/{s}" for s in SERVICES}
+
+
+def certgen_commands(objs: list[dict[str, Any]]) -> list[list[str]]:
+    return [
+        pod_spec(o)["containers"][0]["command"]
+        for o in objs
+        if o["kind"] in ("Job", "CronJob") and o["metadata"]["name"] == "flagella-certgen"
+    ]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_certgen_issues_every_identity_and_the_datapath_role_starts_empty(
+    rendered: dict[str, Path], target: str
+) -> None:
+    """A Job and a CronJob run `flagella certs k8s-sync` for every service
+    (or, with cert-manager, for the nodes alone from cert-manager's CA); the
+    datapath's node-cert Role grants nothing until certgen names the node
+    Secrets in it, and is bound to the datapath alone."""
+    objs = objects(rendered[target])
+    commands = certgen_commands(objs)
+    assert len(commands) == 2
+    with_cert_manager = target.endswith("cert-manager")
+    for command in commands:
+        assert command[:3] == ["/opt/flagella/bin/flagella", "certs", "k8s-sync"]
+        services = {a.removeprefix("--service=") for a in command if a.startswith("--service=")}
+        assert services == (set() if with_cert_manager else set(SERVICES))
+        assert ("--external-ca" in command) == with_cert_manager
+        assert "--nodes-from-api" in command
+        assert f"--node-role={NODE_CERTS_ROLE}" in command
+    [role] = [o for o in objs if o["kind"] == "Role" and o["metadata"]["name"] == NODE_CERTS_ROLE]
+    assert role["rules"] == []
+    bindings = [
+        o for o in objs if o["kind"] == "RoleBinding" and o["roleRef"]["name"] == NODE_CERTS_ROLE
+    ]
+    assert [s["name"] for b in bindings for s in b["subjects"]] == ["flagella-datapath"]
+
+
+def test_the_cert_manager_overlay_issues_the_identities_certgen_would(
+    rendered: dict[str, Path],
+) -> None:
+    """Its Certificates: the CA (self-signed, into flagella-ca), and each
+    service's and the operator's with its spiffe URI SAN, the names certgen
+    gives it, into the Secret the workloads mount, signed by that CA."""
+    from flagella.cli.certs import default_names
+
+    objs = objects(rendered["k8s/overlays/cert-manager"])
+    certificates = {o["metadata"]["name"]: o["spec"] for o in objs if o["kind"] == "Certificate"}
+    issuers = {o["metadata"]["name"]: o["spec"] for o in objs if o["kind"] == "Issuer"}
+    ca = certificates.pop("flagella-ca")
+    assert ca["isCA"] is True
+    assert ca["secretName"] == "flagella-ca"
+    assert "selfSigned" in issuers[ca["issuerRef"]["name"]]
+    expected = {f"flagella-service-{s}": ("service", s) for s in SERVICES}
+    expected["flagella-operator-admin"] = ("operator", "admin")
+    assert set(certificates) == set(expected)
+    for name, (kind, who) in expected.items():
+        spec = certificates[name]
+        assert spec["secretName"] == name
+        assert spec["uris"] == [f"spiffe://flagella/{kind}/{who}"]
+        assert issuers[spec["issuerRef"]["name"]] == {"ca": {"secretName": "flagella-ca"}}
+        assert "client auth" in spec["usages"]
+        assert spec["privateKey"]["rotationPolicy"] == "Always"
+        if kind == "service":
+            assert spec["dnsNames"] == default_names("service", who)
+            assert "server auth" in spec["usages"]
+        else:
+            assert "dnsNames" not in spec

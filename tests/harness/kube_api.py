@@ -2,7 +2,7 @@
 for a few collections (no real API server can run on these machines).
 
 It serves, for the collections in COLLECTIONS (Services, EndpointSlices,
-Pods, Namespaces, NetworkPolicies, and the CiliumNetworkPolicy,
+Pods, Namespaces, Nodes, NetworkPolicies, and the CiliumNetworkPolicy,
 CiliumClusterwideNetworkPolicy, FlagellaNetworkPolicy and FlagellaEndpoint
 custom resources, each at its all-namespaces path /api/v1/<plural> or
 /apis/<group>/<version>/<plural>):
@@ -18,7 +18,7 @@ custom resources, each at its all-namespaces path /api/v1/<plural> or
   answers an expired watch. With allowWatchBookmarks=true, bookmark() sends
   a BOOKMARK at the current resourceVersion.
 - GET of one object at its own path (a Pod, a Namespace, a Lease, a
-  FlagellaEndpoint): the object, or 404.
+  FlagellaEndpoint, a Secret, a Role): the object, or 404.
 It also takes the writes flagella makes (what a client may write is in
 WRITABLE; Pods and Namespaces only tests write, with apply()):
 - Leases (/apis/coordination.k8s.io/v1/namespaces/<ns>/leases[/<name>]) and
@@ -27,6 +27,9 @@ WRITABLE; Pods and Namespaces only tests write, with apply()):
   absent; 409 Conflict when the body's metadata.resourceVersion is not the
   stored one: optimistic concurrency, as the real server does), DELETE
   (FlagellaEndpoints; 404 when absent). Writes are watched like any change.
+- Secrets (/api/v1/namespaces/<ns>/secrets[/<name>]): POST and PUT as
+  above; Roles (/apis/rbac.authorization.k8s.io/v1/namespaces/<ns>/roles/
+  <name>): PUT only (tests create them with apply()).
 - Events (/api/v1/namespaces/<ns>/events): POST to create; kept in
   `events`, in order.
 One resourceVersion counter covers all objects, as etcd's revision does for
@@ -91,15 +94,22 @@ COLLECTIONS = {
         "FlagellaEndpointList",
         "flagella.io/v1",
     ),
+    "/api/v1/nodes": ("nodes", "NodeList", "v1"),
 }
 # One object's path (or a namespaced collection's, for POST): its resource,
 # namespace ("" when cluster-scoped) and name (None: the collection).
 OBJECT_PATHS = (
-    re.compile(r"^/api/v1/namespaces/(?P<ns>[^/]+)/(?P<res>pods|events)(?:/(?P<name>[^/]+))?$"),
+    re.compile(
+        r"^/api/v1/namespaces/(?P<ns>[^/]+)/(?P<res>pods|events|secrets)(?:/(?P<name>[^/]+))?$"
+    ),
     re.compile(r"^/api/v1/(?P<res>namespaces)/(?P<name>[^/]+)$"),
     re.compile(
         r"^/apis/(?:coordination\.k8s\.io|flagella\.io)/v1/namespaces/(?P<ns>[^/]+)/"
         r"(?P<res>leases|flagellaendpoints)(?:/(?P<name>[^/]+))?$"
+    ),
+    re.compile(
+        r"^/apis/rbac\.authorization\.k8s\.io/v1/namespaces/(?P<ns>[^/]+)/"
+        r"(?P<res>roles)(?:/(?P<name>[^/]+))?$"
     ),
 )
 # What clients may create, update and delete: resource -> (kind, apiVersion,
@@ -107,6 +117,8 @@ OBJECT_PATHS = (
 WRITABLE = {
     "leases": ("Lease", "coordination.k8s.io/v1", ("POST", "PUT")),
     "flagellaendpoints": ("FlagellaEndpoint", "flagella.io/v1", ("POST", "PUT", "DELETE")),
+    "secrets": ("Secret", "v1", ("POST", "PUT")),
+    "roles": ("Role", "rbac.authorization.k8s.io/v1", ("PUT",)),
 }
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 

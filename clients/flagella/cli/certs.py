@@ -160,6 +160,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
             p.add_argument("--dns", action="append", default=[], help="another DNS name it serves")
             p.add_argument("--ip", action="append", default=[], help="another IP it serves on")
     certs.set_defaults(func=lambda args, clients: run(args))
+    from flagella.cli import certgen  # certgen builds on this module
+
+    certgen.add_parsers(csub)
 
 
 # --- the CLI's own certificate ---

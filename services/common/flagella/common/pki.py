@@ -335,11 +335,16 @@ def _issued_by(cert: x509.Certificate, ca: x509.Certificate) -> bool:
 
 
 def write_files(
-    directory: Path | str, files: dict[str, bytes], *, overwrite: bool = False
+    directory: Path | str,
+    files: dict[str, bytes],
+    *,
+    overwrite: bool = False,
+    owner: tuple[int, int] | None = None,
 ) -> list[Path]:
-    """Write name -> contents into directory (keys 0600, the rest 0644).
-    Each file is replaced atomically (a service reloading it never reads
-    half of it). Refuses to replace an existing file unless overwrite."""
+    """Write name -> contents into directory (keys 0600, the rest 0644;
+    owned by owner (uid, gid) when given). Each file is replaced atomically
+    (a service reloading it never reads half of it, nor one it may not
+    read). Refuses to replace an existing file unless overwrite."""
     folder = Path(directory)
     folder.mkdir(parents=True, exist_ok=True)
     paths = [folder / name for name in files]
@@ -353,12 +358,19 @@ def write_files(
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.chmod(tmp, mode)
+        if owner is not None:
+            os.chown(tmp, *owner)
         os.replace(tmp, path)
     return paths
 
 
 def write_bundle(
-    directory: Path | str, issued: Issued, ca_cert: bytes, *, overwrite: bool = False
+    directory: Path | str,
+    issued: Issued,
+    ca_cert: bytes,
+    *,
+    overwrite: bool = False,
+    owner: tuple[int, int] | None = None,
 ) -> list[Path]:
     """tls.crt, tls.key and ca.crt: the layout of a Kubernetes TLS Secret.
     The key is written last, so a reloading service whose key check fails
@@ -367,4 +379,5 @@ def write_bundle(
         directory,
         {CA_FILE: ca_cert, CERT_FILE: issued.cert, KEY_FILE: issued.key},
         overwrite=overwrite,
+        owner=owner,
     )
