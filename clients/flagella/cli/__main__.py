@@ -1,7 +1,8 @@
 """flagella: the operator CLI, as the `cilium` agent CLI is.
 
-Service addresses come from flags or FLAGELLA_<SVC>_ADDRESS (defaults: the
-local bring-up's ports). Tables for people, `-o json` for scripts.
+Service addresses come from flags, else from the environment (targets.py);
+each node's datapath from the node registry. Tables for people, `-o json`
+for scripts.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -26,15 +28,9 @@ from flagella.api.ipam.v1 import ipam_pb2, ipam_pb2_grpc
 from flagella.api.lb.v1 import lb_pb2, lb_pb2_grpc
 from flagella.api.policy.v1 import policy_pb2, policy_pb2_grpc
 from flagella.cli import certs
+from flagella.cli.targets import SERVICES, Datapath, default_address, default_node, pick_one
 from flagella.common.tls import target_options
 
-DEFAULT_ADDRESSES = {
-    "ipam": "127.0.0.1:50051",
-    "policy": "127.0.0.1:50052",
-    "endpoint": "127.0.0.1:50053",
-    "lb": "127.0.0.1:50054",
-    "datapath": "127.0.0.1:50055",
-}
 STATUS_NAMES = {
     health_pb2.HealthCheckResponse.SERVING: "SERVING",
     health_pb2.HealthCheckResponse.NOT_SERVING: "NOT_SERVING",
@@ -117,36 +113,79 @@ class Clients:
                 raise CliError(str(exc)) from None
         return grpc.secure_channel(address, self._credentials, options=target_options(address))
 
-    def channel(self, svc: str) -> grpc.Channel:
-        if svc not in self._channels:
-            self._channels[svc] = self.open(getattr(self.args, f"{svc}_address"))
-        return self._channels[svc]
+    def channel(self, address: str) -> grpc.Channel:
+        if address not in self._channels:
+            self._channels[address] = self.open(address)
+        return self._channels[address]
 
     def call(self, svc: str, fn: Callable[..., Any], request: Message, **kwargs: Any) -> Any:
+        address = getattr(self.args, f"{svc}_address")
+        return self.call_at(f"{svc} service", svc, address, fn, request, **kwargs)
+
+    def call_at(
+        self,
+        what: str,
+        label: str,
+        address: str,
+        fn: Callable[..., Any],
+        request: Message,
+        **kwargs: Any,
+    ) -> Any:
+        """fn(request); a failure as one line naming what was called where."""
         try:
             return fn(request, timeout=kwargs.pop("timeout", self.args.timeout), **kwargs)
         except grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else None
             details = exc.details() if hasattr(exc, "details") else str(exc)
-            address = getattr(self.args, f"{svc}_address")
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise CliError(f"{svc} service unreachable at {address}: {details}") from None
-            raise CliError(f"{svc}: {code.name if code else 'error'}: {details}") from None
+                raise CliError(f"{what} unreachable at {address}: {details}") from None
+            raise CliError(f"{label}: {code.name if code else 'error'}: {details}") from None
+
+    def call_datapath(self, dp: Datapath, method: str, request: Message) -> Any:
+        what = f"datapath of node {dp.node}" if dp.node else "datapath service"
+        fn = getattr(self.datapath(dp), method)
+        return self.call_at(what, dp.label, dp.address, fn, request)
 
     def ipam(self) -> Any:
-        return ipam_pb2_grpc.IpamServiceStub(self.channel("ipam"))
+        return ipam_pb2_grpc.IpamServiceStub(self.channel(self.args.ipam_address))
 
     def policy(self) -> Any:
-        return policy_pb2_grpc.PolicyServiceStub(self.channel("policy"))
+        return policy_pb2_grpc.PolicyServiceStub(self.channel(self.args.policy_address))
 
     def endpoint(self) -> Any:
-        return endpoint_pb2_grpc.EndpointServiceStub(self.channel("endpoint"))
+        return endpoint_pb2_grpc.EndpointServiceStub(self.channel(self.args.endpoint_address))
 
     def lb(self) -> Any:
-        return lb_pb2_grpc.LoadBalancerServiceStub(self.channel("lb"))
+        return lb_pb2_grpc.LoadBalancerServiceStub(self.channel(self.args.lb_address))
 
-    def datapath(self) -> Any:
-        return datapath_pb2_grpc.DatapathServiceStub(self.channel("datapath"))
+    def datapath(self, dp: Datapath) -> Any:
+        return datapath_pb2_grpc.DatapathServiceStub(self.channel(dp.address))
+
+    def registered(self) -> dict[str, str]:
+        """node -> its datapath's address, from the node registry."""
+        nodes = self.call("ipam", self.ipam().ListNodes, ipam_pb2.ListNodesRequest()).nodes
+        return {n.name: n.datapath_address for n in nodes if n.datapath_address}
+
+    def datapaths(self, node: str = "", *, one: bool = False) -> list[Datapath]:
+        """The datapaths a command talks to: --datapath-address; else the
+        registry's: the node named, the node this runs on for a one-node
+        command (one), or every node."""
+        if self.args.datapath_address:
+            if node:
+                raise CliError("--node and --datapath-address name the same thing: give one")
+            return [Datapath("", self.args.datapath_address)]
+        registered = self.registered()
+        if node or one:
+            try:
+                return [pick_one(registered, node, default_node(os.environ) if one else "")]
+            except LookupError as exc:
+                raise CliError(str(exc)) from None
+        if not registered:
+            raise CliError(
+                f"no node has registered a datapath with ipam at {self.args.ipam_address} "
+                "(give --datapath-address)"
+            )
+        return [Datapath(n, a) for n, a in sorted(registered.items())]
 
 
 # --- status ---
@@ -173,16 +212,16 @@ def node_health(args: argparse.Namespace, clients: Clients) -> int:
     data: dict[str, Any] = {}
     for node in sorted(nodes, key=lambda n: n.name):
         entry: dict[str, Any] = {"datapath": node.datapath_address, "peers": {}}
-        with grpc.insecure_channel(node.datapath_address) as channel:
-            try:
-                status = datapath_pb2_grpc.DatapathServiceStub(channel).GetStatus(
-                    datapath_pb2.GetStatusRequest(), timeout=args.timeout
-                )
-            except grpc.RpcError as exc:
-                code = exc.code() if hasattr(exc, "code") else None
-                entry["error"] = f"{code.name if code else 'error'}: datapath unreachable"
-                data[node.name] = entry
-                continue
+        try:
+            status = clients.call_datapath(
+                Datapath(node.name, node.datapath_address),
+                "GetStatus",
+                datapath_pb2.GetStatusRequest(),
+            )
+        except CliError as exc:
+            entry["error"] = str(exc)
+            data[node.name] = entry
+            continue
         for p in status.peers:
             entry["peers"][p.node] = {
                 "ip": p.ip,
@@ -218,6 +257,34 @@ def node_health(args: argparse.Namespace, clients: Clients) -> int:
     return 0 if healthy else 1
 
 
+def datapath_health(
+    clients: Clients, node: str, timeout: float
+) -> tuple[dict[str, tuple[str, str]], list[Datapath]]:
+    """Health rows of the datapaths `status` covers, and those serving."""
+    try:
+        targets = clients.datapaths(node)
+    except CliError as exc:
+        return {"datapath": ("DOWN", str(exc))}, []
+    rows = {dp.label: check_health(clients, dp.address, timeout) for dp in targets}
+    return rows, [dp for dp in targets if rows[dp.label][0] == "SERVING"]
+
+
+def map_pressure(clients: Clients, serving: list[Datapath]) -> list[dict[str, Any]]:
+    maps: list[dict[str, Any]] = []
+    for dp in serving:
+        node = {"node": dp.node} if dp.node else {}
+        try:
+            status = clients.call_datapath(dp, "GetStatus", datapath_pb2.GetStatusRequest())
+        except CliError as exc:
+            maps.append({**node, "name": "?", "error": str(exc)})
+            continue
+        maps += [
+            {**node, "name": m.name, "entries": m.entries, "max_entries": m.max_entries}
+            for m in status.maps
+        ]
+    return maps
+
+
 def cmd_status(args: argparse.Namespace, clients: Clients) -> int:
     if args.nodes:
         return node_health(args, clients)
@@ -225,24 +292,15 @@ def cmd_status(args: argparse.Namespace, clients: Clients) -> int:
     while True:
         rows = {
             svc: check_health(clients, getattr(args, f"{svc}_address"), args.timeout)
-            for svc in DEFAULT_ADDRESSES
+            for svc in SERVICES
         }
+        datapaths, serving = datapath_health(clients, args.node or "", args.timeout)
+        rows.update(datapaths)
         healthy = all(status == "SERVING" for status, _ in rows.values())
         if healthy or time.monotonic() >= deadline:
             break
         time.sleep(0.2)
-    maps: list[dict[str, Any]] = []
-    if rows["datapath"][0] == "SERVING" and not args.brief:
-        try:
-            status = clients.call(
-                "datapath", clients.datapath().GetStatus, datapath_pb2.GetStatusRequest()
-            )
-            maps = [
-                {"name": m.name, "entries": m.entries, "max_entries": m.max_entries}
-                for m in status.maps
-            ]
-        except CliError as exc:
-            maps = [{"name": "?", "error": str(exc)}]
+    maps = [] if args.brief else map_pressure(clients, serving)
     data = {
         "services": {svc: {"status": s, "detail": d} for svc, (s, d) in rows.items()},
         "maps": maps,
@@ -253,12 +311,14 @@ def cmd_status(args: argparse.Namespace, clients: Clients) -> int:
         emit(args, data, ["SERVICE", "STATUS", "DETAIL"], [[k, s, d] for k, (s, d) in rows.items()])
         if maps:
             print()
+            by_node = any("node" in m for m in maps)
             emit(
                 args,
                 None,
-                ["MAP", "ENTRIES", "MAX", "PRESSURE"],
+                [*(["NODE"] if by_node else []), "MAP", "ENTRIES", "MAX", "PRESSURE"],
                 [
                     [
+                        *([m.get("node", "")] if by_node else []),
                         m["name"],
                         m.get("entries", "?"),
                         m.get("max_entries", "?"),
@@ -503,9 +563,9 @@ def cmd_ipam(args: argparse.Namespace, clients: Clients) -> int:
 
 
 def cmd_map(args: argparse.Namespace, clients: Clients) -> int:
-    stub = clients.datapath()
+    (dp,) = clients.datapaths(args.node or "", one=True)
     if args.action == "list":
-        resp = clients.call("datapath", stub.ListMaps, datapath_pb2.ListMapsRequest())
+        resp = clients.call_datapath(dp, "ListMaps", datapath_pb2.ListMapsRequest())
         emit(
             args,
             to_dict(resp).get("maps", []),
@@ -513,7 +573,7 @@ def cmd_map(args: argparse.Namespace, clients: Clients) -> int:
             [[m.name, m.type, m.entries, m.max_entries, m.pending, m.errors] for m in resp.maps],
         )
     else:
-        resp = clients.call("datapath", stub.DumpMap, datapath_pb2.DumpMapRequest(name=args.name))
+        resp = clients.call_datapath(dp, "DumpMap", datapath_pb2.DumpMapRequest(name=args.name))
         emit(
             args,
             to_dict(resp),
@@ -558,23 +618,71 @@ def cmd_monitor(args: argparse.Namespace, clients: Clients) -> int:
         last=args.last,
         follow=not args.no_follow,
     )
-    stream = clients.datapath().ObserveFlows(request, timeout=args.duration or None)
-    try:
-        for f in stream:
-            if args.output == "json":
-                print(json.dumps(to_dict(f), sort_keys=True), flush=True)
+    targets = clients.datapaths(args.node or "")
+    watches = [FlowWatch(clients, dp, request, args) for dp in targets]
+    if len(watches) == 1:
+        watches[0].run()
+    else:
+        # One stream per node, merged as the flows come.
+        threads = [threading.Thread(target=w.run, daemon=True) for w in watches]
+        for t in threads:
+            t.start()
+        try:
+            for t in threads:
+                while t.is_alive():
+                    t.join(0.2)
+        except KeyboardInterrupt:
+            for w in watches:
+                w.cancel()
+    for w in watches:
+        if w.error:
+            print(f"flagella: {w.error}", file=sys.stderr)
+    return 1 if any(w.error for w in watches) else 0
+
+
+class FlowWatch:
+    """One datapath's flow stream, printed line by line."""
+
+    lock = threading.Lock()
+
+    def __init__(
+        self,
+        clients: Clients,
+        dp: Datapath,
+        request: datapath_pb2.ObserveFlowsRequest,
+        args: argparse.Namespace,
+    ) -> None:
+        self.dp = dp
+        self.args = args
+        self.stream = clients.datapath(dp).ObserveFlows(request, timeout=args.duration or None)
+        self.error = ""
+
+    def cancel(self) -> None:
+        self.stream.cancel()
+
+    def show(self, f: datapath_pb2.Flow) -> str:
+        if self.args.output == "json":
+            node = {"node": self.dp.node} if self.dp.node else {}
+            return json.dumps({**to_dict(f), **node}, sort_keys=True)
+        return f"{self.dp.node} {flow_line(f)}" if self.dp.node else flow_line(f)
+
+    def run(self) -> None:
+        try:
+            for f in self.stream:
+                line = self.show(f)
+                with self.lock:
+                    print(line, flush=True)
+        except grpc.RpcError as exc:
+            code = exc.code() if hasattr(exc, "code") else None
+            if code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+                return
+            where = f"datapath of node {self.dp.node}" if self.dp.node else "datapath service"
+            if code == grpc.StatusCode.UNAVAILABLE:
+                self.error = f"{where} unreachable at {self.dp.address}"
             else:
-                print(flow_line(f), flush=True)
-    except grpc.RpcError as exc:
-        code = exc.code() if hasattr(exc, "code") else None
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return 0
-        if code in (grpc.StatusCode.UNAVAILABLE,):
-            raise CliError(f"datapath service unreachable at {args.datapath_address}") from None
-        raise CliError(f"datapath: {code.name if code else 'error'}") from None
-    except KeyboardInterrupt:
-        stream.cancel()
-    return 0
+                self.error = f"{self.dp.label}: {code.name if code else 'error'}"
+        except KeyboardInterrupt:
+            self.cancel()
 
 
 # --- parser ---
@@ -582,12 +690,20 @@ def cmd_monitor(args: argparse.Namespace, clients: Clients) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flagella", description="Operate a flagella cluster.")
-    for svc, default in DEFAULT_ADDRESSES.items():
+    for svc in SERVICES:
+        default = default_address(svc, os.environ)
         parser.add_argument(
             f"--{svc}-address",
-            default=os.environ.get(f"FLAGELLA_{svc.upper()}_ADDRESS", default),
-            help=f"{svc} service address (default {default})",
+            default=default,
+            help=f"{svc} service address (default {default}: FLAGELLA_{svc.upper()}_ADDRESS, "
+            "else from a flagella container's environment, else the local port)",
         )
+    parser.add_argument(
+        "--datapath-address",
+        default=default_address("datapath", os.environ),
+        help="one datapath's address (default FLAGELLA_DATAPATH_ADDRESS; without it every "
+        "node's datapath is found through the node registry, --node to pick one)",
+    )
     parser.add_argument("-o", "--output", choices=("table", "json"), default="table")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds per call")
     certs.add_tls_flags(parser)
@@ -599,6 +715,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--wait", type=float, default=0.0, help="retry up to this many seconds until all serve"
     )
     status.add_argument("--brief", action="store_true", help="services only")
+    status.add_argument("--node", help="this node's datapath only (default: every node's)")
     status.add_argument(
         "--nodes",
         action="store_true",
@@ -651,14 +768,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     bpf_map = sub.add_parser("map", help="BPF maps of the datapath")
     msub = bpf_map.add_subparsers(dest="action", required=True)
-    msub.add_parser("list")
-    msub.add_parser("dump").add_argument("name")
+    node_help = "the node whose datapath to read (default: the node this runs on, or the only one)"
+    msub.add_parser("list").add_argument("--node", help=node_help)
+    dump = msub.add_parser("dump")
+    dump.add_argument("name")
+    dump.add_argument("--node", help=node_help)
     bpf_map.set_defaults(func=cmd_map)
 
     monitor = sub.add_parser("monitor", help="live flows (drops and policy verdicts)")
     monitor.add_argument("--verdict", action="append", default=[], choices=("forwarded", "dropped"))
     monitor.add_argument("--endpoint", action="append", type=int, default=[])
     monitor.add_argument("--identity", action="append", type=int, default=[])
+    monitor.add_argument("--node", help="this node's flows only (default: every node's)")
     monitor.add_argument("--ip")
     monitor.add_argument("--port", type=int, default=0)
     monitor.add_argument("--proto")
