@@ -154,10 +154,14 @@ def test_config_defaults_and_errors() -> None:
         (["--expiry-check-interval", "0"], "--expiry-check-interval"),
         (["--mode", "kubernetes"], "--mode"),
         (["--cluster-cidr", "10.0.0.1/8"], "--cluster-cidr"),
+        (["--cluster-cidr", "10.0.0.0/8,10.1.0.0/16"], "--cluster-cidr"),
+        (["--cluster-cidr", "fd00::/104,10.0.0.0/16,fd00::/112"], "--cluster-cidr"),
     ]
     for argv, option in cases:
         with pytest.raises(ConfigError) as info:
             load(*argv)
         assert info.value.option == option, (argv, info.value)
+    with pytest.raises(ConfigError, match=r"--cluster-cidr: 10.1.0.0/16 overlaps 10.0.0.0/8"):
+        load("--cluster-cidr", "10.0.0.0/8,10.1.0.0/16")
     # host-scope ignores the cluster CIDRs
     assert load("--mode", "host-scope", "--cluster-cidr", "10.0.0.0/30").mode == "host-scope"
