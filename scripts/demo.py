@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """The demo scripts/up ends with: pods created through the CNI plugin exactly
 as a container runtime runs it, talking, a policy keeping one out, a
-service reached. Runs against the local bring-up (scripts/up), as root.
+service reached; with a second node (scripts/second-node), a pod there
+reaching one here through the tunnel, and kept out by the same policy with
+its true identity. Runs against the local bring-up (scripts/up), as root.
 Everything it creates (network namespaces, endpoints, the policy, the
 service) is removed at the end."""
 
@@ -26,8 +28,15 @@ CNI = str(BIN / "flagella-cni")
 CLI = [str(BIN / "flagella")]
 # The plugin talks only to this node's datapath, over its socket.
 CNI_SOCKET = os.environ.get("FLAGELLA_DATAPATH_CNI_SOCKET", "/run/flagella/cni.sock")
+# The second node's (scripts/second-node), if it runs.
+NODE2_SOCKET = os.environ.get(
+    "FLAGELLA_NODE2_CNI_SOCKET",
+    os.path.join(os.environ.get("FLAGELLA_SOCK_DIR", "/run/flagella/up"), "cni-node2.sock"),
+)
 LB = os.environ.get("FLAGELLA_LB_ADDRESS", "127.0.0.1:50054")
 PODS = {"frontend": {"app": "frontend"}, "backend": {"app": "backend"}, "other": {"app": "other"}}
+# A pod on the second node.
+REMOTE = {"remote": {"app": "remote"}}
 VIP = "10.96.100.10"
 POLICY = """apiVersion: flagella.io/v1
 kind: FlagellaNetworkPolicy
@@ -79,8 +88,8 @@ def cni(command: str, pod: str, extra: dict[str, object] | None = None) -> dict[
         "cniVersion": "1.1.0",
         "name": "flagella",
         "type": "flagella-cni",
-        "socket": CNI_SOCKET,
-        "args": {"cni": {"labels": PODS[pod]}},
+        "socket": NODE2_SOCKET if pod in REMOTE else CNI_SOCKET,
+        "args": {"cni": {"labels": {**PODS, **REMOTE}[pod]}},
         **(extra or {}),
     }
     env = {
@@ -137,11 +146,14 @@ def main() -> int:
         return 2
     servers: list[subprocess.Popen[str]] = []
     ips: dict[str, str] = {}
+    pods = {**PODS, **(REMOTE if os.path.exists(NODE2_SOCKET) else {})}
+    clients = ["frontend", "other", *(p for p in pods if p in REMOTE)]
     lb = lb_pb2_grpc.LoadBalancerServiceStub(operator_channel(LB))
     ok = True
     try:
-        say("three pods, each a network namespace, networked by `flagella-cni ADD`")
-        for pod, labels in PODS.items():
+        where = " (remote: on the second node, through its socket)" if "remote" in pods else ""
+        say(f"{len(pods)} pods, each a network namespace, networked by `flagella-cni ADD`{where}")
+        for pod, labels in pods.items():
             subprocess.run(["ip", "netns", "add", netns(pod)], check=True)
             result = cni("ADD", pod)
             ip = str(result["ips"][0]["address"]).split("/")[0]  # type: ignore[index]
@@ -158,20 +170,23 @@ def main() -> int:
             proc.stdout.readline()
             servers.append(proc)
 
-        say("no policy selects the backend: everyone reaches it")
-        for src in ("frontend", "other"):
+        say("no policy selects the backend: everyone reaches it (remote: across nodes)")
+        if "remote" in pods:
+            ok &= until(lambda: connect("remote", ips["backend"]).startswith("hello"))
+        for src in clients:
             print(f"{src} -> backend:8080: {connect(src, ips['backend'])}")
 
         say("policy: only app=frontend may reach app=backend on TCP 8080 (flagella policy import)")
         path = Path("/tmp/flagella-demo-policy.yaml")
         path.write_text(POLICY)
         subprocess.run([*CLI, "policy", "import", str(path)], check=True)
-        ok &= until(lambda: connect("other", ips["backend"]).startswith("no answer"))
-        for src in ("frontend", "other"):
+        for src in clients[1:]:
+            ok &= until(lambda src=src: connect(src, ips["backend"]).startswith("no answer"))
+        for src in clients:
             print(f"{src} -> backend:8080: {connect(src, ips['backend'])}")
-        print("what the datapath saw (flagella monitor --verdict dropped):")
+        print("what the datapaths saw (flagella monitor --verdict dropped; every node's):")
         mon = subprocess.run(
-            [*CLI, "monitor", "--verdict", "dropped", "--last", "2", "--no-follow"],
+            [*CLI, "monitor", "--verdict", "dropped", "--last", str(len(clients)), "--no-follow"],
             capture_output=True,
             text=True,
             check=False,
@@ -186,6 +201,14 @@ def main() -> int:
         )
         ok &= until(lambda: not connect("other", ips["backend"]).startswith("no answer"))
         print(f"other -> backend:8080: {connect('other', ips['backend'])}")
+        if "remote" in pods:
+            ok &= until(lambda: connect("remote", ips["backend"]).startswith("hello"))
+            print(f"remote -> backend:8080: {connect('remote', ips['backend'])}")
+            print("how the nodes reach each other (flagella status --nodes):")
+            matrix = subprocess.run(
+                [*CLI, "status", "--nodes"], capture_output=True, text=True, check=False
+            )
+            print("  " + matrix.stdout.strip().replace("\n", "\n  "))
 
         say(f"a ClusterIP service {VIP}:80 backed by frontend and backend, reached from other")
         lb.UpsertService(
@@ -213,7 +236,7 @@ def main() -> int:
             lb.DeleteService(lb_pb2.DeleteServiceRequest(name="demo/web"), timeout=10)
         except grpc.RpcError as exc:
             print(f"service delete: {exc.code().name}")
-        for pod in PODS:
+        for pod in pods:
             try:
                 cni("DEL", pod)
             except (RuntimeError, OSError) as exc:

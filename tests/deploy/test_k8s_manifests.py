@@ -28,6 +28,10 @@ import jsonschema  # type: ignore[import-untyped]  # (kubernetes-validate brings
 import pytest
 import yaml
 
+from flagella.cli.targets import LOCAL_PORTS, default_address
+from flagella.cli.targets import SERVICES as CLI_SERVICES
+from flagella.common.config import load_config
+from flagella.datapath.config import ROUTING_MODES, DatapathConfig
 from flagella.endpoint import flagellaendpoint
 from flagella.endpoint.kube import LEASE_NAME as ENDPOINT_LEASE
 from flagella.endpoint.labels import PodInfo
@@ -689,3 +693,48 @@ def test_the_cert_manager_overlay_issues_the_identities_certgen_would(
             assert "server auth" in spec["usages"]
         else:
             assert "dnsNames" not in spec
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_the_datapath_carries_a_valid_routing_mode_and_tunnel_port(
+    rendered: dict[str, Path], target: str
+) -> None:
+    """The DaemonSet names the routing mode and the tunnel port, and the
+    datapath accepts them (as it would at start, from its environment)."""
+    (ds,) = [o for o in objects(rendered[target]) if is_datapath(o)]
+    (container,) = [c for c in pod_spec(ds)["containers"] if c["name"] == "datapath"]
+    env = {v["name"]: v["value"] for v in container["env"] if "value" in v}
+    assert env["FLAGELLA_DATAPATH_ROUTING_MODE"] in ROUTING_MODES
+    cfg = load_config(
+        DatapathConfig,
+        prog="flagella-datapath",
+        env_prefix="FLAGELLA_DATAPATH_",
+        argv=[],
+        environ={
+            "FLAGELLA_DATAPATH_ROUTING_MODE": env["FLAGELLA_DATAPATH_ROUTING_MODE"],
+            "FLAGELLA_DATAPATH_TUNNEL_PORT": env["FLAGELLA_DATAPATH_TUNNEL_PORT"],
+            "FLAGELLA_DATAPATH_NODE_IP": "10.0.0.1",
+            "FLAGELLA_DATAPATH_NODE_NAME": "node-a",
+        },
+    )
+    assert (cfg.routing_mode, cfg.tunnel_port) == ("tunnel", 8472)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_the_cli_in_any_pod_finds_the_services_from_their_link_variables(
+    rendered: dict[str, Path], target: str
+) -> None:
+    """`flagella` inside any flagella pod needs no flags: the kubelet gives
+    every pod <SVC>_SERVICE_HOST/_PORT of the Services in its namespace (no
+    workload turns that off), and the CLI reads them."""
+    objs = objects(rendered[target])
+    services = {o["metadata"]["name"]: o for o in objs if o["kind"] == "Service"}
+    for obj, spec in workloads(rendered[target]):
+        assert spec.get("enableServiceLinks", True), obj["metadata"]["name"]
+    for svc in CLI_SERVICES:
+        port = services[svc]["spec"]["ports"][0]["port"]
+        link = {
+            f"{svc.upper()}_SERVICE_HOST": "10.96.0.9",
+            f"{svc.upper()}_SERVICE_PORT": str(port),
+        }
+        assert default_address(svc, link) == f"10.96.0.9:{LOCAL_PORTS[svc]}"

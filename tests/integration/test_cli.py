@@ -4,6 +4,7 @@ table and as JSON, and its one-line error when a service is down."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ from harness.net import free_port
 from harness.netns import wait_until
 
 from flagella.api.lb.v1 import lb_pb2
+from flagella.api.policy.v1 import policy_pb2
 
 pytestmark = [pytest.mark.privileged, pytest.mark.integration]
 
@@ -247,3 +249,76 @@ def test_errors_when_a_service_is_down(suite: tuple[Cluster, Node]) -> None:
     bad = run(cluster, node, "endpoint", "get", "999", check=False)
     assert bad.returncode == 1
     assert bad.stderr.strip() == "flagella: endpoint: NOT_FOUND: id: no endpoint 999"
+
+
+def cli_in(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """The CLI with no address flags, in an environment made of env (and the
+    operator certificate): what a flagella container gives it."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("FLAGELLA_")}
+    base["FLAGELLA_TLS_DIR"] = os.environ["FLAGELLA_TLS_DIR"]
+    return subprocess.run(
+        [CLI, *args], env={**base, **env}, capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def test_no_flags_inside_a_container_every_node_from_the_registry(
+    suite: tuple[Cluster, Node],
+) -> None:
+    """Inside a flagella container the CLI needs no flags: the endpoint
+    container's own listener and the peers it was given, the lb Service's
+    Kubernetes variables; the datapaths of both nodes through the node
+    registry, all by default, one with --node."""
+    cluster, n1 = suite
+    n2 = cluster.add_node("n2")
+    a_ip = add_pod(cluster, n1, "a", {"app": "db"})
+    b_ip = add_pod(cluster, n2, "b", {"app": "db"})
+    c_ip = add_pod(cluster, n1, "c", {"app": "c"})
+    d_ip = add_pod(cluster, n2, "d", {"app": "d"})
+    lb_host, _, lb_port = cluster.services["lb"].address.rpartition(":")
+    env = {
+        "FLAGELLA_ENDPOINT_LISTEN": cluster.services["endpoint"].address,
+        "FLAGELLA_ENDPOINT_IPAM_ADDRESS": cluster.services["ipam"].address,
+        "FLAGELLA_ENDPOINT_POLICY_ADDRESS": cluster.services["policy"].address,
+        "LB_SERVICE_HOST": lb_host,
+        "LB_SERVICE_PORT": lb_port,
+    }
+    status = cli_in(env, "-o", "json", "status")
+    assert status.returncode == 0, status.stdout + status.stderr
+    data = json.loads(status.stdout)
+    assert set(data["services"]) == {
+        "ipam", "policy", "endpoint", "lb", "datapath/n1", "datapath/n2"
+    }  # fmt: skip
+    assert {s["status"] for s in data["services"].values()} == {"SERVING"}
+    assert {m["node"] for m in data["maps"]} == {"n1", "n2"}
+    one = json.loads(cli_in(env, "-o", "json", "status", "--node", "n2").stdout)
+    assert [s for s in one["services"] if s.startswith("datapath")] == ["datapath/n2"]
+
+    # A one-node command names its node when there are several.
+    ambiguous = cli_in(env, "map", "list")
+    assert ambiguous.returncode == 1
+    assert ambiguous.stderr.strip() == "flagella: 2 nodes (n1, n2): name one with --node"
+    dump = json.loads(cli_in(env, "-o", "json", "map", "dump", "endpoints", "--node", "n2").stdout)
+    assert {e["key"]["ip"] for e in dump["entries"]} == {b_ip, d_ip}
+    unknown = cli_in(env, "map", "list", "--node", "n9")
+    assert unknown.returncode == 1
+    assert "no node 'n9' with a datapath in the registry (nodes: n1, n2)" in unknown.stderr
+    in_n1 = cli_in(
+        {**env, "FLAGELLA_DATAPATH_NODE_NAME": "n1"}, "-o", "json", "map", "dump", "endpoints"
+    )
+    assert {e["key"]["ip"] for e in json.loads(in_n1.stdout)["entries"]} == {a_ip, c_ip}
+
+    # Flows of every node, each line naming its node.
+    cluster.policy().PutRules(policy_pb2.PutRulesRequest(document=POLICY), timeout=10)
+    n1.pods["a"].serve("tcp", 5432, "a")
+    n2.pods["b"].serve("tcp", 5432, "b")
+    assert wait_until(lambda: n1.pods["c"].request("tcp", a_ip, 5432, timeout=1) is None)
+    assert wait_until(lambda: n2.pods["d"].request("tcp", b_ip, 5432, timeout=1) is None)
+    flows = cli_in(
+        env, "-o", "json", "monitor", "--verdict", "dropped", "--last", "50", "--no-follow"
+    )
+    assert flows.returncode == 0, flows.stderr
+    nodes = {json.loads(line)["node"] for line in flows.stdout.splitlines()}
+    assert nodes == {"n1", "n2"}
+    table = cli_in(env, "monitor", "--node", "n2", "--last", "50", "--no-follow").stdout
+    assert d_ip in table
+    assert all(line.startswith("n2 ") for line in table.splitlines())

@@ -585,3 +585,31 @@ def _answers(ipam: Ipam) -> bool:
         time.sleep(0.2)
         return False
     return True
+
+
+def test_a_second_internal_ip_of_a_family_is_refused(ipam: Ipam) -> None:
+    """Other nodes route (native) or tunnel to a node's internal IP of each
+    family: a registration naming two of one family is refused, naming the
+    field, and registers nothing."""
+    internal = pb.NodeAddress.TYPE_INTERNAL_IP
+    message = expect_error(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "addresses[1].ip",
+        lambda: ipam.register(
+            "two-v4",
+            addresses=[
+                pb.NodeAddress(type=internal, ip="192.168.0.11"),
+                pb.NodeAddress(type=internal, ip="192.168.0.12"),
+            ],
+        ),
+    )
+    assert "192.168.0.12 is a second IPv4 internal IP (one per family)" in message
+    assert "two-v4" not in ipam.nodes()
+    both = ipam.register(
+        "two-v4",
+        addresses=[
+            pb.NodeAddress(type=internal, ip="192.168.0.11"),
+            pb.NodeAddress(type=internal, ip="fd00:100::11"),
+        ],
+    )
+    assert [a.ip for a in both.addresses] == ["192.168.0.11", "fd00:100::11"]

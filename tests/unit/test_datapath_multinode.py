@@ -36,6 +36,11 @@ def test_routing_mode_defaults_to_tunnel() -> None:
         (["--routing-mode", "geneve"], "invalid --routing-mode: 'geneve' is not one of tunnel"),
         (["--tunnel-port", "0"], "invalid --tunnel-port: 0 is not in 1..65535"),
         (["--node-ip", "fd00::1"], "invalid --node-ip: tunnel mode needs an IPv4 node IP"),
+        (
+            ["--node-ip", "10.0.0.1", "--node-ip", "10.0.0.2"],
+            "invalid --node-ip: 10.0.0.2 is a second IPv4 address (one per family)",
+        ),
+        (["--node-ip", "10.0.0.300"], "invalid --node-ip"),
     ],
 )
 def test_bad_multinode_options_name_the_option(argv: list[str], message: str) -> None:

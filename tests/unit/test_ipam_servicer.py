@@ -114,6 +114,19 @@ def test_registration_conversion_and_errors() -> None:
     assert field_of(with_(addresses=[pb.NodeAddress(type=1, ip="x")])) == "addresses[0].ip"
     assert field_of(with_(addresses=[pb.NodeAddress(ip="10.0.0.1")])) == "addresses[0].type"
     assert field_of(with_(name="")) == "name"
+    internal = pb.NodeAddress.TYPE_INTERNAL_IP
+    twice = [pb.NodeAddress(type=internal, ip=ip) for ip in ("10.0.0.1", "fd00::1", "10.0.0.2")]
+    assert field_of(with_(addresses=twice)) == "addresses[2].ip"
+    # An external IP of the same family is another matter.
+    external = pb.NodeAddress(type=pb.NodeAddress.TYPE_EXTERNAL_IP, ip="10.0.0.2")
+    assert (
+        len(
+            registration_of(
+                pb.RegisterNodeRequest(name="n", addresses=[*twice[:2], external])
+            ).addresses
+        )
+        == 3
+    )
 
 
 def load(*argv: str) -> IpamConfig:
@@ -141,10 +154,14 @@ def test_config_defaults_and_errors() -> None:
         (["--expiry-check-interval", "0"], "--expiry-check-interval"),
         (["--mode", "kubernetes"], "--mode"),
         (["--cluster-cidr", "10.0.0.1/8"], "--cluster-cidr"),
+        (["--cluster-cidr", "10.0.0.0/8,10.1.0.0/16"], "--cluster-cidr"),
+        (["--cluster-cidr", "fd00::/104,10.0.0.0/16,fd00::/112"], "--cluster-cidr"),
     ]
     for argv, option in cases:
         with pytest.raises(ConfigError) as info:
             load(*argv)
         assert info.value.option == option, (argv, info.value)
+    with pytest.raises(ConfigError, match=r"--cluster-cidr: 10.1.0.0/16 overlaps 10.0.0.0/8"):
+        load("--cluster-cidr", "10.0.0.0/8,10.1.0.0/16")
     # host-scope ignores the cluster CIDRs
     assert load("--mode", "host-scope", "--cluster-cidr", "10.0.0.0/30").mode == "host-scope"

@@ -1,7 +1,8 @@
 """flagella: the operator CLI, as the `cilium` agent CLI is.
 
-Service addresses come from flags or FLAGELLA_<SVC>_ADDRESS (defaults: the
-local bring-up's ports). Tables for people, `-o json` for scripts.
+Service addresses come from flags, else from the environment (targets.py);
+each node's datapath from the node registry. Tables for people, `-o json`
+for scripts.
 """
 
 from __future__ import annotations
@@ -10,267 +11,19 @@ import argparse
 import json
 import os
 import sys
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
 
-import grpc
-from google.protobuf.json_format import MessageToDict
-from google.protobuf.message import Message
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from flagella.api.datapath.v1 import datapath_pb2, datapath_pb2_grpc
-from flagella.api.endpoint.v1 import endpoint_pb2, endpoint_pb2_grpc
-from flagella.api.ipam.v1 import ipam_pb2, ipam_pb2_grpc
-from flagella.api.lb.v1 import lb_pb2, lb_pb2_grpc
-from flagella.api.policy.v1 import policy_pb2, policy_pb2_grpc
+from flagella.api.datapath.v1 import datapath_pb2
+from flagella.api.endpoint.v1 import endpoint_pb2
+from flagella.api.ipam.v1 import ipam_pb2
+from flagella.api.lb.v1 import lb_pb2
+from flagella.api.policy.v1 import policy_pb2
 from flagella.cli import certs, etcdauth
-from flagella.common.tls import target_options
-
-DEFAULT_ADDRESSES = {
-    "ipam": "127.0.0.1:50051",
-    "policy": "127.0.0.1:50052",
-    "endpoint": "127.0.0.1:50053",
-    "lb": "127.0.0.1:50054",
-    "datapath": "127.0.0.1:50055",
-}
-STATUS_NAMES = {
-    health_pb2.HealthCheckResponse.SERVING: "SERVING",
-    health_pb2.HealthCheckResponse.NOT_SERVING: "NOT_SERVING",
-    health_pb2.HealthCheckResponse.UNKNOWN: "UNKNOWN",
-    health_pb2.HealthCheckResponse.SERVICE_UNKNOWN: "SERVICE_UNKNOWN",
-}
-PROTOCOLS = {"tcp": 6, "udp": 17, "sctp": 132, "icmp": 1, "any": 0}
-PROTOCOL_NAMES = {v: k.upper() for k, v in PROTOCOLS.items()}
-
-
-class CliError(Exception):
-    """A failure to report as one line, exit status 1."""
-
-
-def enum_name(enum: Any, value: int, prefix: str) -> str:
-    try:
-        name: str = enum.Name(value)
-    except ValueError:
-        return str(value)
-    return name.removeprefix(prefix).lower().replace("_", "-")
-
-
-def drop_reason_words(code: int) -> str:
-    """A drop reason in words, e.g. "policy denied (L3)"."""
-    words: dict[int, str] = {
-        datapath_pb2.DROP_REASON_POLICY_L3: "policy denied (L3: peer identity not allowed)",
-        datapath_pb2.DROP_REASON_POLICY_L4: "policy denied (L4: port not allowed)",
-        datapath_pb2.DROP_REASON_POLICY_DENY: "policy denied by a deny rule",
-        datapath_pb2.DROP_REASON_POLICY_NOT_READY: "endpoint policy not loaded yet",
-        datapath_pb2.DROP_REASON_NO_BACKEND: "service has no backend",
-        datapath_pb2.DROP_REASON_SOURCE_RANGE: "source not in the service's allowed ranges",
-        datapath_pb2.DROP_REASON_CT_INSERT_FAILED: "conntrack insert failed",
-        datapath_pb2.DROP_REASON_CT_INVALID: "invalid conntrack state",
-        datapath_pb2.DROP_REASON_NAT_FAILED: "NAT failed",
-        datapath_pb2.DROP_REASON_INVALID_PACKET: "invalid packet",
-        datapath_pb2.DROP_REASON_UNSUPPORTED_L3: "unsupported L3 protocol",
-        datapath_pb2.DROP_REASON_UNKNOWN_ENDPOINT: "unknown endpoint",
-        datapath_pb2.DROP_REASON_FIB_LOOKUP_FAILED: "no route (FIB lookup failed)",
-        datapath_pb2.DROP_REASON_REDIRECT_FAILED: "redirect failed",
-    }
-    return words.get(code, enum_name(datapath_pb2.DropReason, code, "DROP_REASON_"))
-
-
-# --- output ---
-
-
-def to_dict(msg: Message) -> dict[str, Any]:
-    return MessageToDict(msg, preserving_proto_field_name=True)
-
-
-def emit(
-    args: argparse.Namespace, data: Any, headers: Sequence[str], rows: Iterable[Sequence[Any]]
-) -> None:
-    if args.output == "json":
-        print(json.dumps(data, indent=2, sort_keys=True))
-        return
-    rows = [[str(c) for c in row] for row in rows]
-    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
-    print("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip())
-    for row in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
-
-
-class Clients:
-    """One channel per service, opened on first use."""
-
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self._channels: dict[str, grpc.Channel] = {}
-        self._credentials: grpc.ChannelCredentials | None = None
-
-    def open(self, address: str) -> grpc.Channel:
-        """A channel presenting the operator certificate (plaintext with --insecure)."""
-        if self.args.insecure:
-            return grpc.insecure_channel(address)
-        if self._credentials is None:
-            try:
-                self._credentials = certs.channel_credentials(self.args)
-            except certs.CertsError as exc:
-                raise CliError(str(exc)) from None
-        return grpc.secure_channel(address, self._credentials, options=target_options(address))
-
-    def channel(self, svc: str) -> grpc.Channel:
-        if svc not in self._channels:
-            self._channels[svc] = self.open(getattr(self.args, f"{svc}_address"))
-        return self._channels[svc]
-
-    def call(self, svc: str, fn: Callable[..., Any], request: Message, **kwargs: Any) -> Any:
-        try:
-            return fn(request, timeout=kwargs.pop("timeout", self.args.timeout), **kwargs)
-        except grpc.RpcError as exc:
-            code = exc.code() if hasattr(exc, "code") else None
-            details = exc.details() if hasattr(exc, "details") else str(exc)
-            address = getattr(self.args, f"{svc}_address")
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise CliError(f"{svc} service unreachable at {address}: {details}") from None
-            raise CliError(f"{svc}: {code.name if code else 'error'}: {details}") from None
-
-    def ipam(self) -> Any:
-        return ipam_pb2_grpc.IpamServiceStub(self.channel("ipam"))
-
-    def policy(self) -> Any:
-        return policy_pb2_grpc.PolicyServiceStub(self.channel("policy"))
-
-    def endpoint(self) -> Any:
-        return endpoint_pb2_grpc.EndpointServiceStub(self.channel("endpoint"))
-
-    def lb(self) -> Any:
-        return lb_pb2_grpc.LoadBalancerServiceStub(self.channel("lb"))
-
-    def datapath(self) -> Any:
-        return datapath_pb2_grpc.DatapathServiceStub(self.channel("datapath"))
-
-
-# --- status ---
-
-
-def check_health(clients: Clients, address: str, timeout: float) -> tuple[str, str]:
-    """(status, detail) of one service's gRPC health."""
-    with clients.open(address) as channel:
-        # The health stub's type stubs lack its methods.
-        stub: Any = health_pb2_grpc.HealthStub(channel)
-        try:
-            resp = stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
-        except grpc.RpcError as exc:
-            code = exc.code() if hasattr(exc, "code") else None
-            return "DOWN", f"{code.name if code else 'error'}: unreachable at {address}"
-        return STATUS_NAMES.get(resp.status, str(resp.status)), address
-
-
-def node_health(args: argparse.Namespace, clients: Clients) -> int:
-    """`status --nodes`: every node's datapath, found through the node
-    registry, and how it sees the other nodes (reachability, latency)."""
-    nodes = clients.call("ipam", clients.ipam().ListNodes, ipam_pb2.ListNodesRequest()).nodes
-    names = sorted(n.name for n in nodes)
-    data: dict[str, Any] = {}
-    for node in sorted(nodes, key=lambda n: n.name):
-        entry: dict[str, Any] = {"datapath": node.datapath_address, "peers": {}}
-        with clients.open(node.datapath_address) as channel:
-            try:
-                status = datapath_pb2_grpc.DatapathServiceStub(channel).GetStatus(
-                    datapath_pb2.GetStatusRequest(), timeout=args.timeout
-                )
-            except grpc.RpcError as exc:
-                code = exc.code() if hasattr(exc, "code") else None
-                entry["error"] = f"{code.name if code else 'error'}: datapath unreachable"
-                data[node.name] = entry
-                continue
-        for p in status.peers:
-            entry["peers"][p.node] = {
-                "ip": p.ip,
-                "reachable": p.reachable,
-                "latency_ms": round(p.latency.ToNanoseconds() / 1e6, 3),
-                "error": p.error,
-            }
-        data[node.name] = entry
-
-    def cell(src: str, dst: str) -> str:
-        if src == dst:
-            return "-"
-        if "error" in data[src]:
-            return "?"
-        peer = data[src]["peers"].get(dst)
-        if peer is None:
-            return "not probed"
-        return f"{peer['latency_ms']:.2f}ms" if peer["reachable"] else "UNREACHABLE"
-
-    emit(
-        args,
-        {"nodes": data},
-        ["FROM \\ TO", *names],
-        [[s, *(cell(s, d) for d in names)] for s in names],
-    )
-    if args.output != "json":
-        for name in names:
-            if "error" in data[name]:
-                print(f"{name}: {data[name]['error']} at {data[name]['datapath']}")
-    healthy = all(
-        "error" not in e and all(p["reachable"] for p in e["peers"].values()) for e in data.values()
-    )
-    return 0 if healthy else 1
-
-
-def cmd_status(args: argparse.Namespace, clients: Clients) -> int:
-    if args.nodes:
-        return node_health(args, clients)
-    deadline = time.monotonic() + args.wait
-    while True:
-        rows = {
-            svc: check_health(clients, getattr(args, f"{svc}_address"), args.timeout)
-            for svc in DEFAULT_ADDRESSES
-        }
-        healthy = all(status == "SERVING" for status, _ in rows.values())
-        if healthy or time.monotonic() >= deadline:
-            break
-        time.sleep(0.2)
-    maps: list[dict[str, Any]] = []
-    if rows["datapath"][0] == "SERVING" and not args.brief:
-        try:
-            status = clients.call(
-                "datapath", clients.datapath().GetStatus, datapath_pb2.GetStatusRequest()
-            )
-            maps = [
-                {"name": m.name, "entries": m.entries, "max_entries": m.max_entries}
-                for m in status.maps
-            ]
-        except CliError as exc:
-            maps = [{"name": "?", "error": str(exc)}]
-    data = {
-        "services": {svc: {"status": s, "detail": d} for svc, (s, d) in rows.items()},
-        "maps": maps,
-    }
-    if args.output == "json":
-        print(json.dumps(data, indent=2, sort_keys=True))
-    else:
-        emit(args, data, ["SERVICE", "STATUS", "DETAIL"], [[k, s, d] for k, (s, d) in rows.items()])
-        if maps:
-            print()
-            emit(
-                args,
-                None,
-                ["MAP", "ENTRIES", "MAX", "PRESSURE"],
-                [
-                    [
-                        m["name"],
-                        m.get("entries", "?"),
-                        m.get("max_entries", "?"),
-                        f"{100 * m['entries'] / m['max_entries']:.1f}%"
-                        if m.get("max_entries")
-                        else "-",
-                    ]
-                    for m in maps
-                ],
-            )
-    return 0 if healthy else 1
-
+from flagella.cli.base import PROTOCOL_NAMES, PROTOCOLS, Clients, CliError, emit, enum_name, to_dict
+from flagella.cli.monitor import cmd_monitor
+from flagella.cli.status import cmd_status
+from flagella.cli.targets import SERVICES, default_address
 
 # --- endpoints ---
 
@@ -503,9 +256,9 @@ def cmd_ipam(args: argparse.Namespace, clients: Clients) -> int:
 
 
 def cmd_map(args: argparse.Namespace, clients: Clients) -> int:
-    stub = clients.datapath()
+    (dp,) = clients.datapaths(args.node or "", one=True)
     if args.action == "list":
-        resp = clients.call("datapath", stub.ListMaps, datapath_pb2.ListMapsRequest())
+        resp = clients.call_datapath(dp, "ListMaps", datapath_pb2.ListMapsRequest())
         emit(
             args,
             to_dict(resp).get("maps", []),
@@ -513,7 +266,7 @@ def cmd_map(args: argparse.Namespace, clients: Clients) -> int:
             [[m.name, m.type, m.entries, m.max_entries, m.pending, m.errors] for m in resp.maps],
         )
     else:
-        resp = clients.call("datapath", stub.DumpMap, datapath_pb2.DumpMapRequest(name=args.name))
+        resp = clients.call_datapath(dp, "DumpMap", datapath_pb2.DumpMapRequest(name=args.name))
         emit(
             args,
             to_dict(resp),
@@ -529,65 +282,25 @@ def cmd_map(args: argparse.Namespace, clients: Clients) -> int:
     return 0
 
 
-def flow_line(f: datapath_pb2.Flow) -> str:
-    proto = PROTOCOL_NAMES.get(f.protocol, str(f.protocol))
-    verdict = enum_name(datapath_pb2.FlowVerdict, f.verdict, "FLOW_VERDICT_").upper()
-    direction = enum_name(datapath_pb2.FlowDirection, f.direction, "FLOW_DIRECTION_")
-    line = (
-        f"{f.time.ToJsonString()} {verdict:<9} {direction:<7} {proto} "
-        f"{f.src_ip}:{f.src_port} (id {f.src_identity}) -> {f.dst_ip}:{f.dst_port} "
-        f"(id {f.dst_identity}) endpoint {f.endpoint_id}"
-    )
-    if f.verdict == datapath_pb2.FLOW_VERDICT_DROPPED:
-        line += f": {drop_reason_words(f.drop_reason)}"
-    return line
-
-
-def cmd_monitor(args: argparse.Namespace, clients: Clients) -> int:
-    verdicts = {
-        "forwarded": datapath_pb2.FLOW_VERDICT_FORWARDED,
-        "dropped": datapath_pb2.FLOW_VERDICT_DROPPED,
-    }
-    request = datapath_pb2.ObserveFlowsRequest(
-        verdicts=[verdicts[v] for v in args.verdict],
-        endpoint_ids=args.endpoint,
-        identities=args.identity,
-        ip=args.ip or "",
-        port=args.port,
-        protocol=PROTOCOLS.get((args.proto or "any").lower(), 0),
-        last=args.last,
-        follow=not args.no_follow,
-    )
-    stream = clients.datapath().ObserveFlows(request, timeout=args.duration or None)
-    try:
-        for f in stream:
-            if args.output == "json":
-                print(json.dumps(to_dict(f), sort_keys=True), flush=True)
-            else:
-                print(flow_line(f), flush=True)
-    except grpc.RpcError as exc:
-        code = exc.code() if hasattr(exc, "code") else None
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return 0
-        if code in (grpc.StatusCode.UNAVAILABLE,):
-            raise CliError(f"datapath service unreachable at {args.datapath_address}") from None
-        raise CliError(f"datapath: {code.name if code else 'error'}") from None
-    except KeyboardInterrupt:
-        stream.cancel()
-    return 0
-
-
 # --- parser ---
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flagella", description="Operate a flagella cluster.")
-    for svc, default in DEFAULT_ADDRESSES.items():
+    for svc in SERVICES:
+        default = default_address(svc, os.environ)
         parser.add_argument(
             f"--{svc}-address",
-            default=os.environ.get(f"FLAGELLA_{svc.upper()}_ADDRESS", default),
-            help=f"{svc} service address (default {default})",
+            default=default,
+            help=f"{svc} service address (default {default}: FLAGELLA_{svc.upper()}_ADDRESS, "
+            "else from a flagella container's environment, else the local port)",
         )
+    parser.add_argument(
+        "--datapath-address",
+        default=default_address("datapath", os.environ),
+        help="one datapath's address (default FLAGELLA_DATAPATH_ADDRESS; without it every "
+        "node's datapath is found through the node registry, --node to pick one)",
+    )
     parser.add_argument("-o", "--output", choices=("table", "json"), default="table")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds per call")
     certs.add_tls_flags(parser)
@@ -600,6 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--wait", type=float, default=0.0, help="retry up to this many seconds until all serve"
     )
     status.add_argument("--brief", action="store_true", help="services only")
+    status.add_argument("--node", help="this node's datapath only (default: every node's)")
     status.add_argument(
         "--nodes",
         action="store_true",
@@ -652,14 +366,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     bpf_map = sub.add_parser("map", help="BPF maps of the datapath")
     msub = bpf_map.add_subparsers(dest="action", required=True)
-    msub.add_parser("list")
-    msub.add_parser("dump").add_argument("name")
+    node_help = "the node whose datapath to read (default: the node this runs on, or the only one)"
+    msub.add_parser("list").add_argument("--node", help=node_help)
+    dump = msub.add_parser("dump")
+    dump.add_argument("name")
+    dump.add_argument("--node", help=node_help)
     bpf_map.set_defaults(func=cmd_map)
 
     monitor = sub.add_parser("monitor", help="live flows (drops and policy verdicts)")
     monitor.add_argument("--verdict", action="append", default=[], choices=("forwarded", "dropped"))
     monitor.add_argument("--endpoint", action="append", type=int, default=[])
     monitor.add_argument("--identity", action="append", type=int, default=[])
+    monitor.add_argument("--node", help="this node's flows only (default: every node's)")
     monitor.add_argument("--ip")
     monitor.add_argument("--port", type=int, default=0)
     monitor.add_argument("--proto")

@@ -86,7 +86,14 @@ class DatapathConfig(ServiceConfig):
             raise ConfigError("--health-port", f"{self.health_port} is not in 0..65535")
         if self.health_interval_seconds <= 0:
             raise ConfigError("--health-interval-seconds", "must be positive")
-        versions = {ipaddress.ip_address(ip).version for ip in self.node_ip}
+        versions: set[int] = set()
+        for ip in self.node_ip:
+            version = ipaddress.ip_address(ip).version
+            if version in versions:
+                raise ConfigError(
+                    "--node-ip", f"{ip} is a second IPv{version} address (one per family)"
+                )
+            versions.add(version)
         if self.tunnel and versions and 4 not in versions:
             raise ConfigError("--node-ip", "tunnel mode needs an IPv4 node IP (the underlay)")
 

@@ -47,6 +47,14 @@ class IpamConfig(ServiceConfig):
             return
         if not self.cluster_cidr:
             raise ConfigError("--cluster-cidr", "cluster-pool mode needs at least one CIDR")
+        nets = [ipaddress.ip_network(c) for c in self.cluster_cidr]
+        for i, net in enumerate(nets):
+            # Overlapping ranges would make one address two nodes' candidate.
+            clash = next(
+                (o for o in nets[:i] if o.version == net.version and o.overlaps(net)), None
+            )
+            if clash is not None:
+                raise ConfigError("--cluster-cidr", f"{net} overlaps {clash}")
         for cidr in self.cluster_cidr:
             net = ipaddress.ip_network(cidr)
             opt, mask, max_mask = (

@@ -140,14 +140,24 @@ def seconds_of(d: duration_pb2.Duration, field: str) -> float:
 
 def registration_of(request: ipam_pb2.RegisterNodeRequest) -> NodeRegistration:
     name = node_name(request.name, "name")
-    addresses = []
+    addresses: list[NodeAddress] = []
     for i, addr in enumerate(request.addresses):
         kind = _ADDRESS_FROM_PB.get(addr.type)
         if kind is None:
             raise InvalidArgument(
                 "must be TYPE_INTERNAL_IP or TYPE_EXTERNAL_IP", field=f"addresses[{i}].type"
             )
-        addresses.append(NodeAddress(kind, str(ip_of(addr.ip, f"addresses[{i}].ip"))))
+        ip = ip_of(addr.ip, f"addresses[{i}].ip")
+        # Other nodes route or tunnel to the node's internal IP of a family:
+        # two would leave them to guess.
+        if kind is AddressType.INTERNAL_IP and any(
+            a.type is kind and ipaddress.ip_address(a.ip).version == ip.version for a in addresses
+        ):
+            raise InvalidArgument(
+                f"{ip} is a second IPv{ip.version} internal IP (one per family)",
+                field=f"addresses[{i}].ip",
+            )
+        addresses.append(NodeAddress(kind, str(ip)))
     if request.datapath_address:
         try:
             parse_host_port(request.datapath_address)

@@ -1,0 +1,165 @@
+"""`flagella status`: the health of every service and of every node's
+datapath, map pressure, and (--nodes) how the nodes reach each other."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from flagella.api.datapath.v1 import datapath_pb2
+from flagella.api.ipam.v1 import ipam_pb2
+from flagella.cli.base import Clients, CliError, emit
+from flagella.cli.targets import SERVICES, Datapath
+
+STATUS_NAMES = {
+    health_pb2.HealthCheckResponse.SERVING: "SERVING",
+    health_pb2.HealthCheckResponse.NOT_SERVING: "NOT_SERVING",
+    health_pb2.HealthCheckResponse.UNKNOWN: "UNKNOWN",
+    health_pb2.HealthCheckResponse.SERVICE_UNKNOWN: "SERVICE_UNKNOWN",
+}
+
+
+def check_health(clients: Clients, address: str, timeout: float) -> tuple[str, str]:
+    """(status, detail) of one service's gRPC health."""
+    with clients.open(address) as channel:
+        # The health stub's type stubs lack its methods.
+        stub: Any = health_pb2_grpc.HealthStub(channel)
+        try:
+            resp = stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError as exc:
+            code = exc.code() if hasattr(exc, "code") else None
+            return "DOWN", f"{code.name if code else 'error'}: unreachable at {address}"
+        return STATUS_NAMES.get(resp.status, str(resp.status)), address
+
+
+def node_health(args: argparse.Namespace, clients: Clients) -> int:
+    """`status --nodes`: every node's datapath, found through the node
+    registry, and how it sees the other nodes (reachability, latency)."""
+    nodes = clients.call("ipam", clients.ipam().ListNodes, ipam_pb2.ListNodesRequest()).nodes
+    names = sorted(n.name for n in nodes)
+    data: dict[str, Any] = {}
+    for node in sorted(nodes, key=lambda n: n.name):
+        entry: dict[str, Any] = {"datapath": node.datapath_address, "peers": {}}
+        try:
+            status = clients.call_datapath(
+                Datapath(node.name, node.datapath_address),
+                "GetStatus",
+                datapath_pb2.GetStatusRequest(),
+            )
+        except CliError as exc:
+            entry["error"] = str(exc)
+            data[node.name] = entry
+            continue
+        for p in status.peers:
+            entry["peers"][p.node] = {
+                "ip": p.ip,
+                "reachable": p.reachable,
+                "latency_ms": round(p.latency.ToNanoseconds() / 1e6, 3),
+                "error": p.error,
+            }
+        data[node.name] = entry
+
+    def cell(src: str, dst: str) -> str:
+        if src == dst:
+            return "-"
+        if "error" in data[src]:
+            return "?"
+        peer = data[src]["peers"].get(dst)
+        if peer is None:
+            return "not probed"
+        return f"{peer['latency_ms']:.2f}ms" if peer["reachable"] else "UNREACHABLE"
+
+    emit(
+        args,
+        {"nodes": data},
+        ["FROM \\ TO", *names],
+        [[s, *(cell(s, d) for d in names)] for s in names],
+    )
+    if args.output != "json":
+        for name in names:
+            if "error" in data[name]:
+                print(f"{name}: {data[name]['error']} at {data[name]['datapath']}")
+    healthy = all(
+        "error" not in e and all(p["reachable"] for p in e["peers"].values()) for e in data.values()
+    )
+    return 0 if healthy else 1
+
+
+def datapath_health(
+    clients: Clients, node: str, timeout: float
+) -> tuple[dict[str, tuple[str, str]], list[Datapath]]:
+    """Health rows of the datapaths `status` covers, and those serving."""
+    try:
+        targets = clients.datapaths(node)
+    except CliError as exc:
+        return {"datapath": ("DOWN", str(exc))}, []
+    rows = {dp.label: check_health(clients, dp.address, timeout) for dp in targets}
+    return rows, [dp for dp in targets if rows[dp.label][0] == "SERVING"]
+
+
+def map_pressure(clients: Clients, serving: list[Datapath]) -> list[dict[str, Any]]:
+    maps: list[dict[str, Any]] = []
+    for dp in serving:
+        node = {"node": dp.node} if dp.node else {}
+        try:
+            status = clients.call_datapath(dp, "GetStatus", datapath_pb2.GetStatusRequest())
+        except CliError as exc:
+            maps.append({**node, "name": "?", "error": str(exc)})
+            continue
+        maps += [
+            {**node, "name": m.name, "entries": m.entries, "max_entries": m.max_entries}
+            for m in status.maps
+        ]
+    return maps
+
+
+def cmd_status(args: argparse.Namespace, clients: Clients) -> int:
+    if args.nodes:
+        return node_health(args, clients)
+    deadline = time.monotonic() + args.wait
+    while True:
+        rows = {
+            svc: check_health(clients, getattr(args, f"{svc}_address"), args.timeout)
+            for svc in SERVICES
+        }
+        datapaths, serving = datapath_health(clients, args.node or "", args.timeout)
+        rows.update(datapaths)
+        healthy = all(status == "SERVING" for status, _ in rows.values())
+        if healthy or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    maps = [] if args.brief else map_pressure(clients, serving)
+    data = {
+        "services": {svc: {"status": s, "detail": d} for svc, (s, d) in rows.items()},
+        "maps": maps,
+    }
+    if args.output == "json":
+        print(json.dumps(data, indent=2, sort_keys=True))
+    else:
+        emit(args, data, ["SERVICE", "STATUS", "DETAIL"], [[k, s, d] for k, (s, d) in rows.items()])
+        if maps:
+            print()
+            by_node = any("node" in m for m in maps)
+            emit(
+                args,
+                None,
+                [*(["NODE"] if by_node else []), "MAP", "ENTRIES", "MAX", "PRESSURE"],
+                [
+                    [
+                        *([m.get("node", "")] if by_node else []),
+                        m["name"],
+                        m.get("entries", "?"),
+                        m.get("max_entries", "?"),
+                        f"{100 * m['entries'] / m['max_entries']:.1f}%"
+                        if m.get("max_entries")
+                        else "-",
+                    ]
+                    for m in maps
+                ],
+            )
+    return 0 if healthy else 1
