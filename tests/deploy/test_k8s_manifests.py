@@ -6,8 +6,10 @@ is non-root with no capabilities and a read-only root; RBAC reads what each
 service watches and lets it write only its Events and Leases (and the
 endpoint service its FlagellaEndpoints), certgen only Secrets in the
 namespace (plus the one Role it keeps and listing Nodes); every flagella
-workload mounts its own certificate and none runs --insecure; the
-cert-manager overlay's Certificates name the right identities; the policy
+workload mounts its own certificate and none runs --insecure; etcd serves
+TLS with client certificates, each service mounts its own etcd Secret and
+only the etcd-auth Job root's; the cert-manager overlay's Certificates name
+the right identities; the policy
 CRDs are structural and take the policies flagella documents; the
 FlagellaEndpoint CRD takes the objects the endpoint service writes and
 shows them with printer columns."""
