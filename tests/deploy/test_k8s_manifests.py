@@ -629,7 +629,8 @@ def test_every_flagella_workload_mounts_its_own_certificate_and_none_is_insecure
     # test_etcd_serves_tls_and_each_workload_mounts_its_own_etcd_secret.
     assert mounted == {
         **{f"flagella-service-{s}": f"{s}/{s}" for s in SERVICES},
-        **{f"flagella-{s}-etcd-tls": f"{s}/{s}" for s in SERVICES},
+        # First mounted by the init container waiting for etcd's auth.
+        **{f"flagella-{s}-etcd-tls": f"{s}/etcd-auth-wait" for s in SERVICES},
         ETCD_SERVER_SECRET: "etcd/etcd",
         ETCD_ROOT_SECRET: f"{ETCD_AUTH_JOB}/etcd-auth",
     }
@@ -759,6 +760,13 @@ def test_etcd_serves_tls_and_each_workload_mounts_its_own_etcd_secret(
             }, name
             # The defaults of --etcd-cert/--etcd-key/--etcd-ca: no override.
             assert not [k for k in env_of(c) if k.startswith(f"FLAGELLA_{name.upper()}_ETCD_")]
+            # It starts once etcd enforces the roles, asked with its own
+            # etcd certificate (the init container mounts nothing else).
+            [init] = pod["initContainers"]
+            assert init["command"][1:3] == ["etcd-auth", "wait"]
+            assert "--etcd-tls-dir=/etc/flagella/etcd-tls" in init["command"]
+            assert [m["mountPath"] for m in init["volumeMounts"]] == ["/etc/flagella/etcd-tls"]
+            assert volume_of(pod, init, "/etc/flagella/etcd-tls") == volume
     assert etcd_secrets == {
         **{s: {f"flagella-{s}-etcd-tls"} for s in SERVICES},
         "etcd": {ETCD_SERVER_SECRET},
