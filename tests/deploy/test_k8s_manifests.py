@@ -636,77 +636,6 @@ def test_every_flagella_workload_mounts_its_own_certificate_and_none_is_insecure
     }
 
 
-def certgen_commands(objs: list[dict[str, Any]]) -> list[list[str]]:
-    return [
-        pod_spec(o)["containers"][0]["command"]
-        for o in objs
-        if o["kind"] in ("Job", "CronJob") and o["metadata"]["name"] == "flagella-certgen"
-    ]
-
-
-@pytest.mark.parametrize("target", TARGETS)
-def test_certgen_issues_every_identity_and_the_datapath_role_starts_empty(
-    rendered: dict[str, Path], target: str
-) -> None:
-    """A Job and a CronJob run `flagella certs k8s-sync` for every service
-    (or, with cert-manager, for the nodes alone from cert-manager's CA); the
-    datapath's node-cert Role grants nothing until certgen names the node
-    Secrets in it, and is bound to the datapath alone."""
-    objs = objects(rendered[target])
-    commands = certgen_commands(objs)
-    assert len(commands) == 2
-    with_cert_manager = target.endswith("cert-manager")
-    for command in commands:
-        assert command[:3] == ["/opt/flagella/bin/flagella", "certs", "k8s-sync"]
-        services = {a.removeprefix("--service=") for a in command if a.startswith("--service=")}
-        assert services == (set() if with_cert_manager else set(SERVICES))
-        assert ("--external-ca" in command) == with_cert_manager
-        assert "--nodes-from-api" in command
-        assert f"--node-role={NODE_CERTS_ROLE}" in command
-        # etcd's certificates, from its own CA, with cert-manager or not.
-        assert "--etcd-server=etcd" in command
-        etcd_clients = [a.removeprefix("--etcd-client=") for a in command if "-etcd-client=" in a]
-        assert sorted(etcd_clients) == sorted([*SERVICES, "root"])
-    [role] = [o for o in objs if o["kind"] == "Role" and o["metadata"]["name"] == NODE_CERTS_ROLE]
-    assert role["rules"] == []
-    bindings = [
-        o for o in objs if o["kind"] == "RoleBinding" and o["roleRef"]["name"] == NODE_CERTS_ROLE
-    ]
-    assert [s["name"] for b in bindings for s in b["subjects"]] == ["flagella-datapath"]
-
-
-def test_the_cert_manager_overlay_issues_the_identities_certgen_would(
-    rendered: dict[str, Path],
-) -> None:
-    """Its Certificates: the CA (self-signed, into flagella-ca), and each
-    service's and the operator's with its spiffe URI SAN, the names certgen
-    gives it, into the Secret the workloads mount, signed by that CA."""
-    from flagella.cli.certs import default_names
-
-    objs = objects(rendered["k8s/overlays/cert-manager"])
-    certificates = {o["metadata"]["name"]: o["spec"] for o in objs if o["kind"] == "Certificate"}
-    issuers = {o["metadata"]["name"]: o["spec"] for o in objs if o["kind"] == "Issuer"}
-    ca = certificates.pop("flagella-ca")
-    assert ca["isCA"] is True
-    assert ca["secretName"] == "flagella-ca"
-    assert "selfSigned" in issuers[ca["issuerRef"]["name"]]
-    expected = {f"flagella-service-{s}": ("service", s) for s in SERVICES}
-    expected["flagella-operator-admin"] = ("operator", "admin")
-    assert set(certificates) == set(expected)
-    for name, (kind, who) in expected.items():
-        spec = certificates[name]
-        assert spec["secretName"] == name
-        assert spec["uris"] == [f"spiffe://flagella/{kind}/{who}"]
-        assert issuers[spec["issuerRef"]["name"]] == {"ca": {"secretName": "flagella-ca"}}
-        assert "client auth" in spec["usages"]
-        assert spec["privateKey"]["rotationPolicy"] == "Always"
-        if kind == "service":
-            assert spec["dnsNames"] == default_names("service", who)
-            assert "server auth" in spec["usages"]
-        else:
-            assert "dnsNames" not in spec
-
-
 def env_of(container: dict[str, Any]) -> dict[str, str]:
     return {e["name"]: e.get("value", "") for e in container.get("env", [])}
 
@@ -787,3 +716,74 @@ def test_etcd_serves_tls_and_each_workload_mounts_its_own_etcd_secret(
         ETCD_ROOT_SECRET
     )
     assert job_spec["automountServiceAccountToken"] is False
+
+
+def certgen_commands(objs: list[dict[str, Any]]) -> list[list[str]]:
+    return [
+        pod_spec(o)["containers"][0]["command"]
+        for o in objs
+        if o["kind"] in ("Job", "CronJob") and o["metadata"]["name"] == "flagella-certgen"
+    ]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_certgen_issues_every_identity_and_the_datapath_role_starts_empty(
+    rendered: dict[str, Path], target: str
+) -> None:
+    """A Job and a CronJob run `flagella certs k8s-sync` for every service
+    (or, with cert-manager, for the nodes alone from cert-manager's CA); the
+    datapath's node-cert Role grants nothing until certgen names the node
+    Secrets in it, and is bound to the datapath alone."""
+    objs = objects(rendered[target])
+    commands = certgen_commands(objs)
+    assert len(commands) == 2
+    with_cert_manager = target.endswith("cert-manager")
+    for command in commands:
+        assert command[:3] == ["/opt/flagella/bin/flagella", "certs", "k8s-sync"]
+        services = {a.removeprefix("--service=") for a in command if a.startswith("--service=")}
+        assert services == (set() if with_cert_manager else set(SERVICES))
+        assert ("--external-ca" in command) == with_cert_manager
+        assert "--nodes-from-api" in command
+        assert f"--node-role={NODE_CERTS_ROLE}" in command
+        # etcd's certificates, from its own CA, with cert-manager or not.
+        assert "--etcd-server=etcd" in command
+        etcd_clients = [a.removeprefix("--etcd-client=") for a in command if "-etcd-client=" in a]
+        assert sorted(etcd_clients) == sorted([*SERVICES, "root"])
+    [role] = [o for o in objs if o["kind"] == "Role" and o["metadata"]["name"] == NODE_CERTS_ROLE]
+    assert role["rules"] == []
+    bindings = [
+        o for o in objs if o["kind"] == "RoleBinding" and o["roleRef"]["name"] == NODE_CERTS_ROLE
+    ]
+    assert [s["name"] for b in bindings for s in b["subjects"]] == ["flagella-datapath"]
+
+
+def test_the_cert_manager_overlay_issues_the_identities_certgen_would(
+    rendered: dict[str, Path],
+) -> None:
+    """Its Certificates: the CA (self-signed, into flagella-ca), and each
+    service's and the operator's with its spiffe URI SAN, the names certgen
+    gives it, into the Secret the workloads mount, signed by that CA."""
+    from flagella.cli.certs import default_names
+
+    objs = objects(rendered["k8s/overlays/cert-manager"])
+    certificates = {o["metadata"]["name"]: o["spec"] for o in objs if o["kind"] == "Certificate"}
+    issuers = {o["metadata"]["name"]: o["spec"] for o in objs if o["kind"] == "Issuer"}
+    ca = certificates.pop("flagella-ca")
+    assert ca["isCA"] is True
+    assert ca["secretName"] == "flagella-ca"
+    assert "selfSigned" in issuers[ca["issuerRef"]["name"]]
+    expected = {f"flagella-service-{s}": ("service", s) for s in SERVICES}
+    expected["flagella-operator-admin"] = ("operator", "admin")
+    assert set(certificates) == set(expected)
+    for name, (kind, who) in expected.items():
+        spec = certificates[name]
+        assert spec["secretName"] == name
+        assert spec["uris"] == [f"spiffe://flagella/{kind}/{who}"]
+        assert issuers[spec["issuerRef"]["name"]] == {"ca": {"secretName": "flagella-ca"}}
+        assert "client auth" in spec["usages"]
+        assert spec["privateKey"]["rotationPolicy"] == "Always"
+        if kind == "service":
+            assert spec["dnsNames"] == default_names("service", who)
+            assert "server auth" in spec["usages"]
+        else:
+            assert "dnsNames" not in spec
