@@ -180,6 +180,7 @@ class ComposeStack:
     net: str
     registers_node: bool
     tls_dir: Path
+    etcd_tls_dir: Path
     removed_images: list[str] = field(default_factory=list)
 
     @property
@@ -226,6 +227,11 @@ class ComposeStack:
         """The folder of an identity's certificate (tls.crt, tls.key, ca.crt)
         that the stack's certs service issued."""
         return self.tls_dir / kind / name
+
+    def etcd_tls(self, name: str) -> Path:
+        """The folder of an etcd certificate the certs service issued:
+        server, root, or a service's (its etcd user's)."""
+        return self.etcd_tls_dir / name
 
     def grpcurl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         """grpcurl as the stack's operator."""
@@ -313,6 +319,7 @@ def start_stack(docker: DockerDaemon) -> ComposeStack:
     registers = ipam_implements_register_node()
     # The certs service's folder (root-owned keys: cleaned up by the caller).
     tls_dir = Path(tempfile.mkdtemp(prefix="flagella-compose-tls-"))
+    etcd_tls_dir = Path(tempfile.mkdtemp(prefix="flagella-compose-etcd-tls-"))
     env = {
         **os.environ,
         "DOCKER_CONFIG": str(VENV_BIN.parent / "docker"),
@@ -331,6 +338,7 @@ def start_stack(docker: DockerDaemon) -> ComposeStack:
         "FLAGELLA_OTLP_PORT": str(ports["otlp"]),
         "FLAGELLA_JAEGER_UI_PORT": str(ports["jaeger_ui"]),
         "FLAGELLA_COMPOSE_TLS_DIR": str(tls_dir),
+        "FLAGELLA_COMPOSE_ETCD_TLS_DIR": str(etcd_tls_dir),
         "FLAGELLA_NODE_NAME": NODE_NAME,
     }
     if not registers:
@@ -347,12 +355,14 @@ def start_stack(docker: DockerDaemon) -> ComposeStack:
         net=net,
         registers_node=registers,
         tls_dir=tls_dir,
+        etcd_tls_dir=etcd_tls_dir,
     )
     try:
         stack.up()
     except BaseException:
         stack.remove_images()
         shutil.rmtree(tls_dir, ignore_errors=True)
+        shutil.rmtree(etcd_tls_dir, ignore_errors=True)
         raise
     return stack
 

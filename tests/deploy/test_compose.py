@@ -71,6 +71,7 @@ def compose_stack() -> Iterator[ComposeStack]:
             stack.down()
             stack.remove_images()
             shutil.rmtree(stack.tls_dir, ignore_errors=True)
+            shutil.rmtree(stack.etcd_tls_dir, ignore_errors=True)
         docker.stop()
         cleanup_log_dir(log_dir)
 
@@ -158,6 +159,94 @@ def test_the_stack_is_secure_by_default(require_root: None, compose_stack: Compo
     # Again (as every `up` runs it): everything is valid, nothing is written.
     again = compose_stack.compose("run", "--rm", "certs")
     assert "0 written" in again.stdout
+
+
+def etcd_mounts(stack: ComposeStack, container: dict[str, Any]) -> list[tuple[str, str, bool]]:
+    root = str(stack.etcd_tls_dir)
+    return [
+        (m["Source"], m["Destination"], m["RW"])
+        for m in container["Mounts"]
+        if m["Source"].startswith(root)
+    ]
+
+
+@pytest.mark.privileged
+async def test_etcd_wants_tls_and_each_service_reaches_only_its_own_keys(
+    require_root: None, compose_stack: ComposeStack
+) -> None:
+    """etcd in the stack: TLS with client certificates from the etcd CA only
+    (plaintext and TLS without a certificate refused); each service mounts
+    its own etcd certificate alone (CN = its etcd user), the datapath none;
+    etcd-auth ran once, successfully; and, through etcd's published port,
+    a service's credentials reach its keys and are refused outside them."""
+    import grpc
+    from aetcd import rpc as etcd_rpc
+    from cryptography import x509
+
+    from flagella.common.errors import Unavailable
+    from flagella.common.etcd import Etcd
+    from flagella.common.tls import TlsFiles, TlsPaths
+
+    state = containers(compose_stack)
+    etcd_ca = (compose_stack.etcd_tls("server") / "ca.crt").read_bytes()
+    assert etcd_ca != (compose_stack.tls_dir / "ca" / "ca.crt").read_bytes()
+    for name in ("ipam", "policy", "endpoint", "lb"):
+        folder = compose_stack.etcd_tls(name)
+        assert etcd_mounts(compose_stack, state[name]) == [
+            (str(folder), "/etc/flagella/etcd-tls", False)
+        ], name
+        cert = x509.load_pem_x509_certificate((folder / "tls.crt").read_bytes())
+        assert cert.subject.rfc4514_string() == f"CN=flagella-{name}"
+        assert (folder / "ca.crt").read_bytes() == etcd_ca
+        key = (folder / "tls.key").stat()
+        assert (key.st_uid, key.st_mode & 0o777) == (65532, 0o600)
+    assert etcd_mounts(compose_stack, state["datapath"]) == []
+    assert {d for _, d, _ in etcd_mounts(compose_stack, state["etcd"])} == {
+        "/etc/etcd/tls",
+        "/etc/etcd/root-tls",
+    }
+    [auth_id] = compose_stack.compose("ps", "-a", "-q", "etcd-auth").stdout.split()
+    [auth] = json.loads(sh(["docker", "inspect", auth_id]).stdout)
+    assert (auth["State"]["Status"], auth["State"]["ExitCode"]) == ("exited", 0)
+
+    endpoint = f"127.0.0.1:{compose_stack.ports['etcd']}"
+    for what, channel in {
+        "plaintext": grpc.aio.insecure_channel(endpoint),
+        "TLS without a certificate": grpc.aio.secure_channel(
+            endpoint, grpc.ssl_channel_credentials(etcd_ca)
+        ),
+    }.items():
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await etcd_rpc.KVStub(channel).Range(
+                    etcd_rpc.RangeRequest(key=b"flagella/ipam/v1/"), timeout=5
+                )
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, what
+        finally:
+            await channel.close()
+
+    def client(user: str) -> Etcd:
+        files = TlsFiles(TlsPaths.in_dir(compose_stack.etcd_tls(user)))
+        return Etcd([endpoint], tls_files=files)
+
+    ipam, lb = client("ipam"), client("lb")
+    try:
+        # ipam's keys: what it wrote as its user (the datapath's node).
+        count, _ = await ipam.count_prefix("flagella/ipam/v1/")
+        assert count > 0 or not compose_stack.registers_node
+        await lb.put("flagella/lb/v1/compose-test", b"x")
+        for op in (
+            lambda: ipam.get("flagella/lb/v1/compose-test"),
+            lambda: ipam.put("flagella/policy/v1/rules/compose-test", b"x"),
+            lambda: lb.get_prefix("flagella/ipam/v1/"),
+            lambda: lb.put("registry/compose-test", b"x"),
+        ):
+            with pytest.raises(Unavailable, match="permission denied"):
+                await op()
+        await lb.delete("flagella/lb/v1/compose-test")
+    finally:
+        await ipam.close()
+        await lb.close()
 
 
 @pytest.mark.privileged

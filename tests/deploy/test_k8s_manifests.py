@@ -6,8 +6,10 @@ is non-root with no capabilities and a read-only root; RBAC reads what each
 service watches and lets it write only its Events and Leases (and the
 endpoint service its FlagellaEndpoints), certgen only Secrets in the
 namespace (plus the one Role it keeps and listing Nodes); every flagella
-workload mounts its own certificate and none runs --insecure; the
-cert-manager overlay's Certificates name the right identities; the policy
+workload mounts its own certificate and none runs --insecure; etcd serves
+TLS with client certificates, each service mounts its own etcd Secret and
+only the etcd-auth Job root's; the cert-manager overlay's Certificates name
+the right identities; the policy
 CRDs are structural and take the policies flagella documents; the
 FlagellaEndpoint CRD takes the objects the endpoint service writes and
 shows them with printer columns."""
@@ -63,6 +65,9 @@ READS = {
     # test_certgen_issues_every_identity_and_the_datapath_role_starts_empty).
     "flagella-datapath": set(),
 }
+ETCD_SERVER_SECRET = "flagella-etcd-server-tls"
+ETCD_ROOT_SECRET = "flagella-etcd-root-tls"
+ETCD_AUTH_JOB = "flagella-etcd-auth"
 # The verbs of those reads, where not all of get/list/watch.
 READ_VERBS_OF = {"flagella-certgen": {"list"}}
 # Everything else each account may do: (group, resource, verb, namespace or
@@ -624,8 +629,97 @@ def test_every_flagella_workload_mounts_its_own_certificate_and_none_is_insecure
                     paths = {m["mountPath"] for m in c.get("volumeMounts", [])}
                     assert token_path not in paths, c["name"]
     assert seen == {*SERVICES, "datapath"}
-    # Nobody mounts another's Secret, nor the CA's.
-    assert mounted == {f"flagella-service-{s}": f"{s}/{s}" for s in SERVICES}
+    # Nobody mounts another's Secret, nor the CA's; etcd's Secrets: see
+    # test_etcd_serves_tls_and_each_workload_mounts_its_own_etcd_secret.
+    assert mounted == {
+        **{f"flagella-service-{s}": f"{s}/{s}" for s in SERVICES},
+        # First mounted by the init container waiting for etcd's auth.
+        **{f"flagella-{s}-etcd-tls": f"{s}/etcd-auth-wait" for s in SERVICES},
+        ETCD_SERVER_SECRET: "etcd/etcd",
+        ETCD_ROOT_SECRET: f"{ETCD_AUTH_JOB}/etcd-auth",
+    }
+
+
+def env_of(container: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e.get("value", "") for e in container.get("env", [])}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_etcd_serves_tls_and_each_workload_mounts_its_own_etcd_secret(
+    rendered: dict[str, Path], target: str
+) -> None:
+    """etcd serves clients over TLS only and wants a client certificate
+    (--client-cert-auth) from the CA in its Secret; its probe reads /health
+    on the plaintext metrics port. Each service mounts its own etcd Secret
+    (CN = its etcd user) at /etc/flagella/etcd-tls and no other; the
+    datapath none; root's only the flagella-etcd-auth Job, which runs
+    `flagella etcd-auth apply` with it and reads nothing from the API."""
+    objs = objects(rendered[target])
+    [etcd] = [o for o in objs if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "etcd"]
+    spec = pod_spec(etcd)
+    [main] = spec["containers"]
+    env = env_of(main)
+    assert env["ETCD_CLIENT_CERT_AUTH"] == "true"
+    assert env["ETCD_LISTEN_CLIENT_URLS"] == "https://0.0.0.0:2379"
+    assert env["ETCD_ADVERTISE_CLIENT_URLS"] == "https://$(POD_NAME).etcd-peer:2379"
+    assert env["ETCD_LISTEN_METRICS_URLS"] == "http://0.0.0.0:2381"
+    folder = "/etc/etcd/tls"
+    assert (env["ETCD_CERT_FILE"], env["ETCD_KEY_FILE"], env["ETCD_TRUSTED_CA_FILE"]) == (
+        f"{folder}/tls.crt",
+        f"{folder}/tls.key",
+        f"{folder}/ca.crt",
+    )
+    assert volume_of(spec, main, folder)["secret"]["secretName"] == ETCD_SERVER_SECRET
+    probe = main["readinessProbe"]["httpGet"]
+    [metrics] = [p for p in main["ports"] if p["name"] == probe["port"]]
+    assert (probe["path"], metrics["containerPort"]) == ("/health", 2381)
+    for key, value in env.items():
+        if key.startswith("ETCD_") and key.endswith("_URLS") and "CLIENT" in key:
+            assert value.startswith("https://"), key
+
+    etcd_secrets: dict[str, set[str]] = {}
+    for obj, pod in workloads(rendered[target]):
+        name = obj["metadata"]["name"]
+        for v in pod.get("volumes", []):
+            secret = v.get("secret", {}).get("secretName", "")
+            if "etcd" in secret:
+                etcd_secrets.setdefault(name, set()).add(secret)
+        if name in SERVICES:
+            [c] = pod["containers"]
+            volume = volume_of(pod, c, "/etc/flagella/etcd-tls")
+            assert volume["secret"] == {
+                "secretName": f"flagella-{name}-etcd-tls",
+                "defaultMode": 0o440,
+            }, name
+            # The defaults of --etcd-cert/--etcd-key/--etcd-ca: no override.
+            assert not [k for k in env_of(c) if k.startswith(f"FLAGELLA_{name.upper()}_ETCD_")]
+            # It starts once etcd enforces the roles, asked with its own
+            # etcd certificate (the init container mounts nothing else).
+            [init] = pod["initContainers"]
+            assert init["command"][1:3] == ["etcd-auth", "wait"]
+            assert "--etcd-tls-dir=/etc/flagella/etcd-tls" in init["command"]
+            assert [m["mountPath"] for m in init["volumeMounts"]] == ["/etc/flagella/etcd-tls"]
+            assert volume_of(pod, init, "/etc/flagella/etcd-tls") == volume
+    assert etcd_secrets == {
+        **{s: {f"flagella-{s}-etcd-tls"} for s in SERVICES},
+        "etcd": {ETCD_SERVER_SECRET},
+        ETCD_AUTH_JOB: {ETCD_ROOT_SECRET},
+    }
+
+    [job] = [o for o in objs if o["kind"] == "Job" and o["metadata"]["name"] == ETCD_AUTH_JOB]
+    job_spec = pod_spec(job)
+    [c] = job_spec["containers"]
+    assert c["command"] == [
+        "/opt/flagella/bin/flagella",
+        "etcd-auth",
+        "apply",
+        "--etcd-endpoints=etcd:2379",
+        "--etcd-tls-dir=/etc/flagella/etcd-tls",
+    ]
+    assert volume_of(job_spec, c, "/etc/flagella/etcd-tls")["secret"]["secretName"] == (
+        ETCD_ROOT_SECRET
+    )
+    assert job_spec["automountServiceAccountToken"] is False
 
 
 def certgen_commands(objs: list[dict[str, Any]]) -> list[list[str]]:
@@ -655,6 +749,10 @@ def test_certgen_issues_every_identity_and_the_datapath_role_starts_empty(
         assert ("--external-ca" in command) == with_cert_manager
         assert "--nodes-from-api" in command
         assert f"--node-role={NODE_CERTS_ROLE}" in command
+        # etcd's certificates, from its own CA, with cert-manager or not.
+        assert "--etcd-server=etcd" in command
+        etcd_clients = [a.removeprefix("--etcd-client=") for a in command if "-etcd-client=" in a]
+        assert sorted(etcd_clients) == sorted([*SERVICES, "root"])
     [role] = [o for o in objs if o["kind"] == "Role" and o["metadata"]["name"] == NODE_CERTS_ROLE]
     assert role["rules"] == []
     bindings = [

@@ -78,6 +78,18 @@ def material(tmp: Path, data: dict[str, bytes]) -> pki.TlsMaterial:
     return pki.load_material(tmp / pki.CERT_FILE, tmp / pki.KEY_FILE, tmp / pki.CA_FILE)
 
 
+def replace_leaf(server: KubeListWatchServer, name: str, issued: pki.Issued) -> None:
+    """Put another certificate and key into a leaf's Secret."""
+    secret = server.get("secrets", NS, name) or {}
+    secret["data"].update(
+        {
+            "tls.crt": base64.b64encode(issued.cert).decode(),
+            "tls.key": base64.b64encode(issued.key).decode(),
+        }
+    )
+    server.apply("secrets", secret)
+
+
 def versions(server: KubeListWatchServer) -> dict[str, str]:
     return {s["metadata"]["name"]: s["metadata"]["resourceVersion"] for s in server.list("secrets")}
 
@@ -125,14 +137,7 @@ def test_k8s_sync_creates_keeps_renews_and_follows_nodes(
 
     # A leaf with an hour left is renewed; the others stay.
     short = ca.issue(pki.service("lb"), dns=["lb"], lifetime=dt.timedelta(hours=1))
-    lb = kube_api.get("secrets", NS, "flagella-service-lb") or {}
-    lb["data"].update(
-        {
-            "tls.crt": base64.b64encode(short.cert).decode(),
-            "tls.key": base64.b64encode(short.key).decode(),
-        }
-    )
-    kube_api.apply("secrets", lb)
+    replace_leaf(kube_api, "flagella-service-lb", short)
     before = versions(kube_api)
     third = cli(*args)
     assert third.returncode == 0, third.stderr
@@ -281,3 +286,119 @@ def test_k8s_sync_with_an_external_ca_uses_it_and_never_writes_it(
     )
     assert got.ca == ca.cert_pem
     assert versions(kube_api)["flagella-ca"] == version
+
+
+ETCD_SECRETS = {
+    "flagella-etcd-server-tls": "etcd",
+    **{f"flagella-{s}-etcd-tls": f"flagella-{s}" for s in SERVICES},
+    "flagella-etcd-root-tls": "root",
+}
+ETCD_FLAGS = [
+    "--etcd-server",
+    "etcd",
+    *(a for u in (*SERVICES, "root") for a in ("--etcd-client", u)),
+]
+
+
+def common_name(cert: bytes) -> str:
+    return x509.load_pem_x509_certificate(cert).subject.rfc4514_string().removeprefix("CN=")
+
+
+def dns_of(cert: bytes) -> set[str]:
+    san = x509.load_pem_x509_certificate(cert).extensions.get_extension_for_class(
+        x509.SubjectAlternativeName
+    )
+    return set(san.value.get_values_for_type(x509.DNSName))
+
+
+def test_k8s_sync_keeps_etcds_ca_and_certificates_apart(
+    kube_api: KubeListWatchServer, tmp_path: Path
+) -> None:
+    """With --etcd-server/--etcd-client: the etcd CA in flagella-etcd-ca
+    (not the cluster CA), etcd's server certificate naming its Service and
+    every member, and a client certificate per etcd user whose CN is the
+    user; kept, and renewed, like the rest."""
+    kubeconfig = str(kube_api.write_kubeconfig(tmp_path / "kubeconfig"))
+    args = ["certs", "k8s-sync", "--kubeconfig", kubeconfig, "--service", "ipam", *ETCD_FLAGS]
+    first = cli(*args)
+    assert first.returncode == 0, first.stderr
+    assert "etcd: 6 certificates, 7 written" in first.stdout
+    assert set(versions(kube_api)) == {
+        "flagella-ca",
+        "flagella-service-ipam",
+        "flagella-etcd-ca",
+        *ETCD_SECRETS,
+    }
+    etcd_ca = decoded(kube_api.get("secrets", NS, "flagella-etcd-ca") or {})
+    cluster_ca = decoded(kube_api.get("secrets", NS, "flagella-ca") or {})
+    assert etcd_ca["ca.crt"] != cluster_ca["ca.crt"]
+    assert common_name(etcd_ca["ca.crt"]) == "flagella etcd CA"
+    for name, cn in ETCD_SECRETS.items():
+        secret = kube_api.get("secrets", NS, name) or {}
+        assert secret["type"] == "kubernetes.io/tls"
+        got = material(tmp_path / name, decoded(secret))
+        assert got.ca == etcd_ca["ca.crt"], name
+        assert common_name(got.cert) == cn, name
+    server = decoded(kube_api.get("secrets", NS, "flagella-etcd-server-tls") or {})["tls.crt"]
+    assert {
+        "etcd",
+        "etcd.flagella",
+        "etcd.flagella.svc",
+        "etcd.flagella.svc.cluster.local",
+        "*.etcd-peer",
+        "*.etcd-peer.flagella.svc",
+        "*.etcd-peer.flagella.svc.cluster.local",
+        "localhost",
+    } <= dns_of(server)
+    assert "127.0.0.1" in ips_of(server)
+
+    before = versions(kube_api)
+    again = cli(*args)
+    assert again.returncode == 0, again.stderr
+    assert "etcd: 6 certificates, 0 written" in again.stdout
+    assert versions(kube_api) == before
+
+    # Root's certificate, re-issued with another CN: put right (and only it).
+    ca = pki.CertificateAuthority.load(etcd_ca["ca.crt"], etcd_ca["ca.key"])
+    wrong = ca.issue(pki.operator("etcd-root"), common_name="flagella-ipam")
+    replace_leaf(kube_api, "flagella-etcd-root-tls", wrong)
+    before = versions(kube_api)
+    fixed = cli(*args)
+    assert "etcd: issued spiffe://flagella/operator/etcd-root (CN root): CN is" in fixed.stdout
+    after = versions(kube_api)
+    assert {n for n in after if after[n] != before[n]} == {"flagella-etcd-root-tls"}
+    root_data = decoded(kube_api.get("secrets", NS, "flagella-etcd-root-tls") or {})
+    assert common_name(root_data["tls.crt"]) == "root"
+
+
+def test_folder_sync_issues_etcds_certificates_into_their_own_folder(tmp_path: Path) -> None:
+    out, etcd_out = tmp_path / "tls", tmp_path / "etcd-tls"
+    me = f"{os.getuid()}:{os.getgid()}"
+    args = ["certs", "sync", "--out", str(out), "--etcd-out", str(etcd_out)]
+    args += ["--etcd-server", "etcd=172.29.0.10", "--etcd-client", "ipam", "--etcd-client", "root"]
+    args += ["--owner", f"etcd-service={me}"]
+    first = cli(*args)
+    assert first.returncode == 0, first.stderr
+    assert "etcd: 3 certificates, 4 written" in first.stdout
+    assert sorted(p.name for p in etcd_out.iterdir()) == ["ca", "ipam", "root", "server"]
+    assert oct((etcd_out / "ca").stat().st_mode & 0o777) == "0o700"
+    ca = (etcd_out / "ca" / "ca.crt").read_bytes()
+    for folder, cn in (("server", "etcd"), ("ipam", "flagella-ipam"), ("root", "root")):
+        got = pki.load_material(*(etcd_out / folder / f for f in ("tls.crt", "tls.key", "ca.crt")))
+        assert (got.ca, common_name(got.cert)) == (ca, cn)
+    server = (etcd_out / "server" / "tls.crt").read_bytes()
+    assert ips_of(server) == {"127.0.0.1", "::1", "172.29.0.10"}
+    assert "etcd" in dns_of(server)
+    assert "etcd: 3 certificates, 0 written" in cli(*args).stdout
+
+    for bad, problem in (
+        (["--etcd-client", "datapath"], "no etcd user for 'datapath'"),
+        (["--etcd-server", "etcd=10.0.0.300"], "--etcd-server 'etcd=10.0.0.300'"),
+        (["--owner", "etcd-nobody=1"], "--owner 'etcd-nobody=1'"),
+    ):
+        res = cli(*args, *bad)
+        assert res.returncode != 0, bad
+        assert problem in res.stderr, res.stderr
+    res = cli("certs", "sync", "--out", str(out), "--etcd-client", "ipam")
+    assert res.returncode != 0
+    assert "--etcd-out" in res.stderr

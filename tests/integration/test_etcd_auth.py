@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -299,6 +300,42 @@ def test_etcd_auth_apply_sets_up_etcd_idempotently(tmp_path: Path) -> None:
         )
         assert no_dir.returncode == 1
         assert no_dir.stderr.startswith(f"flagella: root's etcd certificate: {tmp_path}/tls.crt")
+    finally:
+        etcd.cleanup()
+
+
+def test_etcd_auth_wait_returns_once_etcd_enforces_the_roles(tmp_path: Path) -> None:
+    """What a service's init container runs in Kubernetes: as the service's
+    etcd user, it waits while etcd's authentication is off (when any etcd
+    certificate reaches every key), and returns once it is on."""
+    etcd = EtcdServer(tmp_path / "etcd", apply_auth=False).start()
+    try:
+        ipam_dir = str(session_pki().user_bundle("ipam"))
+        wait = ["etcd-auth", "wait", "--etcd-endpoints", etcd.endpoint, "--etcd-tls-dir", ipam_dir]
+        off = _cli(*wait, "--wait", "1")
+        assert off.returncode == 1
+        assert "etcd-auth wait: after 1 s: authentication is off" in off.stderr
+        waiting = subprocess.Popen(
+            [sys.executable, "-m", "flagella.cli", *wait, "--wait", "60"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            time.sleep(1.5)
+            assert waiting.poll() is None
+            root_dir = str(session_pki().user_bundle(etcdauth.ROOT))
+            applied = _cli(
+                "etcd-auth", "apply", "--etcd-endpoints", etcd.endpoint, "--etcd-tls-dir", root_dir
+            )
+            assert applied.returncode == 0, applied.stderr
+            out, err = waiting.communicate(timeout=30)
+        finally:
+            if waiting.poll() is None:
+                waiting.kill()
+                waiting.communicate()
+        assert waiting.returncode == 0, err
+        assert out.strip() == "etcd enforces authentication"
     finally:
         etcd.cleanup()
 

@@ -6,6 +6,10 @@ certificates issued, as Cilium's certgen does.
   certgen Job and CronJob): the CA in `flagella-ca`, each leaf in a
   kubernetes.io/tls Secret `flagella-<kind>-<name>`, one per node found in
   the API; and the datapath's Role may read exactly the node Secrets.
+- both, with --etcd-server/--etcd-client: etcd's certificates too, from the
+  etcd CA (a folder of its own, --etcd-out; or the Secret `flagella-etcd-ca`
+  and `flagella-etcd-server-tls`, `flagella-<svc>-etcd-tls`,
+  `flagella-etcd-root-tls`).
 - k8s-fetch: one Secret into a folder, once or every so often (the datapath
   pod's node certificate: a DaemonSet cannot mount a Secret named per node).
 """
@@ -21,12 +25,24 @@ from pathlib import Path
 from typing import Any
 
 from flagella.cli import certs
-from flagella.cli.certsync import Bundle, FolderStore, Leaf, Store, plan, sync
-from flagella.common import pki
+from flagella.cli.certsync import (
+    ETCD_KINDS,
+    ETCD_SERVER,
+    Bundle,
+    FolderStore,
+    Leaf,
+    Store,
+    etcd_plan,
+    plan,
+    sync,
+)
+from flagella.common import etcdauth, pki
 from flagella.common.backoff import Backoff
 from flagella.common.config import parse_ip
 
 CA_SECRET = "flagella-ca"
+ETCD_CA_SECRET = "flagella-etcd-ca"
+ETCD_CA_NAME = "flagella etcd CA"
 NODE_ROLE = "flagella-datapath-node-certs"
 LABELS = {
     "app.kubernetes.io/part-of": "flagella",
@@ -38,6 +54,17 @@ IDENTITY_ANNOTATION = "flagella.io/identity"
 
 def secret_name(identity: pki.Identity) -> str:
     return f"flagella-{identity.kind}-{identity.name}".lower()
+
+
+def leaf_secret(leaf: Leaf) -> str:
+    """A leaf's Secret: by identity, or etcd's (flagella-etcd-server-tls,
+    flagella-etcd-root-tls, flagella-<svc>-etcd-tls)."""
+    if leaf.place is None:
+        return secret_name(leaf.identity)
+    name = leaf.place[1]
+    if name in (ETCD_SERVER, etcdauth.ROOT):
+        return f"flagella-etcd-{name}-tls"
+    return f"flagella-{name}-etcd-tls"
 
 
 def kube_clients(kubeconfig: str | None) -> Any:
@@ -66,7 +93,9 @@ def _status(exc: Exception) -> int:
 class SecretStore:
     """The CA and leaves as Secrets in one namespace."""
 
-    def __init__(self, api: Any, namespace: str, *, external_ca: bool = False) -> None:
+    def __init__(
+        self, api: Any, namespace: str, *, external_ca: bool = False, ca_secret: str = CA_SECRET
+    ) -> None:
         """external_ca: the CA Secret is kept by someone else (cert-manager,
         as a TLS Secret: tls.crt, tls.key): read it, never write it."""
         from kubernetes import client
@@ -74,6 +103,7 @@ class SecretStore:
         self.core: Any = client.CoreV1Api(api)
         self.namespace = namespace
         self.external_ca = external_ca
+        self.ca_secret = ca_secret
 
     def _read(self, name: str) -> dict[str, bytes] | None:
         from kubernetes.client.exceptions import ApiException
@@ -109,7 +139,7 @@ class SecretStore:
         self.core.replace_namespaced_secret(name, self.namespace, body)
 
     def read_ca(self) -> tuple[bytes, bytes] | None:
-        data = self._read(CA_SECRET)
+        data = self._read(self.ca_secret)
         cert, key = (
             (pki.CERT_FILE, pki.KEY_FILE) if self.external_ca else (pki.CA_FILE, certs.CA_KEY)
         )
@@ -120,13 +150,14 @@ class SecretStore:
     def write_ca(self, cert: bytes, key: bytes) -> None:
         if self.external_ca:
             raise certs.CertsError(
-                f"the CA in Secret {self.namespace}/{CA_SECRET} is kept elsewhere (--external-ca) "
-                "and is missing, unusable or about to expire"
+                f"the CA in Secret {self.namespace}/{self.ca_secret} is kept elsewhere "
+                "(--external-ca) and is missing, unusable or about to expire"
             )
-        self._write(CA_SECRET, "Opaque", {pki.CA_FILE: cert, certs.CA_KEY: key}, {"labels": LABELS})
+        data = {pki.CA_FILE: cert, certs.CA_KEY: key}
+        self._write(self.ca_secret, "Opaque", data, {"labels": LABELS})
 
     def read_leaf(self, leaf: Leaf) -> Bundle | None:
-        data = self._read(secret_name(leaf.identity))
+        data = self._read(leaf_secret(leaf))
         files = (pki.CERT_FILE, pki.KEY_FILE, pki.CA_FILE)
         if data is None or any(f not in data for f in files):
             return None
@@ -134,11 +165,11 @@ class SecretStore:
 
     def write_leaf(self, leaf: Leaf, bundle: Bundle) -> None:
         meta = {
-            "labels": {**LABELS, KIND_LABEL: leaf.identity.kind},
+            "labels": {**LABELS, KIND_LABEL: leaf.kind},
             "annotations": {IDENTITY_ANNOTATION: leaf.identity.uri},
         }
         data = {pki.CERT_FILE: bundle.cert, pki.KEY_FILE: bundle.key, pki.CA_FILE: bundle.ca}
-        self._write(secret_name(leaf.identity), "kubernetes.io/tls", data, meta)
+        self._write(leaf_secret(leaf), "kubernetes.io/tls", data, meta)
 
 
 def api_nodes(api: Any) -> dict[str, list[str]]:
@@ -156,7 +187,7 @@ def api_nodes(api: Any) -> dict[str, list[str]]:
     }
 
 
-def parse_nodes(values: list[str]) -> dict[str, list[str]]:
+def parse_nodes(values: list[str], flag: str = "--node") -> dict[str, list[str]]:
     """NAME[=IP,IP...] -> {name: ips}."""
     nodes: dict[str, list[str]] = {}
     for value in values:
@@ -165,7 +196,7 @@ def parse_nodes(values: list[str]) -> dict[str, list[str]]:
             try:
                 parse_ip(ip)
             except ValueError as exc:
-                raise certs.CertsError(f"invalid --node {value!r}: {exc}") from None
+                raise certs.CertsError(f"invalid {flag} {value!r}: {exc}") from None
         nodes[name] = [ip for ip in ips.split(",") if ip]
     return nodes
 
@@ -215,7 +246,8 @@ def _owners(values: list[str]) -> dict[str, tuple[int, int]]:
     for value in values:
         kind, sep, ids = value.partition("=")
         uid, sep2, gid = ids.partition(":")
-        if not sep or kind not in pki.KINDS or not uid.isdigit() or (sep2 and not gid.isdigit()):
+        known = (*pki.KINDS, *ETCD_KINDS)
+        if not sep or kind not in known or not uid.isdigit() or (sep2 and not gid.isdigit()):
             raise certs.CertsError(f"invalid --owner {value!r}: want KIND=UID[:GID]")
         owners[kind] = (int(uid), int(gid or uid))
     return owners
@@ -228,25 +260,44 @@ def _leaves(args: argparse.Namespace, nodes: dict[str, list[str]]) -> list[Leaf]
         raise certs.CertsError(str(exc)) from None
 
 
-def _sync(args: argparse.Namespace, store: Store, leaves: list[Leaf]) -> None:
+def _etcd_leaves(args: argparse.Namespace) -> list[Leaf]:
+    """etcd's leaves the flags ask for (none without --etcd-server/--etcd-client)."""
+    server = None
+    if args.etcd_server:
+        [(name, ips)] = parse_nodes([args.etcd_server], "--etcd-server").items()
+        server = (name, ips)
+    return etcd_plan(server, args.etcd_client, names=certs.etcd_server_names)
+
+
+def _sync(
+    args: argparse.Namespace, store: Store, leaves: list[Leaf], *, etcd: bool = False
+) -> None:
+    """One pass over a store; etcd: the etcd CA's store (its lines say so)."""
+    prefix = "etcd: " if etcd else ""
     try:
         changes = sync(
             store,
             leaves,
             lifetime=dt.timedelta(hours=args.hours),
             renew_before=dt.timedelta(hours=args.renew_before),
+            ca_name=ETCD_CA_NAME if etcd else "flagella cluster CA",
         )
     except ValueError as exc:
         raise certs.CertsError(str(exc)) from None
     for change in changes:
-        print(f"issued {change}")
-    print(f"{len(leaves)} certificates, {len(changes)} written")
+        print(f"{prefix}issued {change}")
+    print(f"{prefix}{len(leaves)} certificates, {len(changes)} written")
 
 
 def cmd_sync(args: argparse.Namespace) -> int:
-    store = FolderStore(args.out, _owners(args.owner))
+    owners = _owners(args.owner)
+    etcd_leaves = _etcd_leaves(args)
+    if etcd_leaves and not args.etcd_out:
+        raise certs.CertsError("--etcd-server/--etcd-client: --etcd-out (their folder) is required")
     try:
-        _sync(args, store, _leaves(args, parse_nodes(args.node)))
+        _sync(args, FolderStore(args.out, owners), _leaves(args, parse_nodes(args.node)))
+        if etcd_leaves:
+            _sync(args, FolderStore(args.etcd_out, owners), etcd_leaves, etcd=True)
     except OSError as exc:
         raise certs.CertsError(f"{exc.filename}: {exc.strerror or exc}") from None
     return 0
@@ -259,7 +310,12 @@ def cmd_k8s_sync(args: argparse.Namespace) -> int:
     try:
         nodes = {**(api_nodes(api) if args.nodes_from_api else {}), **parse_nodes(args.node)}
         leaves = _leaves(args, nodes)
+        etcd_leaves = _etcd_leaves(args)
         _sync(args, SecretStore(api, args.namespace, external_ca=args.external_ca), leaves)
+        if etcd_leaves:
+            # Its own CA, always kept here (cert-manager or not).
+            etcd_store = SecretStore(api, args.namespace, ca_secret=ETCD_CA_SECRET)
+            _sync(args, etcd_store, etcd_leaves, etcd=True)
         if args.node_role:
             names = sorted(secret_name(pki.node(n)) for n in nodes)
             if grant_node_secrets(api, args.namespace, args.node_role, names):
@@ -319,6 +375,18 @@ def _issue_flags(p: argparse.ArgumentParser) -> None:
         help="a node, NAME or NAME=IP[,IP...] with the addresses its datapath serves on (repeat)",
     )
     p.add_argument("--operator", action="append", default=[], help="an operator (repeat)")
+    p.add_argument(
+        "--etcd-server",
+        default="",
+        help="etcd's server certificate, NAME or NAME=IP[,IP...] (from the etcd CA)",
+    )
+    p.add_argument(
+        "--etcd-client",
+        action="append",
+        default=[],
+        help=f"an etcd client certificate, CN = the etcd user: {', '.join(etcdauth.SERVICES)} "
+        f"or {etcdauth.ROOT} (repeat)",
+    )
     p.add_argument("--hours", type=float, default=24, help="leaf lifetime (default 24 hours)")
     p.add_argument(
         "--renew-before",
@@ -337,10 +405,16 @@ def add_parsers(csub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p = csub.add_parser("sync", help="keep a CA and every leaf issued in a folder (idempotent)")
     p.add_argument("--out", required=True, help="folder: ca/ and <kind>/<name>/ under it")
     p.add_argument(
+        "--etcd-out",
+        default="",
+        help="folder of the etcd CA and certificates: ca/, server/, <user>/ under it",
+    )
+    p.add_argument(
         "--owner",
         action="append",
         default=[],
-        help="KIND=UID[:GID]: who owns that kind's files (e.g. service=65532)",
+        help="KIND=UID[:GID]: who owns that kind's files (e.g. service=65532); kinds: "
+        f"{', '.join((*pki.KINDS, *ETCD_KINDS))} (etcd-service: the services' etcd certificates)",
     )
     _issue_flags(p)
     p.set_defaults(func=lambda args, clients: cmd_sync(args))

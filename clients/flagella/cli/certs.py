@@ -38,6 +38,18 @@ def default_names(kind: str, name: str) -> list[str]:
     return []
 
 
+def etcd_server_names(name: str) -> list[str]:
+    """DNS names etcd is reached by: as a service is (its client Service in
+    Kubernetes), and each member through the headless <name>-peer Service
+    (<pod>.<name>-peer: a wildcard)."""
+    peers = f"*.{name}-peer"
+    ns = NAMESPACE
+    return [
+        *default_names("service", name),
+        *(peers, f"{peers}.{ns}", f"{peers}.{ns}.svc", f"{peers}.{ns}.svc.cluster.local"),
+    ]
+
+
 def load_ca(directory: str) -> pki.CertificateAuthority:
     folder = Path(directory)
     try:

@@ -1,5 +1,7 @@
 """Keeping a set of certificates issued: the CA and one leaf per identity,
-in a store (a folder for compose, Secrets for Kubernetes: certsk8s.py).
+in a store (a folder for compose, Secrets for Kubernetes: certgen.py). The
+same for etcd's certificates (`etcd_plan`), from the etcd CA in a store of
+their own.
 
 One pass (`sync`) is idempotent: a valid CA is kept, a leaf is issued only
 when it is missing, unreadable, not issued by the current CA, names another
@@ -22,8 +24,8 @@ from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 
-from flagella.cli.certs import CA_KEY
-from flagella.common import pki
+from flagella.cli.certs import CA_KEY, etcd_client_identity
+from flagella.common import etcdauth, pki
 
 # A leaf is renewed once it has less than a third of its default lifetime left.
 RENEW_BEFORE = dt.timedelta(hours=8)
@@ -36,6 +38,23 @@ class Leaf:
     identity: pki.Identity
     dns: tuple[str, ...] = ()
     ips: tuple[str, ...] = ()
+    #: The CN, where it matters: etcd takes its user from it.
+    common_name: str = ""
+    #: (kind, path) when not kept by identity (etcd's leaves): the kind
+    #: `--owner` names, and the folder under a folder store's root.
+    place: tuple[str, str] | None = None
+
+    @property
+    def kind(self) -> str:
+        return self.place[0] if self.place else self.identity.kind
+
+    @property
+    def path(self) -> str:
+        return self.place[1] if self.place else f"{self.identity.kind}/{self.identity.name}"
+
+    def __str__(self) -> str:
+        uri = self.identity.uri
+        return f"{uri} (CN {self.common_name})" if self.common_name else uri
 
 
 @dataclass(frozen=True)
@@ -85,6 +104,45 @@ def plan(
     return leaves
 
 
+ETCD_SERVER = "server"
+#: The `--owner` kinds of etcd's leaves.
+ETCD_KINDS = ("etcd-server", "etcd-service", "etcd-root")
+
+
+def etcd_plan(
+    server: tuple[str, Sequence[str]] | None,
+    clients: Iterable[str],
+    *,
+    names: Callable[[str], list[str]],
+) -> list[Leaf]:
+    """etcd's leaves: its server certificate (server: its name and
+    addresses; names(name) as DNS names, loopback too), and a client
+    certificate per user (a service's, or root), whose CN etcd takes as the
+    user. CertsError for an unknown user."""
+    leaves = []
+    if server is not None:
+        name, ips = server
+        leaves.append(
+            Leaf(
+                pki.service("etcd"),
+                tuple(names(name)),
+                ("127.0.0.1", "::1", *ips),
+                common_name=name,
+                place=("etcd-server", ETCD_SERVER),
+            )
+        )
+    for client in dict.fromkeys(clients):
+        identity, user = etcd_client_identity(client)
+        kind = "etcd-root" if client == etcdauth.ROOT else "etcd-service"
+        leaves.append(Leaf(identity, common_name=user, place=(kind, client)))
+    return leaves
+
+
+def common_name_of(cert: x509.Certificate) -> str:
+    names = cert.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)
+    return str(names[0].value) if names else ""
+
+
 def ca_problem(
     found: tuple[bytes, bytes] | None, min_left: dt.timedelta, at: dt.datetime
 ) -> tuple[str, pki.CertificateAuthority | None]:
@@ -128,6 +186,8 @@ def leaf_problem(
             return f"names {pki.identity_of(cert)}"
     except ValueError as exc:
         return str(exc)
+    if leaf.common_name and common_name_of(cert) != leaf.common_name:
+        return f"CN is {common_name_of(cert)!r}"
     if at + renew_before >= cert.not_valid_after_utc:
         return f"expires {cert.not_valid_after_utc:%Y-%m-%d %H:%M}Z"
     if served_names(cert) != served_names_of(leaf):
@@ -175,9 +235,15 @@ def sync(
         reason = leaf_problem(store.read_leaf(leaf), leaf, ca, renew_before, when)
         if not reason:
             continue
-        issued = ca.issue(leaf.identity, dns=leaf.dns, ips=leaf.ips, lifetime=lifetime)
+        issued = ca.issue(
+            leaf.identity,
+            dns=leaf.dns,
+            ips=leaf.ips,
+            lifetime=lifetime,
+            common_name=leaf.common_name,
+        )
         store.write_leaf(leaf, Bundle(issued.cert, issued.key, ca.cert_pem))
-        changes.append(Change(leaf.identity.uri, reason))
+        changes.append(Change(str(leaf), reason))
     return changes
 
 
@@ -193,16 +259,17 @@ def _read_optional(path: Path) -> bytes | None:
 
 class FolderStore:
     """<root>/ca/{ca.crt,ca.key} and <root>/<kind>/<name>/{tls.crt,tls.key,
-    ca.crt}: one folder per identity, so a container mounts exactly its own.
-    owners: kind -> (uid, gid) of that kind's files (a service running as
-    another user must be able to read its key)."""
+    ca.crt} (an etcd leaf: <root>/<its place>/): one folder per identity,
+    so a container mounts exactly its own. owners: kind -> (uid, gid) of
+    that kind's files (a service running as another user must be able to
+    read its key)."""
 
     def __init__(self, root: Path | str, owners: dict[str, tuple[int, int]] | None = None) -> None:
         self.root = Path(root)
         self.owners = owners or {}
 
     def folder(self, leaf: Leaf) -> Path:
-        return self.root / leaf.identity.kind / leaf.identity.name
+        return self.root / leaf.path
 
     def read_ca(self) -> tuple[bytes, bytes] | None:
         cert = _read_optional(self.root / "ca" / pki.CA_FILE)
@@ -231,5 +298,5 @@ class FolderStore:
             pki.Issued(bundle.cert, bundle.key),
             bundle.ca,
             overwrite=True,
-            owner=self.owners.get(leaf.identity.kind),
+            owner=self.owners.get(leaf.kind),
         )

@@ -103,6 +103,11 @@ ROLES: dict[str, tuple[Grant, ...]] = {
 }
 
 
+#: No role grants this key: read as a service's user, it is refused exactly
+#: when etcd enforces authentication (root may read it).
+PROBE_KEY = "flagella/etcd-auth/probe"
+
+
 class EtcdAuthError(Exception):
     """etcd refused to be set up (one line)."""
 
@@ -178,6 +183,19 @@ async def enabled(etcd: Etcd) -> bool:
     except EtcdAuthError as exc:
         raise Unavailable(str(exc)) from exc
     return bool(status.enabled)
+
+
+async def enforced(etcd: Etcd) -> bool:
+    """Whether etcd enforces its users' roles, asked as a service's user by
+    reading PROBE_KEY (a user's AuthStatus call may itself be refused).
+    Unavailable when etcd cannot be asked."""
+    try:
+        await etcd.get(PROBE_KEY)
+    except Unavailable as exc:
+        if "PERMISSION_DENIED" in exc.message:
+            return True
+        raise
+    return False
 
 
 def table() -> str:
