@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import abc
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -45,8 +46,9 @@ async def relay(result: Any) -> AsyncIterator[Any]:
 class WrappingInterceptor(grpc.aio.ServerInterceptor):
     """An interceptor that wraps each method's handler: subclasses say how."""
 
+    @abc.abstractmethod
     def wrap(self, handler: Any, method: str) -> Any:
-        raise NotImplementedError
+        """handler with the subclass's behaviour around each call."""
 
     async def intercept_service(
         self,
