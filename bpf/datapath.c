@@ -518,7 +518,7 @@ static __always_inline int policy_check(__u64 ep_id, __u32 peer, __u8 dir, struc
 	k.dir = dir;
 	k.proto = p->proto;
 	if (p->proto == IPPROTO_ICMP || p->proto == IPPROTO_ICMPV6)
-		k.dport = bpf_htons(p->icmp_type);
+		k.dport = bpf_htons(ICMP_TYPE_PORT | p->icmp_type);
 	else
 		k.dport = p->dport;
 

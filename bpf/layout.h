@@ -119,6 +119,9 @@ struct ipcache_value {
 #define POLICY_PREFIX_L3 104
 #define POLICY_PREFIX_PROTO 112
 #define POLICY_PREFIX_FULL 128
+/* An ICMP packet's key port: its type above the 8 bits of "every port"
+ * (port 0), so that type 0 (echo reply) is a key of its own. */
+#define ICMP_TYPE_PORT 0x100
 
 #define POLICY_ALLOW 1
 #define POLICY_DENY 2
@@ -132,7 +135,7 @@ struct policy_key {
 	__u64 ep_id;
 	__u8 dir;     /* DIR_INGRESS / DIR_EGRESS */
 	__u8 proto;
-	__be16 dport; /* ICMP: the type */
+	__be16 dport; /* ICMP: ICMP_TYPE_PORT | the type */
 	__u32 pad;
 };
 

@@ -249,7 +249,9 @@ def test_icmp_policy_matches_the_type(dp: Datapath) -> None:
     open_all(dp, POD_A)
     POD_B.add(dp)
     dp.policy.apply(
-        POD_B.endpoint_id, [PolicyEntry(POD_A.identity, INGRESS, protocol=1, port=8)], 1
+        POD_B.endpoint_id,
+        [PolicyEntry(POD_A.identity, INGRESS, protocol=1, port=L.ICMP_TYPE_PORT | 8)],
+        1,
     )
     echo = P.build(POD_A.ip, POD_B.ip, proto=1, icmp_type=8, icmp_id=7)
     assert ingress(dp, echo) == L.TC_ACT_OK
@@ -260,6 +262,39 @@ def test_icmp_policy_matches_the_type(dp: Datapath) -> None:
         L.TC_ACT_SHOT
     )
     assert dp.metrics.drops(DropReason.POLICY_L4, INGRESS) == 1
+
+
+def test_icmp_type_zero_is_its_own_key_and_icmpv6_types_match(dp: Datapath) -> None:
+    """Type 0 (echo reply) allowed alone is not "every type"; ICMPv6 types
+    are keyed under their own protocol."""
+    open_all(dp, POD_A, POD_A6)
+    POD_B.add(dp)
+    POD_B6.add(dp)
+    dp.policy.apply(
+        POD_B.endpoint_id,
+        [PolicyEntry(POD_A.identity, INGRESS, protocol=1, port=L.ICMP_TYPE_PORT | 0)],
+        1,
+    )
+    dp.policy.apply(
+        POD_B6.endpoint_id,
+        [PolicyEntry(POD_A6.identity, INGRESS, protocol=58, port=L.ICMP_TYPE_PORT | 128)],
+        1,
+    )
+    unsolicited_reply = P.build(POD_A.ip, POD_B.ip, proto=1, icmp_type=0, icmp_id=9)
+    assert ingress(dp, unsolicited_reply) == L.TC_ACT_OK
+    assert ingress(dp, P.build(POD_A.ip, POD_B.ip, proto=1, icmp_type=8, icmp_id=10)) == (
+        L.TC_ACT_SHOT
+    )
+    echo6 = P.build(POD_A6.ip, POD_B6.ip, proto=58, icmp_type=128, icmp_id=11)
+    assert ingress(dp, echo6) == L.TC_ACT_OK
+    # ICMPv6 type 8 is not ICMPv4's echo request, and 129 was not allowed.
+    assert ingress(dp, P.build(POD_A6.ip, POD_B6.ip, proto=58, icmp_type=8, icmp_id=12)) == (
+        L.TC_ACT_SHOT
+    )
+    assert ingress(dp, P.build(POD_A6.ip, POD_B6.ip, proto=58, icmp_type=129, icmp_id=13)) == (
+        L.TC_ACT_SHOT
+    )
+    assert dp.metrics.drops(DropReason.POLICY_L4, INGRESS) == 3
 
 
 def test_ipv6_policy(dp: Datapath) -> None:

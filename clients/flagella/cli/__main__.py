@@ -172,7 +172,7 @@ def cmd_policy(args: argparse.Namespace, clients: Clients) -> int:
     elif args.action == "trace":
         proto = PROTOCOLS.get(args.proto.lower())
         if proto is None:
-            raise CliError(f"unknown protocol {args.proto!r} (tcp, udp, sctp, icmp, any)")
+            raise CliError(f"unknown protocol {args.proto!r} (tcp, udp, sctp, icmp, icmpv6, any)")
         resp = clients.call(
             "policy",
             stub.TracePolicy,
@@ -345,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     trace = psub.add_parser("trace", help="would src reach dst on dport/proto?")
     trace.add_argument("--src", action="append", required=True, help="labels, e.g. app=web")
     trace.add_argument("--dst", action="append", required=True)
-    trace.add_argument("--dport", type=int, default=0)
+    trace.add_argument("--dport", type=int, default=0, help="destination port (ICMP: the type)")
     trace.add_argument("--proto", default="tcp")
     policy.set_defaults(func=cmd_policy)
 

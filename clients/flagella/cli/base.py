@@ -23,7 +23,7 @@ from flagella.cli import certs
 from flagella.cli.targets import Datapath, default_node, pick_one
 from flagella.common.tls import target_options
 
-PROTOCOLS = {"tcp": 6, "udp": 17, "sctp": 132, "icmp": 1, "any": 0}
+PROTOCOLS = {"tcp": 6, "udp": 17, "sctp": 132, "icmp": 1, "icmpv6": 58, "any": 0}
 PROTOCOL_NAMES = {v: k.upper() for k, v in PROTOCOLS.items()}
 
 

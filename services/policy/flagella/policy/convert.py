@@ -14,6 +14,7 @@ from flagella.policy.allocator import IdentityView
 from flagella.policy.labels import Label, LabelError, split_label
 from flagella.policy.resolve import PolicyContent, PolicyEntry, ResolvedPolicy
 from flagella.policy.rules import (
+    ICMP_PROTOCOLS,
     CIDRSpec,
     Expression,
     PeerSpec,
@@ -26,6 +27,8 @@ from flagella.policy.rules import (
     check_namespace,
     check_port,
     check_selector,
+    icmp_port,
+    icmp_type_of,
 )
 from flagella.policy.selector import Entity
 from flagella.policy.state import IPEntry
@@ -126,7 +129,7 @@ def _peer_from_pb(peer: pb.PeerRule, path: str) -> PeerSpec:
             pp = f"{path}.to_ports[{i}].ports[{j}]"
             if p.protocol not in PROTOCOLS:
                 raise InvalidArgument("unknown protocol", field=f"{pp}.protocol")
-            spec_p = PortSpec(p.port, p.end_port, PROTOCOLS[p.protocol])
+            spec_p = _port_spec(p, pp)
             check_port(spec_p, pp, end_field="end_port")
             ports.append(spec_p)
         to_ports.append(tuple(ports))
@@ -183,20 +186,40 @@ def _cidr_pb(c: CIDRSpec) -> pb.CIDRRule:
     return out
 
 
+def _port_spec(p: pb.PortProtocol, path: str) -> PortSpec:
+    protocol = PROTOCOLS[p.protocol]
+    if protocol not in ICMP_PROTOCOLS:
+        if p.HasField("icmp_type"):
+            raise InvalidArgument(
+                "an ICMP type needs protocol ICMP or ICMPV6", field=f"{path}.icmp_type"
+            )
+        return PortSpec(p.port, p.end_port, protocol)
+    if p.port:
+        raise InvalidArgument(f"{protocol.name} takes no port; set icmp_type", field=f"{path}.port")
+    if not p.HasField("icmp_type"):
+        return PortSpec(0, p.end_port, protocol)
+    if p.icmp_type > 255:
+        raise InvalidArgument(
+            f"ICMP type {p.icmp_type} out of range (0-255)", field=f"{path}.icmp_type"
+        )
+    return PortSpec(icmp_port(p.icmp_type), p.end_port, protocol)
+
+
+def _port_pb(p: PortSpec) -> pb.PortProtocol:
+    out = pb.PortProtocol(end_port=p.end_port, protocol=int(p.protocol))  # type: ignore[arg-type]
+    if p.protocol not in ICMP_PROTOCOLS:
+        out.port = p.port
+    elif (icmp_type := icmp_type_of(p.port)) is not None:
+        out.icmp_type = icmp_type
+    return out
+
+
 def _peer_pb(peer: PeerSpec) -> pb.PeerRule:
     return pb.PeerRule(
         endpoints=[_selector_pb(s) for s in peer.endpoints],
         cidrs=[_cidr_pb(c) for c in peer.cidrs],
         entities=[_ENTITY_PB[e] for e in peer.entities],
-        to_ports=[
-            pb.PortRule(
-                ports=[
-                    pb.PortProtocol(port=p.port, end_port=p.end_port, protocol=int(p.protocol))  # type: ignore[arg-type]
-                    for p in pr
-                ]
-            )
-            for pr in peer.to_ports
-        ],
+        to_ports=[pb.PortRule(ports=[_port_pb(p) for p in pr]) for pr in peer.to_ports],
     )
 
 

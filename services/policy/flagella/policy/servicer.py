@@ -23,7 +23,7 @@ from flagella.policy.convert import (
     rule_pb,
 )
 from flagella.policy.labels import LabelError, LabelSet, label_set
-from flagella.policy.rules import parse_document
+from flagella.policy.rules import ICMP_PROTOCOLS, icmp_port, parse_document
 from flagella.policy.service import PolicyService
 from flagella.policy.state import IPEntry
 from flagella.policy.validation import (
@@ -183,7 +183,13 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
             raise InvalidArgument(f"port {request.dport} out of range (0-65535)", field="dport")
         if request.protocol not in PROTOCOLS:
             raise InvalidArgument("unknown protocol", field="protocol")
-        trace = self.service.trace(src, dst, request.dport, PROTOCOLS[request.protocol])
+        protocol = PROTOCOLS[request.protocol]
+        dport = request.dport
+        if protocol in ICMP_PROTOCOLS:
+            if dport > 255:
+                raise InvalidArgument(f"ICMP type {dport} out of range (0-255)", field="dport")
+            dport = icmp_port(dport)  # a packet always has a type: 0 is echo reply
+        trace = self.service.trace(src, dst, dport, protocol)
         return pb.TracePolicyResponse(
             verdict=int(trace.verdict),  # type: ignore[arg-type]
             egress_verdict=int(trace.egress),  # type: ignore[arg-type]

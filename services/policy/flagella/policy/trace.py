@@ -10,7 +10,7 @@ from flagella.common.errors import NotFound, ResourceExhausted
 from flagella.policy.identities import IdentityInfo, Kind, kind_of, parse_prefix
 from flagella.policy.labels import SOURCE_CIDR, LabelSet, format_labels
 from flagella.policy.resolve import ResolvedPolicy, trace_direction
-from flagella.policy.rules import Direction, Protocol, Verdict
+from flagella.policy.rules import ICMP_PROTOCOLS, Direction, Protocol, Verdict, icmp_type_of
 from flagella.policy.state import PolicyState
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,10 @@ def trace_packet(
     dst_info = _trace_info(state, dst)
     rules_src = state.resolver.rules_selecting(src_info)
     rules_dst = state.resolver.rules_selecting(dst_info)
-    port = f"{dport}/{proto.name}" if dport else f"any/{proto.name}"
+    if proto in ICMP_PROTOCOLS:
+        port = f"{proto.name} type {icmp_type_of(dport)}"
+    else:
+        port = f"{dport}/{proto.name}" if dport else f"any/{proto.name}"
     lines = [
         f"Tracing from {format_labels(src)} (identity {src_info.id or 'none'}) to "
         f"{format_labels(dst)} (identity {dst_info.id or 'none'}) on {port}",

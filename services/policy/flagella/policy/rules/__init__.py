@@ -17,6 +17,7 @@ from flagella.policy.rules.document import parse_document, parse_object
 from flagella.policy.rules.flagella_policy import parse_flagella_policy
 from flagella.policy.rules.k8s import parse_k8s_network_policy
 from flagella.policy.rules.model import (
+    ICMP_PROTOCOLS,
     PORT_PROTOCOLS,
     CIDRSpec,
     Direction,
@@ -28,6 +29,8 @@ from flagella.policy.rules.model import (
     RuleSource,
     SelectorSpec,
     Verdict,
+    icmp_port,
+    icmp_type_of,
 )
 from flagella.policy.rules.validate import (
     ENTITY_NAMES,
@@ -47,6 +50,7 @@ from flagella.policy.rules.validate import (
 
 __all__ = [
     "ENTITY_NAMES",
+    "ICMP_PROTOCOLS",
     "MAX_RULES_PER_PUT",
     "PORT_PROTOCOLS",
     "PROTOCOL_NAMES",
@@ -72,6 +76,8 @@ __all__ = [
     "check_unique",
     "compile_rule",
     "fail",
+    "icmp_port",
+    "icmp_type_of",
     "parse_document",
     "parse_flagella_policy",
     "parse_k8s_network_policy",

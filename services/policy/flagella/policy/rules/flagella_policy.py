@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from flagella.policy.rules.fields import Doc, parse_metadata, parse_ports, parse_selector
+from flagella.policy.rules.icmp import parse_icmps
 from flagella.policy.rules.model import CIDRSpec, Direction, PeerSpec, Protocol, Rule
 from flagella.policy.rules.validate import (
     ENTITY_NAMES,
@@ -70,7 +71,6 @@ _UNSUPPORTED_PEER = {
     "toGroups": "groups are not supported",
     "fromNodes": "node selectors are not supported",
     "toNodes": "node selectors are not supported",
-    "icmps": "ICMP type rules are not supported; use protocol ICMP in the proto API",
     "authentication": "authentication is not supported",
 }
 
@@ -78,7 +78,14 @@ _UNSUPPORTED_PEER = {
 def _peer_doc(value: Any, path: str, direction: Direction) -> PeerSpec:
     obj = Doc.mapping(value if value is not None else {}, path)
     pre = "from" if direction is Direction.INGRESS else "to"
-    fields = (f"{pre}Endpoints", f"{pre}CIDR", f"{pre}CIDRSet", f"{pre}Entities", "toPorts")
+    fields = (
+        f"{pre}Endpoints",
+        f"{pre}CIDR",
+        f"{pre}CIDRSet",
+        f"{pre}Entities",
+        "toPorts",
+        "icmps",
+    )
     Doc.only(obj, path, fields, **_UNSUPPORTED_PEER)
     endpoints = tuple(
         parse_selector(raw, f"{path}.{pre}Endpoints[{i}]")
@@ -102,6 +109,9 @@ def _peer_doc(value: Any, path: str, direction: Direction) -> PeerSpec:
             listener="listeners are not supported",
         )
         to_ports.append(parse_ports(pr.get("ports"), f"{p}.ports", default_protocol=Protocol.ANY))
+    # ICMP types join the clause's ports: the clause allows (or denies) both.
+    if icmps := parse_icmps(obj.get("icmps"), f"{path}.icmps"):
+        to_ports.append(icmps)
     return PeerSpec(endpoints, tuple(cidrs), entities, tuple(to_ports))
 
 

@@ -15,11 +15,27 @@ class Protocol(enum.IntEnum):
     ICMP = 1
     TCP = 6
     UDP = 17
+    ICMPV6 = 58
     SCTP = 132
 
 
 # ANY on a given port means each of these (Cilium expands it the same way).
 PORT_PROTOCOLS = (Protocol.TCP, Protocol.UDP, Protocol.SCTP)
+ICMP_PROTOCOLS = (Protocol.ICMP, Protocol.ICMPV6)
+
+# An ICMP type is matched as the port ICMP_TYPE_PORT | type, as the datapath
+# keys ICMP packets: port 0 keeps meaning "every type" while type 0 (echo
+# reply) stays expressible.
+ICMP_TYPE_PORT = 0x100
+
+
+def icmp_port(icmp_type: int) -> int:
+    return ICMP_TYPE_PORT | icmp_type
+
+
+def icmp_type_of(port: int) -> int | None:
+    """The ICMP type an ICMP entry's port stands for; None: every type."""
+    return port & 0xFF if port else None
 
 
 class Direction(enum.IntEnum):

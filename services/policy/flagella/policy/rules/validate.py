@@ -18,7 +18,15 @@ from flagella.policy.labels import (
     check_value,
     split_label,
 )
-from flagella.policy.rules.model import CIDRSpec, PortSpec, Protocol, Rule, SelectorSpec
+from flagella.policy.rules.model import (
+    ICMP_PROTOCOLS,
+    ICMP_TYPE_PORT,
+    CIDRSpec,
+    PortSpec,
+    Protocol,
+    Rule,
+    SelectorSpec,
+)
 from flagella.policy.selector import Entity
 
 MAX_RULES_PER_PUT = 100
@@ -115,6 +123,13 @@ def check_cidr(spec: CIDRSpec, path: str, *, cidr_field: str, except_field: str)
 
 
 def check_port(spec: PortSpec, path: str, *, end_field: str = "endPort") -> None:
+    if spec.protocol in ICMP_PROTOCOLS:
+        # The port of an ICMP entry is ICMP_TYPE_PORT | type (model.icmp_port).
+        if spec.end_port:
+            raise fail(f"{path}.{end_field}", f"{spec.protocol.name} takes no port range")
+        if spec.port and not ICMP_TYPE_PORT <= spec.port <= ICMP_TYPE_PORT | 0xFF:
+            raise fail(f"{path}.port", f"{spec.protocol.name} takes an ICMP type, not a port")
+        return
     if not 0 <= spec.port <= 65535:
         raise fail(f"{path}.port", f"port {spec.port} out of range (0-65535)")
     if spec.end_port:
@@ -124,8 +139,6 @@ def check_port(spec: PortSpec, path: str, *, end_field: str = "endPort") -> None
             raise fail(f"{path}.{end_field}", "a port range needs a start port")
         if spec.end_port < spec.port:
             raise fail(f"{path}.{end_field}", f"end port {spec.end_port} is below port {spec.port}")
-    if spec.protocol is Protocol.ICMP and (spec.port or spec.end_port):
-        raise fail(f"{path}.protocol", "ICMP takes no port")
 
 
 def join(path: str, key: str) -> str:

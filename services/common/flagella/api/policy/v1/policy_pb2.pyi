@@ -87,6 +87,7 @@ class _ProtocolEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Protocol.Val
     PROTOCOL_UDP: _Protocol.ValueType  # 17
     PROTOCOL_SCTP: _Protocol.ValueType  # 132
     PROTOCOL_ICMP: _Protocol.ValueType  # 1
+    PROTOCOL_ICMPV6: _Protocol.ValueType  # 58
 
 class Protocol(_Protocol, metaclass=_ProtocolEnumTypeWrapper): ...
 
@@ -95,6 +96,7 @@ PROTOCOL_TCP: Protocol.ValueType  # 6
 PROTOCOL_UDP: Protocol.ValueType  # 17
 PROTOCOL_SCTP: Protocol.ValueType  # 132
 PROTOCOL_ICMP: Protocol.ValueType  # 1
+PROTOCOL_ICMPV6: Protocol.ValueType  # 58
 Global___Protocol: _TypeAlias = Protocol  # noqa: Y015
 
 class _Direction:
@@ -712,23 +714,31 @@ class PortProtocol(_message.Message):
     PORT_FIELD_NUMBER: _builtins.int
     END_PORT_FIELD_NUMBER: _builtins.int
     PROTOCOL_FIELD_NUMBER: _builtins.int
+    ICMP_TYPE_FIELD_NUMBER: _builtins.int
     port: _builtins.int
-    """0 with PROTOCOL_ANY: every port."""
+    """0 with PROTOCOL_ANY: every port. 0 with PROTOCOL_ICMP/ICMPV6."""
     end_port: _builtins.int
     """Inclusive upper bound of a range; 0: the single port."""
     protocol: Global___Protocol.ValueType
+    icmp_type: _builtins.int
+    """With PROTOCOL_ICMP or PROTOCOL_ICMPV6: the one ICMP type (0-255) this
+    matches; unset: every type.
+    """
     def __init__(
         self,
         *,
         port: _builtins.int = ...,
         end_port: _builtins.int = ...,
         protocol: Global___Protocol.ValueType = ...,
+        icmp_type: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_icmp_type", b"_icmp_type", "icmp_type", b"icmp_type"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_port", b"end_port", "port", b"port", "protocol", b"protocol"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_icmp_type", b"_icmp_type", "end_port", b"end_port", "icmp_type", b"icmp_type", "port", b"port", "protocol", b"protocol"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__icmp_type: _TypeAlias = _typing.Literal["icmp_type"]  # noqa: Y015
+    _WhichOneofArgType__icmp_type: _TypeAlias = _typing.Literal["_icmp_type", b"_icmp_type"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__icmp_type) -> _WhichOneofReturnType__icmp_type | None: ...
 
 Global___PortProtocol: _TypeAlias = PortProtocol  # noqa: Y015
 
@@ -1108,7 +1118,9 @@ class PolicyEntry(_message.Message):
     identity: _builtins.int
     """Peer identity; 0: any identity."""
     port: _builtins.int
-    """0: any port."""
+    """0: any port. ICMP and ICMPv6: 256 + the ICMP type (0: any type), as
+    the datapath keys ICMP packets.
+    """
     end_port: _builtins.int
     """Inclusive end of a port range; 0: port only."""
     protocol: Global___Protocol.ValueType
@@ -1206,6 +1218,7 @@ class TracePolicyRequest(_message.Message):
     DPORT_FIELD_NUMBER: _builtins.int
     PROTOCOL_FIELD_NUMBER: _builtins.int
     dport: _builtins.int
+    """The destination port; with PROTOCOL_ICMP/ICMPV6 the ICMP type."""
     protocol: Global___Protocol.ValueType
     @_builtins.property
     def src_labels(self) -> _containers.RepeatedCompositeFieldContainer[Global___Label]: ...
