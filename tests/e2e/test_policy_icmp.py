@@ -7,14 +7,12 @@ passes."""
 
 from __future__ import annotations
 
-import ipaddress
 import sys
-from dataclasses import dataclass
 
 import pytest
 from harness.cluster import Cluster, Node
-from harness.cni import cni, netconf
-from harness.netns import Netns, wait_until
+from harness.cnipods import CniPod, cni_pod
+from harness.netns import wait_until
 
 from flagella.api.policy.v1 import policy_pb2
 
@@ -60,13 +58,6 @@ spec:
 """
 
 
-@dataclass
-class Pod:
-    ns: Netns
-    ip4: str
-    ip6: str
-
-
 @pytest.fixture
 def node(cluster: Cluster) -> Node:
     extra = {"ipam": ["--cluster-cidr", "fd00:10:210::/104"]}  # pods get IPv6 too
@@ -74,27 +65,15 @@ def node(cluster: Cluster) -> Node:
     return cluster.add_node("n1")
 
 
-def add(cluster: Cluster, node: Node, name: str) -> Pod:
-    ns = cluster.pod(node, name)
-    conf = netconf(node.cni_socket, {"app": name})
-    rc, result = cni("ADD", conf, container_id=f"ctr-{name}", netns=ns.path, pod=("shop", name))
-    assert rc == 0, result
-    ips = [ipaddress.ip_interface(ip["address"]).ip for ip in result["ips"]]
-    return Pod(
-        ns,
-        next(str(ip) for ip in ips if ip.version == 4),
-        next(str(ip) for ip in ips if ip.version == 6),
-    )
-
-
-def timestamp_answered(client: Pod, server: Pod, ident: int) -> bool:
+def timestamp_answered(client: CniPod, server: CniPod, ident: int) -> bool:
     out = client.ns.run(sys.executable, "-c", TIMESTAMP, server.ip4, str(ident), check=False)
     return out.returncode == 0
 
 
 def test_icmp_type_rules_on_real_pods(cluster: Cluster, node: Node) -> None:
-    server = add(cluster, node, "server")
-    client = add(cluster, node, "client")
+    server = cni_pod(cluster, node, "server", {"app": "server"})
+    client = cni_pod(cluster, node, "client", {"app": "client"})
+    assert server.ip6 is not None
     server.ns.serve("tcp", 8080, "server")
     # Without policy all of it reaches the server (so each check below can fail).
     assert client.ns.ping(server.ip4)

@@ -133,7 +133,10 @@ def _peer_from_pb(peer: pb.PeerRule, path: str) -> PeerSpec:
             check_port(spec_p, pp, end_field="end_port")
             ports.append(spec_p)
         to_ports.append(tuple(ports))
-    return PeerSpec(endpoints, tuple(cidrs), tuple(entities), tuple(to_ports))
+    requires = tuple(
+        _selector_from_pb(s, f"{path}.requires[{i}]") for i, s in enumerate(peer.requires)
+    )
+    return PeerSpec(endpoints, tuple(cidrs), tuple(entities), tuple(to_ports), requires)
 
 
 def rule_from_pb(rule: pb.Rule, path: str) -> Rule:
@@ -220,6 +223,7 @@ def _peer_pb(peer: PeerSpec) -> pb.PeerRule:
         cidrs=[_cidr_pb(c) for c in peer.cidrs],
         entities=[_ENTITY_PB[e] for e in peer.entities],
         to_ports=[pb.PortRule(ports=[_port_pb(p) for p in pr]) for pr in peer.to_ports],
+        requires=[_selector_pb(s) for s in peer.requires],
     )
 
 

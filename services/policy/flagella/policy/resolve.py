@@ -192,19 +192,26 @@ class SigPolicy:
         self.ingress_enforced = any(r.enforces_ingress for r in rules)
         self.egress_enforced = any(r.enforces_egress for r in rules)
         self.localhost = resolver.allow_localhost and self.ingress_enforced
-        self.by_selector: dict[Selector, list[tuple[Clause, tuple[Key4, ...]]]] = {}
+        # fromRequires / toRequires of every rule of the signature, which
+        # every endpoint selector of every rule of it must meet too.
+        self.requires = {d: tuple(s for r in rules for s in r.requirements(d)) for d in Direction}
+        # selector -> (clause, its keys, whether the requirements narrow it)
+        self.by_selector: dict[Selector, list[tuple[Clause, tuple[Key4, ...], bool]]] = {}
         allow0: dict[Key4, set[str]] = {}
         deny0: dict[Key4, set[str]] = {}
         for rule in rules:
             for clause in rule.clauses:
                 keys = _clause_keys(clause)
+                narrowed = bool(self.requires[clause.direction])
                 for sel in clause.selectors:
                     if sel is WILDCARD:
                         _add(
                             allow0 if clause.verdict is Verdict.ALLOW else deny0, keys, clause.rule
                         )
                     else:
-                        self.by_selector.setdefault(sel, []).append((clause, keys))
+                        self.by_selector.setdefault(sel, []).append(
+                            (clause, keys, narrowed and sel in clause.endpoint_selectors)
+                        )
         if not self.ingress_enforced:
             _add(allow0, [(0, 0, _ANY, _INGRESS)], DEFAULT_ALLOW)
         if not self.egress_enforced:
@@ -238,11 +245,17 @@ class SigPolicy:
         else:
             pairs = (cl for s, cl in by_sel.items() if s in sels)
         for clauses in pairs:
-            for clause, keys in clauses:
+            for clause, keys, narrowed in clauses:
+                if narrowed and not self._meets_requires(ident, clause.direction):
+                    continue
                 _add(allow if clause.verdict is Verdict.ALLOW else deny, keys, clause.rule)
         if ident == HOST and self.localhost:
             _add(allow, [(0, 0, _ANY, _INGRESS)], ALLOW_LOCALHOST)
         return _freeze(allow), _freeze(deny)
+
+    def _meets_requires(self, ident: int, direction: Direction) -> bool:
+        info = self.resolver.identities.get(ident)
+        return info is not None and all(s.matches(info) for s in self.requires[direction])
 
     def _set_group(self, ident: int, group: Group | None) -> None:
         old = self.groups.pop(ident, None)
@@ -536,11 +549,19 @@ def trace_direction(
     lines = [f"  {name} enforced by: {', '.join(enforcing)}"]
     allows: list[str] = []
     denies: list[str] = []
+    requires = [s for r in rules for s in r.requirements(direction)]
+    unmet = [s for s in requires if not s.matches(peer)]
+    if unmet:
+        lines.append(f"  the peer does not meet the requirement(s) {', '.join(map(str, unmet))}")
     for rule in rules:
         for clause in rule.clauses:
             if clause.direction is not direction:
                 continue
-            matched = [s for s in clause.selectors if s.matches(peer)]
+            matched = [
+                s
+                for s in clause.selectors
+                if s.matches(peer) and not (unmet and s in clause.endpoint_selectors)
+            ]
             if not matched:
                 continue
             if not any(port_matches(p, dport, proto) for p in clause.ports):

@@ -50,6 +50,8 @@ def _peer_json(p: PeerSpec) -> dict[str, Any]:
             [{"port": x.port, "endPort": x.end_port, "protocol": x.protocol.name} for x in pr]
             for pr in p.to_ports
         ]
+    if p.requires:
+        out["requires"] = [_selector_json(s) for s in p.requires]
     return out
 
 
@@ -98,6 +100,7 @@ def _peer_from(d: Mapping[str, Any]) -> PeerSpec:
             tuple(PortSpec(x["port"], x["endPort"], Protocol[x["protocol"]]) for x in pr)
             for pr in d.get("toPorts", ())
         ),
+        tuple(_selector_from(s) for s in d.get("requires", ())),
     )
 
 

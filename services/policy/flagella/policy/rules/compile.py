@@ -42,6 +42,9 @@ class Clause:
     ports: tuple[PortKey, ...]
     # Position in the rule, for traces: e.g. "ingress[0]".
     where: str = ""
+    # Its selectors from from/toEndpoints: the ones fromRequires/toRequires
+    # narrow (Cilium leaves entities and CIDRs alone).
+    endpoint_selectors: frozenset[Selector] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,11 @@ class CompiledRule:
     clauses: tuple[Clause, ...]
     peer_selectors: frozenset[Selector] = field(default_factory=frozenset)
     prefixes: frozenset[IPNetwork] = field(default_factory=frozenset)
+    # fromRequires / toRequires of all its clauses, by direction.
+    requires: tuple[tuple[Direction, LabelSelector], ...] = ()
+
+    def requirements(self, direction: Direction) -> tuple[LabelSelector, ...]:
+        return tuple(sel for d, sel in self.requires if d is direction)
 
 
 def _requirements(spec: SelectorSpec) -> list[Requirement]:
@@ -118,6 +126,7 @@ def compile_rule(rule: Rule) -> CompiledRule:
     ns = rule.namespace
     clauses: list[Clause] = []
     prefixes: set[IPNetwork] = set()
+    requires: dict[tuple[Direction, LabelSelector], None] = {}
     groups = (
         ("ingress", rule.ingress, Direction.INGRESS, Verdict.ALLOW),
         ("ingressDeny", rule.ingress_deny, Direction.INGRESS, Verdict.DENY),
@@ -127,6 +136,8 @@ def compile_rule(rule: Rule) -> CompiledRule:
     for name, peers, direction, verdict in groups:
         for i, peer in enumerate(peers):
             sels: list[Selector] = [peer_selector(s, ns) for s in peer.endpoints]
+            endpoint_sels = frozenset(sels)
+            requires.update(((direction, peer_selector(s, ns)), None) for s in peer.requires)
             for c in peer.cidrs:
                 net = parse_network(c.cidr, "")
                 excepts = tuple(sorted({parse_network(e, "") for e in c.excepts}, key=str))
@@ -147,6 +158,7 @@ def compile_rule(rule: Rule) -> CompiledRule:
                     selectors=tuple(dict.fromkeys(sels)),
                     ports=_expand_ports(peer.to_ports),
                     where=f"{name}[{i}]",
+                    endpoint_selectors=endpoint_sels,
                 )
             )
     subject = subject_selector(rule.endpoint_selector, ns)
@@ -160,4 +172,5 @@ def compile_rule(rule: Rule) -> CompiledRule:
         clauses=tuple(clauses),
         peer_selectors=frozenset(s for c in clauses for s in c.selectors if s is not WILDCARD),
         prefixes=frozenset(p for p in prefixes if p.prefixlen > 0),
+        requires=tuple(requires),
     )

@@ -63,8 +63,6 @@ def _entities(value: Any, path: str) -> tuple[Entity, ...]:
 
 
 _UNSUPPORTED_PEER = {
-    "fromRequires": "fromRequires is not supported",
-    "toRequires": "toRequires is not supported",
     "toFQDNs": "FQDN rules are not supported",
     "toServices": "toServices is not supported",
     "fromGroups": "groups are not supported",
@@ -83,6 +81,7 @@ def _peer_doc(value: Any, path: str, direction: Direction) -> PeerSpec:
         f"{pre}CIDR",
         f"{pre}CIDRSet",
         f"{pre}Entities",
+        f"{pre}Requires",
         "toPorts",
         "icmps",
     )
@@ -112,7 +111,11 @@ def _peer_doc(value: Any, path: str, direction: Direction) -> PeerSpec:
     # ICMP types join the clause's ports: the clause allows (or denies) both.
     if icmps := parse_icmps(obj.get("icmps"), f"{path}.icmps"):
         to_ports.append(icmps)
-    return PeerSpec(endpoints, tuple(cidrs), entities, tuple(to_ports))
+    requires = tuple(
+        parse_selector(raw, f"{path}.{pre}Requires[{i}]")
+        for i, raw in enumerate(Doc.seq(obj.get(f"{pre}Requires"), f"{path}.{pre}Requires"))
+    )
+    return PeerSpec(endpoints, tuple(cidrs), entities, tuple(to_ports), requires)
 
 
 def parse_flagella_policy(obj: Mapping[str, Any], path: str, *, cluster_wide: bool = False) -> Rule:

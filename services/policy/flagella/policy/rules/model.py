@@ -86,6 +86,10 @@ class PeerSpec:
     cidrs: tuple[CIDRSpec, ...] = ()
     entities: tuple[Entity, ...] = ()
     to_ports: tuple[tuple[PortSpec, ...], ...] = ()
+    # fromRequires / toRequires: label selectors every endpoint peer of
+    # every rule selecting the same endpoint (in this direction) must also
+    # match; they allow nothing by themselves.
+    requires: tuple[SelectorSpec, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

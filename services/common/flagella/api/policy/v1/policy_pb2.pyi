@@ -774,6 +774,7 @@ class PeerRule(_message.Message):
     CIDRS_FIELD_NUMBER: _builtins.int
     ENTITIES_FIELD_NUMBER: _builtins.int
     TO_PORTS_FIELD_NUMBER: _builtins.int
+    REQUIRES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def endpoints(self) -> _containers.RepeatedCompositeFieldContainer[Global___EndpointSelector]: ...
     @_builtins.property
@@ -782,6 +783,13 @@ class PeerRule(_message.Message):
     def entities(self) -> _containers.RepeatedScalarFieldContainer[Global___Entity.ValueType]: ...
     @_builtins.property
     def to_ports(self) -> _containers.RepeatedCompositeFieldContainer[Global___PortRule]: ...
+    @_builtins.property
+    def requires(self) -> _containers.RepeatedCompositeFieldContainer[Global___EndpointSelector]:
+        """fromRequires (ingress) / toRequires (egress): selectors that every
+        endpoint peer of every rule selecting the same endpoint in this
+        direction must match too; they allow nothing by themselves.
+        """
+
     def __init__(
         self,
         *,
@@ -789,10 +797,11 @@ class PeerRule(_message.Message):
         cidrs: _abc.Iterable[Global___CIDRRule] | None = ...,
         entities: _abc.Iterable[Global___Entity.ValueType] | None = ...,
         to_ports: _abc.Iterable[Global___PortRule] | None = ...,
+        requires: _abc.Iterable[Global___EndpointSelector] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cidrs", b"cidrs", "endpoints", b"endpoints", "entities", b"entities", "to_ports", b"to_ports"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cidrs", b"cidrs", "endpoints", b"endpoints", "entities", b"entities", "requires", b"requires", "to_ports", b"to_ports"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
