@@ -100,12 +100,14 @@ async def test_the_policy_mirror_watches_its_one_range_and_no_wider(etcd: EtcdSe
     try:
         rev = await root.put(KEYS["identities"], b"{}")
         end = b"flagella/state/ip/v10"
-        async with policy.watch_keys("flagella/policy/v1/rules/", end, rev) as watch:
+        async with policy.watch_keys("flagella/policy/v1/cidrgroups/", end, rev) as watch:
             batch = await asyncio.wait_for(anext(aiter(watch)), 10)
         assert [e.kv.key for e in batch.events] == [KEYS["identities"]]
         # One byte past the range: refused (etcd cancels the watch).
         with pytest.raises(Unavailable, match="permission denied"):
-            async with policy.watch_keys("flagella/policy/v1/rules/", end + b"\0", rev) as watch:
+            async with policy.watch_keys(
+                "flagella/policy/v1/cidrgroups/", end + b"\0", rev
+            ) as watch:
                 await asyncio.wait_for(anext(aiter(watch)), 10)
         with pytest.raises(Unavailable, match="permission denied"):
             async with ipam.watch("flagella/state/", rev) as watch:

@@ -9,7 +9,16 @@ from flagella.policy import keys
 from flagella.policy.identities import HOST, WORLD
 from flagella.policy.labels import format_labels, parse_labels
 from flagella.policy.resolve import PolicyContent, PolicyEntry
-from flagella.policy.rules import Direction, Protocol, Rule, Verdict, parse_document, rule_to_json
+from flagella.policy.rules import (
+    CIDRGroup,
+    Direction,
+    Protocol,
+    Rule,
+    Verdict,
+    cidr_group_to_json,
+    parse_document,
+    rule_to_json,
+)
 from flagella.policy.state import Change, PolicyState
 
 
@@ -92,6 +101,14 @@ class World:
         self._delete(keys.rule_key(name))
         self.commit()
 
+    def cidr_group(self, name: str, *cidrs: str) -> None:
+        self._put(keys.cidr_group_key(name), _cidr_group_json(*cidrs))
+        self.commit()
+
+    def delete_cidr_group(self, name: str) -> None:
+        self._delete(keys.cidr_group_key(name))
+        self.commit()
+
     def cidr(self, prefix: str) -> int:
         """The CIDR identity the rules gave prefix."""
         entry = self.state.ipcache_entry(prefix)
@@ -164,3 +181,7 @@ def lookup(
         + "\n".join(map(str, matching))
     )
     return semantic
+
+
+def _cidr_group_json(*cidrs: str) -> bytes:
+    return cidr_group_to_json(CIDRGroup("", tuple(cidrs)))

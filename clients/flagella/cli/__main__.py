@@ -194,6 +194,30 @@ def cmd_policy(args: argparse.Namespace, clients: Clients) -> int:
     return 0
 
 
+def cmd_cidrgroup(args: argparse.Namespace, clients: Clients) -> int:
+    stub = clients.policy()
+    if args.action == "list":
+        resp = clients.call("policy", stub.ListCIDRGroups, policy_pb2.ListCIDRGroupsRequest())
+        emit(
+            args,
+            to_dict(resp).get("groups", []),
+            ["NAME", "CIDRS", "REVISION"],
+            [[g.name, ",".join(g.cidrs) or "-", g.revision] for g in resp.groups],
+        )
+    elif args.action == "put":
+        group = policy_pb2.CIDRGroup(name=args.name, cidrs=args.cidrs)
+        put = clients.call("policy", stub.PutCIDRGroup, group)
+        emit(args, to_dict(put), ["PUT", "REVISION"], [[args.name, put.revision]])
+    else:
+        resp = clients.call(
+            "policy", stub.DeleteCIDRGroup, policy_pb2.DeleteCIDRGroupRequest(name=args.name)
+        )
+        if not resp.deleted:
+            raise CliError(f"no CIDR group named {args.name}")
+        emit(args, to_dict(resp), ["DELETED", "REVISION"], [[args.name, resp.revision]])
+    return 0
+
+
 # --- services, ipam, maps ---
 
 
@@ -348,6 +372,15 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("--dport", type=int, default=0, help="destination port (ICMP: the type)")
     trace.add_argument("--proto", default="tcp")
     policy.set_defaults(func=cmd_policy)
+
+    cidrgroup = sub.add_parser("cidrgroup", help="CIDR groups rules name (cidrGroupRef)")
+    gsub = cidrgroup.add_subparsers(dest="action", required=True)
+    gsub.add_parser("list")
+    put = gsub.add_parser("put", help="create or replace a group")
+    put.add_argument("name")
+    put.add_argument("cidrs", nargs="*", help="CIDRs or addresses (none: an empty group)")
+    gsub.add_parser("delete").add_argument("name")
+    cidrgroup.set_defaults(func=cmd_cidrgroup)
 
     ipcache = sub.add_parser("ipcache", help="IP -> identity")
     ipcache.add_subparsers(dest="action", required=True).add_parser("list")

@@ -133,6 +133,9 @@ TABLE: dict[str, tuple[Grant, ...]] = {
             "DeleteRule": (OPERATOR,),
             "GetRule": (OPERATOR,),
             "ListRules": (OPERATOR,),
+            "PutCIDRGroup": (OPERATOR,),
+            "DeleteCIDRGroup": (OPERATOR,),
+            "ListCIDRGroups": (OPERATOR,),
             "ResolvePolicy": (OPERATOR,),
             "TracePolicy": (OPERATOR,),
             # A node reads the policy of its own endpoints.

@@ -67,13 +67,14 @@ def user_of(service: str) -> str:
     return f"flagella-{service}"
 
 
-# The policy mirror reads its three prefixes in one transaction and watches
-# them as one key range from the rules to the end of the ipcache; nothing of
-# another service's lies in between (ipam, endpoint and lb sort before).
+# The policy mirror reads its prefixes in one transaction and watches them
+# as one key range from its CIDR groups and rules to the end of the ipcache;
+# nothing of another service's lies in between (ipam, endpoint and lb sort
+# before).
 _POLICY_SPAN = Grant(
-    "flagella/policy/v1/rules/",
+    "flagella/policy/v1/cidrgroups/",
     Perm.READ,
-    "the mirror watches rules, identities and ipcache as one range",
+    "the mirror watches CIDR groups, rules, identities and ipcache as one range",
     end=prefix_end("flagella/state/ip/v1/").decode(),
 )
 # Every user reads this one never-written key: a linearizable "what is the
@@ -86,7 +87,7 @@ ROLES: dict[str, tuple[Grant, ...]] = {
         _REVISION,
     ),
     "policy": (
-        Grant("flagella/policy/v1/", Perm.READWRITE, "rules"),
+        Grant("flagella/policy/v1/", Perm.READWRITE, "CIDR groups, rules"),
         Grant("flagella/state/identities/v1/", Perm.READWRITE, "identities, references"),
         Grant("flagella/state/ip/v1/", Perm.READWRITE, "ipcache"),
         _POLICY_SPAN,

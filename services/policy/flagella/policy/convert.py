@@ -11,10 +11,12 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from flagella.api.policy.v1 import policy_pb2 as pb
 from flagella.common.errors import InvalidArgument
 from flagella.policy.allocator import IdentityView
-from flagella.policy.labels import Label, LabelError, split_label
+from flagella.policy.labels import Label, LabelError, check_key, split_label
 from flagella.policy.resolve import PolicyContent, PolicyEntry, ResolvedPolicy
 from flagella.policy.rules import (
     ICMP_PROTOCOLS,
+    MAX_GROUP_CIDRS,
+    CIDRGroup,
     CIDRSpec,
     Expression,
     PeerSpec,
@@ -23,12 +25,14 @@ from flagella.policy.rules import (
     Rule,
     SelectorSpec,
     check_cidr,
+    check_label_value,
     check_name,
     check_namespace,
     check_port,
     check_selector,
     icmp_port,
     icmp_type_of,
+    parse_network,
 )
 from flagella.policy.selector import Entity
 from flagella.policy.state import IPEntry
@@ -114,8 +118,16 @@ def _peer_from_pb(peer: pb.PeerRule, path: str) -> PeerSpec:
     )
     cidrs = []
     for i, c in enumerate(peer.cidrs):
-        spec = CIDRSpec(c.cidr, tuple(getattr(c, "except")))
-        check_cidr(spec, f"{path}.cidrs[{i}]", cidr_field="cidr", except_field="except")
+        if c.cidr and c.group:
+            raise InvalidArgument("give cidr or group, not both", field=f"{path}.cidrs[{i}].group")
+        spec = CIDRSpec(c.cidr, tuple(getattr(c, "except")), c.group)
+        check_cidr(
+            spec,
+            f"{path}.cidrs[{i}]",
+            cidr_field="cidr",
+            except_field="except",
+            group_field="group",
+        )
         cidrs.append(spec)
     entities = []
     for i, e in enumerate(peer.entities):
@@ -184,7 +196,7 @@ def _selector_pb(spec: SelectorSpec) -> pb.EndpointSelector:
 
 
 def _cidr_pb(c: CIDRSpec) -> pb.CIDRRule:
-    out = pb.CIDRRule(cidr=c.cidr)
+    out = pb.CIDRRule(cidr=c.cidr, group=c.group)
     getattr(out, "except").extend(c.excepts)  # "except" is a Python keyword
     return out
 
@@ -338,3 +350,27 @@ def policy_event_pb(ev: PolicyEvent, cache: ContentCache | None = None) -> pb.Po
         out.policy.identity = ev.policy.identity
         out.policy.revision = ev.policy.revision
     return out
+
+
+# --- CIDR groups ---
+
+
+def cidr_group_from_pb(group: pb.CIDRGroup) -> CIDRGroup:
+    check_name(group.name, "name")
+    if len(group.cidrs) > MAX_GROUP_CIDRS:
+        raise InvalidArgument(f"{len(group.cidrs)} CIDRs; at most {MAX_GROUP_CIDRS}", field="cidrs")
+    cidrs = [str(parse_network(c, f"cidrs[{i}]")) for i, c in enumerate(group.cidrs)]
+    labels = sorted(group.labels.items())
+    for key, value in labels:
+        try:
+            check_key(key)
+        except LabelError as exc:
+            raise InvalidArgument(str(exc), field=f"labels[{key}]") from None
+        check_label_value(value, f"labels[{key}]")
+    return CIDRGroup(group.name, tuple(dict.fromkeys(cidrs)), tuple(labels))
+
+
+def cidr_group_pb(group: CIDRGroup) -> pb.CIDRGroup:
+    return pb.CIDRGroup(
+        name=group.name, cidrs=group.cidrs, labels=dict(group.labels), revision=group.revision
+    )

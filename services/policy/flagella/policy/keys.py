@@ -13,6 +13,8 @@ flagella/state/identities/v1/
   nodes/<node>/<lease hex>        {"ttl": T, "by": replica}  that lease
 flagella/state/ip/v1/<ip or cidr> {"identity", "node", "hostIP", "source"}
                                   node's lease when it names a node
+flagella/policy/v1/cidrgroups/<name>   {"cidrs": [...], "labels": {...}}
+                                  (a CIDR group, as CiliumCIDRGroup)
 flagella/policy/v1/rules/<namespace>/<name> or .../rules/<name>   rule JSON
 
 <sorted labels> is Cilium's ``source:key=value;`` list with '%' and '/'
@@ -33,11 +35,13 @@ LABELS_PREFIX = IDENT_PREFIX + "labels/"
 VALUE_PREFIX = IDENT_PREFIX + "value/"
 NODES_PREFIX = IDENT_PREFIX + "nodes/"
 IP_PREFIX = "flagella/state/ip/v1/"
-RULES_PREFIX = "flagella/policy/v1/rules/"
+POLICY_PREFIX = "flagella/policy/v1/"
+CIDR_GROUPS_PREFIX = POLICY_PREFIX + "cidrgroups/"
+RULES_PREFIX = POLICY_PREFIX + "rules/"
 # Everything a replica mirrors, read in one transaction and watched as one
-# key range [RULES_PREFIX, end of IP_PREFIX) (keys of others in between are
+# key range [CIDR_GROUPS_PREFIX, end of IP_PREFIX) (keys of others in between are
 # ignored).
-MIRRORED_PREFIXES = (RULES_PREFIX, IDENT_PREFIX, IP_PREFIX)
+MIRRORED_PREFIXES = (CIDR_GROUPS_PREFIX, RULES_PREFIX, IDENT_PREFIX, IP_PREFIX)
 
 NODE_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,251}[A-Za-z0-9])?$")
 
@@ -92,6 +96,10 @@ def rule_key(name: str) -> str:
     return RULES_PREFIX + name
 
 
+def cidr_group_key(name: str) -> str:
+    return CIDR_GROUPS_PREFIX + name
+
+
 @dataclass(frozen=True, slots=True)
 class Parsed:
     kind: str  # id, labels, ref, node, ip, rule, or "" when not ours
@@ -122,6 +130,8 @@ def parse_key(key: str) -> Parsed:
         return Parsed("ip", key[len(IP_PREFIX) :])
     if key.startswith(RULES_PREFIX):
         return Parsed("rule", key[len(RULES_PREFIX) :])
+    if key.startswith(CIDR_GROUPS_PREFIX):
+        return Parsed("cidrgroup", key[len(CIDR_GROUPS_PREFIX) :])
     return Parsed("")
 
 

@@ -1,4 +1,5 @@
-"""The rule repository: put, get, delete and list network policy rules."""
+"""The rule repository: put, get, delete and list network policy rules,
+and the CIDR groups rules name."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from flagella.common.errors import FailedPrecondition, NotFound
 from flagella.policy.identities import IdentityInfo, kind_of
 from flagella.policy.labels import LabelSet
 from flagella.policy.mirror import Mirror
-from flagella.policy.rules import Rule, compile_rule
+from flagella.policy.rules import CIDRGroup, Rule, compile_rule
 from flagella.policy.state import PolicyState
 from flagella.policy.store import PolicyStore
 
@@ -84,3 +85,26 @@ class RuleRepository:
         else:
             rules = [state.rules[k] for k in sorted(state.rules)]
         return rules, state.revision
+
+    # --- CIDR groups ---
+
+    async def put_cidr_group(self, group: CIDRGroup) -> int:
+        """Stores (replaces) a validated group; every rule naming it is
+        resolved again with its new CIDRs once the mirror has it."""
+        revision = await self.store.put_cidr_group(group)
+        await self.mirror.wait_for(revision)
+        log.info("CIDR group stored", extra={"group": group.name, "revision": revision})
+        return revision
+
+    async def delete_cidr_group(self, name: str) -> tuple[bool, int]:
+        """Rules naming a deleted group select nothing through it (never
+        any peer) until it is back."""
+        deleted, revision = await self.store.delete_cidr_group(name)
+        if not deleted:
+            return False, self.state.revision
+        await self.mirror.wait_for(revision)
+        return True, revision
+
+    def list_cidr_groups(self) -> tuple[list[CIDRGroup], int]:
+        state = self.state
+        return [state.cidr_groups[k] for k in sorted(state.cidr_groups)], state.revision

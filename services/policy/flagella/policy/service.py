@@ -16,7 +16,7 @@ from flagella.policy.leases import NodeLeases
 from flagella.policy.mirror import Mirror
 from flagella.policy.repository import RuleRepository
 from flagella.policy.resolve import ResolvedPolicy
-from flagella.policy.rules import Protocol, Rule
+from flagella.policy.rules import CIDRGroup, Protocol, Rule
 from flagella.policy.settings import Settings
 from flagella.policy.state import IPEntry, PolicyState
 from flagella.policy.store import PolicyStore
@@ -118,6 +118,15 @@ class PolicyService:
 
     def list_rules(self, selecting: LabelSet) -> tuple[list[Rule], int]:
         return self.rules.list_rules(selecting)
+
+    async def put_cidr_group(self, group: CIDRGroup) -> int:
+        return await self.rules.put_cidr_group(group)
+
+    async def delete_cidr_group(self, name: str) -> tuple[bool, int]:
+        return await self.rules.delete_cidr_group(name)
+
+    def list_cidr_groups(self) -> tuple[list[CIDRGroup], int]:
+        return self.rules.list_cidr_groups()
 
     # --- resolution ---
 

@@ -13,6 +13,8 @@ from flagella.common.errors import InvalidArgument
 from flagella.policy.convert import (
     PROTOCOLS,
     ContentCache,
+    cidr_group_from_pb,
+    cidr_group_pb,
     identity_pb,
     ip_entry_pb,
     ip_event_pb,
@@ -164,6 +166,28 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
                 raise InvalidArgument(str(exc), field="selecting") from None
         rules, revision = self.service.list_rules(selecting)
         return pb.ListRulesResponse(rules=[rule_pb(r) for r in rules], revision=revision)
+
+    # --- CIDR groups ---
+
+    async def PutCIDRGroup(self, request: pb.CIDRGroup, context: Ctx) -> pb.PutCIDRGroupResponse:
+        revision = await self.service.put_cidr_group(cidr_group_from_pb(request))
+        return pb.PutCIDRGroupResponse(revision=revision)
+
+    async def DeleteCIDRGroup(
+        self, request: pb.DeleteCIDRGroupRequest, context: Ctx
+    ) -> pb.DeleteCIDRGroupResponse:
+        if not request.name:
+            raise InvalidArgument("required", field="name")
+        deleted, revision = await self.service.delete_cidr_group(request.name)
+        return pb.DeleteCIDRGroupResponse(deleted=deleted, revision=revision)
+
+    async def ListCIDRGroups(
+        self, request: pb.ListCIDRGroupsRequest, context: Ctx
+    ) -> pb.ListCIDRGroupsResponse:
+        groups, revision = self.service.list_cidr_groups()
+        return pb.ListCIDRGroupsResponse(
+            groups=[cidr_group_pb(g) for g in groups], revision=revision
+        )
 
     # --- resolution ---
 

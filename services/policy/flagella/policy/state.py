@@ -28,7 +28,13 @@ from flagella.policy.identities import (
 )
 from flagella.policy.labels import LabelError, LabelSet, format_labels, parse_labels
 from flagella.policy.resolve import DEFAULT_BUDGET, PolicyContent, ResolvedPolicy, Resolver
-from flagella.policy.rules import Rule, compile_rule, rule_from_json
+from flagella.policy.rules import (
+    CIDRGroup,
+    Rule,
+    cidr_group_from_json,
+    compile_rule,
+    rule_from_json,
+)
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +142,9 @@ class PolicyState:
         self.node_leases: dict[str, dict[int, int]] = {}  # node -> lease -> record mod_rev
         self.lease_keys: dict[int, int] = {}  # lease -> keys attached (that we mirror)
         self.rules: dict[str, Rule] = {}
+        self.cidr_groups: dict[str, CIDRGroup] = {}
+        # each group's CIDRs, parsed: what rules naming the group compile to
+        self._group_nets: dict[str, tuple[IPNetwork, ...]] = {}
         self.cidr: dict[IPNetwork, int] = {}
         self._cidr_by_prefix: dict[str, tuple[IPNetwork, int]] = {}
         self.ip: dict[str, IPEntry] = {}
@@ -303,9 +312,27 @@ class PolicyState:
         )
         if rule.key != name:
             raise ValueError(f"rule key {name!r} holds rule {rule.key!r}")
-        compiled = compile_rule(rule)
+        compiled = compile_rule(rule, self._group_nets)
         self.rules[name] = rule
         self.resolver.put_rule(compiled)
+
+    def _on_cidrgroup(self, p: keys.Parsed, kv: KV | None) -> None:
+        name = p.a
+        if kv is None:
+            if self.cidr_groups.pop(name, None) is None:
+                return
+            self._group_nets.pop(name, None)
+        else:
+            group = cidr_group_from_json(name, kv.value, revision=kv.mod_revision)
+            nets = tuple(parse_prefix(c) for c in group.cidrs)
+            self.cidr_groups[name] = group
+            if self._group_nets.get(name) == nets:
+                return
+            self._group_nets[name] = nets
+        # Every rule naming the group is compiled again against its CIDRs.
+        for compiled in [r for r in self.resolver.rules.values() if name in r.groups]:
+            self._rules_changed = True
+            self.resolver.put_rule(compile_rule(compiled.rule, self._group_nets))
 
     def _recompute_cidr(self) -> None:
         priority: dict[IPNetwork, int] = {}

@@ -45,7 +45,7 @@ from flagella.policy.outcomes import (
     StoredIdentity,
     TakeOutcome,
 )
-from flagella.policy.rules import Rule, rule_to_json
+from flagella.policy.rules import CIDRGroup, Rule, cidr_group_to_json, rule_to_json
 from flagella.policy.state import IPEntry
 
 # How many times an operation tries a transaction that lost a race before it
@@ -124,13 +124,13 @@ class PolicyStore:
     def mirror_source(self, sink: Sink[str, KeyValue]) -> EtcdSource[str, KeyValue]:
         """What keeps a replica's mirror in step: every mirrored key, as its
         raw key-value (the mirror decodes them), read in pages at one
-        revision and watched as one key range [RULES_PREFIX, end of
+        revision and watched as one key range [CIDR_GROUPS_PREFIX, end of
         IP_PREFIX) (keys of others in between are ignored)."""
         return EtcdSource(
             self.etcd,
             sink,
             _MirroredKeys(),
-            start=keys.RULES_PREFIX,
+            start=keys.CIDR_GROUPS_PREFIX,
             range_end=prefix_end(keys.IP_PREFIX),
             name="policy",
         )
@@ -390,6 +390,18 @@ class PolicyStore:
         return result.revision if result.succeeded else None
 
     async def delete_rule(self, name: str) -> tuple[bool, int]:
-        key = keys.rule_key(name)
+        return await self._delete_present(keys.rule_key(name))
+
+    async def put_cidr_group(self, group: CIDRGroup) -> int:
+        result = await self.etcd.txn(
+            [], [put_op(keys.cidr_group_key(group.name), cidr_group_to_json(group))]
+        )
+        return result.revision
+
+    async def delete_cidr_group(self, name: str) -> tuple[bool, int]:
+        return await self._delete_present(keys.cidr_group_key(name))
+
+    async def _delete_present(self, key: str) -> tuple[bool, int]:
+        """(whether key was there and is now deleted, the revision)."""
         result = await self.etcd.txn([absent(key)], [], [delete_op(key)])
         return (not result.succeeded), result.revision

@@ -4,7 +4,12 @@ YAML/JSON text), the JSON stored in etcd (codec) and compilation for
 resolution (compile). The names other modules use are re-exported here.
 """
 
-from flagella.policy.rules.codec import rule_from_json, rule_to_json
+from flagella.policy.rules.codec import (
+    cidr_group_from_json,
+    cidr_group_to_json,
+    rule_from_json,
+    rule_to_json,
+)
 from flagella.policy.rules.compile import (
     Clause,
     CompiledRule,
@@ -19,6 +24,7 @@ from flagella.policy.rules.k8s import parse_k8s_network_policy
 from flagella.policy.rules.model import (
     ICMP_PROTOCOLS,
     PORT_PROTOCOLS,
+    CIDRGroup,
     CIDRSpec,
     Direction,
     Expression,
@@ -34,6 +40,7 @@ from flagella.policy.rules.model import (
 )
 from flagella.policy.rules.validate import (
     ENTITY_NAMES,
+    MAX_GROUP_CIDRS,
     MAX_RULES_PER_PUT,
     PROTOCOL_NAMES,
     check_cidr,
@@ -51,9 +58,11 @@ from flagella.policy.rules.validate import (
 __all__ = [
     "ENTITY_NAMES",
     "ICMP_PROTOCOLS",
+    "MAX_GROUP_CIDRS",
     "MAX_RULES_PER_PUT",
     "PORT_PROTOCOLS",
     "PROTOCOL_NAMES",
+    "CIDRGroup",
     "CIDRSpec",
     "Clause",
     "CompiledRule",
@@ -74,6 +83,8 @@ __all__ = [
     "check_port",
     "check_selector",
     "check_unique",
+    "cidr_group_from_json",
+    "cidr_group_to_json",
     "compile_rule",
     "fail",
     "icmp_port",

@@ -1,4 +1,5 @@
-"""The JSON form of a rule stored in etcd (flagella/policy/v1/rules/...)."""
+"""The JSON forms of a rule and of a CIDR group stored in etcd
+(flagella/policy/v1/rules/..., flagella/policy/v1/cidrgroups/...)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from flagella.policy.rules.model import (
+    CIDRGroup,
     CIDRSpec,
     Expression,
     PeerSpec,
@@ -41,7 +43,11 @@ def _peer_json(p: PeerSpec) -> dict[str, Any]:
         out["endpoints"] = [_selector_json(s) for s in p.endpoints]
     if p.cidrs:
         out["cidrs"] = [
-            {"cidr": c.cidr, **({"except": list(c.excepts)} if c.excepts else {})} for c in p.cidrs
+            {
+                **({"group": c.group} if c.group else {"cidr": c.cidr}),
+                **({"except": list(c.excepts)} if c.excepts else {}),
+            }
+            for c in p.cidrs
         ]
     if p.entities:
         out["entities"] = [e.value for e in p.entities]
@@ -94,7 +100,10 @@ def _selector_from(d: Mapping[str, Any]) -> SelectorSpec:
 def _peer_from(d: Mapping[str, Any]) -> PeerSpec:
     return PeerSpec(
         tuple(_selector_from(s) for s in d.get("endpoints", ())),
-        tuple(CIDRSpec(c["cidr"], tuple(c.get("except", ()))) for c in d.get("cidrs", ())),
+        tuple(
+            CIDRSpec(c.get("cidr", ""), tuple(c.get("except", ())), c.get("group", ""))
+            for c in d.get("cidrs", ())
+        ),
         tuple(Entity(e) for e in d.get("entities", ())),
         tuple(
             tuple(PortSpec(x["port"], x["endPort"], Protocol[x["protocol"]]) for x in pr)
@@ -123,4 +132,20 @@ def rule_from_json(raw: bytes, *, revision: int = 0, create_revision: int = 0) -
         revision=revision,
         create_revision=create_revision,
         updated_at=float(d.get("updatedAt", 0.0)),
+    )
+
+
+def cidr_group_to_json(group: CIDRGroup) -> bytes:
+    return json.dumps(
+        {"cidrs": list(group.cidrs), "labels": dict(group.labels)}, sort_keys=True
+    ).encode()
+
+
+def cidr_group_from_json(name: str, raw: bytes, *, revision: int = 0) -> CIDRGroup:
+    d = json.loads(raw)
+    return CIDRGroup(
+        name=name,
+        cidrs=tuple(d.get("cidrs", ())),
+        labels=tuple(sorted(d.get("labels", {}).items())),
+        revision=revision,
     )

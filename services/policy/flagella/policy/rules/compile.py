@@ -3,12 +3,14 @@ clause (selectors, ports, verdict) per peer."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from flagella.policy.identities import IPNetwork
 from flagella.policy.labels import DEFAULT_SOURCE, NAMESPACE_KEY, SOURCE_ANY, SOURCE_RESERVED
 from flagella.policy.rules.model import (
     PORT_PROTOCOLS,
+    CIDRSpec,
     Direction,
     PortSpec,
     Protocol,
@@ -59,6 +61,8 @@ class CompiledRule:
     clauses: tuple[Clause, ...]
     peer_selectors: frozenset[Selector] = field(default_factory=frozenset)
     prefixes: frozenset[IPNetwork] = field(default_factory=frozenset)
+    # The CIDR groups it references (recompiled when one changes).
+    groups: frozenset[str] = field(default_factory=frozenset)
     # fromRequires / toRequires of all its clauses, by direction.
     requires: tuple[tuple[Direction, LabelSelector], ...] = ()
 
@@ -122,7 +126,32 @@ def _expand_ports(to_ports: tuple[tuple[PortSpec, ...], ...]) -> tuple[PortKey, 
     return tuple(sorted(out))
 
 
-def compile_rule(rule: Rule) -> CompiledRule:
+def _cidr_selectors(
+    spec: CIDRSpec, groups: Mapping[str, tuple[IPNetwork, ...]], prefixes: set[IPNetwork]
+) -> list[Selector]:
+    """A CIDR (or every CIDR of a group) minus the exceptions inside it."""
+    excepts = [parse_network(e, "") for e in spec.excepts]
+    nets = groups.get(spec.group, ()) if spec.group else (parse_network(spec.cidr, ""),)
+    out: list[Selector] = []
+    for net in nets:
+        inside = tuple(
+            sorted(
+                {e for e in excepts if e.version == net.version and e.subnet_of(net)},  # type: ignore[arg-type]
+                key=str,
+            )
+        )
+        prefixes.add(net)
+        prefixes.update(inside)
+        out.append(CIDRSelector(net, inside))
+    return out
+
+
+def compile_rule(
+    rule: Rule, cidr_groups: Mapping[str, tuple[IPNetwork, ...]] | None = None
+) -> CompiledRule:
+    """cidr_groups: the CIDRs of each CIDR group, as they are now (a
+    reference to a group not there selects nothing)."""
+    group_nets = cidr_groups or {}
     ns = rule.namespace
     clauses: list[Clause] = []
     prefixes: set[IPNetwork] = set()
@@ -139,14 +168,12 @@ def compile_rule(rule: Rule) -> CompiledRule:
             endpoint_sels = frozenset(sels)
             requires.update(((direction, peer_selector(s, ns)), None) for s in peer.requires)
             for c in peer.cidrs:
-                net = parse_network(c.cidr, "")
-                excepts = tuple(sorted({parse_network(e, "") for e in c.excepts}, key=str))
-                prefixes.add(net)
-                prefixes.update(excepts)
-                sels.append(CIDRSelector(net, excepts))
+                sels += _cidr_selectors(c, group_nets, prefixes)
             for entity in peer.entities:
                 sels.append(WILDCARD if entity is Entity.ALL else EntitySelector(entity))
-            if not sels and peer.to_ports:
+            # Ports alone mean any peer; a peer clause whose CIDR groups
+            # are empty or missing selects nothing (never any peer).
+            if not (peer.endpoints or peer.cidrs or peer.entities) and peer.to_ports:
                 sels.append(WILDCARD)
             if WILDCARD in sels:
                 sels = [WILDCARD]
@@ -172,5 +199,6 @@ def compile_rule(rule: Rule) -> CompiledRule:
         clauses=tuple(clauses),
         peer_selectors=frozenset(s for c in clauses for s in c.selectors if s is not WILDCARD),
         prefixes=frozenset(p for p in prefixes if p.prefixlen > 0),
+        groups=frozenset(c.group for p in rule.peers() for c in p.cidrs if c.group),
         requires=tuple(requires),
     )

@@ -34,16 +34,22 @@ def _cidr_set(value: Any, path: str) -> list[CIDRSpec]:
     for i, raw in enumerate(Doc.seq(value, path)):
         p = f"{path}[{i}]"
         obj = Doc.mapping(raw, p)
-        Doc.only(obj, p, ("cidr", "except"), cidrGroupRef="CIDR groups are not supported")
-        if "cidr" not in obj:
-            raise fail(f"{p}.cidr", "required")
-        spec = CIDRSpec(
-            Doc.string(obj["cidr"], f"{p}.cidr"),
-            tuple(
-                Doc.string(e, f"{p}.except[{j}]")
-                for j, e in enumerate(Doc.seq(obj.get("except"), f"{p}.except"))
-            ),
+        Doc.only(
+            obj,
+            p,
+            ("cidr", "cidrGroupRef", "except"),
+            cidrGroupSelector="CIDR group selectors are not supported; use cidrGroupRef",
         )
+        if ("cidr" in obj) == ("cidrGroupRef" in obj):
+            raise fail(f"{p}.cidr", "give exactly one of cidr and cidrGroupRef")
+        excepts = tuple(
+            Doc.string(e, f"{p}.except[{j}]")
+            for j, e in enumerate(Doc.seq(obj.get("except"), f"{p}.except"))
+        )
+        if "cidrGroupRef" in obj:
+            spec = CIDRSpec("", excepts, Doc.string(obj["cidrGroupRef"], f"{p}.cidrGroupRef"))
+        else:
+            spec = CIDRSpec(Doc.string(obj["cidr"], f"{p}.cidr"), excepts)
         check_cidr(spec, p, cidr_field="cidr", except_field="except")
         out.append(spec)
     return out

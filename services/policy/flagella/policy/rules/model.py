@@ -72,8 +72,23 @@ class PortSpec:
 
 @dataclass(frozen=True, slots=True)
 class CIDRSpec:
+    """A CIDR with exceptions, or (group set, cidr "") every CIDR of the
+    named CIDR group as it is at resolution time (cidrGroupRef), each minus
+    the exceptions inside it."""
+
     cidr: str
     excepts: tuple[str, ...] = ()
+    group: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class CIDRGroup:
+    """A named set of CIDRs rules reference (CiliumCIDRGroup)."""
+
+    name: str
+    cidrs: tuple[str, ...] = ()
+    labels: tuple[tuple[str, str], ...] = ()
+    revision: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +161,9 @@ class Rule:
         are three rules."""
         base = f"{self.namespace}/{self.name}" if self.namespace else self.name
         return f"{self.source.kind}/{base}" if self.source.kind else base
+
+    def peers(self) -> tuple[PeerSpec, ...]:
+        return (*self.ingress, *self.ingress_deny, *self.egress, *self.egress_deny)
 
     def content(self) -> Rule:
         """The rule without what the store sets, for comparisons."""

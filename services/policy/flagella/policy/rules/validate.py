@@ -30,6 +30,7 @@ from flagella.policy.rules.model import (
 from flagella.policy.selector import Entity
 
 MAX_RULES_PER_PUT = 100
+MAX_GROUP_CIDRS = 1000
 
 _NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 _NAMESPACE_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
@@ -113,7 +114,21 @@ def parse_network(text: str, path: str) -> IPNetwork:
         raise fail(path, f"{text!r} is not a valid CIDR ({exc})") from None
 
 
-def check_cidr(spec: CIDRSpec, path: str, *, cidr_field: str, except_field: str) -> None:
+def check_cidr(
+    spec: CIDRSpec,
+    path: str,
+    *,
+    cidr_field: str,
+    except_field: str,
+    group_field: str = "cidrGroupRef",
+) -> None:
+    if spec.group:
+        # The group's CIDRs are known at resolution time only: each except
+        # applies to the group's CIDRs it lies inside.
+        check_name(spec.group, f"{path}.{group_field}")
+        for i, text in enumerate(spec.excepts):
+            parse_network(text, f"{path}.{except_field}[{i}]")
+        return
     net = parse_network(spec.cidr, f"{path}.{cidr_field}" if cidr_field else path)
     for i, text in enumerate(spec.excepts):
         p = f"{path}.{except_field}[{i}]"

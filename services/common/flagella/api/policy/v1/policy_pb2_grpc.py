@@ -95,6 +95,21 @@ class PolicyServiceStub:
                 request_serializer=flagella_dot_policy_dot_v1_dot_policy__pb2.ListRulesRequest.SerializeToString,
                 response_deserializer=flagella_dot_policy_dot_v1_dot_policy__pb2.ListRulesResponse.FromString,
                 _registered_method=True)
+        self.PutCIDRGroup = channel.unary_unary(
+                '/flagella.policy.v1.PolicyService/PutCIDRGroup',
+                request_serializer=flagella_dot_policy_dot_v1_dot_policy__pb2.CIDRGroup.SerializeToString,
+                response_deserializer=flagella_dot_policy_dot_v1_dot_policy__pb2.PutCIDRGroupResponse.FromString,
+                _registered_method=True)
+        self.DeleteCIDRGroup = channel.unary_unary(
+                '/flagella.policy.v1.PolicyService/DeleteCIDRGroup',
+                request_serializer=flagella_dot_policy_dot_v1_dot_policy__pb2.DeleteCIDRGroupRequest.SerializeToString,
+                response_deserializer=flagella_dot_policy_dot_v1_dot_policy__pb2.DeleteCIDRGroupResponse.FromString,
+                _registered_method=True)
+        self.ListCIDRGroups = channel.unary_unary(
+                '/flagella.policy.v1.PolicyService/ListCIDRGroups',
+                request_serializer=flagella_dot_policy_dot_v1_dot_policy__pb2.ListCIDRGroupsRequest.SerializeToString,
+                response_deserializer=flagella_dot_policy_dot_v1_dot_policy__pb2.ListCIDRGroupsResponse.FromString,
+                _registered_method=True)
         self.ResolvePolicy = channel.unary_unary(
                 '/flagella.policy.v1.PolicyService/ResolvePolicy',
                 request_serializer=flagella_dot_policy_dot_v1_dot_policy__pb2.ResolvePolicyRequest.SerializeToString,
@@ -194,6 +209,26 @@ class PolicyServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutCIDRGroup(self, request, context):
+        """CIDR groups (CiliumCIDRGroup): named sets of CIDRs that rules name in
+        cidrGroupRef; editing a group re-resolves every rule that names it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteCIDRGroup(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListCIDRGroups(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ResolvePolicy(self, request, context):
         """The policy-map entries of one identity, at a repository revision.
         """
@@ -278,6 +313,21 @@ def add_PolicyServiceServicer_to_server(servicer, server):
                     servicer.ListRules,
                     request_deserializer=flagella_dot_policy_dot_v1_dot_policy__pb2.ListRulesRequest.FromString,
                     response_serializer=flagella_dot_policy_dot_v1_dot_policy__pb2.ListRulesResponse.SerializeToString,
+            ),
+            'PutCIDRGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutCIDRGroup,
+                    request_deserializer=flagella_dot_policy_dot_v1_dot_policy__pb2.CIDRGroup.FromString,
+                    response_serializer=flagella_dot_policy_dot_v1_dot_policy__pb2.PutCIDRGroupResponse.SerializeToString,
+            ),
+            'DeleteCIDRGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteCIDRGroup,
+                    request_deserializer=flagella_dot_policy_dot_v1_dot_policy__pb2.DeleteCIDRGroupRequest.FromString,
+                    response_serializer=flagella_dot_policy_dot_v1_dot_policy__pb2.DeleteCIDRGroupResponse.SerializeToString,
+            ),
+            'ListCIDRGroups': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListCIDRGroups,
+                    request_deserializer=flagella_dot_policy_dot_v1_dot_policy__pb2.ListCIDRGroupsRequest.FromString,
+                    response_serializer=flagella_dot_policy_dot_v1_dot_policy__pb2.ListCIDRGroupsResponse.SerializeToString,
             ),
             'ResolvePolicy': grpc.unary_unary_rpc_method_handler(
                     servicer.ResolvePolicy,
@@ -619,6 +669,87 @@ class PolicyService:
             '/flagella.policy.v1.PolicyService/ListRules',
             flagella_dot_policy_dot_v1_dot_policy__pb2.ListRulesRequest.SerializeToString,
             flagella_dot_policy_dot_v1_dot_policy__pb2.ListRulesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutCIDRGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagella.policy.v1.PolicyService/PutCIDRGroup',
+            flagella_dot_policy_dot_v1_dot_policy__pb2.CIDRGroup.SerializeToString,
+            flagella_dot_policy_dot_v1_dot_policy__pb2.PutCIDRGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteCIDRGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagella.policy.v1.PolicyService/DeleteCIDRGroup',
+            flagella_dot_policy_dot_v1_dot_policy__pb2.DeleteCIDRGroupRequest.SerializeToString,
+            flagella_dot_policy_dot_v1_dot_policy__pb2.DeleteCIDRGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListCIDRGroups(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagella.policy.v1.PolicyService/ListCIDRGroups',
+            flagella_dot_policy_dot_v1_dot_policy__pb2.ListCIDRGroupsRequest.SerializeToString,
+            flagella_dot_policy_dot_v1_dot_policy__pb2.ListCIDRGroupsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -54,6 +54,12 @@ class PolicyServiceStub:
     GetRule: _grpc.UnaryUnaryMultiCallable[_policy_pb2.GetRuleRequest, _policy_pb2.Rule]
     DeleteRule: _grpc.UnaryUnaryMultiCallable[_policy_pb2.DeleteRuleRequest, _policy_pb2.DeleteRuleResponse]
     ListRules: _grpc.UnaryUnaryMultiCallable[_policy_pb2.ListRulesRequest, _policy_pb2.ListRulesResponse]
+    PutCIDRGroup: _grpc.UnaryUnaryMultiCallable[_policy_pb2.CIDRGroup, _policy_pb2.PutCIDRGroupResponse]
+    """CIDR groups (CiliumCIDRGroup): named sets of CIDRs that rules name in
+    cidrGroupRef; editing a group re-resolves every rule that names it.
+    """
+    DeleteCIDRGroup: _grpc.UnaryUnaryMultiCallable[_policy_pb2.DeleteCIDRGroupRequest, _policy_pb2.DeleteCIDRGroupResponse]
+    ListCIDRGroups: _grpc.UnaryUnaryMultiCallable[_policy_pb2.ListCIDRGroupsRequest, _policy_pb2.ListCIDRGroupsResponse]
     ResolvePolicy: _grpc.UnaryUnaryMultiCallable[_policy_pb2.ResolvePolicyRequest, _policy_pb2.ResolvedPolicy]
     """The policy-map entries of one identity, at a repository revision."""
     TracePolicy: _grpc.UnaryUnaryMultiCallable[_policy_pb2.TracePolicyRequest, _policy_pb2.TracePolicyResponse]
@@ -87,6 +93,12 @@ class PolicyServiceAsyncStub(PolicyServiceStub):
     GetRule: _aio.UnaryUnaryMultiCallable[_policy_pb2.GetRuleRequest, _policy_pb2.Rule]  # type: ignore[assignment]
     DeleteRule: _aio.UnaryUnaryMultiCallable[_policy_pb2.DeleteRuleRequest, _policy_pb2.DeleteRuleResponse]  # type: ignore[assignment]
     ListRules: _aio.UnaryUnaryMultiCallable[_policy_pb2.ListRulesRequest, _policy_pb2.ListRulesResponse]  # type: ignore[assignment]
+    PutCIDRGroup: _aio.UnaryUnaryMultiCallable[_policy_pb2.CIDRGroup, _policy_pb2.PutCIDRGroupResponse]  # type: ignore[assignment]
+    """CIDR groups (CiliumCIDRGroup): named sets of CIDRs that rules name in
+    cidrGroupRef; editing a group re-resolves every rule that names it.
+    """
+    DeleteCIDRGroup: _aio.UnaryUnaryMultiCallable[_policy_pb2.DeleteCIDRGroupRequest, _policy_pb2.DeleteCIDRGroupResponse]  # type: ignore[assignment]
+    ListCIDRGroups: _aio.UnaryUnaryMultiCallable[_policy_pb2.ListCIDRGroupsRequest, _policy_pb2.ListCIDRGroupsResponse]  # type: ignore[assignment]
     ResolvePolicy: _aio.UnaryUnaryMultiCallable[_policy_pb2.ResolvePolicyRequest, _policy_pb2.ResolvedPolicy]  # type: ignore[assignment]
     """The policy-map entries of one identity, at a repository revision."""
     TracePolicy: _aio.UnaryUnaryMultiCallable[_policy_pb2.TracePolicyRequest, _policy_pb2.TracePolicyResponse]  # type: ignore[assignment]
@@ -189,6 +201,30 @@ class PolicyServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _policy_pb2.ListRulesRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_policy_pb2.ListRulesResponse, _abc.Awaitable[_policy_pb2.ListRulesResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def PutCIDRGroup(
+        self,
+        request: _policy_pb2.CIDRGroup,
+        context: _ServicerContext,
+    ) -> _typing.Union[_policy_pb2.PutCIDRGroupResponse, _abc.Awaitable[_policy_pb2.PutCIDRGroupResponse]]:
+        """CIDR groups (CiliumCIDRGroup): named sets of CIDRs that rules name in
+        cidrGroupRef; editing a group re-resolves every rule that names it.
+        """
+
+    @_abc_1.abstractmethod
+    def DeleteCIDRGroup(
+        self,
+        request: _policy_pb2.DeleteCIDRGroupRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_policy_pb2.DeleteCIDRGroupResponse, _abc.Awaitable[_policy_pb2.DeleteCIDRGroupResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ListCIDRGroups(
+        self,
+        request: _policy_pb2.ListCIDRGroupsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_policy_pb2.ListCIDRGroupsResponse, _abc.Awaitable[_policy_pb2.ListCIDRGroupsResponse]]: ...
 
     @_abc_1.abstractmethod
     def ResolvePolicy(
