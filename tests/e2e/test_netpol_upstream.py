@@ -102,7 +102,7 @@ from typing import Any
 import pytest
 from google.protobuf.duration_pb2 import Duration
 from harness import netpol
-from harness.cluster import Cluster, Node, standalone_cluster
+from harness.cluster import Cluster, Node, kube_cluster
 from harness.cni import check_result, cni, netconf
 from harness.kube_api import KubeListWatchServer
 from harness.netns import wait_until
@@ -116,8 +116,6 @@ from flagella.common import pki
 
 pytestmark = [pytest.mark.privileged, pytest.mark.integration]
 
-LEADER = ["--leader-lease-duration", "2", "--leader-renew-deadline", "1.5",
-          "--leader-retry-period", "0.25"]  # fmt: skip
 # WaitForPolicy confirms a revision once the node's policy stream sends a
 # SYNCED at or after it; a revision that changes nothing on the node (issue
 # 16 item 6) waits for the stream's heartbeat, so keep it short here.
@@ -639,13 +637,17 @@ def _(r: Run) -> None:
     r.validate(81, "TCP", expect.expect("x/b", "x/a", True))
 
 
+def x_a_egress_only_to_y_a() -> dict[str, Any]:
+    to_y_a = {"to": [{"namespaceSelector": ns_name(Y), "podSelector": labels(pod="a")}]}
+    return np(X, "allow-to-ns-y-pod-a", labels(pod="a"), egress=[to_y_a])
+
+
 @case(
     "should support denying of egress traffic on the client side (even if the server "
     "explicitly allows this traffic)"
 )
 def _(r: Run) -> None:
-    to_y_a = {"to": [{"namespaceSelector": ns_name(Y), "podSelector": labels(pod="a")}]}
-    r.create(np(X, "allow-to-ns-y-pod-a", labels(pod="a"), egress=[to_y_a]))
+    r.create(x_a_egress_only_to_y_a())
     from_x_a = {"from": [{"namespaceSelector": ns_name(X), "podSelector": labels(pod="a")}]}
     r.create(np(Y, "allow-from-xa-on-ya-match-selector", labels(pod="a"), ingress=[from_x_a]))
     r.create(np(Y, "allow-from-xa-on-yb-match-selector", labels(pod="b"), ingress=[from_x_a]))
@@ -659,8 +661,7 @@ def _(r: Run) -> None:
     "on PodSelector and NamespaceSelector"
 )
 def _(r: Run) -> None:
-    to_y_a = {"to": [{"namespaceSelector": ns_name(Y), "podSelector": labels(pod="a")}]}
-    r.create(np(X, "allow-to-ns-y-pod-a", labels(pod="a"), egress=[to_y_a]))
+    r.create(x_a_egress_only_to_y_a())
     r.validate(80, "TCP", reach().expect_all_egress("x/a", False).expect("x/a", "y/a", True))
 
 
@@ -857,15 +858,9 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     if os.geteuid() != 0:
         pytest.skip("needs root (netns, veth, BPF)")
     tmp = tmp_path_factory.mktemp("netpol")
-    with KubeListWatchServer() as kube_api, standalone_cluster(tmp, "info") as cluster:
-        for namespace in netpol.NAMESPACES:
-            kube_api.apply("namespaces", netpol.namespace_object(namespace))
-        kubeconfig = ["--kubeconfig", str(kube_api.write_kubeconfig(tmp / "kubeconfig")), *LEADER]
-        cluster.start(
-            services=("ipam", "policy", "endpoint"),
-            extra={"policy": [*kubeconfig, "--watch-heartbeat", HEARTBEAT_S],
-                   "endpoint": kubeconfig},
-        )  # fmt: skip
+    namespaces = {ns: netpol.namespace_object(ns)["metadata"]["labels"] for ns in netpol.NAMESPACES}
+    heartbeat = ["--watch-heartbeat", HEARTBEAT_S]
+    with kube_cluster(tmp, namespaces, heartbeat) as (kube_api, cluster):
         node = cluster.add_node("n1")
         t0 = time.monotonic()
         pods = {p: add_pod(cluster, node, kube_api, p) for p in netpol.pod_strings()}
