@@ -317,11 +317,12 @@ class Run:
         got = netpol.probe_all(self.env.probers, self.env.pods, proto, port)
         took = time.monotonic() - t0
         wrong = reach.mismatches(got.ok)
+        retried = f" (retried: {len(wrong)} differed)" if wrong else ""
         if wrong:
             time.sleep(RETRY_AFTER_S)
             got = netpol.probe_all(self.env.probers, self.env.pods, proto, port)
             wrong = reach.mismatches(got.ok)
-        self.rounds.append(f"{proto}/{port} {took:.2f}s" + (" (retried)" if wrong else ""))
+        self.rounds.append(f"{proto}/{port} {took:.2f}s{retried}")
         if wrong:
             details = "\n".join(f"  {f} -> {t}: {got.detail[(f, t)]}" for f, t in wrong)
             raise AssertionError(
@@ -896,3 +897,13 @@ def test_upstream_cases_not_run_here_are_listed_with_their_reason() -> None:
         print(f"not run: {name}: {reason}")
     assert len(CASES) == len(RUN_HERE) + len(NEEDS_FEATURE) + len(KERNEL_LACKS)
     assert len(CASES) == 48
+
+
+def test_a_probe_to_a_closed_port_of_real_pods_is_neither_allowed_nor_denied(env: Env) -> None:
+    """Refused (TCP) or port unreachable (UDP) is no policy drop: a pair
+    whose server is missing fails any truth table, never passes as denied."""
+    for proto in ("TCP", "UDP"):
+        got = netpol.probe_all(env.probers, env.pods, proto, 82)
+        pairs = [(f, t) for f, t in got.ok if f != t]
+        assert {got.ok[p] for p in pairs} == {None}, (proto, got.detail)
+        assert Reachability(False).mismatches(got.ok) == pairs

@@ -17,6 +17,10 @@ tests (tests/e2e/test_netpol_upstream.py).
   answer naming the target pod within the timeout, a UDP probe a datagram
   answered by the target pod (sent up to three times within the timeout).
   The 9 probers of a round run at once: a round takes about one timeout.
+  A probe is allowed (True) when the target pod answers, denied (False) when
+  it times out or is reset, and neither (None, a mismatch whatever the table
+  says) otherwise: refused, unreachable, or another pod answering means the
+  packet was not dropped by policy, nor delivered to the right server.
 """
 
 from __future__ import annotations
@@ -155,25 +159,26 @@ class Reachability:
     def expect_all_egress(self, pod: str, connected: bool) -> Reachability:
         return self.expect_peer(Peer(*pod.split("/")), Peer(), connected)
 
-    def mismatches(self, observed: Mapping[tuple[str, str], bool]) -> list[tuple[str, str]]:
+    def mismatches(self, observed: Mapping[tuple[str, str], bool | None]) -> list[tuple[str, str]]:
         """The pairs probed otherwise than expected, loopback ignored (as
-        upstream's ignoreLoopback)."""
+        upstream's ignoreLoopback); a probe neither allowed nor denied (None)
+        is always one."""
         return [
             (f, t) for (f, t), want in self.expected.items() if f != t and observed[(f, t)] != want
         ]
 
-    def tables(self, observed: Mapping[tuple[str, str], bool]) -> str:
+    def tables(self, observed: Mapping[tuple[str, str], bool | None]) -> str:
         """Expected, observed and their comparison, as upstream prints them
-        (truthtable.go: "." connected / "X" blocked; "." same / "X" differs;
-        rows are sources, columns destinations)."""
+        (truthtable.go: "." connected / "X" blocked, "?" neither; "." same /
+        "X" differs; rows are sources, columns destinations)."""
 
         def table(title: str, cell: Any) -> str:
             lines = [title, "-\t" + "\t".join(self.pods)]
             lines += [f + "\t" + "\t".join(cell(f, t) for t in self.pods) for f in self.pods]
             return "\n".join(lines)
 
-        def mark(ok: bool) -> str:
-            return "." if ok else "X"
+        def mark(ok: bool | None) -> str:
+            return "?" if ok is None else "." if ok else "X"
 
         return "\n\n".join(
             [
@@ -229,7 +234,8 @@ asyncio.run(main())
 
 # Reads one round a line ({"proto", "port", "timeout", "targets": [[name,
 # ip], ...]}), probes every target at once, answers one line: a JSON list of
-# [ok, detail] in the targets' order.
+# [verdict, detail] in the targets' order (verdict: true, the target pod
+# answered; false, timed out or reset; null, anything else).
 PROBER = r"""
 import asyncio, json, socket, sys
 
@@ -240,12 +246,14 @@ async def stream(name, ip, port, timeout, kind):
         loop = asyncio.get_running_loop()
         await asyncio.wait_for(loop.sock_connect(s, (ip, port)), timeout)
         await loop.sock_sendall(s, b"HELLO\n")
-        got = await asyncio.wait_for(loop.sock_recv(s, 4096), timeout)
-        return got.decode().strip() == name, got.decode().strip() or "closed"
+        got = (await asyncio.wait_for(loop.sock_recv(s, 4096), timeout)).decode().strip()
+        return (True if got == name else None), got or "closed"
     except asyncio.TimeoutError:
         return False, "timeout"
+    except ConnectionResetError:
+        return False, "reset"
     except OSError as e:
-        return False, e.strerror or str(e)
+        return None, e.strerror or str(e)
     finally:
         s.close()
 
@@ -258,15 +266,21 @@ async def datagram(name, ip, port, timeout):
             if not got.done():
                 got.set_result(data)
 
+        def error_received(self, exc):
+            if not got.done():
+                got.set_exception(exc)
+
     transport, _ = await loop.create_datagram_endpoint(Client, remote_addr=(ip, port))
     try:
         for _ in range(3):
             transport.sendto(b"HELLO\n")
             try:
-                data = await asyncio.wait_for(asyncio.shield(got), timeout / 3)
-                return data.decode().strip() == name, data.decode().strip()
+                data = (await asyncio.wait_for(asyncio.shield(got), timeout / 3)).decode().strip()
+                return (True if data == name else None), data
             except asyncio.TimeoutError:
                 continue
+            except OSError as e:
+                return None, e.strerror or str(e)
         return False, "timeout"
     finally:
         transport.close()
@@ -327,7 +341,7 @@ class Prober:
         self.proc.stdin.write(json.dumps(req) + "\n")
         self.proc.stdin.flush()
 
-    def receive(self, deadline: float) -> list[tuple[bool, str]]:
+    def receive(self, deadline: float) -> list[tuple[bool | None, str]]:
         assert self.proc.stdout is not None
         ready, _, _ = select.select([self.proc.stdout], [], [], deadline)
         if not ready:
@@ -335,7 +349,7 @@ class Prober:
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"prober in {self.pod.name} exited ({self.proc.poll()})")
-        return [(bool(ok), str(detail)) for ok, detail in json.loads(line)]
+        return [(verdict, str(detail)) for verdict, detail in json.loads(line)]
 
     def close(self) -> None:
         if self.proc.stdin is not None:
@@ -352,7 +366,7 @@ class Prober:
 class Round:
     """One probe of all 81 pairs on one port and protocol."""
 
-    ok: dict[tuple[str, str], bool]
+    ok: dict[tuple[str, str], bool | None]
     detail: dict[tuple[str, str], str]
 
 
@@ -367,7 +381,7 @@ def probe_all(
     targets = [pods[name] for name in pod_strings()]
     for prober in probers.values():
         prober.send(targets, proto, port, timeout)
-    ok: dict[tuple[str, str], bool] = {}
+    ok: dict[tuple[str, str], bool | None] = {}
     detail: dict[tuple[str, str], str] = {}
     for src, prober in probers.items():
         for target, (verdict, why) in zip(targets, prober.receive(timeout * 3 + 5), strict=True):
