@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 from grpc_health.v1 import health_pb2
-from harness.cluster import Cluster, Node, standalone_cluster
+from harness.cluster import Cluster, Node, kube_cluster
 from harness.cni import check_result, cni, netconf
 from harness.kube_api import KubeListWatchServer, k8s_policy, object_path
 from harness.netns import wait_until
@@ -35,8 +35,6 @@ pytestmark = [pytest.mark.privileged, pytest.mark.integration]
 
 PORT = 8080
 WITHIN_S = 1.0
-LEADER = ["--leader-lease-duration", "2", "--leader-renew-deadline", "1.5",
-          "--leader-retry-period", "0.25"]  # fmt: skip
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
@@ -52,14 +50,8 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     if os.geteuid() != 0:
         pytest.skip("needs root (netns, veth, BPF)")
     tmp = tmp_path_factory.mktemp("k8s-endpoints")
-    with KubeListWatchServer() as kube_api, standalone_cluster(tmp, "info") as cluster:
-        for name, labels in (("shop", {}), ("alpha", {"team": "a"}), ("beta", {"team": "b"})):
-            kube_api.apply("namespaces", {"metadata": {"name": name, "labels": labels}})
-        kubeconfig = ["--kubeconfig", str(kube_api.write_kubeconfig(tmp / "kubeconfig")), *LEADER]
-        cluster.start(
-            services=("ipam", "policy", "endpoint"),
-            extra={"policy": kubeconfig, "endpoint": kubeconfig},
-        )
+    namespaces = {"shop": {}, "alpha": {"team": "a"}, "beta": {"team": "b"}}
+    with kube_cluster(tmp, namespaces) as (kube_api, cluster):
         yield Env(cluster, cluster.add_node("n1"), kube_api)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ from flagella.api.policy.v1 import policy_pb2_grpc
 from flagella.common.pki import Identity
 from harness import tls
 from harness.etcd import EtcdServer
+from harness.kube_api import KubeListWatchServer
 from harness.netns import Netns, NetnsSet
 from harness.procs import ServiceProcess
 from harness.underlay import Underlay
@@ -250,3 +251,29 @@ def standalone_cluster(tmp: Path, log_level: str = "warning") -> Iterator[Cluste
             proc.stop()
         nss.cleanup()
         etcd.cleanup()
+
+
+# Leader election in seconds, not tens: a test's watchers lead at once.
+KUBE_LEADER = ["--leader-lease-duration", "2", "--leader-renew-deadline", "1.5",
+               "--leader-retry-period", "0.25"]  # fmt: skip
+
+
+@contextlib.contextmanager
+def kube_cluster(
+    tmp: Path,
+    namespaces: Mapping[str, Mapping[str, str]],
+    policy_args: Sequence[str] = (),
+) -> Iterator[tuple[KubeListWatchServer, Cluster]]:
+    """A standalone cluster (ipam, policy, endpoint) whose policy and endpoint
+    services follow a stand-in API server holding these namespaces (name ->
+    labels); add its nodes with add_node."""
+    with KubeListWatchServer() as kube_api, standalone_cluster(tmp, "info") as cluster:
+        for name, labels in namespaces.items():
+            kube_api.apply("namespaces", {"metadata": {"name": name, "labels": dict(labels)}})
+        kubeconfig = ["--kubeconfig", str(kube_api.write_kubeconfig(tmp / "kubeconfig")),
+                      *KUBE_LEADER]  # fmt: skip
+        cluster.start(
+            services=("ipam", "policy", "endpoint"),
+            extra={"policy": [*kubeconfig, *policy_args], "endpoint": kubeconfig},
+        )
+        yield kube_api, cluster
