@@ -35,15 +35,23 @@ def health_report(readiness: Readiness) -> StatusReport:
 
 
 async def report_liveness(
-    tables: Sequence[tuple[str, Table[Any, Any]]], report: StatusReport, interval: float = 0.5
+    tables: Sequence[tuple[str, Table[Any, Any]]], report: StatusReport
 ) -> None:
-    """Report whether every (name, table) is live, on each change, until
-    cancelled."""
+    """Report whether every (name, table) is live, at once and on each
+    change (the tables say when), until cancelled."""
+    changed = asyncio.Event()
+    for _, table in tables:
+        table.watch_liveness(changed)
     last: tuple[bool, str] | None = None
-    while True:
-        away = [f"{name}: {table.reason}" for name, table in tables if not table.live]
-        now = (not away, "; ".join(away))
-        if now != last:
-            await report(*now)
-            last = now
-        await asyncio.sleep(interval)
+    try:
+        while True:
+            changed.clear()  # before reading: a change from here on wakes us
+            away = [f"{name}: {table.reason}" for name, table in tables if not table.live]
+            now = (not away, "; ".join(away))
+            if now != last:
+                await report(*now)
+                last = now
+            await changed.wait()
+    finally:
+        for _, table in tables:
+            table.unwatch_liveness(changed)

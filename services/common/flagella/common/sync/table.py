@@ -114,6 +114,8 @@ class Table(Generic[K, R]):
         self.initialized = asyncio.Event()
         self._live = False
         self.reason = "not synced yet"
+        # Set whenever liveness or its reason changes (watch_liveness).
+        self._liveness_watchers: set[asyncio.Event] = set()
         # Set by the source that feeds the table: its state at an older
         # revision, and a check that nothing of the table changed up to a
         # revision (so that a reader can wait for a revision that touched
@@ -237,8 +239,20 @@ class Table(Generic[K, R]):
                 "table source " + ("live" if live else "lost"),
                 extra={"table": self.name, "reason": reason, "revision": self._revision},
             )
+        changed = (live, reason) != (self._live, self.reason)
         self._live = live
         self.reason = reason
+        if changed:
+            for event in self._liveness_watchers:
+                event.set()
+
+    def watch_liveness(self, event: asyncio.Event) -> None:
+        """event is set whenever the table's liveness (or its reason)
+        changes, until unwatch_liveness(event)."""
+        self._liveness_watchers.add(event)
+
+    def unwatch_liveness(self, event: asyncio.Event) -> None:
+        self._liveness_watchers.discard(event)
 
     def _log_change(self, key: K, prev: R | None, visible_at: int, revision: int) -> None:
         self._log_revisions.append(visible_at)
