@@ -126,7 +126,7 @@ def _peer_from_pb(peer: pb.PeerRule, path: str) -> PeerSpec:
             pp = f"{path}.to_ports[{i}].ports[{j}]"
             if p.protocol not in PROTOCOLS:
                 raise InvalidArgument("unknown protocol", field=f"{pp}.protocol")
-            spec_p = PortSpec(p.port, p.end_port, PROTOCOLS[p.protocol])
+            spec_p = PortSpec(p.port, p.end_port, PROTOCOLS[p.protocol], p.name)
             check_port(spec_p, pp, end_field="end_port")
             ports.append(spec_p)
         to_ports.append(tuple(ports))
@@ -191,7 +191,12 @@ def _peer_pb(peer: PeerSpec) -> pb.PeerRule:
         to_ports=[
             pb.PortRule(
                 ports=[
-                    pb.PortProtocol(port=p.port, end_port=p.end_port, protocol=int(p.protocol))  # type: ignore[arg-type]
+                    pb.PortProtocol(
+                        port=p.port,
+                        end_port=p.end_port,
+                        protocol=int(p.protocol),  # type: ignore[arg-type]
+                        name=p.name,
+                    )
                     for p in pr
                 ]
             )
@@ -240,6 +245,7 @@ def _entry_pb(e: PolicyEntry) -> pb.PolicyEntry:
         direction=int(e.direction),  # type: ignore[arg-type]
         verdict=int(e.verdict),  # type: ignore[arg-type]
         derived_from=e.derived_from,
+        port_name=e.port_name,
     )
 
 

@@ -100,6 +100,8 @@ class Change:
     nodes: dict[str, set[int]] = field(default_factory=dict)
     # everything changed (a rebuild): subscribers re-check all they hold
     full: bool = False
+    # a rule was put or deleted (whether or not any policy changed)
+    rules: bool = False
 
     def merge(self, other: Change) -> None:
         self.revision = max(self.revision, other.revision)
@@ -108,9 +110,10 @@ class Change:
         for node, ids in other.nodes.items():
             self.nodes.setdefault(node, set()).update(ids)
         self.full = self.full or other.full
+        self.rules = self.rules or other.rules
 
     def __bool__(self) -> bool:
-        return bool(self.ipcache or self.dirty or self.nodes or self.full)
+        return bool(self.ipcache or self.dirty or self.nodes or self.full or self.rules)
 
 
 class PolicyState:
@@ -331,10 +334,12 @@ class PolicyState:
 
     def commit(self, revision: int) -> Change:
         """Ends a batch of events at revision; returns what changed."""
+        rules = self._rules_changed
         if self._rules_changed:
             self._rules_changed = False
             self._recompute_cidr()
         change, self._pending = self._pending, Change()
+        change.rules = rules
         change.revision = revision
         change.dirty = self.resolver.take_dirty()
         self.revision = max(self.revision, revision)

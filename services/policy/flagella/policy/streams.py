@@ -117,10 +117,14 @@ class NodePolicyView:
         return state.resolver.content(key)
 
     def must_sync(self, change: StateChange) -> bool:
-        # A reference of the node changed (a count went up): nothing to
-        # send, but a datapath waiting for the allocation's revision is not
-        # left hanging.
-        return self.node in change.nodes
+        # A reference of the node changed (a count went up), or a rule was
+        # put or deleted, even one that changes no policy of this node's:
+        # nothing to send, but a datapath waiting for the allocation's or
+        # the PutRules' revision learns at once that it has it all, not at
+        # the next heartbeat. One small message per batch (changes that
+        # come faster than the stream sends are merged). Other nodes'
+        # references and the ipcache are not waited for by revision.
+        return change.rules or self.node in change.nodes
 
 
 def _differs(before: V | None, after: V) -> bool:

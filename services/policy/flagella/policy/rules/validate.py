@@ -9,6 +9,7 @@ import re
 from collections.abc import Sequence
 
 from flagella.common.errors import InvalidArgument
+from flagella.common.portnames import port_name_error
 from flagella.policy.identities import IPNetwork
 from flagella.policy.labels import (
     DEFAULT_SOURCE,
@@ -115,6 +116,9 @@ def check_cidr(spec: CIDRSpec, path: str, *, cidr_field: str, except_field: str)
 
 
 def check_port(spec: PortSpec, path: str, *, end_field: str = "endPort") -> None:
+    if spec.name:
+        check_named_port(spec, path, end_field=end_field)
+        return
     if not 0 <= spec.port <= 65535:
         raise fail(f"{path}.port", f"port {spec.port} out of range (0-65535)")
     if spec.end_port:
@@ -142,3 +146,15 @@ def check_unique(found: Sequence[tuple[str, Rule]]) -> None:
         if rule.key in seen:
             raise fail(join(path, "metadata.name"), f"rule {rule.key!r} appears twice")
         seen.add(rule.key)
+
+
+def check_named_port(spec: PortSpec, path: str, *, end_field: str = "endPort") -> None:
+    reason = port_name_error(spec.name)
+    if reason:
+        raise fail(f"{path}.port", f"invalid named port: {reason}")
+    if spec.port:
+        raise fail(f"{path}.port", "a named port has no number")
+    if spec.end_port:
+        raise fail(f"{path}.{end_field}", "a port range cannot start at a named port")
+    if spec.protocol is Protocol.ICMP:
+        raise fail(f"{path}.protocol", "ICMP takes no port")
