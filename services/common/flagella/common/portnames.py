@@ -6,6 +6,7 @@ datapath (resolving rules against pods)."""
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 MAX_LENGTH = 15
@@ -54,3 +55,26 @@ def protocol_name(number: int) -> str:
         if n == number:
             return name
     return str(number)
+
+
+def check_named_ports(items: Sequence[tuple[str, int, str]]) -> tuple[list[NamedPort], str, str]:
+    """(name, port, protocol name) items as given (CNI arguments, an API
+    request) -> (named ports, "", "") or ([], field, reason) for the first
+    bad one: field is "[i].name", "[i].port" or "[i].protocol". An empty
+    protocol is TCP; names are unique within a pod."""
+    out: list[NamedPort] = []
+    seen: set[str] = set()
+    for i, (name, port, protocol) in enumerate(items):
+        reason = port_name_error(name)
+        if reason:
+            return [], f"[{i}].name", reason
+        if name in seen:
+            return [], f"[{i}].name", f"port name {name!r} appears twice"
+        seen.add(name)
+        if not 1 <= port <= 65535:
+            return [], f"[{i}].port", f"port {port} is not in 1..65535"
+        number = protocol_number(protocol or "TCP")
+        if number is None:
+            return [], f"[{i}].protocol", f"protocol {protocol!r} is not TCP, UDP or SCTP"
+        out.append(NamedPort(name, port, number))
+    return sorted(out), "", ""

@@ -297,6 +297,10 @@ def ip_entry_pb(e: IPEntry) -> pb.IPCacheEntry:
         host_ip=e.host_ip,
         source=e.source,
         revision=e.revision,
+        named_ports=[
+            pb.NamedPort(name=p.name, port=p.port, protocol=pb.Protocol.ValueType(p.protocol))
+            for p in e.named_ports
+        ],
     )
 
 

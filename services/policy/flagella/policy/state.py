@@ -12,8 +12,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
+from flagella.common.portnames import NamedPort
 from flagella.policy import keys
 from flagella.policy.identities import (
     RESERVED_INFOS,
@@ -58,6 +59,21 @@ class IPEntry:
     host_ip: str = ""
     source: str = ""
     revision: int = 0
+    # The endpoint's named container ports (egress rules naming a port
+    # resolve against them on every node).
+    named_ports: tuple[NamedPort, ...] = ()
+
+
+def named_ports_json(ports: tuple[NamedPort, ...]) -> dict[str, Any]:
+    """The ipcache JSON's "namedPorts" (absent when none: older entries
+    read back the same)."""
+    if not ports:
+        return {}
+    return {"namedPorts": [[p.name, p.port, p.protocol] for p in ports]}
+
+
+def named_ports_from_json(value: dict[str, Any]) -> tuple[NamedPort, ...]:
+    return tuple(NamedPort(str(n), int(p), int(pr)) for n, p, pr in value.get("namedPorts", ()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,6 +307,7 @@ class PolicyState:
                 host_ip=v.get("hostIP", ""),
                 source=v.get("source", ""),
                 revision=kv.mod_revision,
+                named_ports=named_ports_from_json(v),
             )
         self._pending.ipcache.add(prefix)
 
