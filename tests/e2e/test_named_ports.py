@@ -14,17 +14,15 @@ revision that changes nothing on the node at once."""
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 from google.protobuf.duration_pb2 import Duration
-from harness.cluster import Cluster, Node, standalone_cluster
 from harness.cni import check_result, cni, netconf
-from harness.kube_api import KubeListWatchServer, k8s_policy
+from harness.kube_api import k8s_policy
+from harness.kube_cluster import KubeEnv, kube_cluster
 from harness.pods import ENDPOINT
 from harness.probe import Pod, Probe, probing, settle
 
@@ -41,31 +39,16 @@ A, B = 8080, 8081  # every server serves both; names pick one
 # four probes at once on a shared machine, what counts is which ports).
 WITHIN_S = 1.0
 ENFORCED_S = 2.0
-LEADER = ["--leader-lease-duration", "2", "--leader-renew-deadline", "1.5",
-          "--leader-retry-period", "0.25"]  # fmt: skip
 NS = "np"
 
 
-@dataclass
-class Env:
-    cluster: Cluster
-    node: Node
-    kube_api: KubeListWatchServer
+Env = KubeEnv
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    if os.geteuid() != 0:
-        pytest.skip("needs root (netns, veth, BPF)")
-    tmp = tmp_path_factory.mktemp("named-ports")
-    with KubeListWatchServer() as kube_api, standalone_cluster(tmp, "info") as cluster:
-        kube_api.apply("namespaces", {"metadata": {"name": NS, "labels": {}}})
-        kubeconfig = ["--kubeconfig", str(kube_api.write_kubeconfig(tmp / "kubeconfig")), *LEADER]
-        cluster.start(
-            services=("ipam", "policy", "endpoint"),
-            extra={"policy": kubeconfig, "endpoint": kubeconfig},
-        )
-        yield Env(cluster, cluster.add_node("n1"), kube_api)
+    with kube_cluster(tmp_path_factory.mktemp("named-ports"), {NS: {}}) as env:
+        yield env
 
 
 def pod_object(name: str, labels: dict[str, str], ports: dict[str, int]) -> dict[str, Any]:

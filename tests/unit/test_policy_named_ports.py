@@ -164,11 +164,17 @@ def _named(world: World, ident: int) -> set[tuple[int, str, str, str, str]]:
     }
 
 
-def test_resolution_keeps_named_ports_symbolic() -> None:
+def _web_and_client(rules: str) -> tuple[World, int, int]:
+    """A world with pods web and client (namespace default) and rules."""
     w = World()
     web = w.pod("web", "default", app="web")
     client = w.pod("client", "default", app="client")
-    w.rules(
+    w.rules(rules)
+    return w, web, client
+
+
+def test_resolution_keeps_named_ports_symbolic() -> None:
+    w, web, client = _web_and_client(
         """apiVersion: networking.k8s.io/v1
 kind: NetworkPolicy
 metadata: {name: web, namespace: default}
@@ -197,10 +203,7 @@ spec:
 
 
 def test_deny_over_allow_with_named_ports() -> None:
-    w = World()
-    web = w.pod("web", "default", app="web")
-    client = w.pod("client", "default", app="client")
-    w.rules(
+    w, web, client = _web_and_client(
         """apiVersion: flagella.io/v1
 kind: FlagellaNetworkPolicy
 metadata: {name: web, namespace: default}
@@ -228,10 +231,7 @@ spec:
 
 
 def test_deny_of_every_port_covers_a_named_allow() -> None:
-    w = World()
-    web = w.pod("web", "default", app="web")
-    client = w.pod("client", "default", app="client")
-    w.rules(
+    w, web, client = _web_and_client(
         """apiVersion: flagella.io/v1
 kind: FlagellaNetworkPolicy
 metadata: {name: web, namespace: default}
