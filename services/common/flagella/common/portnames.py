@@ -51,6 +51,9 @@ def protocol_number(name: str) -> int | None:
 
 
 def protocol_name(number: int) -> str:
+    """6 -> "TCP"; 0 (a proto field left unset) -> "" (which means TCP)."""
+    if number == 0:
+        return ""
     for name, n in PROTOCOLS.items():
         if n == number:
             return name

@@ -244,7 +244,7 @@ class NamedPort(_message.Message):
     name: _builtins.str
     port: _builtins.int
     protocol: _builtins.int
-    """IP protocol number: 6 (TCP), 17 (UDP) or 132 (SCTP)."""
+    """IP protocol number: 6 (TCP; also when 0), 17 (UDP) or 132 (SCTP)."""
     def __init__(
         self,
         *,

@@ -444,7 +444,7 @@ class NamedPort(_message.Message):
     name: _builtins.str
     port: _builtins.int
     protocol: Global___Protocol.ValueType
-    """TCP, UDP or SCTP."""
+    """TCP (also when unset), UDP or SCTP."""
     def __init__(
         self,
         *,
