@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from google.protobuf.duration_pb2 import Duration
 from harness.cni import check_result, cni, netconf
-from harness.kube_api import k8s_policy
+from harness.kube_api import POLICY_KINDS, k8s_policy
 from harness.kube_cluster import KubeEnv, kube_cluster
 from harness.pods import ENDPOINT
 from harness.probe import Pod, Probe, probing, settle
@@ -117,12 +117,15 @@ def probes(pairs: dict[str, tuple[Pod, Pod]]) -> Iterator[dict[str, Probe]]:
 
 
 @contextlib.contextmanager
-def network_policy(env: Env, name: str, spec: dict[str, Any]) -> Iterator[None]:
-    env.kube_api.apply("networkpolicies", k8s_policy("NetworkPolicy", NS, name, spec))
+def network_policy(
+    env: Env, name: str, spec: dict[str, Any], kind: str = "NetworkPolicy"
+) -> Iterator[None]:
+    resource, _ = POLICY_KINDS[kind]
+    env.kube_api.apply(resource, k8s_policy(kind, NS, name, spec))
     try:
         yield
     finally:
-        env.kube_api.delete("networkpolicies", NS, name)
+        env.kube_api.delete(resource, NS, name)
 
 
 def ingress_on(app: str, port: str) -> dict[str, Any]:
@@ -195,6 +198,30 @@ def test_egress_naming_a_port_takes_the_peers_numbers(env: Env) -> None:
             t0 = time.time()
             with network_policy(env, "client3", spec):
                 settle(p, t0, {f"db:{A}": False, f"db:{B}": True}, "named egress", ENFORCED_S)
+
+
+def test_a_deny_naming_a_port_beats_an_allow_of_every_port(env: Env) -> None:
+    with pods(
+        env,
+        k8s_pod(env, "client6", {"app": "client6"}, {}),
+        k8s_pod(env, "bystander", {"app": "bystander"}, {}),
+        k8s_pod(env, "srv-f", {"app": "srv-f"}, {"web": A, "admin": B}),
+    ) as (client, bystander, srv):
+        spec = {
+            "endpointSelector": {"matchLabels": {"app": "srv-f"}},
+            "ingress": [{"fromEntities": ["all"]}],
+            "ingressDeny": [
+                {
+                    "fromEndpoints": [{"matchLabels": {"app": "client6"}}],
+                    "toPorts": [{"ports": [{"port": "admin", "protocol": "TCP"}]}],
+                }
+            ],
+        }
+        with probes({"c": (client, srv), "x": (bystander, srv)}) as p:
+            t0 = time.time()
+            with network_policy(env, "srv-f", spec, "CiliumNetworkPolicy"):
+                want = {f"c:{A}": True, f"c:{B}": False, f"x:{A}": True, f"x:{B}": True}
+                settle(p, t0, want, "named deny", ENFORCED_S)
 
 
 def test_a_pod_changing_a_named_ports_number_on_the_stand_in_api_server_is_enforced_within_1s(
