@@ -1,7 +1,8 @@
 """Benchmark of the policy service: identity allocation (new and cached),
 references held by many owners (endpoints) of one identity on one node,
-cached lookups, resolution of 1,000 identities under 200 rules, and the
-recompute after one rule changes.
+cached lookups, resolution of 1,000 identities under 200 rules (and under
+the same rules with named ports mixed in), and the recompute after one rule
+changes.
 
 Sets up its own etcd and policy process on free loopback ports and stops
 them by PID at the end.
@@ -35,6 +36,7 @@ from flagella.api.policy.v1 import policy_pb2 as pb  # noqa: E402
 from flagella.api.policy.v1 import policy_pb2_grpc as pbg  # noqa: E402
 from flagella.common import pki  # noqa: E402
 from flagella.common.sync import Table  # noqa: E402
+from flagella.policy import keys  # noqa: E402
 from flagella.policy.labels import Label, LabelFilter, label_set  # noqa: E402
 from flagella.policy.rules import parse_document, rule_to_json  # noqa: E402
 from flagella.policy.state import PolicyState  # noqa: E402
@@ -113,6 +115,24 @@ spec:
   ingressDeny:
   - fromEndpoints: [{{matchLabels: {{app: app-13}}}}]
 """
+
+
+def named_ports_mix(doc: str, ns: int) -> str:
+    """rules_document with named ports mixed in, in every other namespace:
+    the api port and the NetworkPolicy's db port by name, and a deny of a
+    named port beside the baseline's deny (same rules otherwise)."""
+    if ns % 2:
+        return doc
+    return (
+        doc.replace('{port: "8080", protocol: TCP}', "{port: api-http, protocol: TCP}")
+        .replace("ports: [{port: 5432}]", "ports: [{port: db-port}]")
+        .replace(
+            "  - fromEndpoints: [{matchLabels: {app: app-13}}]\n",
+            "  - fromEndpoints: [{matchLabels: {app: app-13}}]\n"
+            "  - fromEndpoints: [{matchLabels: {app: app-14}}]\n"
+            "    toPorts: [{ports: [{port: admin, protocol: TCP}]}]\n",
+        )
+    )
 
 
 async def run_concurrently(
@@ -250,33 +270,57 @@ async def bench(quick: bool, etcd_server: EtcdServer, address: str) -> dict[str,
         finally:
             await etcd.close()
         ident_ids: list[int] = []
+        # The same identities under the same rules with named ports mixed in.
+        named_rules = [
+            r
+            for ns in range(NAMESPACES)
+            for r in parse_document(named_ports_mix(rules_document(ns), ns))
+        ]
+        named_kvs = [kv for kv in kvs if not kv.key.startswith(keys.RULES_PREFIX)] + [
+            _KV(keys.rule_key(r.key), rule_to_json(r), revision, 1) for r in named_rules
+        ]
 
-        def load() -> PolicyState:
+        def load(kvs: list[Any]) -> PolicyState:
             state = PolicyState()
             for kv in kvs:
                 state.put(kv)
             state.commit(revision)
             return state
 
-        load_times, resolve_times = [], []
-        state = load()
-        for _ in range(3 if quick else 5):
-            t0 = time.perf_counter()
-            state = load()
-            t1 = time.perf_counter()
-            ident_ids = sorted(
-                i for i in state.identities if state.node_refs.get("node-1", {}).get(i)
-            )
-            entries = 0
-            for ident in ident_ids:
+        def resolve(state: PolicyState) -> tuple[list[int], int, int]:
+            """(identities, entries, named entries) of node-1's identities."""
+            ids = sorted(i for i in state.identities if state.node_refs.get("node-1", {}).get(i))
+            entries = named = 0
+            for ident in ids:
                 content = state.resolver.content(ident)
                 assert content is not None
                 assert not content.error
                 entries += len(content.entries)
+                named += sum(1 for e in content.entries if e.port_name)
+            return ids, entries, named
+
+        load_times, resolve_times, named_times = [], [], []
+        state = load(kvs)
+        for _ in range(3 if quick else 5):
+            # Alternately, so that both see the same machine.
+            named_state = load(named_kvs)
+            t1 = time.perf_counter()
+            _, named_entries, named_only = resolve(named_state)
+            named_times.append(time.perf_counter() - t1)
+            t0 = time.perf_counter()
+            state = load(kvs)
+            t1 = time.perf_counter()
+            ident_ids, entries, _ = resolve(state)
             t2 = time.perf_counter()
             load_times.append(t1 - t0)
             resolve_times.append(t2 - t1)
         assert len(ident_ids) == 1000, len(ident_ids)
+        assert named_only > 0
+        results["named_ports_entries_count"] = named_entries
+        results["named_ports_named_entries_count"] = named_only
+        results["resolve_1000_identities_200_rules_named_ports_ms"] = round(
+            statistics.median(named_times) * 1000, 1
+        )
         results["rules_count"] = len(state.rules)
         results["resolved_identities_count"] = len(ident_ids)
         results["policy_entries_count"] = entries
@@ -371,6 +415,12 @@ ROWS = [
         "ms",
         "< 1,000",
     ),
+    (
+        "the same with named ports mixed in",
+        "resolve_1000_identities_200_rules_named_ports_ms",
+        "ms",
+        "within 20 %",
+    ),
     ("one rule changes: recompute what it affects", "one_rule_change_recompute_ms", "ms", "< 50"),
     ("one rule changes: PutRules to WatchPolicy SYNCED", "one_rule_change_end_to_end_ms", "ms", ""),
     ("WatchPolicy snapshot of 1,000 policies", "watch_snapshot_1000_policies_ms", "ms", ""),
@@ -405,7 +455,9 @@ def main() -> int:
         print(f"{label:<{width}}  {value:>10,} {unit:<3} {target}")
     print(
         f"({results['new_identities_count']} new identities; {results['resolved_identities_count']} identities, "
-        f"{results['rules_count']} rules, {results['policy_entries_count']} entries; one rule change "
+        f"{results['rules_count']} rules, {results['policy_entries_count']} entries "
+        f"({results['named_ports_entries_count']} with named ports, "
+        f"{results['named_ports_named_entries_count']} of them named); one rule change "
         f"recomputes {results['one_rule_change_recomputed_identities_count']} identities; "
         f"N = {results['owned_owners_count']} owners: {results['owned_reference_keys_count']} "
         f"etcd keys, {results['owned_reference_etcd_bytes']:,} bytes, "

@@ -14,17 +14,15 @@ continuously with new connections, every sample timed (harness.probe)."""
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 from grpc_health.v1 import health_pb2
-from harness.cluster import Cluster, Node, kube_cluster
 from harness.cni import check_result, cni, netconf
-from harness.kube_api import KubeListWatchServer, k8s_policy, object_path
+from harness.kube_api import k8s_policy, object_path
+from harness.kube_cluster import KubeEnv, kube_cluster
 from harness.netns import wait_until
 from harness.probe import Pod, probing, settle
 
@@ -38,21 +36,14 @@ WITHIN_S = 1.0
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
-@dataclass
-class Env:
-    cluster: Cluster
-    node: Node
-    kube_api: KubeListWatchServer
+Env = KubeEnv
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    if os.geteuid() != 0:
-        pytest.skip("needs root (netns, veth, BPF)")
-    tmp = tmp_path_factory.mktemp("k8s-endpoints")
     namespaces = {"shop": {}, "alpha": {"team": "a"}, "beta": {"team": "b"}}
-    with kube_cluster(tmp, namespaces) as (kube_api, cluster):
-        yield Env(cluster, cluster.add_node("n1"), kube_api)
+    with kube_cluster(tmp_path_factory.mktemp("k8s-endpoints"), namespaces) as env:
+        yield env
 
 
 def pod_object(namespace: str, name: str, labels: dict[str, str]) -> dict[str, Any]:

@@ -97,9 +97,20 @@ class MultiNode:
     nodes: list[Node]
     pods: list[Pod] = field(default_factory=list)
 
-    def add_pod(self, node: Node, name: str, namespace: str, labels: dict[str, str]) -> Pod:
+    def add_pod(
+        self,
+        node: Node,
+        name: str,
+        namespace: str,
+        labels: dict[str, str],
+        named_ports: dict[str, int] | None = None,
+    ) -> Pod:
         ns = self.cluster.pod(node, name)
         conf = netconf(node.cni_socket, labels)
+        if named_ports:
+            conf["args"]["cni"]["namedPorts"] = [
+                {"name": n, "port": port} for n, port in named_ports.items()
+            ]
         rc, result = cni(
             "ADD", conf, container_id=f"ctr-{name}", netns=ns.path, pod=(namespace, name)
         )
@@ -232,6 +243,47 @@ def test_namespace_policy_admits_one_cross_node_client_and_drops_another(mn: Mul
         assert not [f for f in flows if f.src_ip == good.ip4]
     finally:
         policy.DeleteRule(policy_pb2.DeleteRuleRequest(name="db/db-from-trusted"), timeout=10)
+
+
+NAMED_PORTS = """
+apiVersion: flagella.io/v1
+kind: FlagellaNetworkPolicy
+metadata: {name: named, namespace: named}
+spec:
+  endpointSelector: {matchLabels: {app: nclient}}
+  egress:
+  - toEndpoints: [{matchLabels: {app: nsrv}}]
+    toPorts: [{ports: [{port: web, protocol: TCP}]}]
+---
+apiVersion: flagella.io/v1
+kind: FlagellaNetworkPolicy
+metadata: {name: named-srv, namespace: named}
+spec:
+  endpointSelector: {matchLabels: {app: nsrv}}
+  ingress:
+  - fromEndpoints: [{matchLabels: {app: nclient}}]
+    toPorts: [{ports: [{port: web, protocol: TCP}]}]
+"""
+
+
+def test_named_ports_resolve_across_nodes(mn: MultiNode) -> None:
+    """The client's egress names the server's port, which only the
+    server's node has from its pod: the client's node learns the number
+    from the ipcache."""
+    n1, _, n3 = mn.nodes
+    srv = mn.add_pod(n3, "nsrv", "named", {"app": "nsrv"}, {"web": TCP4 + 10})
+    client = mn.add_pod(n1, "nclient", "named", {"app": "nclient"})
+    for port in (TCP4, TCP4 + 10):
+        srv.ns.serve("tcp", port, "nsrv")
+    targets = [("tcp", srv.ip4, TCP4 + 10), ("tcp", srv.ip4, TCP4)]
+    policy = mn.cluster.policy()
+    policy.PutRules(policy_pb2.PutRulesRequest(document=NAMED_PORTS), timeout=10)
+    try:
+        want = [f"nsrv {client.ip4} HELLO", None]
+        assert wait_until(lambda: probes(client.ns, targets, timeout=1) == want, timeout=10)
+    finally:
+        for name in ("named/named", "named/named-srv"):
+            policy.DeleteRule(policy_pb2.DeleteRuleRequest(name=name), timeout=10)
 
 
 def test_cluster_ip_with_every_backend_on_other_nodes(mn: MultiNode) -> None:

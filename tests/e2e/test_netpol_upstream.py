@@ -37,9 +37,9 @@ and client ..."):
   should enforce policy based on Ports
   should enforce multiple, stacked policies with overlapping podSelectors
   should support allow-all policy
-  should allow ingress access on one named port                          [NEEDS_FEATURE]
-  should allow ingress access from namespace on one named port           [NEEDS_FEATURE]
-  should allow egress access on one named port                           [NEEDS_FEATURE]
+  should allow ingress access on one named port
+  should allow ingress access from namespace on one named port
+  should allow egress access on one named port
   should enforce updated policy
   should allow ingress access from updated namespace
   should allow ingress access from updated pod
@@ -106,17 +106,9 @@ from harness.netpol_run import Env, Run, add_pod, endpoint_of
 
 pytestmark = [pytest.mark.privileged, pytest.mark.integration]
 
-# WaitForPolicy confirms a revision once the node's policy stream sends a
-# SYNCED at or after it; a revision that changes nothing on the node (issue
-# 16 item 6) waits for the stream's heartbeat, so keep it short here.
-HEARTBEAT_S = "1"
 
-NAMED_PORTS = "named ports (issue 16 item 2): a port given by its container port name"
 IPBLOCK_PODS = "ipBlock matching pod addresses (issue 16 item 3)"
 NEEDS_FEATURE = {
-    "should allow ingress access on one named port": NAMED_PORTS,
-    "should allow ingress access from namespace on one named port": NAMED_PORTS,
-    "should allow egress access on one named port": NAMED_PORTS,
     "should allow egress access to server in CIDR block": IPBLOCK_PODS,
     "should enforce except clause while egress access to server in CIDR block": IPBLOCK_PODS,
     "should ensure an IP overlapping both IPBlock.CIDR and IPBlock.Except is allowed": (
@@ -628,8 +620,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         pytest.skip("needs root (netns, veth, BPF)")
     tmp = tmp_path_factory.mktemp("netpol")
     namespaces = {ns: netpol.namespace_object(ns)["metadata"]["labels"] for ns in netpol.NAMESPACES}
-    heartbeat = ["--watch-heartbeat", HEARTBEAT_S]
-    with kube_cluster(tmp, namespaces, heartbeat) as (kube_api, cluster):
+    with kube_cluster(tmp, namespaces) as (kube_api, cluster):
         node = cluster.add_node("n1")
         t0 = time.monotonic()
         pods = {p: add_pod(cluster, node, kube_api, p) for p in netpol.pod_strings()}

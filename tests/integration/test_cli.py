@@ -322,3 +322,18 @@ def test_no_flags_inside_a_container_every_node_from_the_registry(
     table = cli_in(env, "monitor", "--node", "n2", "--last", "50", "--no-follow").stdout
     assert d_ip in table
     assert all(line.startswith("n2 ") for line in table.splitlines())
+
+
+def test_endpoint_get_shows_named_ports(suite: tuple[Cluster, Node]) -> None:
+    cluster, node = suite
+    ns = cluster.pod(node, "named")
+    conf = netconf(node.cni_socket, {"app": "named"})
+    conf["args"]["cni"]["namedPorts"] = [{"name": "http", "port": 8080}]
+    rc, result = cni("ADD", conf, container_id="ctr-named", netns=ns.path, pod=("shop", "named"))
+    assert rc == 0, result
+    ep = next(e for e in as_json(cluster, node, "endpoint", "list") if e["pod_name"] == "named")
+    got = as_json(cluster, node, "endpoint", "get", str(ep["id"]))
+    assert got["named_ports"] == [{"name": "http", "port": 8080, "protocol": "TCP"}]
+    table = run(cluster, node, "endpoint", "get", str(ep["id"])).stdout
+    assert "named_ports" in table
+    assert "http" in table

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from flagella.common.errors import FailedPrecondition, Unavailable
+from flagella.common.portnames import NamedPort
 from flagella.endpoint.model import Endpoint, State
 from flagella.endpoint.service import (
     Allocated,
@@ -147,7 +148,14 @@ class World:
     async def identity_of(self, labels: dict[str, str]) -> int:
         return 256 + len(labels)
 
-    async def upsert_ipcache(self, prefix: str, identity: int, node: str, host_ip: str) -> None:
+    async def upsert_ipcache(
+        self,
+        prefix: str,
+        identity: int,
+        node: str,
+        host_ip: str,
+        named_ports: Sequence[NamedPort] = (),
+    ) -> None:
         self.maybe_fail("ipcache")
         self.ipcache[prefix] = identity
         self.took("ipcache")

@@ -245,7 +245,7 @@ ERRORS = [
         _doc(
             """  endpointSelector: {}
   ingress:
-  - toPorts: [{ports: [{port: http}]}]
+  - toPorts: [{ports: [{port: Http}]}]
 """
         ),
         "spec.ingress[0].toPorts[0].ports[0].port",

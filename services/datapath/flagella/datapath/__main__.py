@@ -23,8 +23,9 @@ from flagella.common.sync.stream import OpenStream
 from flagella.datapath.cnirelay import CniRelay, UnsafeSocket
 from flagella.datapath.config import DatapathConfig
 from flagella.datapath.handlers import (
+    Identities,
     IdentityPolicies,
-    IPCacheCodec,
+    IPCacheEntryCodec,
     PolicyCodec,
     PolicySynced,
     RemoveBackends,
@@ -98,10 +99,11 @@ class DatapathApp:
                 lambda since: policy.WatchIPCache(
                     policy_pb2.WatchIPCacheRequest(since_revision=since)
                 ),
-                IPCacheCodec(),
+                IPCacheEntryCodec(),
                 acknowledges_resume=False,  # policy's streams answer with the changes alone
             )
-            self._reconcile(ipcache, policy_entries(self.service.ipcache_view))
+            self._reconcile(ipcache, Identities(policy_entries(self.service.ipcache_view)))
+            self._reconcile(ipcache, self.service.peer_ports, what="ipcache-named-ports")
             policies, source = self._stream(
                 "policy",
                 lambda since: policy.WatchPolicy(

@@ -14,18 +14,24 @@ from __future__ import annotations
 import ipaddress
 import logging
 from collections.abc import Awaitable, Callable, Iterable
+from typing import Generic, TypeVar
 
 from flagella.api.lb.v1 import lb_pb2
 from flagella.api.policy.v1 import policy_pb2
+from flagella.common.portnames import NamedPort, port_name_error
 from flagella.common.sync import Batch, Change, StreamSource
+from flagella.common.sync.reconcile import Target
+from flagella.datapath import namedports
 from flagella.datapath.bpf import Backend, Frontend, Service, frontend_rev_nat_id
 from flagella.datapath.bpf.layout import Direction, Verdict
 from flagella.datapath.bpf.policy import PolicyEntry
+from flagella.datapath.namedports import IPCacheValue
 from flagella.datapath.service import DatapathService, IdentityPolicy
 
 log = logging.getLogger(__name__)
 
 AFFINITY_DEFAULT_S = 10800
+K = TypeVar("K")
 
 
 def _prefix(p: str) -> str:
@@ -51,6 +57,48 @@ class IPCacheCodec:
         return event.entry.identity
 
 
+class IPCacheEntryCodec:
+    """WatchIPCache events -> prefix: identity and the endpoint's named
+    ports (what the datapath keeps: flagella.datapath.namedports)."""
+
+    def __init__(self) -> None:
+        self.identities = IPCacheCodec()
+
+    def key(self, event: policy_pb2.IPCacheEvent) -> str:
+        return self.identities.key(event)
+
+    def decode(self, event: policy_pb2.IPCacheEvent) -> IPCacheValue | None:
+        identity = self.identities.decode(event)
+        if identity is None:
+            return None
+        ports = (
+            NamedPort(p.name, p.port, int(p.protocol))
+            for p in event.entry.named_ports
+            if not port_name_error(p.name) and 0 < p.port <= 0xFFFF
+        )
+        return IPCacheValue(identity, tuple(sorted(ports)))
+
+
+class Identities(Generic[K]):
+    """A Target of identities fed by a table of IPCacheValues."""
+
+    def __init__(self, target: Target[K, int]) -> None:
+        self.target = target
+
+    @property
+    def revision(self) -> int:
+        return self.target.revision
+
+    def replace_all(self, items: dict[K, IPCacheValue]) -> int:
+        return self.target.replace_all({k: v.identity for k, v in items.items()})
+
+    def upsert(self, key: K, value: IPCacheValue) -> int:
+        return self.target.upsert(key, value.identity)
+
+    def delete(self, key: K) -> int:
+        return self.target.delete(key)
+
+
 DIRECTIONS = {
     policy_pb2.DIRECTION_INGRESS: Direction.INGRESS,
     policy_pb2.DIRECTION_EGRESS: Direction.EGRESS,
@@ -59,23 +107,27 @@ VERDICTS = {policy_pb2.VERDICT_ALLOW: Verdict.ALLOW, policy_pb2.VERDICT_DENY: Ve
 
 
 def identity_policy(p: policy_pb2.ResolvedPolicy) -> IdentityPolicy:
+    entries = tuple(
+        PolicyEntry(
+            identity=e.identity,
+            direction=DIRECTIONS[e.direction],
+            verdict=VERDICTS[e.verdict],
+            protocol=int(e.protocol),
+            port=e.port,
+            end_port=e.end_port,
+            port_name=e.port_name,
+        )
+        for e in p.entries
+        if e.direction in DIRECTIONS and e.verdict in VERDICTS
+    )
     return IdentityPolicy(
         identity=p.identity,
         revision=p.revision,
         ingress_enforced=p.ingress_enforced,
         egress_enforced=p.egress_enforced,
-        entries=tuple(
-            PolicyEntry(
-                identity=e.identity,
-                direction=DIRECTIONS[e.direction],
-                verdict=VERDICTS[e.verdict],
-                protocol=int(e.protocol),
-                port=e.port,
-                end_port=e.end_port,
-            )
-            for e in p.entries
-            if e.direction in DIRECTIONS and e.verdict in VERDICTS
-        ),
+        entries=entries,
+        named=namedports.has_named(entries),
+        named_egress=namedports.egress_peers(entries),
     )
 
 

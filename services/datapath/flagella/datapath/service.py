@@ -33,9 +33,10 @@ from flagella.common.errors import (
     Unavailable,
 )
 from flagella.common.locks import KeyedLocks
+from flagella.common.portnames import NamedPort
 from flagella.common.reconcile import Reconciler, ReconcilerStatus
 from flagella.common.tasks import TaskGroup
-from flagella.datapath import netdev, tunnel
+from flagella.datapath import namedports, netdev, tunnel
 from flagella.datapath.bpf import Datapath, MapStatus, NodeConfig, PolicyBudgetExceeded
 from flagella.datapath.bpf import Service as BpfService
 from flagella.datapath.bpf.layout import CT_SCOPE_SERVICE
@@ -75,6 +76,10 @@ class IdentityPolicy:
     ingress_enforced: bool
     egress_enforced: bool
     entries: tuple[PolicyEntry, ...]
+    # Entries name ports (resolved per endpoint); the peers of named egress
+    # entries (whose endpoints' ports they resolve against; 0: any).
+    named: bool = False
+    named_egress: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,7 @@ class SetupRequest:
     mtu: int
     identity: int
     pod_cidrs: tuple[str, ...] = ()
+    named_ports: tuple[NamedPort, ...] = ()
 
 
 # --- reconciler operations on the BPF maps ---
@@ -184,6 +190,9 @@ class DatapathService:
         self._bpf: Datapath | None = None
         self.endpoints: dict[int, EndpointRecord] = {}
         self.identity_policies: dict[int, IdentityPolicy] = {}
+        # Named ports of every endpoint of the cluster, by identity (from the
+        # ipcache): what egress entries naming a port resolve against.
+        self.peer_ports = namedports.PeerPorts(self._peer_ports_changed)
         self.realized: dict[int, int] = {}
         # Revision of the last SYNCED of this node's policy stream.
         self.policy_synced_revision = 0
@@ -454,6 +463,7 @@ class DatapathService:
                 identity=req.identity,
                 mtu=req.mtu,
                 pod_cidrs=list(req.pod_cidrs),
+                named_ports=sorted(req.named_ports),
             )
             # Durable (fsync) before going on; in a thread, so that other
             # endpoints' calls are not held up meanwhile.
@@ -496,7 +506,41 @@ class DatapathService:
         endpoint stays not ready (its traffic is dropped)."""
         pol = self.identity_policies.get(record.identity)
         if pol is not None:
-            self.policy.upsert(record.endpoint_id, pol)
+            self.policy.upsert(record.endpoint_id, self._for_endpoint(record, pol))
+
+    def _for_endpoint(self, record: EndpointRecord, pol: IdentityPolicy) -> IdentityPolicy:
+        """The identity's policy as this endpoint's map holds it: named
+        ports resolved (flagella.datapath.namedports)."""
+        if not pol.named:
+            return pol
+        entries = namedports.resolve(pol.entries, record.named_ports, self.peer_ports)
+        return dataclasses.replace(pol, entries=entries)
+
+    def _peer_ports_changed(self, identities: set[int]) -> None:
+        """Endpoints of other identities changed the numbers of their named
+        ports: the endpoints whose egress names a port of one of them."""
+        for record in self.endpoints.values():
+            pol = self.identity_policies.get(record.identity)
+            if pol is None or not pol.named_egress:
+                continue
+            if 0 in pol.named_egress or pol.named_egress & identities:
+                self.policy.upsert(record.endpoint_id, self._for_endpoint(record, pol))
+
+    async def update_named_ports(
+        self, endpoint_id: int, named_ports: list[NamedPort]
+    ) -> EndpointRecord:
+        """The pod's named ports changed: its ingress entries naming a port
+        are written again (others' egress follows the ipcache)."""
+        async with self._lock(endpoint_id):
+            record = self.endpoints.get(endpoint_id)
+            if record is None:
+                raise NotFound(f"no endpoint {endpoint_id} on this node", field="endpoint_id")
+            want = sorted(named_ports)
+            if record.named_ports != want:
+                record.named_ports = want
+                await asyncio.to_thread(self.state.save, record)
+                self._want_policy(record)
+            return record
 
     async def teardown_endpoint(self, endpoint_id: int, netns_path: str, ifname: str) -> bool:
         async with self._lock(endpoint_id):
@@ -542,7 +586,7 @@ class DatapathService:
                 self.realized.pop(endpoint_id, None)
                 await self.writer.run(self.bpf.endpoints.set_not_ready, endpoint_id)
             else:
-                self.policy.upsert(endpoint_id, pol)
+                self.policy.upsert(endpoint_id, self._for_endpoint(record, pol))
             return record
 
     def get_endpoint(self, endpoint_id: int) -> EndpointRecord:
@@ -616,14 +660,14 @@ class DatapathService:
             if pol is None:
                 self.policy.delete(record.endpoint_id)
             else:
-                self.policy.upsert(record.endpoint_id, pol)
+                self.policy.upsert(record.endpoint_id, self._for_endpoint(record, pol))
 
     def resync_policies(self, policies: dict[int, IdentityPolicy]) -> None:
         """A full policy snapshot: exactly these, then prune."""
         self.identity_policies = dict(policies)
         self.policy.replace_all(
             {
-                rec.endpoint_id: policies[rec.identity]
+                rec.endpoint_id: self._for_endpoint(rec, policies[rec.identity])
                 for rec in self.endpoints.values()
                 if rec.identity in policies
             }

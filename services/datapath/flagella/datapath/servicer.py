@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from google.protobuf.duration_pb2 import Duration
@@ -10,6 +10,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from flagella.api.datapath.v1 import datapath_pb2, datapath_pb2_grpc
 from flagella.common.errors import InvalidArgument
+from flagella.common.portnames import NamedPort, check_named_ports, protocol_name
 from flagella.datapath.flows import FlowFilter, FlowRecord
 from flagella.datapath.health import PeerHealth
 from flagella.datapath.service import DatapathService, SetupRequest
@@ -48,7 +49,20 @@ def endpoint_to_proto(
         identity=rec.identity,
         realized_policy_revision=realized or 0,
         programs_attached=attached,
+        named_ports=[
+            datapath_pb2.NamedPort(name=p.name, port=p.port, protocol=p.protocol)
+            for p in rec.named_ports
+        ],
     )
+
+
+def named_ports_of(ports: Iterable[datapath_pb2.NamedPort], field: str) -> tuple[NamedPort, ...]:
+    out, where, reason = check_named_ports(
+        [(p.name, p.port, protocol_name(p.protocol)) for p in ports]
+    )
+    if where:
+        raise InvalidArgument(reason, field=f"{field}{where}")
+    return tuple(out)
 
 
 def flow_to_proto(f: FlowRecord, node: str) -> datapath_pb2.Flow:
@@ -108,6 +122,7 @@ class DatapathServicer(datapath_pb2_grpc.DatapathServiceServicer):
             mtu=request.mtu or 1500,
             identity=request.identity,
             pod_cidrs=tuple(request.pod_cidrs),
+            named_ports=named_ports_of(request.named_ports, "named_ports"),
         )
         self.service.check_endpoint_spec(req)
         result, _ = await self.service.setup_endpoint(req)
@@ -147,9 +162,15 @@ class DatapathServicer(datapath_pb2_grpc.DatapathServiceServicer):
     async def UpdateEndpoint(
         self, request: datapath_pb2.UpdateEndpointRequest, context: Any
     ) -> datapath_pb2.DatapathEndpoint:
-        if request.identity <= 0:
-            raise InvalidArgument("must be positive", field="identity")
-        rec = await self.service.update_identity(request.endpoint_id, request.identity)
+        ports = request.HasField("named_ports")
+        if ports:
+            named_ports = named_ports_of(request.named_ports.ports, "named_ports.ports")
+        if request.identity or not ports:
+            if request.identity <= 0:
+                raise InvalidArgument("must be positive", field="identity")
+            rec = await self.service.update_identity(request.endpoint_id, request.identity)
+        if ports:
+            rec = await self.service.update_named_ports(request.endpoint_id, list(named_ports))
         return await self._describe(rec)
 
     async def GetEndpoint(

@@ -10,6 +10,8 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from flagella.common.portnames import NamedPort
+
 
 @dataclass
 class EndpointRecord:
@@ -25,6 +27,8 @@ class EndpointRecord:
     identity: int
     mtu: int
     pod_cidrs: list[str] = field(default_factory=list)
+    # The pod's named ports (ingress rules naming a port resolve against them).
+    named_ports: list[NamedPort] = field(default_factory=list)
 
 
 class StateDir:
@@ -56,7 +60,9 @@ class StateDir:
         records = []
         for path in sorted(folder.glob("*.json")) if folder.exists() else []:
             try:
-                records.append(EndpointRecord(**json.loads(path.read_text())))
+                data = json.loads(path.read_text())
+                data["named_ports"] = [NamedPort(**p) for p in data.get("named_ports", [])]
+                records.append(EndpointRecord(**data))
             except (ValueError, TypeError):
                 # A torn or foreign file: not ours to trust; drop it.
                 path.unlink(missing_ok=True)

@@ -23,6 +23,7 @@ from flagella.cni import (
     version_tuple,
 )
 from flagella.cni import requested_version as _requested_version
+from flagella.common.portnames import NamedPort, check_named_ports
 
 COMMANDS = ("ADD", "DEL", "CHECK", "VERSION", "GC", "STATUS")
 # Fields of older flagella network configs that no longer mean anything: the
@@ -50,6 +51,8 @@ class NetConf:
     timeout: float
     resolve_labels_from_kubernetes: bool
     labels: dict[str, str]
+    # args.cni.namedPorts: the pod's named ports when not from Kubernetes.
+    named_ports: tuple[NamedPort, ...]
     prev_result: dict[str, Any] | None
     valid_attachments: tuple[Attachment, ...]
     raw: dict[str, Any] = field(repr=False)
@@ -97,11 +100,38 @@ def _require_str(obj: Mapping[str, Any], key: str, where: str = "") -> str:
     return value
 
 
+def _named_ports(raw: Any) -> tuple[NamedPort, ...]:
+    """args.cni.namedPorts: [{name, port, protocol}] (protocol TCP when
+    absent), validated as Kubernetes validates container ports."""
+    where = "network config: args.cni.namedPorts"
+    if not isinstance(raw, list):
+        raise CniError(INVALID_NETWORK_CONFIG, f"{where} must be a list")
+    items: list[tuple[str, int, str]] = []
+    for i, item in enumerate(raw):
+        if not isinstance(item, dict):
+            raise CniError(INVALID_NETWORK_CONFIG, f"{where}[{i}] must be an object")
+        unknown = sorted(set(item) - {"name", "port", "protocol"})
+        if unknown:
+            raise CniError(INVALID_NETWORK_CONFIG, f"{where}[{i}].{unknown[0]}: unknown field")
+        name, port, protocol = item.get("name"), item.get("port"), item.get("protocol", "TCP")
+        if not isinstance(name, str):
+            raise CniError(INVALID_NETWORK_CONFIG, f"{where}[{i}].name must be a string")
+        if not isinstance(port, int) or isinstance(port, bool):
+            raise CniError(INVALID_NETWORK_CONFIG, f"{where}[{i}].port must be a number")
+        if not isinstance(protocol, str):
+            raise CniError(INVALID_NETWORK_CONFIG, f"{where}[{i}].protocol must be a string")
+        items.append((name, port, protocol))
+    ports, field_, reason = check_named_ports(items)
+    if field_:
+        raise CniError(INVALID_NETWORK_CONFIG, f"{where}{field_}: {reason}")
+    return tuple(ports)
+
+
 def parse_netconf(stdin: bytes, command: str) -> NetConf:
     raw = config_object(stdin, json.loads)
     version = check_version(raw, command)
     if command == "VERSION":
-        return NetConf(version, "", "", 0, 0.0, False, {}, None, (), raw)
+        return NetConf(version, "", "", 0, 0.0, False, {}, (), None, (), raw)
     name = _require_str(raw, "name")
     plugin_type = _require_str(raw, "type")
 
@@ -134,6 +164,7 @@ def parse_netconf(stdin: bytes, command: str) -> NetConf:
             INVALID_NETWORK_CONFIG, "network config: args.cni.labels must map strings to strings"
         )
     labels.update(raw_labels)
+    named_ports = _named_ports(cni_args.get("namedPorts", []))
 
     prev = raw.get("prevResult")
     if prev is not None and not isinstance(prev, dict):
@@ -166,6 +197,7 @@ def parse_netconf(stdin: bytes, command: str) -> NetConf:
         timeout=float(timeout),
         resolve_labels_from_kubernetes=k8s,
         labels=labels,
+        named_ports=named_ports,
         prev_result=prev,
         valid_attachments=tuple(attachments),
         raw=raw,

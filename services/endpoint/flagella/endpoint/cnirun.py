@@ -25,6 +25,7 @@ from flagella.cni import (
     CniError,
     version_result,
 )
+from flagella.common.portnames import protocol_name
 from flagella.common.server import status_of
 from flagella.endpoint import cni
 from flagella.endpoint.service import EndpointService
@@ -121,6 +122,12 @@ class CniRunner:
                 resolve_labels_from_kubernetes=conf.resolve_labels_from_kubernetes,
                 node=node,
                 mtu=conf.mtu,
+                named_ports=[
+                    endpoint_pb2.NamedPort(
+                        name=p.name, port=p.port, protocol=protocol_name(p.protocol)
+                    )
+                    for p in conf.named_ports
+                ],
             )
             ep = await self.service.create(create_request_of(request))
             return cni.convert_result(result_json(result_to_proto(ep.result)), conf.cni_version)

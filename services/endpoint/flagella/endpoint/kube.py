@@ -45,6 +45,7 @@ from flagella.common.etcd import Etcd
 from flagella.common.kubeapi import EventRecorder, KubeRequestError, api_client, request
 from flagella.common.kubestatus import StatusReport, report_liveness
 from flagella.common.leader import Election, LeaderElector
+from flagella.common.portnames import NamedPort
 from flagella.common.sync import EtcdSource, KubeSource, Table
 from flagella.common.sync.dirty import DirtyKeys
 from flagella.common.sync.kube import Obj
@@ -79,7 +80,7 @@ class KubeReader:
     def __init__(self) -> None:
         self.api: Any = None
 
-    async def labels(self, namespace: str, name: str) -> dict[str, str]:
+    async def labels(self, namespace: str, name: str) -> tuple[dict[str, str], list[NamedPort]]:
         pod_doc, ns_doc = await asyncio.gather(
             self._get(f"/api/v1/namespaces/{namespace}/pods/{name}", "pod_name"),
             self._get(f"/api/v1/namespaces/{namespace}", "pod_namespace"),
@@ -87,7 +88,7 @@ class KubeReader:
         pod, ns = decode_pod(pod_doc), decode_namespace(ns_doc)
         if pod is None or ns is None:
             raise Unavailable(f"kubernetes: pod {namespace}/{name} or its namespace unreadable")
-        return identity_labels(pod, ns)
+        return identity_labels(pod, ns), list(pod.named_ports)
 
     async def _get(self, path: str, field: str) -> Obj:
         if self.api is None:
@@ -275,7 +276,7 @@ class EndpointWatchers:
         if pod is None or ns is None:
             return True  # nothing to follow (a deleted pod's endpoints go with CNI DEL)
         want = identity_labels(pod, ns)
-        ok = True
+        ok = await self._sync_named_ports(pod)
         for ep in self.endpoints_of(key):
             if not ep.labels_from_kubernetes or ep.state is not State.READY or ep.labels == want:
                 continue
@@ -292,6 +293,32 @@ class EndpointWatchers:
             log.info(
                 "endpoint follows its pod's labels",
                 extra={"endpoint": ep.id, "pod": key, "identity": moved.identity},
+            )
+        return ok
+
+    async def _sync_named_ports(self, pod: PodInfo) -> bool:
+        """The named ports of the pod's endpoints follow its spec."""
+        want = sorted(pod.named_ports)
+        ok = True
+        for ep in self.endpoints_of(pod.key):
+            if not ep.labels_from_kubernetes or ep.state is not State.READY:
+                continue
+            if ep.named_ports == want:
+                continue
+            try:
+                await self.service.patch_named_ports(ep.id, want)
+            except NotFound:
+                continue
+            except FlagellaError as exc:
+                ok = False
+                log.warning(
+                    "endpoint named ports not changed, will retry",
+                    extra={"endpoint": ep.id, "pod": pod.key, "reason": exc.details},
+                )
+                continue
+            log.info(
+                "endpoint follows its pod's named ports",
+                extra={"endpoint": ep.id, "pod": pod.key, "ports": [p.name for p in want]},
             )
         return ok
 

@@ -26,6 +26,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from flagella.common.portnames import NamedPort, check_named_ports
+
 NAMESPACE_LABEL = "io.kubernetes.pod.namespace"
 NAMESPACE_LABELS_PREFIX = "io.cilium.k8s.namespace.labels."
 POLICY_LABELS_PREFIX = "io.cilium.k8s.policy."
@@ -41,6 +43,8 @@ class PodInfo:
     labels: Mapping[str, str] = field(default_factory=dict)
     service_account: str = ""
     node: str = ""
+    # The named ports of its containers (spec.containers[].ports[]).
+    named_ports: tuple[NamedPort, ...] = ()
 
     @property
     def key(self) -> str:
@@ -93,7 +97,31 @@ def decode_pod(obj: Mapping[str, Any]) -> PodInfo | None:
         labels=_string_map(meta.get("labels")),
         service_account=str(spec.get("serviceAccountName") or ""),
         node=str(spec.get("nodeName") or ""),
+        named_ports=_named_ports(spec.get("containers")),
     )
+
+
+def _named_ports(containers: Any) -> tuple[NamedPort, ...]:
+    """The containers' ports that have a name, as the API server validated
+    them (the first of a name twice); an entry that is not valid anyway is
+    left out (a rule naming it then selects no port: closed, not open)."""
+    items: list[tuple[str, int, str]] = []
+    names: set[str] = set()
+    for container in containers if isinstance(containers, list) else ():
+        ports = container.get("ports") if isinstance(container, Mapping) else None
+        for port in ports if isinstance(ports, list) else ():
+            if not isinstance(port, Mapping) or not port.get("name"):
+                continue
+            number = port.get("containerPort")
+            if not isinstance(number, int) or port["name"] in names:
+                continue
+            item = (str(port["name"]), number, str(port.get("protocol") or ""))
+            if check_named_ports([item])[1]:
+                continue
+            names.add(item[0])
+            items.append(item)
+    ports_, _, _ = check_named_ports(items)
+    return tuple(ports_)
 
 
 def decode_namespace(obj: Mapping[str, Any]) -> NamespaceInfo | None:

@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from flagella.common.portnames import NamedPort
+
 # Transitions kept per endpoint for GetEndpointLog.
 LOG_LIMIT = 64
 
@@ -72,6 +74,10 @@ class Endpoint:
     # and follow them there while the endpoint lives (flagella.endpoint.kube).
     labels_from_kubernetes: bool = False
     identity: int = 0
+    # The pod's named container ports (from its Pod spec when the labels
+    # come from Kubernetes, and following it; from the CNI arguments
+    # otherwise), sorted.
+    named_ports: list[NamedPort] = field(default_factory=list)
     # CIDR notation (host routes: /32, /128).
     addresses: list[str] = field(default_factory=list)
     host_ifname: str = ""
@@ -104,6 +110,9 @@ class Endpoint:
         data = dict(vars(self))
         data["state"] = self.state.value
         data["log"] = [vars(e) for e in self.log]
+        data["named_ports"] = [
+            {"name": p.name, "port": p.port, "protocol": p.protocol} for p in self.named_ports
+        ]
         return json.dumps(data, sort_keys=True).encode()
 
     @classmethod
@@ -111,4 +120,5 @@ class Endpoint:
         data = json.loads(raw)
         data["state"] = State(data["state"])
         data["log"] = [LogEntry(**e) for e in data.get("log", [])]
+        data["named_ports"] = [NamedPort(**p) for p in data.get("named_ports", [])]
         return cls(**data)

@@ -18,6 +18,7 @@ from flagella.api.policy.v1 import policy_pb2, policy_pb2_grpc
 from flagella.common.backoff import Backoff
 from flagella.common.errors import NotFound, Unavailable
 from flagella.common.peers import calling
+from flagella.common.portnames import NamedPort
 from flagella.common.sync import StreamSource
 from flagella.endpoint.model import Endpoint
 from flagella.endpoint.nodes import NodeMirror
@@ -203,7 +204,14 @@ class PolicyPeer:
             return 0
         return int(ident.id)
 
-    async def upsert_ipcache(self, prefix: str, identity: int, node: str, host_ip: str) -> None:
+    async def upsert_ipcache(
+        self,
+        prefix: str,
+        identity: int,
+        node: str,
+        host_ip: str,
+        named_ports: Sequence[NamedPort] = (),
+    ) -> None:
         with calling("policy"):
             await self.stub.UpsertIPCache(
                 policy_pb2.UpsertIPCacheRequest(
@@ -213,6 +221,14 @@ class PolicyPeer:
                         node=node,
                         host_ip=host_ip,
                         source="endpoint",
+                        named_ports=[
+                            policy_pb2.NamedPort(
+                                name=p.name,
+                                port=p.port,
+                                protocol=policy_pb2.Protocol.ValueType(p.protocol),
+                            )
+                            for p in named_ports
+                        ],
                     )
                 ),
                 timeout=CALL_TIMEOUT,
@@ -224,6 +240,10 @@ class PolicyPeer:
                 policy_pb2.DeleteIPCacheRequest(prefix=prefix, expected_identity=identity),
                 timeout=CALL_TIMEOUT,
             )
+
+
+def datapath_named_ports(ports: Sequence[NamedPort]) -> list[datapath_pb2.NamedPort]:
+    return [datapath_pb2.NamedPort(name=p.name, port=p.port, protocol=p.protocol) for p in ports]
 
 
 class DatapathPeers:
@@ -251,6 +271,7 @@ class DatapathPeers:
                     mtu=ep.mtu,
                     identity=ep.identity,
                     pod_cidrs=list(pod_cidrs),
+                    named_ports=datapath_named_ports(ep.named_ports),
                 ),
                 timeout=CALL_TIMEOUT,
             )
@@ -277,6 +298,18 @@ class DatapathPeers:
         with calling("datapath"):
             await self._stub(address).UpdateEndpoint(
                 datapath_pb2.UpdateEndpointRequest(endpoint_id=endpoint_id, identity=identity),
+                timeout=CALL_TIMEOUT,
+            )
+
+    async def update_named_ports(
+        self, address: str, endpoint_id: int, named_ports: Sequence[NamedPort]
+    ) -> None:
+        with calling("datapath"):
+            await self._stub(address).UpdateEndpoint(
+                datapath_pb2.UpdateEndpointRequest(
+                    endpoint_id=endpoint_id,
+                    named_ports=datapath_pb2.NamedPorts(ports=datapath_named_ports(named_ports)),
+                ),
                 timeout=CALL_TIMEOUT,
             )
 

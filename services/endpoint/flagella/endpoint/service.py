@@ -42,6 +42,7 @@ from flagella.common.errors import (
     NotFound,
 )
 from flagella.common.locks import KeyedLocks
+from flagella.common.portnames import NamedPort
 from flagella.endpoint.model import Endpoint, State
 from flagella.endpoint.store import EndpointStore
 
@@ -161,7 +162,16 @@ class Policy(Protocol):
     async def identity_of(self, labels: dict[str, str]) -> int:
         """The identity of a label set without allocating; 0 if none."""
 
-    async def upsert_ipcache(self, prefix: str, identity: int, node: str, host_ip: str) -> None: ...
+    async def upsert_ipcache(
+        self,
+        prefix: str,
+        identity: int,
+        node: str,
+        host_ip: str,
+        named_ports: Sequence[NamedPort] = (),
+    ) -> None:
+        """named_ports: the endpoint's (every node resolves egress rules
+        naming a port against them)."""
 
     async def delete_ipcache(self, prefix: str, identity: int) -> None: ...
 
@@ -173,6 +183,10 @@ class Datapath(Protocol):
 
     async def update_identity(self, address: str, endpoint_id: int, identity: int) -> None: ...
 
+    async def update_named_ports(
+        self, address: str, endpoint_id: int, named_ports: Sequence[NamedPort]
+    ) -> None: ...
+
     async def wait_policy(
         self, address: str, endpoint_id: int, min_revision: int, timeout: float
     ) -> int: ...
@@ -181,8 +195,9 @@ class Datapath(Protocol):
 
 
 class PodLabels(Protocol):
-    async def labels(self, namespace: str, name: str) -> dict[str, str]:
-        """The identity labels of a pod, from Kubernetes."""
+    async def labels(self, namespace: str, name: str) -> tuple[dict[str, str], list[NamedPort]]:
+        """The identity labels and the named container ports of a pod, from
+        Kubernetes."""
 
 
 @dataclass(frozen=True)
@@ -196,6 +211,8 @@ class CreateRequest:
     labels: dict[str, str] = field(default_factory=dict)
     resolve_labels_from_kubernetes: bool = False
     mtu: int = 1500
+    # Ignored when the labels come from Kubernetes (the Pod's spec has them).
+    named_ports: tuple[NamedPort, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -278,9 +295,9 @@ class EndpointService:
     async def create(self, req: CreateRequest) -> Endpoint:
         async with self._lock(req.container_id, req.ifname):
             # Labels first: no side effect, and the identity intent needs them.
-            labels = await self._labels_for(req)
+            labels, named_ports = await self._labels_for(req)
             for attempt in range(2):
-                ep = self._new_endpoint(req, labels)
+                ep = self._new_endpoint(req, labels, named_ports)
                 created, found, revision = await self.store.create(ep)
                 if created:
                     return await self._create(found, revision)
@@ -304,9 +321,9 @@ class EndpointService:
     def _from_kubernetes(req: CreateRequest) -> bool:
         return req.resolve_labels_from_kubernetes and not req.labels
 
-    async def _labels_for(self, req: CreateRequest) -> dict[str, str]:
+    async def _labels_for(self, req: CreateRequest) -> tuple[dict[str, str], list[NamedPort]]:
         if not self._from_kubernetes(req):
-            return dict(req.labels)
+            return dict(req.labels), list(req.named_ports)
         if self.pod_labels is None:
             raise FailedPrecondition(
                 "labels must be given: the endpoint service has no Kubernetes access",
@@ -314,7 +331,9 @@ class EndpointService:
             )
         return await self.pod_labels.labels(req.pod_namespace, req.pod_name)
 
-    def _new_endpoint(self, req: CreateRequest, labels: dict[str, str]) -> Endpoint:
+    def _new_endpoint(
+        self, req: CreateRequest, labels: dict[str, str], named_ports: list[NamedPort]
+    ) -> Endpoint:
         ep = Endpoint(
             id=0,
             container_id=req.container_id,
@@ -325,6 +344,7 @@ class EndpointService:
             pod_namespace=req.pod_namespace,
             labels=dict(labels),
             labels_from_kubernetes=self._from_kubernetes(req),
+            named_ports=sorted(named_ports),
             mtu=req.mtu,
         )
         ep.transition(State.WAITING_FOR_IDENTITY, "CNI ADD")
@@ -407,7 +427,9 @@ class EndpointService:
 
     async def _upsert_ipcache(self, ep: Endpoint, node: NodeInfo) -> None:
         for address in ep.addresses:
-            await self.policy.upsert_ipcache(address, ep.identity, ep.node, node.host_ip)
+            await self.policy.upsert_ipcache(
+                address, ep.identity, ep.node, node.host_ip, ep.named_ports
+            )
 
     async def _after(self, step: str) -> None:
         if self.fault_hook is not None:
@@ -569,7 +591,9 @@ class EndpointService:
             try:
                 await self.datapath.update_identity(node.datapath_address, ep.id, new_identity)
                 for address in ep.addresses:
-                    await self.policy.upsert_ipcache(address, new_identity, ep.node, node.host_ip)
+                    await self.policy.upsert_ipcache(
+                        address, new_identity, ep.node, node.host_ip, ep.named_ports
+                    )
                 ep.policy_revision = await self.datapath.wait_policy(
                     node.datapath_address, ep.id, wanted, self.settings.policy_wait_s
                 )
@@ -582,6 +606,28 @@ class EndpointService:
             ep.transition(State.READY, f"identity {new_identity} realized")
             return await self._save(ep, revision)
 
+    async def patch_named_ports(self, endpoint_id: int, named_ports: list[NamedPort]) -> Endpoint:
+        """The endpoint's named ports are these from now on (its pod's
+        changed in Kubernetes): its record, its datapath (which rewrites
+        the entries of rules naming a port: the endpoint's own ingress, and
+        the egress of the node's endpoints to it) and its ipcache entries
+        (every other node's egress)."""
+        found = await self.store.get_by_id(endpoint_id)
+        if found is None:
+            raise NotFound(f"no endpoint {endpoint_id}", field="id")
+        async with self._lock(found[0].container_id, found[0].ifname):
+            ep, revision = await self._fresh(found[0])
+            want = sorted(named_ports)
+            if ep.state is not State.READY:
+                raise FailedPrecondition(f"endpoint {ep.id} is {ep.state.value}, not ready")
+            if ep.named_ports == want:
+                return ep
+            ep.named_ports = want
+            node = await self.ipam.node(ep.node)
+            await self.datapath.update_named_ports(node.datapath_address, ep.id, want)
+            await self._upsert_ipcache(ep, node)
+            return await self._save(ep, revision)
+
     async def _switch_back(
         self, ep: Endpoint, node: NodeInfo, old_identity: int, revision: int
     ) -> None:
@@ -589,7 +635,9 @@ class EndpointService:
         new_identity, ep.identity = ep.identity, old_identity
         await self.datapath.update_identity(node.datapath_address, ep.id, old_identity)
         for address in ep.addresses:
-            await self.policy.upsert_ipcache(address, old_identity, ep.node, node.host_ip)
+            await self.policy.upsert_ipcache(
+                address, old_identity, ep.node, node.host_ip, ep.named_ports
+            )
         await self.policy.release_identity(new_identity, ep.node, owner_of(ep))
         ep.steps = without_relabel(ep.steps)
         ep.transition(State.READY, "label change rolled back")
@@ -602,7 +650,9 @@ class EndpointService:
         node = await self.ipam.node(ep.node)
         await self.datapath.update_identity(node.datapath_address, ep.id, ep.identity)
         for address in ep.addresses:
-            await self.policy.upsert_ipcache(address, ep.identity, ep.node, node.host_ip)
+            await self.policy.upsert_ipcache(
+                address, ep.identity, ep.node, node.host_ip, ep.named_ports
+            )
         await self.policy.release_identity(old_identity, ep.node, owner_of(ep))
         ep.steps = without_relabel(ep.steps)
         ep.transition(State.READY, "restore: label change finished")

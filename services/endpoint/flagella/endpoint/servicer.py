@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from flagella.api.endpoint.v1 import endpoint_pb2, endpoint_pb2_grpc
 from flagella.common.errors import InvalidArgument, NotFound
+from flagella.common.portnames import NamedPort, check_named_ports, protocol_name
 from flagella.endpoint.model import Endpoint, State
 from flagella.endpoint.service import CreateRequest, EndpointService
 from flagella.endpoint.status import CniStatus
@@ -75,6 +76,10 @@ def endpoint_to_proto(ep: Endpoint) -> endpoint_pb2.Endpoint:
         policy_revision=ep.policy_revision,
         created_at=_ts(ep.created_at),
         updated_at=_ts(ep.updated_at),
+        named_ports=[
+            endpoint_pb2.NamedPort(name=p.name, port=p.port, protocol=protocol_name(p.protocol))
+            for p in ep.named_ports
+        ],
     )
 
 
@@ -144,7 +149,16 @@ def create_request_of(request: endpoint_pb2.CreateEndpointRequest) -> CreateRequ
         labels=validate_labels(dict(request.labels), "labels"),
         resolve_labels_from_kubernetes=request.resolve_labels_from_kubernetes,
         mtu=mtu,
+        named_ports=named_ports_of(request.named_ports),
     )
+
+
+def named_ports_of(ports: Iterable[endpoint_pb2.NamedPort]) -> tuple[NamedPort, ...]:
+    items = [(p.name, p.port, p.protocol) for p in ports]
+    out, field, reason = check_named_ports(items)
+    if field:
+        raise InvalidArgument(reason, field=f"named_ports{field}")
+    return tuple(out)
 
 
 class CniRun(Protocol):

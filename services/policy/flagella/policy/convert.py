@@ -208,7 +208,9 @@ def _port_spec(p: pb.PortProtocol, path: str) -> PortSpec:
             raise InvalidArgument(
                 "an ICMP type needs protocol ICMP or ICMPV6", field=f"{path}.icmp_type"
             )
-        return PortSpec(p.port, p.end_port, protocol)
+        return PortSpec(p.port, p.end_port, protocol, p.name)
+    if p.name:
+        raise InvalidArgument(f"{protocol.name} takes no port name", field=f"{path}.name")
     if p.port:
         raise InvalidArgument(f"{protocol.name} takes no port; set icmp_type", field=f"{path}.port")
     if not p.HasField("icmp_type"):
@@ -224,6 +226,7 @@ def _port_pb(p: PortSpec) -> pb.PortProtocol:
     out = pb.PortProtocol(end_port=p.end_port, protocol=int(p.protocol))  # type: ignore[arg-type]
     if p.protocol not in ICMP_PROTOCOLS:
         out.port = p.port
+        out.name = p.name
     elif (icmp_type := icmp_type_of(p.port)) is not None:
         out.icmp_type = icmp_type
     return out
@@ -279,6 +282,7 @@ def _entry_pb(e: PolicyEntry) -> pb.PolicyEntry:
         direction=int(e.direction),  # type: ignore[arg-type]
         verdict=int(e.verdict),  # type: ignore[arg-type]
         derived_from=e.derived_from,
+        port_name=e.port_name,
     )
 
 
@@ -330,6 +334,10 @@ def ip_entry_pb(e: IPEntry) -> pb.IPCacheEntry:
         host_ip=e.host_ip,
         source=e.source,
         revision=e.revision,
+        named_ports=[
+            pb.NamedPort(name=p.name, port=p.port, protocol=pb.Protocol.ValueType(p.protocol))
+            for p in e.named_ports
+        ],
     )
 
 

@@ -50,8 +50,9 @@ DEFAULT_BUDGET = 16384
 DEFAULT_ALLOW = "(no rule selects this direction: allow all)"
 ALLOW_LOCALHOST = "(allow-localhost)"
 
-# (port, end_port, protocol, direction), plain ints (hashed a lot)
-Key4 = tuple[int, int, int, int]
+# (port, end_port, protocol, direction), plain ints (hashed a lot); the port
+# is a str for a named port, kept symbolic (see _intersect_named).
+Key4 = tuple[int | str, int, int, int]
 Group = tuple[dict[Key4, frozenset[str]], dict[Key4, frozenset[str]]]  # (allow, deny)
 
 
@@ -63,6 +64,8 @@ class PolicyEntry(NamedTuple):
     direction: Direction
     verdict: Verdict
     derived_from: tuple[str, ...] = ()
+    # A named port (port and end_port 0), resolved by the datapath.
+    port_name: str = ""
 
 
 _PROTOCOL = {int(p): p for p in Protocol}
@@ -121,8 +124,11 @@ def intersect(a: Key4, b: Key4) -> Key4 | None:
         proto = pa
     else:
         return None
-    alo, ahi = _range(a[0], a[1])
-    blo, bhi = _range(b[0], b[1])
+    a0, b0 = a[0], b[0]
+    if isinstance(a0, str) or isinstance(b0, str):
+        return _intersect_named(a0, b0, proto, a[3])
+    alo, ahi = _range(a0, a[1])
+    blo, bhi = _range(b0, b[1])
     lo, hi = max(alo, blo), min(ahi, bhi)
     if lo > hi:
         return None
@@ -130,11 +136,28 @@ def intersect(a: Key4, b: Key4) -> Key4 | None:
     return port, end, proto, a[3]
 
 
-def port_matches(key: tuple[int, int, Protocol], dport: int, proto: Protocol) -> bool:
+def _intersect_named(a: int | str, b: int | str, proto: int, direction: int) -> Key4 | None:
+    """A named port's overlap with a name or a number. Its number is only
+    known per endpoint (in the datapath), so the overlap with a port number
+    is not known here: None, and the datapath's map, which applies deny
+    over allow to the resolved numbers itself, decides it. With every port
+    (0) or the same name it is the named key."""
+    if isinstance(a, str) and isinstance(b, str):
+        return (a, 0, proto, direction) if a == b else None
+    name, other = (a, b) if isinstance(a, str) else (b, a)
+    return (name, 0, proto, direction) if other == 0 else None
+
+
+def port_matches(key: tuple[int | str, int, Protocol], dport: int, proto: Protocol) -> bool:
+    """Whether a port key matches dport/proto; a named port never does here
+    (its number is the endpoint's, which a trace by labels does not know)."""
+    port = key[0]
+    if isinstance(port, str):
+        return False
     if key[2] != Protocol.ANY and key[2] != proto:
         return False
-    lo, hi = _range(key[0], key[1])
-    return lo <= dport <= hi if key[0] else True
+    lo, hi = _range(port, key[1])
+    return lo <= dport <= hi if port else True
 
 
 def _add(acc: dict[Key4, set[str]], keys: Iterable[Key4], name: str) -> None:
@@ -303,16 +326,22 @@ class SigPolicy:
                 ),
             )
             return self._content
-        raw: list[tuple[int, int, int, int, int, int, tuple[str, ...]]] = []
+        raw: list[tuple[int, int, int, int, int, int, tuple[str, ...], str]] = []
         allow_v, deny_v = int(Verdict.ALLOW), int(Verdict.DENY)
         for ident, (allow, deny) in [(0, self.group0), *self.groups.items()]:
             for verdict, group in ((allow_v, allow), (deny_v, deny)):
                 for k, names in group.items():
-                    raw.append((ident, k[0], k[1], k[2], k[3], verdict, tuple(sorted(names))))
+                    port = k[0]
+                    if isinstance(port, str):
+                        raw.append((ident, 0, 0, k[2], k[3], verdict, tuple(sorted(names)), port))
+                    else:
+                        raw.append(
+                            (ident, port, k[1], k[2], k[3], verdict, tuple(sorted(names)), "")
+                        )
         raw.sort()
         entries = [
-            PolicyEntry(i, p, e, _PROTOCOL[pr], _DIRECTION[d], _VERDICT[v], n)
-            for i, p, e, pr, d, v, n in raw
+            PolicyEntry(i, p, e, _PROTOCOL[pr], _DIRECTION[d], _VERDICT[v], n, name)
+            for i, p, e, pr, d, v, n, name in raw
         ]
         self._content = PolicyContent(self.ingress_enforced, self.egress_enforced, tuple(entries))
         return self._content

@@ -10,6 +10,7 @@ from typing import Any
 from flagella.api.policy.v1 import policy_pb2 as pb
 from flagella.api.policy.v1 import policy_pb2_grpc
 from flagella.common.errors import InvalidArgument
+from flagella.common.portnames import protocol_name
 from flagella.policy.convert import (
     PROTOCOLS,
     ContentCache,
@@ -104,7 +105,10 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         if not request.HasField("entry"):
             raise InvalidArgument("required", field="entry")
         e = request.entry
-        entry = check_ip_entry(IPEntry(e.prefix, e.identity, e.node, e.host_ip, e.source))
+        entry = check_ip_entry(
+            IPEntry(e.prefix, e.identity, e.node, e.host_ip, e.source),
+            [(p.name, p.port, protocol_name(p.protocol)) for p in e.named_ports],
+        )
         stored = await self.service.upsert_ipcache(entry)
         return pb.UpsertIPCacheResponse(entry=ip_entry_pb(stored))
 

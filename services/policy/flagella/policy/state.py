@@ -12,8 +12,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
+from flagella.common.portnames import NamedPort
 from flagella.policy import keys
 from flagella.policy.identities import (
     RESERVED_INFOS,
@@ -64,6 +65,21 @@ class IPEntry:
     host_ip: str = ""
     source: str = ""
     revision: int = 0
+    # The endpoint's named container ports (egress rules naming a port
+    # resolve against them on every node).
+    named_ports: tuple[NamedPort, ...] = ()
+
+
+def named_ports_json(ports: tuple[NamedPort, ...]) -> dict[str, Any]:
+    """The ipcache JSON's "namedPorts" (absent when none: older entries
+    read back the same)."""
+    if not ports:
+        return {}
+    return {"namedPorts": [[p.name, p.port, p.protocol] for p in ports]}
+
+
+def named_ports_from_json(value: dict[str, Any]) -> tuple[NamedPort, ...]:
+    return tuple(NamedPort(str(n), int(p), int(pr)) for n, p, pr in value.get("namedPorts", ()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +122,8 @@ class Change:
     nodes: dict[str, set[int]] = field(default_factory=dict)
     # everything changed (a rebuild): subscribers re-check all they hold
     full: bool = False
+    # a rule was put or deleted (whether or not any policy changed)
+    rules: bool = False
 
     def merge(self, other: Change) -> None:
         self.revision = max(self.revision, other.revision)
@@ -114,9 +132,10 @@ class Change:
         for node, ids in other.nodes.items():
             self.nodes.setdefault(node, set()).update(ids)
         self.full = self.full or other.full
+        self.rules = self.rules or other.rules
 
     def __bool__(self) -> bool:
-        return bool(self.ipcache or self.dirty or self.nodes or self.full)
+        return bool(self.ipcache or self.dirty or self.nodes or self.full or self.rules)
 
 
 class PolicyState:
@@ -297,6 +316,7 @@ class PolicyState:
                 host_ip=v.get("hostIP", ""),
                 source=v.get("source", ""),
                 revision=kv.mod_revision,
+                named_ports=named_ports_from_json(v),
             )
         self._pending.ipcache.add(prefix)
 
@@ -358,10 +378,12 @@ class PolicyState:
 
     def commit(self, revision: int) -> Change:
         """Ends a batch of events at revision; returns what changed."""
+        rules = self._rules_changed
         if self._rules_changed:
             self._rules_changed = False
             self._recompute_cidr()
         change, self._pending = self._pending, Change()
+        change.rules = rules
         change.revision = revision
         change.dirty = self.resolver.take_dirty()
         self.revision = max(self.revision, revision)

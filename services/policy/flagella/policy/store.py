@@ -46,7 +46,7 @@ from flagella.policy.outcomes import (
     TakeOutcome,
 )
 from flagella.policy.rules import CIDRGroup, Rule, cidr_group_to_json, rule_to_json
-from flagella.policy.state import IPEntry
+from flagella.policy.state import IPEntry, named_ports_from_json, named_ports_json
 
 # How many times an operation tries a transaction that lost a race before it
 # answers Unavailable (the caller may retry).
@@ -342,6 +342,7 @@ class PolicyStore:
                 "node": entry.node,
                 "hostIP": entry.host_ip,
                 "source": entry.source,
+                **named_ports_json(entry.named_ports),
             }
         )
         result = await self.etcd.txn(
@@ -362,6 +363,7 @@ class PolicyStore:
             host_ip=value.get("hostIP", ""),
             source=value.get("source", ""),
             revision=kv.mod_revision,
+            named_ports=named_ports_from_json(value),
         )
 
     async def delete_ip(self, prefix: str, *, revision: int) -> int | None:

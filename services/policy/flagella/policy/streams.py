@@ -117,10 +117,14 @@ class NodePolicyView:
         return state.resolver.content(key)
 
     def must_sync(self, change: StateChange) -> bool:
-        # A reference of the node changed (a count went up): nothing to
-        # send, but a datapath waiting for the allocation's revision is not
-        # left hanging.
-        return self.node in change.nodes
+        # Every revision ends in SYNCED, even one that changes nothing on
+        # this node (another node's references, an ipcache write, a rule
+        # selecting no local identity): a datapath waiting for a revision
+        # (WaitForPolicy: the endpoint service's, a CLI's, a test's) learns
+        # at once that it has all of it, not at the next heartbeat. One
+        # small message per batch (changes that come faster than the stream
+        # sends are merged).
+        return True
 
 
 def _differs(before: V | None, after: V) -> bool:

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
 from flagella.common.errors import InvalidArgument
+from flagella.common.portnames import check_named_ports
 from flagella.policy import keys
 from flagella.policy.identities import (
     RESERVED_NAMES,
@@ -95,8 +96,12 @@ def lookup_labels(labels: Iterable[Label], label_filter: LabelFilter, field: str
     return ls
 
 
-def check_ip_entry(entry: IPEntry) -> IPEntry:
-    """An ipcache entry to upsert, its prefix normalized."""
+def check_ip_entry(entry: IPEntry, named_ports: Sequence[tuple[str, int, str]] = ()) -> IPEntry:
+    """An ipcache entry to upsert, its prefix normalized, with its named
+    ports ((name, port, protocol name) as given)."""
+    ports, where, reason = check_named_ports(named_ports)
+    if where:
+        raise InvalidArgument(reason, field=f"entry.named_ports{where}")
     prefix = check_prefix(entry.prefix, "entry.prefix")
     if entry.identity == 0:
         raise InvalidArgument("required", field="entry.identity")
@@ -111,7 +116,7 @@ def check_ip_entry(entry: IPEntry) -> IPEntry:
             ) from None
         if "/" in host_ip:
             raise InvalidArgument(f"{entry.host_ip!r} is not an IP address", field="entry.host_ip")
-    return replace(entry, prefix=prefix)
+    return replace(entry, prefix=prefix, named_ports=tuple(ports))
 
 
 def check_rules(rules: Sequence[Rule]) -> Sequence[Rule]:

@@ -59,6 +59,9 @@ class PolicyEntry:
     port: int = 0  # 0: any port
     end_port: int = 0  # inclusive end of a range; 0: port only
     cookie: int = 0
+    # A named port, resolved to numbers before it reaches the map
+    # (flagella.datapath.namedports).
+    port_name: str = ""
 
 
 def port_prefixes(lo: int, hi: int) -> list[tuple[int, int]]:
@@ -76,6 +79,8 @@ def port_prefixes(lo: int, hi: int) -> list[tuple[int, int]]:
 
 
 def _validate(e: PolicyEntry) -> None:
+    if e.port_name:
+        raise ValueError(f"policy entry {e}: named port not resolved")
     if e.direction not in (L.Direction.INGRESS, L.Direction.EGRESS):
         raise ValueError(f"policy entry {e}: direction must be ingress or egress")
     if e.verdict not in (L.Verdict.ALLOW, L.Verdict.DENY):

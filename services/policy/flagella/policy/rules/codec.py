@@ -52,12 +52,16 @@ def _peer_json(p: PeerSpec) -> dict[str, Any]:
     if p.entities:
         out["entities"] = [e.value for e in p.entities]
     if p.to_ports:
-        out["toPorts"] = [
-            [{"port": x.port, "endPort": x.end_port, "protocol": x.protocol.name} for x in pr]
-            for pr in p.to_ports
-        ]
+        out["toPorts"] = [[_port_json(x) for x in pr] for pr in p.to_ports]
     if p.requires:
         out["requires"] = [_selector_json(s) for s in p.requires]
+    return out
+
+
+def _port_json(x: PortSpec) -> dict[str, Any]:
+    out: dict[str, Any] = {"port": x.port, "endPort": x.end_port, "protocol": x.protocol.name}
+    if x.name:
+        out["name"] = x.name  # absent for numbers: older rules read back the same
     return out
 
 
@@ -106,7 +110,10 @@ def _peer_from(d: Mapping[str, Any]) -> PeerSpec:
         ),
         tuple(Entity(e) for e in d.get("entities", ())),
         tuple(
-            tuple(PortSpec(x["port"], x["endPort"], Protocol[x["protocol"]]) for x in pr)
+            tuple(
+                PortSpec(x["port"], x["endPort"], Protocol[x["protocol"]], x.get("name", ""))
+                for x in pr
+            )
             for pr in d.get("toPorts", ())
         ),
         tuple(_selector_from(s) for s in d.get("requires", ())),

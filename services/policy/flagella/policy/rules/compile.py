@@ -30,7 +30,9 @@ from flagella.policy.selector import (
     Selector,
 )
 
-PortKey = tuple[int, int, Protocol]  # (port, end_port, protocol)
+# (port, end_port, protocol); the port is a str for a named port (end_port
+# 0), which stays symbolic: the datapath resolves it per endpoint.
+PortKey = tuple[int | str, int, Protocol]
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,12 +120,23 @@ def _expand_ports(to_ports: tuple[tuple[PortSpec, ...], ...]) -> tuple[PortKey, 
         return ((0, 0, Protocol.ANY),)
     out: set[PortKey] = set()
     for p in specs:
+        if p.name:
+            protos = PORT_PROTOCOLS if p.protocol is Protocol.ANY else (p.protocol,)
+            out.update((p.name, 0, proto) for proto in protos)
+            continue
         end = p.end_port if p.end_port > p.port else 0
         if p.protocol is Protocol.ANY and p.port:
             out.update((p.port, end, proto) for proto in PORT_PROTOCOLS)
         else:
             out.add((p.port, end, p.protocol))
-    return tuple(sorted(out))
+    return tuple(sorted(out, key=_port_order))
+
+
+def _port_order(k: PortKey) -> tuple[int, int, str, int, int]:
+    port = k[0]
+    if isinstance(port, str):
+        return (1, 0, port, k[1], k[2])
+    return (0, port, "", k[1], k[2])
 
 
 def _cidr_selectors(

@@ -98,17 +98,19 @@ def parse_selector(value: Any, path: str) -> SelectorSpec:
     return spec
 
 
-def _port_number(value: Any, path: str) -> int:
+def _port_number(value: Any, path: str) -> int | str:
+    """A number, or a port name (a string that is not all digits; checked
+    by check_port)."""
     if isinstance(value, bool):
-        raise fail(path, "expected a port number")
+        raise fail(path, "expected a port number or name")
     if isinstance(value, int):
         return value
     if isinstance(value, str):
         if value.isdigit():
             return int(value)
         if value:
-            raise fail(path, f"named port {value!r} is not supported; use a number")
-    raise fail(path, f"expected a port number, got {type_name(value)}")
+            return value
+    raise fail(path, f"expected a port number or name, got {type_name(value)}")
 
 
 def parse_ports(value: Any, path: str, *, default_protocol: Protocol) -> tuple[PortSpec, ...]:
@@ -118,14 +120,23 @@ def parse_ports(value: Any, path: str, *, default_protocol: Protocol) -> tuple[P
         obj = Doc.mapping(raw, p)
         Doc.only(obj, p, ("port", "endPort", "protocol"))
         port = _port_number(obj["port"], f"{p}.port") if obj.get("port") is not None else 0
-        end = _port_number(obj["endPort"], f"{p}.endPort") if obj.get("endPort") is not None else 0
+        end = 0
+        if obj.get("endPort") is not None:
+            end_raw = _port_number(obj["endPort"], f"{p}.endPort")
+            if isinstance(end_raw, str):
+                raise fail(f"{p}.endPort", "expected a port number")
+            end = end_raw
         proto = default_protocol
         if obj.get("protocol") is not None:
             name = Doc.string(obj["protocol"], f"{p}.protocol")
             if name.upper() not in PROTOCOL_NAMES:
                 raise fail(f"{p}.protocol", f"unknown protocol {name!r} (TCP, UDP, SCTP, ANY)")
             proto = PROTOCOL_NAMES[name.upper()]
-        spec = PortSpec(port, end, proto)
+        spec = (
+            PortSpec(0, end, proto, name=port)
+            if isinstance(port, str)
+            else PortSpec(port, end, proto)
+        )
         check_port(spec, p)
         out.append(spec)
     return tuple(out)

@@ -68,6 +68,9 @@ class PortSpec:
     port: int = 0
     end_port: int = 0
     protocol: Protocol = Protocol.ANY
+    # A named container port (port is then 0): resolved where the pods'
+    # ports are known (the datapath), not here.
+    name: str = ""
 
 
 @dataclass(frozen=True, slots=True)

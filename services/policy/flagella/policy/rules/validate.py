@@ -9,6 +9,7 @@ import re
 from collections.abc import Sequence
 
 from flagella.common.errors import InvalidArgument
+from flagella.common.portnames import port_name_error
 from flagella.policy.identities import IPNetwork
 from flagella.policy.labels import (
     DEFAULT_SOURCE,
@@ -140,10 +141,15 @@ def check_cidr(
 def check_port(spec: PortSpec, path: str, *, end_field: str = "endPort") -> None:
     if spec.protocol in ICMP_PROTOCOLS:
         # The port of an ICMP entry is ICMP_TYPE_PORT | type (model.icmp_port).
+        if spec.name:
+            raise fail(f"{path}.port", f"{spec.protocol.name} takes no port name")
         if spec.end_port:
             raise fail(f"{path}.{end_field}", f"{spec.protocol.name} takes no port range")
         if spec.port and not ICMP_TYPE_PORT <= spec.port <= ICMP_TYPE_PORT | 0xFF:
             raise fail(f"{path}.port", f"{spec.protocol.name} takes an ICMP type, not a port")
+        return
+    if spec.name:
+        check_named_port(spec, path, end_field=end_field)
         return
     if not 0 <= spec.port <= 65535:
         raise fail(f"{path}.port", f"port {spec.port} out of range (0-65535)")
@@ -170,3 +176,15 @@ def check_unique(found: Sequence[tuple[str, Rule]]) -> None:
         if rule.key in seen:
             raise fail(join(path, "metadata.name"), f"rule {rule.key!r} appears twice")
         seen.add(rule.key)
+
+
+def check_named_port(spec: PortSpec, path: str, *, end_field: str = "endPort") -> None:
+    reason = port_name_error(spec.name)
+    if reason:
+        raise fail(f"{path}.port", f"invalid named port: {reason}")
+    if spec.port:
+        raise fail(f"{path}.port", "a named port has no number")
+    if spec.end_port:
+        raise fail(f"{path}.{end_field}", "a port range cannot start at a named port")
+    if spec.protocol is Protocol.ICMP:
+        raise fail(f"{path}.protocol", "ICMP takes no port")

@@ -186,6 +186,7 @@ class SetupEndpointRequest(_message.Message):
     IDENTITY_FIELD_NUMBER: _builtins.int
     POLICY_REVISION_FIELD_NUMBER: _builtins.int
     POD_CIDRS_FIELD_NUMBER: _builtins.int
+    NAMED_PORTS_FIELD_NUMBER: _builtins.int
     endpoint_id: _builtins.int
     container_id: _builtins.str
     netns_path: _builtins.str
@@ -205,6 +206,12 @@ class SetupEndpointRequest(_message.Message):
     def pod_cidrs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Pod CIDRs of the node the addresses come from."""
 
+    @_builtins.property
+    def named_ports(self) -> _containers.RepeatedCompositeFieldContainer[Global___NamedPort]:
+        """The pod's named container ports (ingress rules naming a port resolve
+        against them).
+        """
+
     def __init__(
         self,
         *,
@@ -217,14 +224,61 @@ class SetupEndpointRequest(_message.Message):
         identity: _builtins.int = ...,
         policy_revision: _builtins.int = ...,
         pod_cidrs: _abc.Iterable[_builtins.str] | None = ...,
+        named_ports: _abc.Iterable[Global___NamedPort] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["addresses", b"addresses", "container_id", b"container_id", "endpoint_id", b"endpoint_id", "identity", b"identity", "ifname", b"ifname", "mtu", b"mtu", "netns_path", b"netns_path", "pod_cidrs", b"pod_cidrs", "policy_revision", b"policy_revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["addresses", b"addresses", "container_id", b"container_id", "endpoint_id", b"endpoint_id", "identity", b"identity", "ifname", b"ifname", "mtu", b"mtu", "named_ports", b"named_ports", "netns_path", b"netns_path", "pod_cidrs", b"pod_cidrs", "policy_revision", b"policy_revision"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SetupEndpointRequest: _TypeAlias = SetupEndpointRequest  # noqa: Y015
+
+@_typing.final
+class NamedPort(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    PORT_FIELD_NUMBER: _builtins.int
+    PROTOCOL_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    port: _builtins.int
+    protocol: _builtins.int
+    """IP protocol number: 6 (TCP; also when 0), 17 (UDP) or 132 (SCTP)."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        port: _builtins.int = ...,
+        protocol: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "port", b"port", "protocol", b"protocol"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NamedPort: _TypeAlias = NamedPort  # noqa: Y015
+
+@_typing.final
+class NamedPorts(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PORTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def ports(self) -> _containers.RepeatedCompositeFieldContainer[Global___NamedPort]: ...
+    def __init__(
+        self,
+        *,
+        ports: _abc.Iterable[Global___NamedPort] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ports", b"ports"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NamedPorts: _TypeAlias = NamedPorts  # noqa: Y015
 
 @_typing.final
 class InterfaceInfo(_message.Message):
@@ -348,17 +402,23 @@ class UpdateEndpointRequest(_message.Message):
 
     ENDPOINT_ID_FIELD_NUMBER: _builtins.int
     IDENTITY_FIELD_NUMBER: _builtins.int
+    NAMED_PORTS_FIELD_NUMBER: _builtins.int
     endpoint_id: _builtins.int
     identity: _builtins.int
+    @_builtins.property
+    def named_ports(self) -> Global___NamedPorts:
+        """When set: the endpoint's named ports from now on."""
+
     def __init__(
         self,
         *,
         endpoint_id: _builtins.int = ...,
         identity: _builtins.int = ...,
+        named_ports: Global___NamedPorts | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["named_ports", b"named_ports"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint_id", b"endpoint_id", "identity", b"identity"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint_id", b"endpoint_id", "identity", b"identity", "named_ports", b"named_ports"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -379,6 +439,7 @@ class DatapathEndpoint(_message.Message):
     IDENTITY_FIELD_NUMBER: _builtins.int
     REALIZED_POLICY_REVISION_FIELD_NUMBER: _builtins.int
     PROGRAMS_ATTACHED_FIELD_NUMBER: _builtins.int
+    NAMED_PORTS_FIELD_NUMBER: _builtins.int
     endpoint_id: _builtins.int
     container_id: _builtins.str
     netns_path: _builtins.str
@@ -392,6 +453,8 @@ class DatapathEndpoint(_message.Message):
     """Programs attached on the host veth."""
     @_builtins.property
     def addresses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def named_ports(self) -> _containers.RepeatedCompositeFieldContainer[Global___NamedPort]: ...
     def __init__(
         self,
         *,
@@ -406,10 +469,11 @@ class DatapathEndpoint(_message.Message):
         identity: _builtins.int = ...,
         realized_policy_revision: _builtins.int = ...,
         programs_attached: _builtins.bool = ...,
+        named_ports: _abc.Iterable[Global___NamedPort] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["addresses", b"addresses", "container_id", b"container_id", "endpoint_id", b"endpoint_id", "host_ifindex", b"host_ifindex", "host_ifname", b"host_ifname", "identity", b"identity", "ifname", b"ifname", "mac", b"mac", "netns_path", b"netns_path", "programs_attached", b"programs_attached", "realized_policy_revision", b"realized_policy_revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["addresses", b"addresses", "container_id", b"container_id", "endpoint_id", b"endpoint_id", "host_ifindex", b"host_ifindex", "host_ifname", b"host_ifname", "identity", b"identity", "ifname", b"ifname", "mac", b"mac", "named_ports", b"named_ports", "netns_path", b"netns_path", "programs_attached", b"programs_attached", "realized_policy_revision", b"realized_policy_revision"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

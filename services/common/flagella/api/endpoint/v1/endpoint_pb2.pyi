@@ -131,6 +131,7 @@ class Endpoint(_message.Message):
     POLICY_REVISION_FIELD_NUMBER: _builtins.int
     CREATED_AT_FIELD_NUMBER: _builtins.int
     UPDATED_AT_FIELD_NUMBER: _builtins.int
+    NAMED_PORTS_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     container_id: _builtins.str
     ifname: _builtins.str
@@ -154,6 +155,10 @@ class Endpoint(_message.Message):
     def created_at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
     def updated_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def named_ports(self) -> _containers.RepeatedCompositeFieldContainer[Global___NamedPort]:
+        """The pod's named container ports."""
+
     def __init__(
         self,
         *,
@@ -173,14 +178,44 @@ class Endpoint(_message.Message):
         policy_revision: _builtins.int = ...,
         created_at: _timestamp_pb2.Timestamp | None = ...,
         updated_at: _timestamp_pb2.Timestamp | None = ...,
+        named_ports: _abc.Iterable[Global___NamedPort] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "updated_at", b"updated_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["addresses", b"addresses", "container_id", b"container_id", "created_at", b"created_at", "host_ifname", b"host_ifname", "id", b"id", "identity", b"identity", "ifname", b"ifname", "labels", b"labels", "mac", b"mac", "netns_path", b"netns_path", "node", b"node", "pod_name", b"pod_name", "pod_namespace", b"pod_namespace", "policy_revision", b"policy_revision", "state", b"state", "updated_at", b"updated_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["addresses", b"addresses", "container_id", b"container_id", "created_at", b"created_at", "host_ifname", b"host_ifname", "id", b"id", "identity", b"identity", "ifname", b"ifname", "labels", b"labels", "mac", b"mac", "named_ports", b"named_ports", "netns_path", b"netns_path", "node", b"node", "pod_name", b"pod_name", "pod_namespace", b"pod_namespace", "policy_revision", b"policy_revision", "state", b"state", "updated_at", b"updated_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Endpoint: _TypeAlias = Endpoint  # noqa: Y015
+
+@_typing.final
+class NamedPort(_message.Message):
+    """A named container port (Kubernetes ContainerPort with a name)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    PORT_FIELD_NUMBER: _builtins.int
+    PROTOCOL_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """IANA_SVC_NAME: lowercase, at most 15 characters, at least one letter."""
+    port: _builtins.int
+    protocol: _builtins.str
+    """TCP (default), UDP or SCTP."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        port: _builtins.int = ...,
+        protocol: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "port", b"port", "protocol", b"protocol"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NamedPort: _TypeAlias = NamedPort  # noqa: Y015
 
 @_typing.final
 class CreateEndpointRequest(_message.Message):
@@ -216,6 +251,7 @@ class CreateEndpointRequest(_message.Message):
     NODE_FIELD_NUMBER: _builtins.int
     MTU_FIELD_NUMBER: _builtins.int
     FAMILIES_FIELD_NUMBER: _builtins.int
+    NAMED_PORTS_FIELD_NUMBER: _builtins.int
     container_id: _builtins.str
     netns_path: _builtins.str
     ifname: _builtins.str
@@ -235,6 +271,12 @@ class CreateEndpointRequest(_message.Message):
     def families(self) -> _containers.RepeatedScalarFieldContainer[Global___IPFamily.ValueType]:
         """Empty: dual-stack where the node has both."""
 
+    @_builtins.property
+    def named_ports(self) -> _containers.RepeatedCompositeFieldContainer[Global___NamedPort]:
+        """The pod's named container ports; with resolve_labels_from_kubernetes
+        they are read from the Pod's spec instead.
+        """
+
     def __init__(
         self,
         *,
@@ -248,10 +290,11 @@ class CreateEndpointRequest(_message.Message):
         node: _builtins.str = ...,
         mtu: _builtins.int = ...,
         families: _abc.Iterable[Global___IPFamily.ValueType] | None = ...,
+        named_ports: _abc.Iterable[Global___NamedPort] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["container_id", b"container_id", "families", b"families", "ifname", b"ifname", "labels", b"labels", "mtu", b"mtu", "netns_path", b"netns_path", "node", b"node", "pod_name", b"pod_name", "pod_namespace", b"pod_namespace", "resolve_labels_from_kubernetes", b"resolve_labels_from_kubernetes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["container_id", b"container_id", "families", b"families", "ifname", b"ifname", "labels", b"labels", "mtu", b"mtu", "named_ports", b"named_ports", "netns_path", b"netns_path", "node", b"node", "pod_name", b"pod_name", "pod_namespace", b"pod_namespace", "resolve_labels_from_kubernetes", b"resolve_labels_from_kubernetes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

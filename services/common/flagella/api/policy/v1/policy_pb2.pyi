@@ -402,6 +402,7 @@ class IPCacheEntry(_message.Message):
     HOST_IP_FIELD_NUMBER: _builtins.int
     SOURCE_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
+    NAMED_PORTS_FIELD_NUMBER: _builtins.int
     prefix: _builtins.str
     """An IP or CIDR prefix."""
     identity: _builtins.int
@@ -410,6 +411,12 @@ class IPCacheEntry(_message.Message):
     source: _builtins.str
     """Who published it, e.g. "endpoint", "node", "cidr-policy"."""
     revision: _builtins.int
+    @_builtins.property
+    def named_ports(self) -> _containers.RepeatedCompositeFieldContainer[Global___NamedPort]:
+        """The endpoint's named container ports (what egress rules naming a port
+        resolve against on every node).
+        """
+
     def __init__(
         self,
         *,
@@ -419,14 +426,41 @@ class IPCacheEntry(_message.Message):
         host_ip: _builtins.str = ...,
         source: _builtins.str = ...,
         revision: _builtins.int = ...,
+        named_ports: _abc.Iterable[Global___NamedPort] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["host_ip", b"host_ip", "identity", b"identity", "node", b"node", "prefix", b"prefix", "revision", b"revision", "source", b"source"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["host_ip", b"host_ip", "identity", b"identity", "named_ports", b"named_ports", "node", b"node", "prefix", b"prefix", "revision", b"revision", "source", b"source"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___IPCacheEntry: _TypeAlias = IPCacheEntry  # noqa: Y015
+
+@_typing.final
+class NamedPort(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    PORT_FIELD_NUMBER: _builtins.int
+    PROTOCOL_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    port: _builtins.int
+    protocol: Global___Protocol.ValueType
+    """TCP (also when unset), UDP or SCTP."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        port: _builtins.int = ...,
+        protocol: Global___Protocol.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "port", b"port", "protocol", b"protocol"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NamedPort: _TypeAlias = NamedPort  # noqa: Y015
 
 @_typing.final
 class UpsertIPCacheRequest(_message.Message):
@@ -719,6 +753,7 @@ class PortProtocol(_message.Message):
     END_PORT_FIELD_NUMBER: _builtins.int
     PROTOCOL_FIELD_NUMBER: _builtins.int
     ICMP_TYPE_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
     port: _builtins.int
     """0 with PROTOCOL_ANY: every port. 0 with PROTOCOL_ICMP/ICMPV6."""
     end_port: _builtins.int
@@ -728,6 +763,10 @@ class PortProtocol(_message.Message):
     """With PROTOCOL_ICMP or PROTOCOL_ICMPV6: the one ICMP type (0-255) this
     matches; unset: every type.
     """
+    name: _builtins.str
+    """A named container port (IANA_SVC_NAME; port 0, no end_port): each
+    endpoint's own number for the name, resolved by the datapath.
+    """
     def __init__(
         self,
         *,
@@ -735,10 +774,11 @@ class PortProtocol(_message.Message):
         end_port: _builtins.int = ...,
         protocol: Global___Protocol.ValueType = ...,
         icmp_type: _builtins.int | None = ...,
+        name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_icmp_type", b"_icmp_type", "icmp_type", b"icmp_type"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_icmp_type", b"_icmp_type", "end_port", b"end_port", "icmp_type", b"icmp_type", "port", b"port", "protocol", b"protocol"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_icmp_type", b"_icmp_type", "end_port", b"end_port", "icmp_type", b"icmp_type", "name", b"name", "port", b"port", "protocol", b"protocol"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__icmp_type: _TypeAlias = _typing.Literal["icmp_type"]  # noqa: Y015
     _WhichOneofArgType__icmp_type: _TypeAlias = _typing.Literal["_icmp_type", b"_icmp_type"]  # noqa: Y015
@@ -1280,6 +1320,7 @@ class PolicyEntry(_message.Message):
     DIRECTION_FIELD_NUMBER: _builtins.int
     VERDICT_FIELD_NUMBER: _builtins.int
     DERIVED_FROM_FIELD_NUMBER: _builtins.int
+    PORT_NAME_FIELD_NUMBER: _builtins.int
     identity: _builtins.int
     """Peer identity; 0: any identity."""
     port: _builtins.int
@@ -1291,6 +1332,11 @@ class PolicyEntry(_message.Message):
     protocol: Global___Protocol.ValueType
     direction: Global___Direction.ValueType
     verdict: Global___Verdict.ValueType
+    port_name: _builtins.str
+    """A named port (port and end_port 0): the datapath resolves it, for
+    ingress against the subject endpoint's own ports, for egress against
+    the ports of the peer's endpoints.
+    """
     @_builtins.property
     def derived_from(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Names of the rules this entry comes from."""
@@ -1305,10 +1351,11 @@ class PolicyEntry(_message.Message):
         direction: Global___Direction.ValueType = ...,
         verdict: Global___Verdict.ValueType = ...,
         derived_from: _abc.Iterable[_builtins.str] | None = ...,
+        port_name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["derived_from", b"derived_from", "direction", b"direction", "end_port", b"end_port", "identity", b"identity", "port", b"port", "protocol", b"protocol", "verdict", b"verdict"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["derived_from", b"derived_from", "direction", b"direction", "end_port", b"end_port", "identity", b"identity", "port", b"port", "port_name", b"port_name", "protocol", b"protocol", "verdict", b"verdict"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
