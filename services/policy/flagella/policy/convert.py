@@ -12,9 +12,11 @@ from flagella.api.policy.v1 import policy_pb2 as pb
 from flagella.common.errors import InvalidArgument
 from flagella.policy.allocator import IdentityView
 from flagella.policy.labels import Label, LabelError, split_label
+from flagella.policy.prefixes import PrefixEntry
 from flagella.policy.resolve import PolicyContent, PolicyEntry, ResolvedPolicy
 from flagella.policy.rules import (
     CIDRSpec,
+    Direction,
     Expression,
     PeerSpec,
     PortSpec,
@@ -105,15 +107,22 @@ def _selector_from_pb(sel: pb.EndpointSelector, path: str) -> SelectorSpec:
     return spec
 
 
-def _peer_from_pb(peer: pb.PeerRule, path: str) -> PeerSpec:
+def _peer_from_pb(peer: pb.PeerRule, path: str, warnings: list[str] | None) -> PeerSpec:
     endpoints = tuple(
         _selector_from_pb(s, f"{path}.endpoints[{i}]") for i, s in enumerate(peer.endpoints)
     )
     cidrs = []
     for i, c in enumerate(peer.cidrs):
         spec = CIDRSpec(c.cidr, tuple(getattr(c, "except")))
-        check_cidr(spec, f"{path}.cidrs[{i}]", cidr_field="cidr", except_field="except")
-        cidrs.append(spec)
+        cidrs.append(
+            check_cidr(
+                spec,
+                f"{path}.cidrs[{i}]",
+                cidr_field="cidr",
+                except_field="except",
+                warnings=warnings,
+            )
+        )
     entities = []
     for i, e in enumerate(peer.entities):
         if e not in _ENTITIES:
@@ -133,7 +142,9 @@ def _peer_from_pb(peer: pb.PeerRule, path: str) -> PeerSpec:
     return PeerSpec(endpoints, tuple(cidrs), tuple(entities), tuple(to_ports))
 
 
-def rule_from_pb(rule: pb.Rule, path: str) -> Rule:
+def rule_from_pb(rule: pb.Rule, path: str, warnings: list[str] | None = None) -> Rule:
+    """The rule of a proto (validated; raises InvalidArgument naming the
+    field); CIDRs with host bits are masked, with a warning in warnings."""
     name, namespace = rule.name, rule.namespace
     if "/" in name:
         ns, _, name = name.partition("/")
@@ -148,7 +159,7 @@ def rule_from_pb(rule: pb.Rule, path: str) -> Rule:
         raise InvalidArgument("required", field=f"{path}.endpoint_selector")
 
     def peers(items: Sequence[pb.PeerRule], fld: str) -> tuple[PeerSpec, ...]:
-        return tuple(_peer_from_pb(p, f"{path}.{fld}[{i}]") for i, p in enumerate(items))
+        return tuple(_peer_from_pb(p, f"{path}.{fld}[{i}]", warnings) for i, p in enumerate(items))
 
     return Rule(
         name=name,
@@ -250,7 +261,33 @@ def content_bytes(c: PolicyContent) -> bytes:
         egress_enforced=c.egress_enforced,
         entries=[_entry_pb(e) for e in c.entries],
         error=c.error,
+        prefix_entries=[_prefix_pb(e) for e in c.prefix_entries],
     ).SerializeToString()
+
+
+_DIRECTION_PB = {
+    Direction.INGRESS: pb.DIRECTION_INGRESS,
+    Direction.EGRESS: pb.DIRECTION_EGRESS,
+}
+_PROTOCOL_PB = {
+    Protocol.ANY: pb.PROTOCOL_ANY,
+    Protocol.ICMP: pb.PROTOCOL_ICMP,
+    Protocol.TCP: pb.PROTOCOL_TCP,
+    Protocol.UDP: pb.PROTOCOL_UDP,
+    Protocol.SCTP: pb.PROTOCOL_SCTP,
+}
+
+
+def _prefix_pb(e: PrefixEntry) -> pb.PrefixEntry:
+    return pb.PrefixEntry(
+        prefix=str(e.prefix),
+        direction=_DIRECTION_PB[e.direction],
+        ports=[
+            pb.PortProtocol(port=p, end_port=end, protocol=_PROTOCOL_PB[proto])
+            for p, end, proto in e.ports
+        ],
+        derived_from=e.derived_from,
+    )
 
 
 class ContentCache:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from flagella.policy.identities import HOST, IdentityInfo, Kind
+from flagella.policy.prefixes import PrefixEntry, flatten
 from flagella.policy.rules import (
     Clause,
     CompiledRule,
@@ -84,6 +85,8 @@ class PolicyContent:
     # Set when the entries would exceed the budget: the content is then
     # fail-closed (both directions enforced, no entries).
     error: str = ""
+    # Kubernetes ipBlocks over addresses (prefixes.py).
+    prefix_entries: tuple[PrefixEntry, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,11 +212,17 @@ class SigPolicy:
             _add(allow0, [(0, 0, _ANY, _INGRESS)], DEFAULT_ALLOW)
         if not self.egress_enforced:
             _add(allow0, [(0, 0, _ANY, _EGRESS)], DEFAULT_ALLOW)
+        # Kubernetes ipBlocks over addresses depend on the rules only.
+        self.prefix_entries = (
+            flatten(c for r in rules for c in r.clauses if c.blocks)
+            if resolver.k8s_ipblocks
+            else ()
+        )
         self.raw_allow0 = _freeze(allow0)
         self.raw_deny0 = _freeze(deny0)
         self.group0 = _precedence(self.raw_allow0, self.raw_deny0, {}, {})
         self.groups: dict[int, Group] = {}
-        self.count = sum(map(len, self.group0))
+        self.count = sum(map(len, self.group0)) + len(self.prefix_entries)
         self.version = 0
         self._content: PolicyContent | None = None
         self._stale: set[int] = set()
@@ -301,16 +310,30 @@ class SigPolicy:
             PolicyEntry(i, p, e, _PROTOCOL[pr], _DIRECTION[d], _VERDICT[v], n)
             for i, p, e, pr, d, v, n in raw
         ]
-        self._content = PolicyContent(self.ingress_enforced, self.egress_enforced, tuple(entries))
+        self._content = PolicyContent(
+            self.ingress_enforced,
+            self.egress_enforced,
+            tuple(entries),
+            prefix_entries=self.prefix_entries,
+        )
         return self._content
 
 
 class Resolver:
     """Rules and identities in; resolved policies out, incrementally."""
 
-    def __init__(self, *, budget: int = DEFAULT_BUDGET, allow_localhost: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        budget: int = DEFAULT_BUDGET,
+        allow_localhost: bool = True,
+        k8s_ipblocks: bool = True,
+    ) -> None:
         self.budget = budget
         self.allow_localhost = allow_localhost
+        # Kubernetes ipBlocks also match pod and node addresses (prefix
+        # entries); off: Cilium's semantics (CIDR identities only).
+        self.k8s_ipblocks = k8s_ipblocks
         self.selectors = SelectorCache()
         self.rules: dict[str, CompiledRule] = {}
         self._rules_by_subject: dict[LabelSelector, set[str]] = {}

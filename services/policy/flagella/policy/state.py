@@ -114,9 +114,17 @@ class Change:
 
 
 class PolicyState:
-    def __init__(self, *, budget: int = DEFAULT_BUDGET, allow_localhost: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        budget: int = DEFAULT_BUDGET,
+        allow_localhost: bool = True,
+        k8s_ipblocks: bool = True,
+    ) -> None:
         self.revision = 0
-        self.resolver = Resolver(budget=budget, allow_localhost=allow_localhost)
+        self.resolver = Resolver(
+            budget=budget, allow_localhost=allow_localhost, k8s_ipblocks=k8s_ipblocks
+        )
         for info in RESERVED_INFOS.values():
             self.resolver.add_identity(info)
         self.resolver.take_dirty()

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from flagella.policy.identities import IPNetwork
 from flagella.policy.labels import DEFAULT_SOURCE, NAMESPACE_KEY, SOURCE_ANY, SOURCE_RESERVED
 from flagella.policy.rules.model import (
+    K8S_DERIVED_LABEL,
     PORT_PROTOCOLS,
     Direction,
     PortSpec,
@@ -29,6 +30,8 @@ from flagella.policy.selector import (
 )
 
 PortKey = tuple[int, int, Protocol]  # (port, end_port, protocol)
+# A Kubernetes ipBlock: its CIDR and excepts.
+Block = tuple[IPNetwork, tuple[IPNetwork, ...]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +45,10 @@ class Clause:
     ports: tuple[PortKey, ...]
     # Position in the rule, for traces: e.g. "ingress[0]".
     where: str = ""
+    # The clause's ipBlocks when the rule is a Kubernetes NetworkPolicy (also
+    # in selectors, as CIDR selectors): with --k8s-ipblock-mode=kubernetes
+    # they match addresses, pods and nodes included.
+    blocks: tuple[Block, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -116,6 +123,8 @@ def _expand_ports(to_ports: tuple[tuple[PortSpec, ...], ...]) -> tuple[PortKey, 
 
 def compile_rule(rule: Rule) -> CompiledRule:
     ns = rule.namespace
+    # A Kubernetes NetworkPolicy's ipBlocks match addresses (blocks).
+    kubernetes = K8S_DERIVED_LABEL in rule.labels
     clauses: list[Clause] = []
     prefixes: set[IPNetwork] = set()
     groups = (
@@ -127,12 +136,15 @@ def compile_rule(rule: Rule) -> CompiledRule:
     for name, peers, direction, verdict in groups:
         for i, peer in enumerate(peers):
             sels: list[Selector] = [peer_selector(s, ns) for s in peer.endpoints]
+            blocks: list[Block] = []
             for c in peer.cidrs:
                 net = parse_network(c.cidr, "")
                 excepts = tuple(sorted({parse_network(e, "") for e in c.excepts}, key=str))
                 prefixes.add(net)
                 prefixes.update(excepts)
                 sels.append(CIDRSelector(net, excepts))
+                if kubernetes and verdict is Verdict.ALLOW:
+                    blocks.append((net, excepts))
             for entity in peer.entities:
                 sels.append(WILDCARD if entity is Entity.ALL else EntitySelector(entity))
             if not sels and peer.to_ports:
@@ -147,6 +159,7 @@ def compile_rule(rule: Rule) -> CompiledRule:
                     selectors=tuple(dict.fromkeys(sels)),
                     ports=_expand_ports(peer.to_ports),
                     where=f"{name}[{i}]",
+                    blocks=tuple(dict.fromkeys(blocks)),
                 )
             )
     subject = subject_selector(rule.endpoint_selector, ns)
