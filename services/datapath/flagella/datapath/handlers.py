@@ -21,6 +21,7 @@ from flagella.common.sync import Batch, Change, StreamSource
 from flagella.datapath.bpf import Backend, Frontend, Service, frontend_rev_nat_id
 from flagella.datapath.bpf.layout import Direction, Verdict
 from flagella.datapath.bpf.policy import PolicyEntry
+from flagella.datapath.bpf.prefixpolicy import PrefixRule
 from flagella.datapath.service import DatapathService, IdentityPolicy
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,15 @@ def identity_policy(p: policy_pb2.ResolvedPolicy) -> IdentityPolicy:
             )
             for e in p.entries
             if e.direction in DIRECTIONS and e.verdict in VERDICTS
+        ),
+        prefixes=tuple(
+            PrefixRule(
+                prefix=e.prefix,
+                direction=DIRECTIONS[e.direction],
+                ports=tuple((int(x.protocol), x.port, x.end_port) for x in e.ports),
+            )
+            for e in p.prefix_entries
+            if e.direction in DIRECTIONS
         ),
     )
 
