@@ -87,6 +87,10 @@ class PolicyContent:
     error: str = ""
     # Kubernetes ipBlocks over addresses (prefixes.py).
     prefix_entries: tuple[PrefixEntry, ...] = ()
+    # Rules with Kubernetes ipBlocks select the identity: what it gets
+    # depends on --k8s-ipblock-mode, which a resumed stream cannot know the
+    # client saw (streams.py resends such policies).
+    ipblock_rules: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,11 +217,9 @@ class SigPolicy:
         if not self.egress_enforced:
             _add(allow0, [(0, 0, _ANY, _EGRESS)], DEFAULT_ALLOW)
         # Kubernetes ipBlocks over addresses depend on the rules only.
-        self.prefix_entries = (
-            flatten(c for r in rules for c in r.clauses if c.blocks)
-            if resolver.k8s_ipblocks
-            else ()
-        )
+        blocks = [c for r in rules for c in r.clauses if c.blocks]
+        self.ipblock_rules = bool(blocks)
+        self.prefix_entries = flatten(blocks) if resolver.k8s_ipblocks else ()
         self.raw_allow0 = _freeze(allow0)
         self.raw_deny0 = _freeze(deny0)
         self.group0 = _precedence(self.raw_allow0, self.raw_deny0, {}, {})
@@ -315,6 +317,7 @@ class SigPolicy:
             self.egress_enforced,
             tuple(entries),
             prefix_entries=self.prefix_entries,
+            ipblock_rules=self.ipblock_rules,
         )
         return self._content
 

@@ -1,0 +1,294 @@
+"""End to end: Kubernetes NetworkPolicy ipBlocks as Kubernetes means them,
+on real pods made by `flagella-cni` (one node on an underlay, with an
+outside host on it), real traffic, IPv4 and IPv6.
+
+- An ipBlock over the pods' addresses with an except: two pods of one
+  identity, one inside the block and one in the except, are treated
+  differently, for ingress (source address) and egress (destination
+  address); the outside host is matched by the same policies.
+- The policy service's `--k8s-ipblock-mode=cilium` restores Cilium's
+  semantics (an ipBlock over pods matches no pod; outside addresses still).
+- A CiliumNetworkPolicy fromCIDR over the pods' CIDR keeps Cilium's
+  semantics (no pod matched), whatever the mode.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from harness.cluster import Cluster, Node, standalone_cluster
+from harness.cni import cni, netconf
+from harness.netns import Netns, wait_until
+from harness.underlay import SUBNET6, Underlay
+
+from flagella.api.policy.v1 import policy_pb2
+
+pytestmark = [pytest.mark.privileged, pytest.mark.integration]
+
+CIDR6 = "fd00:10:200::/104"
+TCP4, TCP6 = 8080, 8086
+NS = "x"
+
+
+@dataclass
+class Pod:
+    name: str
+    ns: Netns
+    ip4: str
+    ip6: str
+
+
+@dataclass
+class World:
+    cluster: Cluster
+    node: Node
+    underlay: Underlay
+    server: Pod  # app=server
+    a1: Pod  # pod=a, inside the blocks
+    a2: Pod  # pod=a (same identity), in the excepts
+    b1: Pod  # app=server2 (servers for the egress cases), inside
+    b2: Pod  # app=server2, in the except
+
+
+def add_pod(cluster: Cluster, node: Node, name: str, labels: dict[str, str]) -> Pod:
+    ns = cluster.pod(node, name)
+    rc, result = cni(
+        "ADD",
+        netconf(node.cni_socket, labels),
+        container_id=f"ctr-{name}",
+        netns=ns.path,
+        pod=(NS, name),
+    )
+    assert rc == 0, result
+    ips = [ipaddress.ip_interface(ip["address"]).ip for ip in result["ips"]]
+    ip4 = next(str(ip) for ip in ips if ip.version == 4)
+    ip6 = next(str(ip) for ip in ips if ip.version == 6)
+    for port, v6 in ((TCP4, False), (TCP6, True)):
+        ns.serve("tcp", port, name, v6=v6)
+    return Pod(name, ns, ip4, ip6)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    if os.geteuid() != 0:
+        pytest.skip("needs root (netns, veth, BPF)")
+    tmp: Path = tmp_path_factory.mktemp("ipblock")
+    with standalone_cluster(tmp) as cluster:
+        cluster.start(
+            services=("ipam", "policy", "lb", "endpoint"),
+            extra={"ipam": ["--cluster-cidr", CIDR6]},
+        )
+        underlay = Underlay(cluster.nss)
+        node = cluster.add_node("n1", underlay=underlay)
+        pods = [
+            add_pod(cluster, node, "server", {"app": "server"}),
+            add_pod(cluster, node, "a1", {"pod": "a"}),
+            add_pod(cluster, node, "a2", {"pod": "a"}),
+            add_pod(cluster, node, "b1", {"app": "server2"}),
+            add_pod(cluster, node, "b2", {"app": "server2"}),
+        ]
+        # The outside host reaches the pods through the node (no masquerade
+        # on the way in: the pods see its address).
+        out = underlay.outside
+        out.serve("tcp", TCP4, "outside")
+        out.serve("tcp", TCP6, "outside", v6=True)
+        for pod in pods:
+            out.ip("route", "replace", f"{pod.ip4}/32", "via", node.ip)
+            out.ip("-6", "route", "replace", f"{pod.ip6}/128", "via", SUBNET6.format(n=node.index))
+        yield World(cluster, node, underlay, *pods)
+
+
+def reach(src: Netns, dst: str, v6: bool = False) -> bool:
+    port = TCP6 if v6 else TCP4
+    return src.request("tcp", dst, port, timeout=1) is not None
+
+
+def put(w: World, document: str) -> policy_pb2.PutRulesResponse:
+    resp: policy_pb2.PutRulesResponse = w.cluster.policy().PutRules(
+        policy_pb2.PutRulesRequest(document=document), timeout=10
+    )
+    return resp
+
+
+def delete(w: World, name: str) -> None:
+    w.cluster.policy().DeleteRule(policy_pb2.DeleteRuleRequest(name=name), timeout=10)
+
+
+def wide(ip: str, plen: int) -> str:
+    """ip with a short mask, host bits set, as upstream's e2e writes it."""
+    return f"{ip}/{plen}"
+
+
+INGRESS = """
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {{name: server-ipblock, namespace: x}}
+spec:
+  podSelector: {{matchLabels: {{app: server}}}}
+  policyTypes: [Ingress]
+  ingress:
+  - from:
+    - ipBlock: {{cidr: {cidr4}, except: [{a2_4}/32]}}
+    - ipBlock: {{cidr: "{cidr6}", except: ["{a2_6}/128"]}}
+    - ipBlock: {{cidr: {out4}/32}}
+    - ipBlock: {{cidr: "{out6}/128"}}
+    ports: [{{port: 8080}}, {{port: 8086}}]
+"""
+
+EGRESS = """
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {{name: a-egress-ipblock, namespace: x}}
+spec:
+  podSelector: {{matchLabels: {{pod: a}}}}
+  policyTypes: [Egress]
+  egress:
+  - to:
+    - ipBlock: {{cidr: {cidr4}, except: [{b2_4}/32]}}
+    - ipBlock: {{cidr: "{cidr6}", except: ["{b2_6}/128"]}}
+    - ipBlock: {{cidr: {out4}/32}}
+    - ipBlock: {{cidr: "{out6}/128"}}
+"""
+
+CNP = """
+apiVersion: cilium.io/v2
+kind: CiliumNetworkPolicy
+metadata: {{name: server-cidr, namespace: x}}
+spec:
+  endpointSelector: {{matchLabels: {{app: server}}}}
+  ingress:
+  - fromCIDR: [{cidr4}, "{cidr6}", {out4}/32]
+"""
+
+
+def _fields(w: World) -> dict[str, str]:
+    return {
+        "cidr4": wide(w.a1.ip4, 16),
+        "cidr6": wide(w.a1.ip6, 64),
+        "a2_4": w.a2.ip4,
+        "a2_6": w.a2.ip6,
+        "b2_4": w.b2.ip4,
+        "b2_6": w.b2.ip6,
+        "out4": w.underlay.outside_ip4,
+        "out6": w.underlay.outside_ip6,
+    }
+
+
+Matrix = dict[str, bool]
+
+
+def settle(probe: Callable[[], Matrix], want: Matrix, timeout: float = 20.0) -> None:
+    """probe() turns to want within timeout (policy reaching the datapath)."""
+    last: Matrix = {}
+
+    def ok() -> bool:
+        nonlocal last
+        last = probe()
+        return last == want
+
+    assert wait_until(ok, timeout=timeout), f"want {want}, got {last}"
+
+
+def into_server(w: World) -> Matrix:
+    s, out = w.server, w.underlay.outside
+    return {
+        "a1 v4": reach(w.a1.ns, s.ip4),
+        "a1 v6": reach(w.a1.ns, s.ip6, v6=True),
+        "a2 v4": reach(w.a2.ns, s.ip4),
+        "a2 v6": reach(w.a2.ns, s.ip6, v6=True),
+        "b1 v4": reach(w.b1.ns, s.ip4),
+        "outside v4": reach(out, s.ip4),
+        "outside v6": reach(out, s.ip6, v6=True),
+    }
+
+
+def out_of_a(w: World) -> Matrix:
+    ul = w.underlay
+    return {
+        "a1 to b1 v4": reach(w.a1.ns, w.b1.ip4),
+        "a1 to b1 v6": reach(w.a1.ns, w.b1.ip6, v6=True),
+        "a1 to b2 v4": reach(w.a1.ns, w.b2.ip4),
+        "a1 to b2 v6": reach(w.a1.ns, w.b2.ip6, v6=True),
+        "a2 to b2 v4": reach(w.a2.ns, w.b2.ip4),
+        "a1 to outside v4": reach(w.a1.ns, ul.outside_ip4),
+        "a1 to outside v6": reach(w.a1.ns, ul.outside_ip6, v6=True),
+        "server to b2 v4": reach(w.server.ns, w.b2.ip4),  # not selected: open
+    }
+
+
+ALL_IN = dict.fromkeys(
+    ["a1 v4", "a1 v6", "a2 v4", "a2 v6", "b1 v4", "outside v4", "outside v6"], True
+)
+ALL_OUT = dict.fromkeys(
+    [
+        *("a1 to b1 v4", "a1 to b1 v6", "a1 to b2 v4", "a1 to b2 v6", "a2 to b2 v4"),
+        *("a1 to outside v4", "a1 to outside v6", "server to b2 v4"),
+    ],
+    True,
+)
+
+
+@pytest.fixture
+def clean(world: World) -> Iterator[World]:
+    """Everything open before and after each test."""
+    settle(lambda: into_server(world), ALL_IN)
+    yield world
+    for name in ("x/server-ipblock", "x/a-egress-ipblock", "x/server-cidr"):
+        delete(world, name)
+
+
+def test_ingress_ipblock_with_except_over_pods_and_an_outside_host(clean: World) -> None:
+    w = clean
+    resp = put(w, INGRESS.format(**_fields(w)))
+    assert [x.split(":")[0] for x in resp.warnings] == [
+        "spec.ingress[0].from[0].ipBlock.cidr",
+        "spec.ingress[0].from[1].ipBlock.cidr",
+    ]
+    # a1 and a2 share one identity; a2's address is in the except.
+    settle(
+        lambda: into_server(w),
+        {**ALL_IN, "a2 v4": False, "a2 v6": False},
+    )
+
+
+def test_egress_ipblock_with_except_over_pods_and_an_outside_host(clean: World) -> None:
+    w = clean
+    settle(lambda: out_of_a(w), ALL_OUT)
+    put(w, EGRESS.format(**_fields(w)))
+    # b1 and b2 share one identity; b2's address is in the except.
+    settle(
+        lambda: out_of_a(w),
+        {**ALL_OUT, "a1 to b2 v4": False, "a1 to b2 v6": False, "a2 to b2 v4": False},
+    )
+
+
+def test_cilium_mode_and_cilium_policies_keep_ciliums_semantics(clean: World) -> None:
+    w = clean
+    # A CiliumNetworkPolicy fromCIDR over the pods' CIDR selects no pod.
+    put(w, CNP.format(**_fields(w)))
+    settle(
+        lambda: into_server(w),
+        {**dict.fromkeys(ALL_IN, False), "outside v4": True},
+    )
+    delete(w, "x/server-cidr")
+    settle(lambda: into_server(w), ALL_IN)
+
+    # --k8s-ipblock-mode=cilium: the NetworkPolicy's ipBlocks match no pod
+    # either; the outside host still (CIDR identities).
+    w.cluster.restart("policy", ["--k8s-ipblock-mode", "cilium"])
+    try:
+        put(w, INGRESS.format(**_fields(w)))
+        settle(
+            lambda: into_server(w),
+            {**dict.fromkeys(ALL_IN, False), "outside v4": True, "outside v6": True},
+        )
+    finally:
+        w.cluster.restart("policy")
+    # Back to the default mode, the policy unchanged: the datapath resumes
+    # its stream and gets Kubernetes' meaning again.
+    settle(lambda: into_server(w), {**ALL_IN, "a2 v4": False, "a2 v6": False})
