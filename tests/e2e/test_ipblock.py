@@ -26,6 +26,7 @@ from harness.cni import cni, netconf
 from harness.netns import Netns, wait_until
 from harness.underlay import SUBNET6, Underlay
 
+from flagella.api.lb.v1 import lb_pb2
 from flagella.api.policy.v1 import policy_pb2
 
 pytestmark = [pytest.mark.privileged, pytest.mark.integration]
@@ -207,9 +208,15 @@ def into_server(w: World) -> Matrix:
     }
 
 
+VIP_B1, VIP_B2 = "10.96.7.1", "10.96.7.2"  # ClusterIPs of b1 and b2 (port 80)
+
+
 def out_of_a(w: World) -> Matrix:
     ul = w.underlay
     return {
+        # Policy applies to the backend's address, after translation.
+        "a1 to b1 via ClusterIP": w.a1.ns.request("tcp", VIP_B1, 80, timeout=1) is not None,
+        "a1 to b2 via ClusterIP": w.a1.ns.request("tcp", VIP_B2, 80, timeout=1) is not None,
         "a1 to b1 v4": reach(w.a1.ns, w.b1.ip4),
         "a1 to b1 v6": reach(w.a1.ns, w.b1.ip6, v6=True),
         "a1 to b2 v4": reach(w.a1.ns, w.b2.ip4),
@@ -228,6 +235,7 @@ ALL_OUT = dict.fromkeys(
     [
         *("a1 to b1 v4", "a1 to b1 v6", "a1 to b2 v4", "a1 to b2 v6", "a2 to b2 v4"),
         *("a1 to outside v4", "a1 to outside v6", "server to b2 v4"),
+        *("a1 to b1 via ClusterIP", "a1 to b2 via ClusterIP"),
     ],
     True,
 )
@@ -258,12 +266,32 @@ def test_ingress_ipblock_with_except_over_pods_and_an_outside_host(clean: World)
 
 def test_egress_ipblock_with_except_over_pods_and_an_outside_host(clean: World) -> None:
     w = clean
+    lb = w.cluster.lb()
+    for name, vip, pod in (("b1", VIP_B1, w.b1), ("b2", VIP_B2, w.b2)):
+        lb.UpsertService(
+            lb_pb2.UpsertServiceRequest(
+                service=lb_pb2.Service(
+                    name=f"{NS}/{name}",
+                    frontend=lb_pb2.Frontend(address=vip, port=80, protocol=lb_pb2.PROTOCOL_TCP),
+                    type=lb_pb2.SERVICE_TYPE_CLUSTER_IP,
+                    backends=[lb_pb2.Backend(address=pod.ip4, port=TCP4)],
+                )
+            ),
+            timeout=10,
+        )
     settle(lambda: out_of_a(w), ALL_OUT)
     put(w, EGRESS.format(**_fields(w)))
-    # b1 and b2 share one identity; b2's address is in the except.
+    # b1 and b2 share one identity; b2's address is in the except (the
+    # ClusterIPs are outside the blocks: the backend's address decides).
     settle(
         lambda: out_of_a(w),
-        {**ALL_OUT, "a1 to b2 v4": False, "a1 to b2 v6": False, "a2 to b2 v4": False},
+        {
+            **ALL_OUT,
+            "a1 to b2 v4": False,
+            "a1 to b2 v6": False,
+            "a2 to b2 v4": False,
+            "a1 to b2 via ClusterIP": False,
+        },
     )
 
 
