@@ -35,6 +35,7 @@ from flagella.api.policy.v1 import policy_pb2 as pb  # noqa: E402
 from flagella.api.policy.v1 import policy_pb2_grpc as pbg  # noqa: E402
 from flagella.common import pki  # noqa: E402
 from flagella.common.sync import Table  # noqa: E402
+from flagella.policy.keys import RULES_PREFIX  # noqa: E402
 from flagella.policy.labels import Label, LabelFilter, label_set  # noqa: E402
 from flagella.policy.rules import parse_document, rule_to_json  # noqa: E402
 from flagella.policy.state import PolicyState  # noqa: E402
@@ -55,8 +56,28 @@ def pod(ns: int, app: int, extra: str = "") -> list[pb.Label]:
     ]
 
 
-def rules_document(ns: int, api_port: int = 8080) -> str:
-    """Four rules per namespace (50 namespaces: 200 rules)."""
+def _ipblocks(ns: int) -> str:
+    """ipBlocks over the pods' addresses (nested, with excepts, host bits as
+    upstream writes them) for the NetworkPolicy of the ipBlock mix."""
+    return f"""
+    - ipBlock: {{cidr: 10.{ns}.3.7/16, except: [10.{ns}.1.0/24, 10.{ns}.2.0/24]}}
+    - ipBlock: {{cidr: 10.{ns}.1.0/24, except: [10.{ns}.1.128/25]}}
+    - ipBlock: {{cidr: "fd00:{ns}::/64", except: ["fd00:{ns}::/112"]}}"""
+
+
+def rules_document(ns: int, api_port: int = 8080, *, ipblocks: bool = False) -> str:
+    """Four rules per namespace (50 namespaces: 200 rules); with ipblocks,
+    the NetworkPolicy also takes ingress from ipBlocks over pods and sends
+    egress to one (Kubernetes' meaning: prefix entries)."""
+    blocks = _ipblocks(ns) if ipblocks else ""
+    egress = (
+        f"""
+  egress:
+  - to: [ipBlock: {{cidr: 10.{(ns + 1) % NAMESPACES}.0.0/16, except: [10.{(ns + 1) % NAMESPACES}.9.0/24]}}]
+    ports: [{{port: 443}}]"""
+        if ipblocks
+        else ""
+    )
     return f"""
 apiVersion: flagella.io/v1
 kind: FlagellaNetworkPolicy
@@ -97,8 +118,8 @@ spec:
   - from:
     - podSelector: {{matchLabels: {{tier: api}}}}
     - namespaceSelector: {{matchLabels: {{kubernetes.io/metadata.name: ns-{(ns + 1) % NAMESPACES}}}}}
-      podSelector: {{matchExpressions: [{{key: tier, operator: NotIn, values: [web]}}]}}
-    ports: [{{port: 5432}}]
+      podSelector: {{matchExpressions: [{{key: tier, operator: NotIn, values: [web]}}]}}{blocks}
+    ports: [{{port: 5432}}]{egress}
 ---
 apiVersion: flagella.io/v1
 kind: FlagellaNetworkPolicy
@@ -251,32 +272,48 @@ async def bench(quick: bool, etcd_server: EtcdServer, address: str) -> dict[str,
             await etcd.close()
         ident_ids: list[int] = []
 
-        def load() -> PolicyState:
+        # The ipBlock mix: the same state with the 50 NetworkPolicies
+        # taking ipBlocks over pods (in process only).
+        kvs_ipblocks: list[Any] = [kv for kv in kvs if not kv.key.startswith(RULES_PREFIX)]
+        for ns in range(NAMESPACES):
+            for rule in parse_document(rules_document(ns, ipblocks=True)):
+                kvs_ipblocks.append(_KV(RULES_PREFIX + rule.key, rule_to_json(rule), revision, 1))
+
+        def load(kvs: list[Any] = kvs) -> PolicyState:
             state = PolicyState()
             for kv in kvs:
                 state.put(kv)
             state.commit(revision)
             return state
 
-        load_times, resolve_times = [], []
-        state = load()
-        for _ in range(3 if quick else 5):
-            t0 = time.perf_counter()
-            state = load()
-            t1 = time.perf_counter()
-            ident_ids = sorted(
-                i for i in state.identities if state.node_refs.get("node-1", {}).get(i)
-            )
-            entries = 0
-            for ident in ident_ids:
+        def resolve_all(state: PolicyState) -> tuple[list[int], int, int]:
+            idents = sorted(i for i in state.identities if state.node_refs.get("node-1", {}).get(i))
+            entries = prefixes = 0
+            for ident in idents:
                 content = state.resolver.content(ident)
                 assert content is not None
                 assert not content.error
                 entries += len(content.entries)
+                prefixes += len(content.prefix_entries)
+            return idents, entries, prefixes
+
+        load_times, resolve_times, ipblock_times = [], [], []
+        state = load()
+        # Interleaved, so both mixes see the same machine.
+        for _ in range(3 if quick else 5):
+            t0 = time.perf_counter()
+            state = load()
+            t1 = time.perf_counter()
+            ident_ids, entries, _ = resolve_all(state)
             t2 = time.perf_counter()
             load_times.append(t1 - t0)
             resolve_times.append(t2 - t1)
+            with_blocks = load(kvs_ipblocks)
+            t3 = time.perf_counter()
+            _, entries_ipblocks, prefix_entries = resolve_all(with_blocks)
+            ipblock_times.append(time.perf_counter() - t3)
         assert len(ident_ids) == 1000, len(ident_ids)
+        assert prefix_entries > 0
         results["rules_count"] = len(state.rules)
         results["resolved_identities_count"] = len(ident_ids)
         results["policy_entries_count"] = entries
@@ -284,6 +321,11 @@ async def bench(quick: bool, etcd_server: EtcdServer, address: str) -> dict[str,
         results["resolve_1000_identities_200_rules_ms"] = round(
             statistics.median(resolve_times) * 1000, 1
         )
+        results["resolve_1000_identities_200_rules_ipblocks_ms"] = round(
+            statistics.median(ipblock_times) * 1000, 1
+        )
+        results["ipblocks_policy_entries_count"] = entries_ipblocks
+        results["ipblocks_prefix_entries_count"] = prefix_entries
 
         # cached lookups in-process (what GetIdentity does without gRPC)
         label_filter = LabelFilter()
@@ -371,6 +413,12 @@ ROWS = [
         "ms",
         "< 1,000",
     ),
+    (
+        "the same with ipBlocks over pods in the 50 NetworkPolicies",
+        "resolve_1000_identities_200_rules_ipblocks_ms",
+        "ms",
+        "within 20 %",
+    ),
     ("one rule changes: recompute what it affects", "one_rule_change_recompute_ms", "ms", "< 50"),
     ("one rule changes: PutRules to WatchPolicy SYNCED", "one_rule_change_end_to_end_ms", "ms", ""),
     ("WatchPolicy snapshot of 1,000 policies", "watch_snapshot_1000_policies_ms", "ms", ""),
@@ -405,7 +453,9 @@ def main() -> int:
         print(f"{label:<{width}}  {value:>10,} {unit:<3} {target}")
     print(
         f"({results['new_identities_count']} new identities; {results['resolved_identities_count']} identities, "
-        f"{results['rules_count']} rules, {results['policy_entries_count']} entries; one rule change "
+        f"{results['rules_count']} rules, {results['policy_entries_count']} entries "
+        f"(ipBlock mix: {results['ipblocks_policy_entries_count']} entries and "
+        f"{results['ipblocks_prefix_entries_count']} prefix entries); one rule change "
         f"recomputes {results['one_rule_change_recomputed_identities_count']} identities; "
         f"N = {results['owned_owners_count']} owners: {results['owned_reference_keys_count']} "
         f"etcd keys, {results['owned_reference_etcd_bytes']:,} bytes, "

@@ -14,7 +14,6 @@ outside host on it), real traffic, IPv4 and IPv6.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -22,7 +21,8 @@ from pathlib import Path
 
 import pytest
 from harness.cluster import Cluster, Node, standalone_cluster
-from harness.cni import cni, netconf
+from harness.cni import add_pod as cni_add_pod
+from harness.lb import service
 from harness.netns import Netns, wait_until
 from harness.underlay import SUBNET6, Underlay
 
@@ -58,17 +58,7 @@ class World:
 
 def add_pod(cluster: Cluster, node: Node, name: str, labels: dict[str, str]) -> Pod:
     ns = cluster.pod(node, name)
-    rc, result = cni(
-        "ADD",
-        netconf(node.cni_socket, labels),
-        container_id=f"ctr-{name}",
-        netns=ns.path,
-        pod=(NS, name),
-    )
-    assert rc == 0, result
-    ips = [ipaddress.ip_interface(ip["address"]).ip for ip in result["ips"]]
-    ip4 = next(str(ip) for ip in ips if ip.version == 4)
-    ip6 = next(str(ip) for ip in ips if ip.version == 6)
+    ip4, ip6 = cni_add_pod(node.cni_socket, ns.path, name, NS, labels)
     for port, v6 in ((TCP4, False), (TCP6, True)):
         ns.serve("tcp", port, name, v6=v6)
     return Pod(name, ns, ip4, ip6)
@@ -120,64 +110,45 @@ def delete(w: World, name: str) -> None:
     w.cluster.policy().DeleteRule(policy_pb2.DeleteRuleRequest(name=name), timeout=10)
 
 
-def wide(ip: str, plen: int) -> str:
-    """ip with a short mask, host bits set, as upstream's e2e writes it."""
-    return f"{ip}/{plen}"
-
-
-INGRESS = """
+def network_policy(w: World, direction: str) -> str:
+    """A NetworkPolicy whose one rule takes ipBlocks over the pods' CIDRs
+    (written with host bits, as upstream does) except one pod, and the
+    outside host's addresses: ingress of the server (a2 excepted), or
+    egress of the pod=a pods (b2 excepted)."""
+    ingress = direction == "Ingress"
+    name, selector, excepted = (
+        ("server-ipblock", "app: server", w.a2) if ingress else ("a-egress-ipblock", "pod: a", w.b2)
+    )
+    ports = "\n    ports: [{port: 8080}, {port: 8086}]" if ingress else ""
+    ul = w.underlay
+    return f"""
 apiVersion: networking.k8s.io/v1
 kind: NetworkPolicy
-metadata: {{name: server-ipblock, namespace: x}}
+metadata: {{name: {name}, namespace: x}}
 spec:
-  podSelector: {{matchLabels: {{app: server}}}}
-  policyTypes: [Ingress]
-  ingress:
-  - from:
-    - ipBlock: {{cidr: {cidr4}, except: [{a2_4}/32]}}
-    - ipBlock: {{cidr: "{cidr6}", except: ["{a2_6}/128"]}}
-    - ipBlock: {{cidr: {out4}/32}}
-    - ipBlock: {{cidr: "{out6}/128"}}
-    ports: [{{port: 8080}}, {{port: 8086}}]
+  podSelector: {{matchLabels: {{{selector}}}}}
+  policyTypes: [{direction}]
+  {direction.lower()}:
+  - {"from" if ingress else "to"}:
+    - ipBlock: {{cidr: {w.a1.ip4}/16, except: [{excepted.ip4}/32]}}
+    - ipBlock: {{cidr: "{w.a1.ip6}/64", except: ["{excepted.ip6}/128"]}}
+    - ipBlock: {{cidr: {ul.outside_ip4}/32}}
+    - ipBlock: {{cidr: "{ul.outside_ip6}/128"}}{ports}
 """
 
-EGRESS = """
-apiVersion: networking.k8s.io/v1
-kind: NetworkPolicy
-metadata: {{name: a-egress-ipblock, namespace: x}}
-spec:
-  podSelector: {{matchLabels: {{pod: a}}}}
-  policyTypes: [Egress]
-  egress:
-  - to:
-    - ipBlock: {{cidr: {cidr4}, except: [{b2_4}/32]}}
-    - ipBlock: {{cidr: "{cidr6}", except: ["{b2_6}/128"]}}
-    - ipBlock: {{cidr: {out4}/32}}
-    - ipBlock: {{cidr: "{out6}/128"}}
-"""
 
-CNP = """
+def cilium_policy(w: World) -> str:
+    """A CiliumNetworkPolicy: the server takes ingress fromCIDR the pods'
+    CIDRs and the outside host."""
+    return f"""
 apiVersion: cilium.io/v2
 kind: CiliumNetworkPolicy
 metadata: {{name: server-cidr, namespace: x}}
 spec:
   endpointSelector: {{matchLabels: {{app: server}}}}
   ingress:
-  - fromCIDR: [{cidr4}, "{cidr6}", {out4}/32]
+  - fromCIDR: [{w.a1.ip4}/16, "{w.a1.ip6}/64", {w.underlay.outside_ip4}/32]
 """
-
-
-def _fields(w: World) -> dict[str, str]:
-    return {
-        "cidr4": wide(w.a1.ip4, 16),
-        "cidr6": wide(w.a1.ip6, 64),
-        "a2_4": w.a2.ip4,
-        "a2_6": w.a2.ip6,
-        "b2_4": w.b2.ip4,
-        "b2_6": w.b2.ip6,
-        "out4": w.underlay.outside_ip4,
-        "out6": w.underlay.outside_ip6,
-    }
 
 
 Matrix = dict[str, bool]
@@ -252,7 +223,7 @@ def clean(world: World) -> Iterator[World]:
 
 def test_ingress_ipblock_with_except_over_pods_and_an_outside_host(clean: World) -> None:
     w = clean
-    resp = put(w, INGRESS.format(**_fields(w)))
+    resp = put(w, network_policy(w, "Ingress"))
     assert [x.split(":")[0] for x in resp.warnings] == [
         "spec.ingress[0].from[0].ipBlock.cidr",
         "spec.ingress[0].from[1].ipBlock.cidr",
@@ -268,19 +239,10 @@ def test_egress_ipblock_with_except_over_pods_and_an_outside_host(clean: World) 
     w = clean
     lb = w.cluster.lb()
     for name, vip, pod in (("b1", VIP_B1, w.b1), ("b2", VIP_B2, w.b2)):
-        lb.UpsertService(
-            lb_pb2.UpsertServiceRequest(
-                service=lb_pb2.Service(
-                    name=f"{NS}/{name}",
-                    frontend=lb_pb2.Frontend(address=vip, port=80, protocol=lb_pb2.PROTOCOL_TCP),
-                    type=lb_pb2.SERVICE_TYPE_CLUSTER_IP,
-                    backends=[lb_pb2.Backend(address=pod.ip4, port=TCP4)],
-                )
-            ),
-            timeout=10,
-        )
+        svc = service(f"{NS}/{name}", vip, 80, [(pod.ip4, TCP4)])
+        lb.UpsertService(lb_pb2.UpsertServiceRequest(service=svc), timeout=10)
     settle(lambda: out_of_a(w), ALL_OUT)
-    put(w, EGRESS.format(**_fields(w)))
+    put(w, network_policy(w, "Egress"))
     # b1 and b2 share one identity; b2's address is in the except (the
     # ClusterIPs are outside the blocks: the backend's address decides).
     settle(
@@ -298,7 +260,7 @@ def test_egress_ipblock_with_except_over_pods_and_an_outside_host(clean: World) 
 def test_cilium_mode_and_cilium_policies_keep_ciliums_semantics(clean: World) -> None:
     w = clean
     # A CiliumNetworkPolicy fromCIDR over the pods' CIDR selects no pod.
-    put(w, CNP.format(**_fields(w)))
+    put(w, cilium_policy(w))
     settle(
         lambda: into_server(w),
         {**dict.fromkeys(ALL_IN, False), "outside v4": True},
@@ -310,7 +272,7 @@ def test_cilium_mode_and_cilium_policies_keep_ciliums_semantics(clean: World) ->
     # either; the outside host still (CIDR identities).
     w.cluster.restart("policy", ["--k8s-ipblock-mode", "cilium"])
     try:
-        put(w, INGRESS.format(**_fields(w)))
+        put(w, network_policy(w, "Ingress"))
         settle(
             lambda: into_server(w),
             {**dict.fromkeys(ALL_IN, False), "outside v4": True, "outside v6": True},

@@ -285,9 +285,33 @@ def test_kubernetes_policy_ipblocks_resolve_to_prefix_entries() -> None:
         ("10.244.1.0/24", IN): ((), ()),
         ("fd00::/64", OUT): ((ALL_PORTS,), ("default/np",)),
     }
-    # The CIDR identities keep working for addresses outside the cluster.
-    cidr_id = w.cidr("10.244.0.0/16")
-    assert (cidr_id, 80, 0, "TCP", "INGRESS", "ALLOW") in w.entries(web)
+    # Its prefixes get no CIDR identities: the prefix entries match every
+    # address of the block, outside ones too.
+    assert w.state.ipcache_entry("10.244.0.0/16") is None
+    assert w.state.ipcache_entry("10.244.1.0/24") is None
+
+
+def test_strict_cidr_selectors_select_other_rules_cidr_identities_inside_the_block() -> None:
+    """The identity path stays sound without the block's own identities: it
+    selects a CIDR identity (of another rule's prefix) only when all of it
+    is in the block, none of it in an except; the prefix entries do the
+    rest."""
+    w, web = _world()
+    w.rules(
+        cnp(
+            """  endpointSelector: {matchLabels: {app: client}}
+  egress:
+  - toCIDR: [10.244.0.0/16, 10.244.5.0/24, 10.244.1.128/25, 10.245.0.0/16]
+"""
+        )
+    )
+    w.rules(KNP_IPBLOCK)
+    ingress = {(e[0], e[1]) for e in w.entries(web) if e[4] == "INGRESS"}
+    assert (w.cidr("10.244.5.0/24"), 80) in ingress
+    assert (w.cidr("10.244.0.0/16"), 80) not in ingress  # holds the except
+    assert (w.cidr("10.244.1.128/25"), 80) not in ingress  # in the except
+    assert (w.cidr("10.245.0.0/16"), 80) not in ingress  # outside
+    assert (2, 80) not in ingress  # never world
 
 
 def test_cilium_policies_keep_ciliums_semantics() -> None:
@@ -305,12 +329,15 @@ def test_cilium_policies_keep_ciliums_semantics() -> None:
 
 def test_cilium_mode_gives_kubernetes_policies_ciliums_semantics() -> None:
     w, web = _world()
-    w.state.resolver.k8s_ipblocks = False
+    w.state.k8s_ipblocks = False
     w.rules(KNP_IPBLOCK)
     content = w.content(web)
     assert content.prefix_entries == ()
     assert content.ingress_enforced
     assert content.egress_enforced
+    # Cilium's semantics: the prefixes are CIDR identities, selected as such.
+    assert (w.cidr("10.244.0.0/16"), 80, 0, "TCP", "INGRESS", "ALLOW") in w.entries(web)
+    assert w.cidr("10.244.1.0/24")
 
 
 def test_prefix_entries_count_against_the_budget() -> None:

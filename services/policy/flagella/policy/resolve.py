@@ -217,9 +217,8 @@ class SigPolicy:
         if not self.egress_enforced:
             _add(allow0, [(0, 0, _ANY, _EGRESS)], DEFAULT_ALLOW)
         # Kubernetes ipBlocks over addresses depend on the rules only.
-        blocks = [c for r in rules for c in r.clauses if c.blocks]
-        self.ipblock_rules = bool(blocks)
-        self.prefix_entries = flatten(blocks) if resolver.k8s_ipblocks else ()
+        self.ipblock_rules = any(r.has_ipblocks for r in rules)
+        self.prefix_entries = flatten(c for r in rules for c in r.clauses if c.blocks)
         self.raw_allow0 = _freeze(allow0)
         self.raw_deny0 = _freeze(deny0)
         self.group0 = _precedence(self.raw_allow0, self.raw_deny0, {}, {})
@@ -325,18 +324,9 @@ class SigPolicy:
 class Resolver:
     """Rules and identities in; resolved policies out, incrementally."""
 
-    def __init__(
-        self,
-        *,
-        budget: int = DEFAULT_BUDGET,
-        allow_localhost: bool = True,
-        k8s_ipblocks: bool = True,
-    ) -> None:
+    def __init__(self, *, budget: int = DEFAULT_BUDGET, allow_localhost: bool = True) -> None:
         self.budget = budget
         self.allow_localhost = allow_localhost
-        # Kubernetes ipBlocks also match pod and node addresses (prefix
-        # entries); off: Cilium's semantics (CIDR identities only).
-        self.k8s_ipblocks = k8s_ipblocks
         self.selectors = SelectorCache()
         self.rules: dict[str, CompiledRule] = {}
         self._rules_by_subject: dict[LabelSelector, set[str]] = {}

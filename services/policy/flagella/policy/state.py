@@ -122,9 +122,9 @@ class PolicyState:
         k8s_ipblocks: bool = True,
     ) -> None:
         self.revision = 0
-        self.resolver = Resolver(
-            budget=budget, allow_localhost=allow_localhost, k8s_ipblocks=k8s_ipblocks
-        )
+        self.resolver = Resolver(budget=budget, allow_localhost=allow_localhost)
+        # --k8s-ipblock-mode=kubernetes: NetworkPolicy ipBlocks match pods.
+        self.k8s_ipblocks = k8s_ipblocks
         for info in RESERVED_INFOS.values():
             self.resolver.add_identity(info)
         self.resolver.take_dirty()
@@ -311,7 +311,7 @@ class PolicyState:
         )
         if rule.key != name:
             raise ValueError(f"rule key {name!r} holds rule {rule.key!r}")
-        compiled = compile_rule(rule)
+        compiled = compile_rule(rule, k8s_ipblocks=self.k8s_ipblocks)
         self.rules[name] = rule
         self.resolver.put_rule(compiled)
 

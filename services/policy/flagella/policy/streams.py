@@ -21,8 +21,8 @@ from flagella.policy.leases import NodeLeases
 from flagella.policy.mirror import Mirror
 from flagella.policy.resolve import PolicyContent, ResolvedPolicy
 from flagella.policy.settings import Settings
+from flagella.policy.state import CIDR_POLICY_SOURCE, IPEntry, PolicyState
 from flagella.policy.state import Change as StateChange
-from flagella.policy.state import IPEntry, PolicyState
 
 log = logging.getLogger(__name__)
 
@@ -124,9 +124,15 @@ class NodePolicyView:
 
 
 def _differs(before: V | None, after: V, *, resumed: bool = False) -> bool:
-    if resumed and isinstance(after, PolicyContent) and after.ipblock_rules:
-        # The baseline is rebuilt with this replica's --k8s-ipblock-mode;
-        # the client may hold what a replica of the other mode sent.
+    if resumed and (
+        (isinstance(after, PolicyContent) and after.ipblock_rules)
+        or (isinstance(after, IPEntry) and after.source == CIDR_POLICY_SOURCE)
+    ):
+        # The baseline is rebuilt with this replica's --k8s-ipblock-mode
+        # (which decides these policies and which prefixes are CIDR
+        # identities); the client may hold what a replica of the other mode
+        # sent. (CIDR entries it holds that this mode lacks stay until it
+        # restarts: they name identities no policy selects, fail-closed.)
         return True
     # Resolved contents are shared objects: identity first, then equality.
     return before is None or (before is not after and before != after)

@@ -45,9 +45,9 @@ class Clause:
     ports: tuple[PortKey, ...]
     # Position in the rule, for traces: e.g. "ingress[0]".
     where: str = ""
-    # The clause's ipBlocks when the rule is a Kubernetes NetworkPolicy (also
-    # in selectors, as CIDR selectors): with --k8s-ipblock-mode=kubernetes
-    # they match addresses, pods and nodes included.
+    # With --k8s-ipblock-mode=kubernetes, the clause's ipBlocks when the rule
+    # is a Kubernetes NetworkPolicy: they match addresses, pods and nodes
+    # included (also in selectors, as strict CIDR selectors).
     blocks: tuple[Block, ...] = ()
 
 
@@ -63,6 +63,9 @@ class CompiledRule:
     clauses: tuple[Clause, ...]
     peer_selectors: frozenset[Selector] = field(default_factory=frozenset)
     prefixes: frozenset[IPNetwork] = field(default_factory=frozenset)
+    # A Kubernetes NetworkPolicy with ipBlocks: what it resolves to depends
+    # on --k8s-ipblock-mode.
+    has_ipblocks: bool = False
 
 
 def _requirements(spec: SelectorSpec) -> list[Requirement]:
@@ -121,10 +124,16 @@ def _expand_ports(to_ports: tuple[tuple[PortSpec, ...], ...]) -> tuple[PortKey, 
     return tuple(sorted(out))
 
 
-def compile_rule(rule: Rule) -> CompiledRule:
+def compile_rule(rule: Rule, *, k8s_ipblocks: bool = True) -> CompiledRule:
+    """k8s_ipblocks: --k8s-ipblock-mode=kubernetes (Kubernetes NetworkPolicy
+    ipBlocks match addresses); off, Cilium's semantics."""
     ns = rule.namespace
-    # A Kubernetes NetworkPolicy's ipBlocks match addresses (blocks).
     kubernetes = K8S_DERIVED_LABEL in rule.labels
+    # A Kubernetes NetworkPolicy's ipBlocks match addresses (blocks: the
+    # resolved policy's prefix entries), pods and nodes included; their
+    # prefixes get no CIDR identities (each would be one more peer of every
+    # CIDR rule around it), so their CIDR selectors are strict.
+    by_address = kubernetes and k8s_ipblocks
     clauses: list[Clause] = []
     prefixes: set[IPNetwork] = set()
     groups = (
@@ -140,11 +149,13 @@ def compile_rule(rule: Rule) -> CompiledRule:
             for c in peer.cidrs:
                 net = parse_network(c.cidr, "")
                 excepts = tuple(sorted({parse_network(e, "") for e in c.excepts}, key=str))
+                if by_address and verdict is Verdict.ALLOW:
+                    sels.append(CIDRSelector(net, excepts, strict=True))
+                    blocks.append((net, excepts))
+                    continue
                 prefixes.add(net)
                 prefixes.update(excepts)
                 sels.append(CIDRSelector(net, excepts))
-                if kubernetes and verdict is Verdict.ALLOW:
-                    blocks.append((net, excepts))
             for entity in peer.entities:
                 sels.append(WILDCARD if entity is Entity.ALL else EntitySelector(entity))
             if not sels and peer.to_ports:
@@ -173,4 +184,5 @@ def compile_rule(rule: Rule) -> CompiledRule:
         clauses=tuple(clauses),
         peer_selectors=frozenset(s for c in clauses for s in c.selectors if s is not WILDCARD),
         prefixes=frozenset(p for p in prefixes if p.prefixlen > 0),
+        has_ipblocks=kubernetes and any(p.cidrs for p in (*rule.ingress, *rule.egress)),
     )
