@@ -558,7 +558,7 @@ static __always_inline int prefix_allows(__u64 ep_id, __u8 dir, struct pkt *p,
 	else
 		port = bpf_ntohs(p->dport);
 	__u32 n = v->count;
-#pragma unroll
+	/* A bounded loop (the verifier takes it as is). */
 	for (int i = 0; i < PREFIX_POLICY_PORTS; i++) {
 		if (i >= n)
 			break;
