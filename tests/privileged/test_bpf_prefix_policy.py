@@ -89,26 +89,27 @@ def test_egress_to_the_backend_address_and_outside(dp: Datapath) -> None:
     assert dp.metrics.drops(DropReason.POLICY_L3, EGRESS) == 2
 
 
+IPV6_BLOCKS = [
+    PrefixRule("fd00:1::/64", INGRESS, ((TCP, 8000, 8099),)),
+    PrefixRule("fd00:1::1/128", INGRESS, ((TCP, 22, 0),)),
+    PrefixRule("::/0", INGRESS, ((UDP, 0, 0),)),
+]
+
+
 def test_ipv6(dp: Datapath) -> None:
     open_all(dp, POD_A6)
     POD_B6.add(dp)
-    dp.policy.apply(
-        POD_B6.endpoint_id,
-        [],
-        1,
-        prefixes=[
-            PrefixRule("fd00:1::/64", INGRESS, ((TCP, 8000, 8099),)),
-            PrefixRule("fd00:1::1/128", INGRESS, ((TCP, 22, 0),)),
-            # An IPv6 /0 never matches IPv4 (v4-mapped) addresses.
-            PrefixRule("::/0", INGRESS, ((UDP, 0, 0),)),
-        ],
-    )
+    dp.policy.apply(POD_B6.endpoint_id, [], 1, prefixes=IPV6_BLOCKS)
     assert ingress(dp, P.build(POD_A6.ip, POD_B6.ip, dport=22)) == L.TC_ACT_OK
     # The longest prefix decides: the /128 allows 22 only.
     assert ingress(dp, P.build(POD_A6.ip, POD_B6.ip, sport=40001, dport=8050)) == L.TC_ACT_SHOT
     assert ingress(dp, P.build("fd00:1::9", POD_B6.ip, sport=40002, dport=8050)) == L.TC_ACT_OK
     assert ingress(dp, P.build("fd00:2::9", POD_B6.ip, sport=40003, dport=8050)) == L.TC_ACT_SHOT
     assert ingress(dp, P.build("fd00:2::9", POD_B6.ip, proto=UDP, dport=53)) == L.TC_ACT_OK
+    # An IPv6 /0 never matches an IPv4 (v4-mapped) address: the family is
+    # in the key (a lookup in the kernel's map).
+    assert dp.prefix_policy.allows(POD_B6.endpoint_id, INGRESS, "::ffff:10.1.0.1", UDP, 53)
+    assert not dp.prefix_policy.allows(POD_B6.endpoint_id, INGRESS, "10.1.0.1", UDP, 53)
 
 
 def test_a_deny_entry_still_wins(dp: Datapath) -> None:

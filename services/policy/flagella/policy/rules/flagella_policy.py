@@ -6,11 +6,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from flagella.policy.rules.fields import Doc, parse_metadata, parse_ports, parse_selector
+from flagella.policy.rules.fields import (
+    Doc,
+    parse_cidr_spec,
+    parse_metadata,
+    parse_ports,
+    parse_selector,
+)
 from flagella.policy.rules.model import CIDRSpec, Direction, PeerSpec, Protocol, Rule
 from flagella.policy.rules.validate import (
     ENTITY_NAMES,
-    check_cidr,
     fail,
     join,
     masked_cidr,
@@ -32,16 +37,7 @@ def _cidr_set(value: Any, path: str, warnings: list[str] | None) -> list[CIDRSpe
         p = f"{path}[{i}]"
         obj = Doc.mapping(raw, p)
         Doc.only(obj, p, ("cidr", "except"), cidrGroupRef="CIDR groups are not supported")
-        if "cidr" not in obj:
-            raise fail(f"{p}.cidr", "required")
-        spec = CIDRSpec(
-            Doc.string(obj["cidr"], f"{p}.cidr"),
-            tuple(
-                Doc.string(e, f"{p}.except[{j}]")
-                for j, e in enumerate(Doc.seq(obj.get("except"), f"{p}.except"))
-            ),
-        )
-        out.append(check_cidr(spec, p, cidr_field="cidr", except_field="except", warnings=warnings))
+        out.append(parse_cidr_spec(obj, p, warnings))
     return out
 
 

@@ -7,7 +7,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from flagella.policy.labels import NAMESPACE_KEY, NAMESPACE_LABELS_PREFIX
-from flagella.policy.rules.fields import Doc, parse_metadata, parse_ports, parse_selector
+from flagella.policy.rules.fields import (
+    Doc,
+    parse_cidr_spec,
+    parse_metadata,
+    parse_ports,
+    parse_selector,
+)
 from flagella.policy.rules.model import (
     K8S_DERIVED_LABEL,
     CIDRSpec,
@@ -17,7 +23,7 @@ from flagella.policy.rules.model import (
     Rule,
     SelectorSpec,
 )
-from flagella.policy.rules.validate import check_cidr, fail, join
+from flagella.policy.rules.validate import fail, join
 from flagella.policy.selector import Entity
 
 K8S_NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
@@ -68,18 +74,7 @@ def _k8s_peer(
         bp = f"{path}.ipBlock"
         block = Doc.mapping(obj["ipBlock"], bp)
         Doc.only(block, bp, ("cidr", "except"))
-        if "cidr" not in block:
-            raise fail(f"{bp}.cidr", "required")
-        spec = CIDRSpec(
-            Doc.string(block["cidr"], f"{bp}.cidr"),
-            tuple(
-                Doc.string(e, f"{bp}.except[{j}]")
-                for j, e in enumerate(Doc.seq(block.get("except"), f"{bp}.except"))
-            ),
-        )
-        return None, check_cidr(
-            spec, bp, cidr_field="cidr", except_field="except", warnings=warnings
-        )
+        return None, parse_cidr_spec(block, bp, warnings)
     if "podSelector" not in obj and "namespaceSelector" not in obj:
         raise fail(path, "a peer needs podSelector, namespaceSelector or ipBlock")
     pod = _k8s_label_selector(obj.get("podSelector") or {}, f"{path}.podSelector")
