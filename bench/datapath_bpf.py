@@ -39,6 +39,7 @@ from flagella.datapath.bpf import (
 )
 from flagella.datapath.bpf import layout as L
 from flagella.datapath.bpf import packets as P
+from flagella.datapath.bpf.prefixpolicy import PrefixRule
 
 A = (11, "10.1.0.1", 1000, "0a:00:00:00:01:01", "0a:00:00:00:01:fe")
 B = (12, "10.1.0.2", 2000, "0a:00:00:00:02:01", "0a:00:00:00:02:fe")
@@ -109,15 +110,40 @@ def bench(quick: bool) -> dict[str, float]:
                 out["new_conn_policy_ns_per_pkt"] = median_single_runs(new_conn, singles)
                 ev.read()
 
-            def new_ingress(i: int) -> int:
-                f = P.build(A[1], B[1], sport=1024 + i, dport=80, flags=P.TCP_SYN)
-                r = dp.test_run("to_container", f)
-                assert r.retval == L.TC_ACT_OK
-                return r.duration_ns
+            def new_ingress(first_port: int) -> Callable[[int], int]:
+                def run(i: int) -> int:
+                    f = P.build(A[1], B[1], sport=first_port + i, dport=80, flags=P.TCP_SYN)
+                    r = dp.test_run("to_container", f)
+                    assert r.retval == L.TC_ACT_OK
+                    return r.duration_ns
+
+                return run
 
             with dp.events() as ev:
-                out["new_conn_ingress_policy_ns_per_pkt"] = median_single_runs(new_ingress, singles)
+                out["new_conn_ingress_policy_ns_per_pkt"] = median_single_runs(
+                    new_ingress(1024), singles
+                )
                 ev.read()
+
+            # The same, allowed by a Kubernetes ipBlock over A's address (a
+            # prefix entry) instead of A's identity: both identity lookups
+            # miss, then one LPM lookup of 200 prefixes, nested.
+            ins = Direction.INGRESS
+            prefixes = [PrefixRule(f"10.{i}.0.0/16", ins, ((6, 443, 0),)) for i in range(2, 199)]
+            prefixes += [
+                PrefixRule("10.1.0.0/16", ins, ((6, 80, 0),)),
+                PrefixRule("10.1.0.0/24", ins, ((17, 53, 0), (6, 80, 0), (6, 8000, 8099))),
+                PrefixRule("10.1.0.128/25", ins, ()),  # an except
+            ]
+            other = [PolicyEntry(A[2] + 1, ins, protocol=6, port=80)]
+            dp.policy.apply(B[0], other, 2, prefixes=prefixes)
+
+            with dp.events() as ev:
+                out["new_conn_ingress_prefix_ns_per_pkt"] = median_single_runs(
+                    new_ingress(30_000), singles
+                )
+                ev.read()
+            dp.policy.apply(B[0], [PolicyEntry(A[2], ins, protocol=6, port=80)], 2)
 
             # Service DNAT: 10 backends, random selection.
             backends = tuple(Backend(100 + i, f"10.1.1.{i + 1}", 8080) for i in range(10))
@@ -247,6 +273,11 @@ ROWS = [
     ("allowed_ct_hit_repeat1_ns_per_pkt", "from-container, conntrack hit, repeat=1", "ns/pkt"),
     ("new_conn_policy_ns_per_pkt", "from-container, new connection, policy", "ns/pkt"),
     ("new_conn_ingress_policy_ns_per_pkt", "to-container, new connection, policy", "ns/pkt"),
+    (
+        "new_conn_ingress_prefix_ns_per_pkt",
+        "to-container, new connection, ipBlock prefix entry",
+        "ns/pkt",
+    ),
     ("service_dnat_new_ns_per_pkt", "service DNAT, new connection (10 backends)", "ns/pkt"),
     ("service_dnat_ct_hit_ns_per_pkt", "service DNAT, conntrack hit", "ns/pkt"),
     ("nodeport_dnat_new_ns_per_pkt", "NodePort DNAT from outside, new conn (10 local)", "ns/pkt"),

@@ -1,8 +1,7 @@
 """Benchmark of the policy service: identity allocation (new and cached),
 references held by many owners (endpoints) of one identity on one node,
-cached lookups, resolution of 1,000 identities under 200 rules (and under
-the same rules with named ports mixed in), and the recompute after one rule
-changes.
+cached lookups, resolution of 1,000 identities under 200 rules, and the
+recompute after one rule changes.
 
 Sets up its own etcd and policy process on free loopback ports and stops
 them by PID at the end.
@@ -36,7 +35,7 @@ from flagella.api.policy.v1 import policy_pb2 as pb  # noqa: E402
 from flagella.api.policy.v1 import policy_pb2_grpc as pbg  # noqa: E402
 from flagella.common import pki  # noqa: E402
 from flagella.common.sync import Table  # noqa: E402
-from flagella.policy import keys  # noqa: E402
+from flagella.policy.keys import RULES_PREFIX  # noqa: E402
 from flagella.policy.labels import Label, LabelFilter, label_set  # noqa: E402
 from flagella.policy.rules import parse_document, rule_to_json  # noqa: E402
 from flagella.policy.state import PolicyState  # noqa: E402
@@ -57,8 +56,46 @@ def pod(ns: int, app: int, extra: str = "") -> list[pb.Label]:
     ]
 
 
-def rules_document(ns: int, api_port: int = 8080) -> str:
-    """Four rules per namespace (50 namespaces: 200 rules)."""
+def _ipblocks(ns: int) -> str:
+    """ipBlocks over the pods' addresses (nested, with excepts, host bits as
+    upstream writes them) for the NetworkPolicy of the ipBlock mix."""
+    return f"""
+    - ipBlock: {{cidr: 10.{ns}.3.7/16, except: [10.{ns}.1.0/24, 10.{ns}.2.0/24]}}
+    - ipBlock: {{cidr: 10.{ns}.1.0/24, except: [10.{ns}.1.128/25]}}
+    - ipBlock: {{cidr: "fd00:{ns}::/64", except: ["fd00:{ns}::/112"]}}"""
+
+
+def named_ports_mix(doc: str, ns: int) -> str:
+    """rules_document with named ports mixed in, in every other namespace:
+    the api port and the NetworkPolicy's db port by name, and a deny of a
+    named port beside the baseline's deny (same rules otherwise)."""
+    if ns % 2:
+        return doc
+    return (
+        doc.replace('{port: "8080", protocol: TCP}', "{port: api-http, protocol: TCP}")
+        .replace("ports: [{port: 5432}]", "ports: [{port: db-port}]")
+        .replace(
+            "  - fromEndpoints: [{matchLabels: {app: app-13}}]\n",
+            "  - fromEndpoints: [{matchLabels: {app: app-13}}]\n"
+            "  - fromEndpoints: [{matchLabels: {app: app-14}}]\n"
+            "    toPorts: [{ports: [{port: admin, protocol: TCP}]}]\n",
+        )
+    )
+
+
+def rules_document(ns: int, api_port: int = 8080, *, ipblocks: bool = False) -> str:
+    """Four rules per namespace (50 namespaces: 200 rules); with ipblocks,
+    the NetworkPolicy also takes ingress from ipBlocks over pods and sends
+    egress to one (Kubernetes' meaning: prefix entries)."""
+    blocks = _ipblocks(ns) if ipblocks else ""
+    egress = (
+        f"""
+  egress:
+  - to: [ipBlock: {{cidr: 10.{(ns + 1) % NAMESPACES}.0.0/16, except: [10.{(ns + 1) % NAMESPACES}.9.0/24]}}]
+    ports: [{{port: 443}}]"""
+        if ipblocks
+        else ""
+    )
     return f"""
 apiVersion: flagella.io/v1
 kind: FlagellaNetworkPolicy
@@ -99,8 +136,8 @@ spec:
   - from:
     - podSelector: {{matchLabels: {{tier: api}}}}
     - namespaceSelector: {{matchLabels: {{kubernetes.io/metadata.name: ns-{(ns + 1) % NAMESPACES}}}}}
-      podSelector: {{matchExpressions: [{{key: tier, operator: NotIn, values: [web]}}]}}
-    ports: [{{port: 5432}}]
+      podSelector: {{matchExpressions: [{{key: tier, operator: NotIn, values: [web]}}]}}{blocks}
+    ports: [{{port: 5432}}]{egress}
 ---
 apiVersion: flagella.io/v1
 kind: FlagellaNetworkPolicy
@@ -115,24 +152,6 @@ spec:
   ingressDeny:
   - fromEndpoints: [{{matchLabels: {{app: app-13}}}}]
 """
-
-
-def named_ports_mix(doc: str, ns: int) -> str:
-    """rules_document with named ports mixed in, in every other namespace:
-    the api port and the NetworkPolicy's db port by name, and a deny of a
-    named port beside the baseline's deny (same rules otherwise)."""
-    if ns % 2:
-        return doc
-    return (
-        doc.replace('{port: "8080", protocol: TCP}', "{port: api-http, protocol: TCP}")
-        .replace("ports: [{port: 5432}]", "ports: [{port: db-port}]")
-        .replace(
-            "  - fromEndpoints: [{matchLabels: {app: app-13}}]\n",
-            "  - fromEndpoints: [{matchLabels: {app: app-13}}]\n"
-            "  - fromEndpoints: [{matchLabels: {app: app-14}}]\n"
-            "    toPorts: [{ports: [{port: admin, protocol: TCP}]}]\n",
-        )
-    )
 
 
 async def run_concurrently(
@@ -270,57 +289,49 @@ async def bench(quick: bool, etcd_server: EtcdServer, address: str) -> dict[str,
         finally:
             await etcd.close()
         ident_ids: list[int] = []
-        # The same identities under the same rules with named ports mixed in.
-        named_rules = [
-            r
-            for ns in range(NAMESPACES)
-            for r in parse_document(named_ports_mix(rules_document(ns), ns))
-        ]
-        named_kvs = [kv for kv in kvs if not kv.key.startswith(keys.RULES_PREFIX)] + [
-            _KV(keys.rule_key(r.key), rule_to_json(r), revision, 1) for r in named_rules
-        ]
 
-        def load(kvs: list[Any]) -> PolicyState:
+        # The mix: the same state with the 50 NetworkPolicies taking ipBlocks
+        # over pods and named ports in every other namespace (in process only).
+        kvs_ipblocks: list[Any] = [kv for kv in kvs if not kv.key.startswith(RULES_PREFIX)]
+        for ns in range(NAMESPACES):
+            for rule in parse_document(named_ports_mix(rules_document(ns, ipblocks=True), ns)):
+                kvs_ipblocks.append(_KV(RULES_PREFIX + rule.key, rule_to_json(rule), revision, 1))
+
+        def load(kvs: list[Any] = kvs) -> PolicyState:
             state = PolicyState()
             for kv in kvs:
                 state.put(kv)
             state.commit(revision)
             return state
 
-        def resolve(state: PolicyState) -> tuple[list[int], int, int]:
-            """(identities, entries, named entries) of node-1's identities."""
-            ids = sorted(i for i in state.identities if state.node_refs.get("node-1", {}).get(i))
-            entries = named = 0
-            for ident in ids:
+        def resolve_all(state: PolicyState) -> tuple[list[int], int, int]:
+            idents = sorted(i for i in state.identities if state.node_refs.get("node-1", {}).get(i))
+            entries = prefixes = 0
+            for ident in idents:
                 content = state.resolver.content(ident)
                 assert content is not None
                 assert not content.error
                 entries += len(content.entries)
-                named += sum(1 for e in content.entries if e.port_name)
-            return ids, entries, named
+                prefixes += len(content.prefix_entries)
+            return idents, entries, prefixes
 
-        load_times, resolve_times, named_times = [], [], []
-        state = load(kvs)
+        load_times, resolve_times, ipblock_times = [], [], []
+        state = load()
+        # Interleaved, so both mixes see the same machine.
         for _ in range(3 if quick else 5):
-            # Alternately, so that both see the same machine.
-            named_state = load(named_kvs)
-            t1 = time.perf_counter()
-            _, named_entries, named_only = resolve(named_state)
-            named_times.append(time.perf_counter() - t1)
             t0 = time.perf_counter()
-            state = load(kvs)
+            state = load()
             t1 = time.perf_counter()
-            ident_ids, entries, _ = resolve(state)
+            ident_ids, entries, _ = resolve_all(state)
             t2 = time.perf_counter()
             load_times.append(t1 - t0)
             resolve_times.append(t2 - t1)
+            with_blocks = load(kvs_ipblocks)
+            t3 = time.perf_counter()
+            _, entries_ipblocks, prefix_entries = resolve_all(with_blocks)
+            ipblock_times.append(time.perf_counter() - t3)
         assert len(ident_ids) == 1000, len(ident_ids)
-        assert named_only > 0
-        results["named_ports_entries_count"] = named_entries
-        results["named_ports_named_entries_count"] = named_only
-        results["resolve_1000_identities_200_rules_named_ports_ms"] = round(
-            statistics.median(named_times) * 1000, 1
-        )
+        assert prefix_entries > 0
         results["rules_count"] = len(state.rules)
         results["resolved_identities_count"] = len(ident_ids)
         results["policy_entries_count"] = entries
@@ -328,6 +339,11 @@ async def bench(quick: bool, etcd_server: EtcdServer, address: str) -> dict[str,
         results["resolve_1000_identities_200_rules_ms"] = round(
             statistics.median(resolve_times) * 1000, 1
         )
+        results["resolve_1000_identities_200_rules_named_ports_ipblocks_ms"] = round(
+            statistics.median(ipblock_times) * 1000, 1
+        )
+        results["ipblocks_policy_entries_count"] = entries_ipblocks
+        results["ipblocks_prefix_entries_count"] = prefix_entries
 
         # cached lookups in-process (what GetIdentity does without gRPC)
         label_filter = LabelFilter()
@@ -416,8 +432,8 @@ ROWS = [
         "< 1,000",
     ),
     (
-        "the same with named ports mixed in",
-        "resolve_1000_identities_200_rules_named_ports_ms",
+        "the same with ipBlocks over pods and named ports mixed in",
+        "resolve_1000_identities_200_rules_named_ports_ipblocks_ms",
         "ms",
         "within 20 %",
     ),
@@ -456,8 +472,8 @@ def main() -> int:
     print(
         f"({results['new_identities_count']} new identities; {results['resolved_identities_count']} identities, "
         f"{results['rules_count']} rules, {results['policy_entries_count']} entries "
-        f"({results['named_ports_entries_count']} with named ports, "
-        f"{results['named_ports_named_entries_count']} of them named); one rule change "
+        f"(mix of ipBlocks and named ports: {results['ipblocks_policy_entries_count']} entries and "
+        f"{results['ipblocks_prefix_entries_count']} prefix entries); one rule change "
         f"recomputes {results['one_rule_change_recomputed_identities_count']} identities; "
         f"N = {results['owned_owners_count']} owners: {results['owned_reference_keys_count']} "
         f"etcd keys, {results['owned_reference_etcd_bytes']:,} bytes, "

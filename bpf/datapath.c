@@ -40,6 +40,7 @@ static long (*redirect_neigh)(__u32 ifindex, struct bpf_redir_neigh *params, int
 BPF_TABLE("hash", struct endpoint_key, struct endpoint_info, endpoints, COMPILE_MAX);
 BPF_F_TABLE("lpm_trie", struct ipcache_key, struct ipcache_value, ipcache, COMPILE_MAX, BPF_F_NO_PREALLOC);
 BPF_F_TABLE("lpm_trie", struct policy_key, struct policy_value, policy, COMPILE_MAX, BPF_F_NO_PREALLOC);
+BPF_F_TABLE("lpm_trie", struct prefix_policy_key, struct prefix_policy_value, prefix_policy, COMPILE_MAX, BPF_F_NO_PREALLOC);
 BPF_TABLE("hash", struct svc_key, struct svc_value, services, COMPILE_MAX);
 BPF_TABLE("hash", __u32, struct backend_value, backends, COMPILE_MAX);
 BPF_TABLE("hash", __u32, struct revnat_value, revnat, COMPILE_MAX);
@@ -537,6 +538,50 @@ static __always_inline int policy_check(__u64 ep_id, __u32 peer, __u8 dir, struc
 	return DROP_POLICY_L3;
 }
 
+/* Kubernetes ipBlocks: does the endpoint's longest prefix holding the peer
+ * address allow the packet's protocol and port? */
+static __always_inline int prefix_allows(__u64 ep_id, __u8 dir, struct pkt *p,
+					 const union v6addr *peer)
+{
+	struct prefix_policy_key k = {};
+	k.dir = dir;
+	k.family = p->family;
+	k.ep_id = ep_id;
+	__builtin_memcpy(k.addr, peer->u8, 16);
+	k.prefixlen = PREFIX_POLICY_KEY_BITS + 128;
+	struct prefix_policy_value *v = prefix_policy.lookup(&k);
+	if (!v)
+		return 0;
+	__u16 port;
+	if (p->proto == IPPROTO_ICMP || p->proto == IPPROTO_ICMPV6)
+		port = ICMP_TYPE_PORT | p->icmp_type; /* as the policy map keys ICMP */
+	else
+		port = bpf_ntohs(p->dport);
+	__u32 n = v->count;
+	/* A bounded loop (the verifier takes it as is). */
+	for (int i = 0; i < PREFIX_POLICY_PORTS; i++) {
+		if (i >= n)
+			break;
+		struct prefix_port *r = &v->ports[i];
+		if ((r->proto == 0 || r->proto == p->proto) && r->lo <= port && port <= r->hi)
+			return 1;
+	}
+	return 0;
+}
+
+/* policy_check, then (an endpoint with prefix entries, a packet the
+ * identities neither allowed nor denied) the prefix entries of the peer
+ * address: Kubernetes policy has no deny, an allow of either allows. */
+static __always_inline int policy_check_addr(struct endpoint_info *ep, __u32 peer, __u8 dir,
+					     struct pkt *p, const union v6addr *peer_addr)
+{
+	int ret = policy_check(ep->ep_id, peer, dir, p);
+	if (ret && ret != DROP_POLICY_DENY && (ep->flags & EP_F_PREFIX_POLICY) &&
+	    prefix_allows(ep->ep_id, dir, p, peer_addr))
+		return 0;
+	return ret;
+}
+
 /* --- conntrack --- */
 
 #define CT_NEW 0
@@ -981,7 +1026,7 @@ int from_container(struct __sk_buff *skb)
 		if (ce->policy_gen != ep->policy_gen) {
 			__u32 peer = peer_identity(cfg, &p.daddr, p.family, dst);
 			if (ep->flags & EP_F_EGRESS_ENFORCED) {
-				ret = policy_check(ep_id, peer, DIR_EGRESS, &p);
+				ret = policy_check_addr(ep, peer, DIR_EGRESS, &p, &p.daddr);
 				if (ret)
 					return drop(skb, &p, ret, DIR_EGRESS, ep_id, my_id, peer);
 			}
@@ -990,7 +1035,7 @@ int from_container(struct __sk_buff *skb)
 	} else if (st == CT_NEW) {
 		__u32 peer = peer_identity(cfg, &p.daddr, p.family, dst);
 		if (ep->flags & EP_F_EGRESS_ENFORCED) {
-			ret = policy_check(ep_id, peer, DIR_EGRESS, &p);
+			ret = policy_check_addr(ep, peer, DIR_EGRESS, &p, &p.daddr);
 			if (ret)
 				return drop(skb, &p, ret, DIR_EGRESS, ep_id, my_id, peer);
 		}
@@ -1061,7 +1106,7 @@ int to_container(struct __sk_buff *skb)
 			__u32 peer = ingress_peer(skb, cfg, &p);
 			if ((ep->flags & EP_F_INGRESS_ENFORCED) &&
 			    !(peer == ID_HOST && cfg && (cfg->flags & CFG_ALLOW_HOST))) {
-				ret = policy_check(ep_id, peer, DIR_INGRESS, &p);
+				ret = policy_check_addr(ep, peer, DIR_INGRESS, &p, &p.saddr);
 				if (ret)
 					return drop(skb, &p, ret, DIR_INGRESS, ep_id, peer, my_id);
 			}
@@ -1071,7 +1116,7 @@ int to_container(struct __sk_buff *skb)
 		__u32 peer = ingress_peer(skb, cfg, &p);
 		if ((ep->flags & EP_F_INGRESS_ENFORCED) &&
 		    !(peer == ID_HOST && cfg && (cfg->flags & CFG_ALLOW_HOST))) {
-			ret = policy_check(ep_id, peer, DIR_INGRESS, &p);
+			ret = policy_check_addr(ep, peer, DIR_INGRESS, &p, &p.saddr);
 			if (ret)
 				return drop(skb, &p, ret, DIR_INGRESS, ep_id, peer, my_id);
 		}

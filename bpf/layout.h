@@ -71,6 +71,9 @@ union v6addr {
 #define EP_F_POLICY_READY (1U << 0)
 #define EP_F_INGRESS_ENFORCED (1U << 1)
 #define EP_F_EGRESS_ENFORCED (1U << 2)
+/* The endpoint has prefix_policy entries (Kubernetes ipBlocks): consulted
+ * when the identity lookups neither allow nor deny. */
+#define EP_F_PREFIX_POLICY (1U << 3)
 
 struct endpoint_key {
 	union v6addr addr;
@@ -143,6 +146,38 @@ struct policy_value {
 	__u8 verdict; /* POLICY_* */
 	__u8 pad[3];
 	__u32 cookie; /* free for the control plane (rule reference) */
+};
+
+/* --- prefix_policy: Kubernetes ipBlocks over peer addresses ---
+ * LPM over (direction, family, endpoint: always full, 96 bits) then the
+ * peer address (v4-mapped for IPv4: 96 + 96 + plen). The control plane
+ * flattens nested blocks and excepts: the longest matching prefix lists
+ * everything allowed for the address (an except: what other blocks allow
+ * there, possibly nothing). Allow only; a miss changes nothing. */
+#define PREFIX_POLICY_KEY_BITS 96
+#define PREFIX_POLICY_PORTS 16
+
+struct prefix_policy_key {
+	__u32 prefixlen;
+	__u8 dir;    /* DIR_INGRESS / DIR_EGRESS */
+	__u8 family; /* 4 or 6 */
+	__u16 pad;
+	__u64 ep_id;
+	__u8 addr[16];
+};
+
+/* Inclusive host-order port range of one protocol (0: any protocol, then
+ * lo 0 and hi 65535); ICMP: the type. */
+struct prefix_port {
+	__u16 lo;
+	__u16 hi;
+	__u8 proto;
+	__u8 pad[3];
+};
+
+struct prefix_policy_value {
+	__u32 count; /* ports[0..count) are used */
+	struct prefix_port ports[PREFIX_POLICY_PORTS];
 };
 
 /* --- services (cilium_lb4_services_v2): slot 0 is the service, slots

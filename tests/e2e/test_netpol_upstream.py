@@ -56,10 +56,9 @@ and client ..."):
   should enforce multiple ingress policies with ingress allow-all policy taking precedence
   should enforce multiple egress policies with egress allow-all policy taking precedence
   should stop enforcing policies after they are deleted
-  should allow egress access to server in CIDR block                     [NEEDS_FEATURE]
-  should enforce except clause while egress access to server in CIDR block [NEEDS_FEATURE]
+  should allow egress access to server in CIDR block
+  should enforce except clause while egress access to server in CIDR block
   should ensure an IP overlapping both IPBlock.CIDR and IPBlock.Except is allowed
-                                                                         [NEEDS_FEATURE]
   should enforce policies to check ingress and egress policies can be controlled
     independently based on PodSelector
   should not mistakenly treat 'protocol: SCTP' as 'protocol: TCP', even if the plugin
@@ -107,14 +106,9 @@ from harness.netpol_run import Env, Run, add_pod, endpoint_of
 pytestmark = [pytest.mark.privileged, pytest.mark.integration]
 
 
-IPBLOCK_PODS = "ipBlock matching pod addresses (issue 16 item 3)"
-NEEDS_FEATURE = {
-    "should allow egress access to server in CIDR block": IPBLOCK_PODS,
-    "should enforce except clause while egress access to server in CIDR block": IPBLOCK_PODS,
-    "should ensure an IP overlapping both IPBlock.CIDR and IPBlock.Except is allowed": (
-        IPBLOCK_PODS
-    ),
-}
+# Upstream cases a flagella feature is missing for (none since named ports
+# and ipBlocks over pods): case name -> the feature.
+NEEDS_FEATURE: dict[str, str] = {}
 SCTP_MISSING = netpol.sctp_missing()
 
 

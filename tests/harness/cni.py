@@ -109,6 +109,26 @@ def cni(
     return proc.returncode, out
 
 
+def add_pod(
+    socket: str, netns: str, name: str, namespace: str, labels: dict[str, str]
+) -> tuple[str, str]:
+    """`flagella-cni ADD` of pod namespace/name (container ctr-<name>) in
+    netns through the node's socket: its IPv4 and IPv6 addresses ("" for
+    a family it has none of)."""
+    rc, result = cni(
+        "ADD",
+        netconf(socket, labels),
+        container_id=f"ctr-{name}",
+        netns=netns,
+        pod=(namespace, name),
+    )
+    assert rc == 0, result
+    ips = [ipaddress.ip_interface(ip["address"]).ip for ip in result["ips"]]
+    ip4 = next((str(ip) for ip in ips if ip.version == 4), "")
+    ip6 = next((str(ip) for ip in ips if ip.version == 6), "")
+    return ip4, ip6
+
+
 def check_result(result: dict[str, Any], *, netns: str, ifname: str, pod_cidr: str) -> str:
     """Validate an ADD result against the CNI 1.1.0 result schema (the
     fields and their types/relations) and return the pod's IPv4 address."""

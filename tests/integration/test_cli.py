@@ -222,6 +222,30 @@ def test_every_command_group(suite: tuple[Cluster, Node], tmp_path: Path) -> Non
     assert {e["key"]["ip"] for e in dump["entries"]} == {api_ip, db_ip, other_ip}
 
 
+def test_policy_import_prints_what_it_read_differently(
+    suite: tuple[Cluster, Node], tmp_path: Path
+) -> None:
+    """A CIDR with host bits (as upstream's e2e writes ipBlocks) is imported
+    masked, with a warning naming the field on stderr (not in the table)."""
+    cluster, node = suite
+    doc = tmp_path / "ipblock.yaml"
+    doc.write_text(
+        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\n"
+        "metadata: {name: cidr, namespace: x}\n"
+        "spec: {podSelector: {}, ingress: [{from: [{ipBlock: {cidr: 10.244.0.108/4}}]}]}\n"
+    )
+    out = run(cluster, node, "policy", "import", str(doc))
+    assert "x/cidr" in out.stdout
+    assert "host bits" not in out.stdout
+    assert out.stderr.strip() == (
+        "warning: spec.ingress[0].from[0].ipBlock.cidr: 10.244.0.108/4 has host bits set; "
+        "read as 0.0.0.0/4"
+    )
+    assert as_json(cluster, node, "policy", "get", "x/cidr")[0]["ingress"][0]["cidrs"] == [
+        {"cidr": "0.0.0.0/4"}
+    ]
+
+
 def test_errors_when_a_service_is_down(suite: tuple[Cluster, Node]) -> None:
     cluster, node = suite
     dead = f"127.0.0.1:{free_port()}"

@@ -267,7 +267,7 @@ ERRORS = [
         _doc(
             """  endpointSelector: {}
   ingress:
-  - fromCIDR: [10.0.0.1/8]
+  - fromCIDR: [10.0.0.0/33]
 """
         ),
         "spec.ingress[0].fromCIDR[0]",

@@ -161,6 +161,8 @@ def cmd_policy(args: argparse.Namespace, clients: Clients) -> int:
         except OSError as exc:
             raise CliError(f"cannot read {args.file}: {exc.strerror}") from None
         resp = clients.call("policy", stub.PutRules, policy_pb2.PutRulesRequest(document=document))
+        for warning in resp.warnings:  # accepted, but read differently (stderr: not the table)
+            print(f"warning: {warning}", file=sys.stderr)
         emit(
             args, to_dict(resp), ["IMPORTED", "REVISION"], [[n, resp.revision] for n in resp.names]
         )

@@ -25,6 +25,7 @@ from flagella.datapath import namedports
 from flagella.datapath.bpf import Backend, Frontend, Service, frontend_rev_nat_id
 from flagella.datapath.bpf.layout import Direction, Verdict
 from flagella.datapath.bpf.policy import PolicyEntry
+from flagella.datapath.bpf.prefixpolicy import PrefixRule
 from flagella.datapath.namedports import IPCacheValue
 from flagella.datapath.service import DatapathService, IdentityPolicy
 
@@ -128,6 +129,15 @@ def identity_policy(p: policy_pb2.ResolvedPolicy) -> IdentityPolicy:
         entries=entries,
         named=namedports.has_named(entries),
         named_egress=namedports.egress_peers(entries),
+        prefixes=tuple(
+            PrefixRule(
+                prefix=e.prefix,
+                direction=DIRECTIONS[e.direction],
+                ports=tuple((int(x.protocol), x.port, x.end_port) for x in e.ports),
+            )
+            for e in p.prefix_entries
+            if e.direction in DIRECTIONS
+        ),
     )
 
 

@@ -41,6 +41,7 @@ from flagella.datapath.bpf import Datapath, MapStatus, NodeConfig, PolicyBudgetE
 from flagella.datapath.bpf import Service as BpfService
 from flagella.datapath.bpf.layout import CT_SCOPE_SERVICE
 from flagella.datapath.bpf.policy import PolicyEntry
+from flagella.datapath.bpf.prefixpolicy import PrefixRule
 from flagella.datapath.bpf.tables import ct_key
 from flagella.datapath.config import DatapathConfig
 from flagella.datapath.flows import FlowFilter, FlowHub, FlowRecord
@@ -80,6 +81,8 @@ class IdentityPolicy:
     # entries (whose endpoints' ports they resolve against; 0: any).
     named: bool = False
     named_egress: frozenset[int] = frozenset()
+    # Kubernetes ipBlocks over peer addresses.
+    prefixes: tuple[PrefixRule, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,7 @@ class PolicyOps:
                 value.revision,
                 ingress_enforced=value.ingress_enforced,
                 egress_enforced=value.egress_enforced,
+                prefixes=value.prefixes,
             )
         except PolicyBudgetExceeded as exc:
             # Nothing was written: the endpoint keeps its previous policy or

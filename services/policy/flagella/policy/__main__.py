@@ -26,6 +26,7 @@ def settings_of(cfg: PolicyConfig) -> Settings:
         gc_interval=cfg.identity_gc_interval,
         budget=cfg.policy_map_max_entries,
         allow_localhost=cfg.allow_localhost == "always",
+        k8s_ipblocks=cfg.k8s_ipblock_mode == "kubernetes",
         label_filter=cfg.identity_label_filter,
         watch_heartbeat=cfg.watch_heartbeat,
         wait_timeout=max(cfg.etcd_timeout * 2, 5.0),

@@ -46,6 +46,13 @@ class PolicyConfig(KubeConfig):
         "policy: only when a rule allows it",
         choices=("always", "policy"),
     )
+    k8s_ipblock_mode: str = option(
+        "kubernetes",
+        "kubernetes: a Kubernetes NetworkPolicy ipBlock matches every address inside it "
+        "(pods and nodes too, address by address, minus except); cilium: only addresses "
+        "outside the cluster (CIDR identities), as Cilium",
+        choices=("kubernetes", "cilium"),
+    )
     identity_label_filter: tuple[str, ...] = option(
         DEFAULT_LABEL_FILTER,
         "label-key patterns deciding which labels are identity-relevant, first match "

@@ -3,6 +3,7 @@ with the structural checks of rules given as protos."""
 
 from __future__ import annotations
 
+import ipaddress
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -12,12 +13,14 @@ from flagella.api.policy.v1 import policy_pb2 as pb
 from flagella.common.errors import InvalidArgument
 from flagella.policy.allocator import IdentityView
 from flagella.policy.labels import Label, LabelError, check_key, split_label
+from flagella.policy.prefixes import PrefixEntry
 from flagella.policy.resolve import PolicyContent, PolicyEntry, ResolvedPolicy
 from flagella.policy.rules import (
     ICMP_PROTOCOLS,
     MAX_GROUP_CIDRS,
     CIDRGroup,
     CIDRSpec,
+    Direction,
     Expression,
     PeerSpec,
     PortSpec,
@@ -112,7 +115,7 @@ def _selector_from_pb(sel: pb.EndpointSelector, path: str) -> SelectorSpec:
     return spec
 
 
-def _peer_from_pb(peer: pb.PeerRule, path: str) -> PeerSpec:
+def _peer_from_pb(peer: pb.PeerRule, path: str, warnings: list[str] | None) -> PeerSpec:
     endpoints = tuple(
         _selector_from_pb(s, f"{path}.endpoints[{i}]") for i, s in enumerate(peer.endpoints)
     )
@@ -121,14 +124,16 @@ def _peer_from_pb(peer: pb.PeerRule, path: str) -> PeerSpec:
         if c.cidr and c.group:
             raise InvalidArgument("give cidr or group, not both", field=f"{path}.cidrs[{i}].group")
         spec = CIDRSpec(c.cidr, tuple(getattr(c, "except")), c.group)
-        check_cidr(
-            spec,
-            f"{path}.cidrs[{i}]",
-            cidr_field="cidr",
-            except_field="except",
-            group_field="group",
+        cidrs.append(
+            check_cidr(
+                spec,
+                f"{path}.cidrs[{i}]",
+                cidr_field="cidr",
+                except_field="except",
+                group_field="group",
+                warnings=warnings,
+            )
         )
-        cidrs.append(spec)
     entities = []
     for i, e in enumerate(peer.entities):
         if e not in _ENTITIES:
@@ -151,7 +156,9 @@ def _peer_from_pb(peer: pb.PeerRule, path: str) -> PeerSpec:
     return PeerSpec(endpoints, tuple(cidrs), tuple(entities), tuple(to_ports), requires)
 
 
-def rule_from_pb(rule: pb.Rule, path: str) -> Rule:
+def rule_from_pb(rule: pb.Rule, path: str, warnings: list[str] | None = None) -> Rule:
+    """The rule of a proto (validated; raises InvalidArgument naming the
+    field); CIDRs with host bits are masked, with a warning in warnings."""
     name, namespace = rule.name, rule.namespace
     if "/" in name:
         ns, _, name = name.partition("/")
@@ -166,7 +173,7 @@ def rule_from_pb(rule: pb.Rule, path: str) -> Rule:
         raise InvalidArgument("required", field=f"{path}.endpoint_selector")
 
     def peers(items: Sequence[pb.PeerRule], fld: str) -> tuple[PeerSpec, ...]:
-        return tuple(_peer_from_pb(p, f"{path}.{fld}[{i}]") for i, p in enumerate(items))
+        return tuple(_peer_from_pb(p, f"{path}.{fld}[{i}]", warnings) for i, p in enumerate(items))
 
     return Rule(
         name=name,
@@ -293,7 +300,35 @@ def content_bytes(c: PolicyContent) -> bytes:
         egress_enforced=c.egress_enforced,
         entries=[_entry_pb(e) for e in c.entries],
         error=c.error,
+        prefix_entries=[_prefix_pb(e) for e in c.prefix_entries],
     ).SerializeToString()
+
+
+_DIRECTION_PB = {
+    Direction.INGRESS: pb.DIRECTION_INGRESS,
+    Direction.EGRESS: pb.DIRECTION_EGRESS,
+}
+_PROTOCOL_PB = {
+    Protocol.ANY: pb.PROTOCOL_ANY,
+    Protocol.ICMP: pb.PROTOCOL_ICMP,
+    Protocol.TCP: pb.PROTOCOL_TCP,
+    Protocol.UDP: pb.PROTOCOL_UDP,
+    Protocol.SCTP: pb.PROTOCOL_SCTP,
+    Protocol.ICMPV6: pb.PROTOCOL_ICMPV6,
+}
+
+
+def _prefix_pb(e: PrefixEntry) -> pb.PrefixEntry:
+    return pb.PrefixEntry(
+        prefix=str(e.prefix),
+        direction=_DIRECTION_PB[e.direction],
+        ports=[
+            pb.PortProtocol(port=p, end_port=end, protocol=_PROTOCOL_PB[proto])
+            for p, end, proto in e.ports
+            if isinstance(p, int)  # flatten keeps no named ports
+        ],
+        derived_from=e.derived_from,
+    )
 
 
 class ContentCache:
@@ -367,7 +402,13 @@ def cidr_group_from_pb(group: pb.CIDRGroup) -> CIDRGroup:
     check_name(group.name, "name")
     if len(group.cidrs) > MAX_GROUP_CIDRS:
         raise InvalidArgument(f"{len(group.cidrs)} CIDRs; at most {MAX_GROUP_CIDRS}", field="cidrs")
-    cidrs = [str(parse_network(c, f"cidrs[{i}]")) for i, c in enumerate(group.cidrs)]
+    cidrs = []
+    for i, text in enumerate(group.cidrs):
+        net = parse_network(text, f"cidrs[{i}]")
+        if "/" in text and ipaddress.ip_interface(text).ip != net.network_address:
+            # No answer carries warnings here: refused rather than masked.
+            raise InvalidArgument(f"{text} has host bits set (mean {net}?)", field=f"cidrs[{i}]")
+        cidrs.append(str(net))
     labels = sorted(group.labels.items())
     for key, value in labels:
         try:

@@ -109,11 +109,12 @@ def full_object(kind: PolicyKind, obj: Obj) -> Obj:
     return {**obj, "apiVersion": kind.api_version, "kind": kind.kind}
 
 
-def translate(kind: PolicyKind, obj: Obj) -> Rule:
+def translate(kind: PolicyKind, obj: Obj, warnings: list[str] | None = None) -> Rule:
     """The rule of one object as the API gives it, with the object as its
-    source. Raises InvalidArgument naming the field."""
+    source. Raises InvalidArgument naming the field; appends to warnings
+    what was accepted but read differently (a CIDR's host bits)."""
     key = object_key(obj)
-    rule = parse_object(full_object(kind, obj))
+    rule = parse_object(full_object(kind, obj), warnings=warnings)
     namespace, _, name = key.partition("/")
     rule = replace(rule, source=RuleSource(kind.kind, namespace, name))
     if rule.key != kind.rule_name(key):
@@ -177,9 +178,10 @@ class PolicyWatcher:
         obj = self.table.get(key)
         held = self.rules.state.rules.get(name)
         desired: Rule | None = None
+        warnings: list[str] = []
         if obj is not None:
             try:
-                desired = translate(self.kind, obj)
+                desired = translate(self.kind, obj, warnings)
             except InvalidArgument as exc:
                 await self._report(key, obj, exc)
                 return True
@@ -206,6 +208,11 @@ class PolicyWatcher:
             "kubernetes policy " + ("applied" if desired is not None else "removed"),
             extra={"rule": name, "revision": written},
         )
+        if warnings:  # e.g. an ipBlock with host bits, masked
+            log.info(
+                "kubernetes policy read differently than written",
+                extra={"rule": name, "warnings": warnings},
+            )
         return True
 
     async def _report(self, key: str, obj: Obj, exc: InvalidArgument) -> None:

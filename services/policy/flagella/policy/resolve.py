@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from flagella.policy.identities import HOST, IdentityInfo, Kind
+from flagella.policy.prefixes import PrefixEntry, flatten
 from flagella.policy.rules import (
     Clause,
     CompiledRule,
@@ -87,6 +88,12 @@ class PolicyContent:
     # Set when the entries would exceed the budget: the content is then
     # fail-closed (both directions enforced, no entries).
     error: str = ""
+    # Kubernetes ipBlocks over addresses (prefixes.py).
+    prefix_entries: tuple[PrefixEntry, ...] = ()
+    # Rules with Kubernetes ipBlocks select the identity: what it gets
+    # depends on --k8s-ipblock-mode, which a resumed stream cannot know the
+    # client saw (streams.py resends such policies).
+    ipblock_rules: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,11 +246,14 @@ class SigPolicy:
             _add(allow0, [(0, 0, _ANY, _INGRESS)], DEFAULT_ALLOW)
         if not self.egress_enforced:
             _add(allow0, [(0, 0, _ANY, _EGRESS)], DEFAULT_ALLOW)
+        # Kubernetes ipBlocks over addresses depend on the rules only.
+        self.ipblock_rules = any(r.has_ipblocks for r in rules)
+        self.prefix_entries = flatten(c for r in rules for c in r.clauses if c.blocks)
         self.raw_allow0 = _freeze(allow0)
         self.raw_deny0 = _freeze(deny0)
         self.group0 = _precedence(self.raw_allow0, self.raw_deny0, {}, {})
         self.groups: dict[int, Group] = {}
-        self.count = sum(map(len, self.group0))
+        self.count = sum(map(len, self.group0)) + len(self.prefix_entries)
         self.version = 0
         self._content: PolicyContent | None = None
         self._stale: set[int] = set()
@@ -343,7 +353,13 @@ class SigPolicy:
             PolicyEntry(i, p, e, _PROTOCOL[pr], _DIRECTION[d], _VERDICT[v], n, name)
             for i, p, e, pr, d, v, n, name in raw
         ]
-        self._content = PolicyContent(self.ingress_enforced, self.egress_enforced, tuple(entries))
+        self._content = PolicyContent(
+            self.ingress_enforced,
+            self.egress_enforced,
+            tuple(entries),
+            prefix_entries=self.prefix_entries,
+            ipblock_rules=self.ipblock_rules,
+        )
         return self._content
 
 

@@ -145,10 +145,17 @@ class LabelSelector:
 class CIDRSelector:
     network: IPNetwork
     excepts: tuple[IPNetwork, ...] = ()
+    # A Kubernetes ipBlock whose prefixes get no CIDR identities (the
+    # resolved policy's prefix entries match its addresses): it selects only
+    # CIDR identities (of other rules' prefixes) wholly inside the block,
+    # none holding an except, since an address of an except may carry such
+    # an identity; never world. An under-approximation the prefix entries
+    # complete.
+    strict: bool = False
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_hash", hash(("cidr", self.network, self.excepts)))
+        object.__setattr__(self, "_hash", hash(("cidr", self.network, self.excepts, self.strict)))
 
     def __hash__(self) -> int:
         return self._hash
@@ -160,12 +167,16 @@ class CIDRSelector:
                 return False
             if not prefix.subnet_of(self.network):  # type: ignore[arg-type]
                 return False
+            if self.strict:
+                return not any(
+                    e.network_address in prefix or prefix.network_address in e for e in self.excepts
+                )
             return not any(
                 prefix.subnet_of(e)  # type: ignore[arg-type]
                 for e in self.excepts
                 if e.version == prefix.version
             )
-        if info.id == WORLD:
+        if info.id == WORLD and not self.strict:
             return self.network.prefixlen == 0 and not any(e.prefixlen == 0 for e in self.excepts)
         return False
 

@@ -48,7 +48,9 @@ class PolicyService:
         )
         self.mirror = Mirror(
             store,
-            lambda: PolicyState(budget=s.budget, allow_localhost=s.allow_localhost),
+            lambda: PolicyState(
+                budget=s.budget, allow_localhost=s.allow_localhost, k8s_ipblocks=s.k8s_ipblocks
+            ),
             tasks=self.tasks,
             wait_timeout=s.wait_timeout,
         )

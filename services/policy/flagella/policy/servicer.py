@@ -137,16 +137,18 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
 
     async def PutRules(self, request: pb.PutRulesRequest, context: Ctx) -> pb.PutRulesResponse:
         which = request.WhichOneof("source")
+        warnings: list[str] = []
         if which == "rules":
             rules = [
-                rule_from_pb(r, f"rules.rules[{i}]") for i, r in enumerate(request.rules.rules)
+                rule_from_pb(r, f"rules.rules[{i}]", warnings)
+                for i, r in enumerate(request.rules.rules)
             ]
         elif which == "document":
-            rules = parse_document(request.document)
+            rules = parse_document(request.document, warnings=warnings)
         else:
             raise InvalidArgument("give rules or a document", field="source")
         names, revision = await self.service.put_rules(check_rules(rules))
-        return pb.PutRulesResponse(names=names, revision=revision)
+        return pb.PutRulesResponse(names=names, revision=revision, warnings=warnings)
 
     async def GetRule(self, request: pb.GetRuleRequest, context: Ctx) -> pb.Rule:
         if not request.name:

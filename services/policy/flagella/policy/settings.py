@@ -15,6 +15,8 @@ class Settings:
     gc_interval: float = 60.0
     budget: int = DEFAULT_BUDGET
     allow_localhost: bool = True
+    # --k8s-ipblock-mode=kubernetes: NetworkPolicy ipBlocks match pods too.
+    k8s_ipblocks: bool = True
     label_filter: tuple[str, ...] | None = None
     watch_heartbeat: float = 30.0
     wait_timeout: float = 10.0

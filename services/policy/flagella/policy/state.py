@@ -139,9 +139,17 @@ class Change:
 
 
 class PolicyState:
-    def __init__(self, *, budget: int = DEFAULT_BUDGET, allow_localhost: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        budget: int = DEFAULT_BUDGET,
+        allow_localhost: bool = True,
+        k8s_ipblocks: bool = True,
+    ) -> None:
         self.revision = 0
         self.resolver = Resolver(budget=budget, allow_localhost=allow_localhost)
+        # --k8s-ipblock-mode=kubernetes: NetworkPolicy ipBlocks match pods.
+        self.k8s_ipblocks = k8s_ipblocks
         for info in RESERVED_INFOS.values():
             self.resolver.add_identity(info)
         self.resolver.take_dirty()
@@ -332,7 +340,7 @@ class PolicyState:
         )
         if rule.key != name:
             raise ValueError(f"rule key {name!r} holds rule {rule.key!r}")
-        compiled = compile_rule(rule, self._group_nets)
+        compiled = compile_rule(rule, self._group_nets, k8s_ipblocks=self.k8s_ipblocks)
         self.rules[name] = rule
         self.resolver.put_rule(compiled)
 
@@ -352,7 +360,9 @@ class PolicyState:
         # Every rule naming the group is compiled again against its CIDRs.
         for compiled in [r for r in self.resolver.rules.values() if name in r.groups]:
             self._rules_changed = True
-            self.resolver.put_rule(compile_rule(compiled.rule, self._group_nets))
+            self.resolver.put_rule(
+                compile_rule(compiled.rule, self._group_nets, k8s_ipblocks=self.k8s_ipblocks)
+            )
 
     def _recompute_cidr(self) -> None:
         priority: dict[IPNetwork, int] = {}

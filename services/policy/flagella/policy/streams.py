@@ -21,8 +21,8 @@ from flagella.policy.leases import NodeLeases
 from flagella.policy.mirror import Mirror
 from flagella.policy.resolve import PolicyContent, ResolvedPolicy
 from flagella.policy.settings import Settings
+from flagella.policy.state import CIDR_POLICY_SOURCE, IPEntry, PolicyState
 from flagella.policy.state import Change as StateChange
-from flagella.policy.state import IPEntry, PolicyState
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,17 @@ class NodePolicyView:
         return True
 
 
-def _differs(before: V | None, after: V) -> bool:
+def _differs(before: V | None, after: V, *, resumed: bool = False) -> bool:
+    if resumed and (
+        (isinstance(after, PolicyContent) and after.ipblock_rules)
+        or (isinstance(after, IPEntry) and after.source == CIDR_POLICY_SOURCE)
+    ):
+        # The baseline is rebuilt with this replica's --k8s-ipblock-mode
+        # (which decides these policies and which prefixes are CIDR
+        # identities); the client may hold what a replica of the other mode
+        # sent. (CIDR entries it holds that this mode lacks stay until it
+        # restarts: they name identities no policy selects, fail-closed.)
+        return True
     # Resolved contents are shared objects: identity first, then equality.
     return before is None or (before is not after and before != after)
 
@@ -164,14 +174,16 @@ class ViewFeed(Generic[K, V]):
         except (Compacted, FutureRevision):
             return None
 
-    def _diff(self, before: dict[K, V], keys: set[K], state: PolicyState) -> list[Change[K, V]]:
+    def _diff(
+        self, before: dict[K, V], keys: set[K], state: PolicyState, *, resumed: bool = False
+    ) -> list[Change[K, V]]:
         changes = []
         for key in sorted(keys):
             old, new = before.get(key), self.view.value(state, key)
             if new is None:
                 if old is not None:
                     changes.append(Change(key, None, old, state.revision))
-            elif _differs(old, new):
+            elif _differs(old, new, resumed=resumed):
                 changes.append(Change(key, new, old, state.revision))
         return changes
 
@@ -187,7 +199,8 @@ class ViewFeed(Generic[K, V]):
                 snapshot=True,
             )
         old = self.view.all(baseline)
-        return Batch(state.revision, tuple(self._diff(old, old.keys() | current.keys(), state)))
+        keys = old.keys() | current.keys()
+        return Batch(state.revision, tuple(self._diff(old, keys, state, resumed=True)))
 
     async def next(self, timeout: float | None = None) -> Batch[K, V] | None:
         if self.sent is None:

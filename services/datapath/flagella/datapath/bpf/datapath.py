@@ -26,6 +26,7 @@ from flagella.datapath.bpf.lb import (
 )
 from flagella.datapath.bpf.maps import BpfMap
 from flagella.datapath.bpf.policy import Policy
+from flagella.datapath.bpf.prefixpolicy import PrefixPolicy
 from flagella.datapath.bpf.tables import (
     Config,
     Conntrack,
@@ -152,8 +153,16 @@ class Datapath:
 
         self.endpoints = Endpoints(specs["endpoints"], fds["endpoints"], pin("endpoints"))
         self.ipcache = IPCache(specs["ipcache"], fds["ipcache"], pin("ipcache"))
+        self.prefix_policy = PrefixPolicy(
+            specs["prefix_policy"], fds["prefix_policy"], pin("prefix_policy")
+        )
         self.policy = Policy(
-            specs["policy"], fds["policy"], pin("policy"), self.endpoints, sizes.policy_per_endpoint
+            specs["policy"],
+            fds["policy"],
+            pin("policy"),
+            self.endpoints,
+            sizes.policy_per_endpoint,
+            prefixes=self.prefix_policy,
         )
         self.services = Services(specs["services"], fds["services"], pin("services"))
         self.backends = Backends(specs["backends"], fds["backends"], pin("backends"))
@@ -172,6 +181,7 @@ class Datapath:
             "endpoints": self.endpoints,
             "ipcache": self.ipcache,
             "policy": self.policy,
+            "prefix_policy": self.prefix_policy,
             "services": self.services,
             "backends": self.backends,
             "revnat": self.revnat,

@@ -25,7 +25,8 @@ from flagella.datapath.bpf import syscall
 # 2: Maglev as a hash of maps; NodePort conntrack and NAT.
 # 3: tunnel mode: the ipcache's tunnel endpoint and flags, the tunnel device in
 #    the config; the frags map (IP fragments tracked).
-LAYOUT_VERSION = 3
+# 4: prefix_policy (Kubernetes ipBlocks over addresses), EP_F_PREFIX_POLICY.
+LAYOUT_VERSION = 4
 
 
 class DropReason(enum.IntEnum):
@@ -115,6 +116,7 @@ TC_ACT_REDIRECT = 7
 EP_F_POLICY_READY = 1 << 0
 EP_F_INGRESS_ENFORCED = 1 << 1
 EP_F_EGRESS_ENFORCED = 1 << 2
+EP_F_PREFIX_POLICY = 1 << 3
 
 # service flags
 SVC_F_NODEPORT = 1 << 0
@@ -307,6 +309,38 @@ class PolicyValue(ctypes.Structure):
     ]
 
 
+# prefix_policy: (dir, family, pad, ep_id) always full, then the address.
+PREFIX_POLICY_KEY_BITS = 96
+PREFIX_POLICY_PORTS = 16
+
+
+class PrefixPolicyKey(ctypes.Structure):
+    _fields_ = [
+        ("prefixlen", ctypes.c_uint32),
+        ("dir", ctypes.c_uint8),
+        ("family", ctypes.c_uint8),
+        ("pad", ctypes.c_uint16),
+        ("ep_id", ctypes.c_uint64),
+        ("addr", ctypes.c_uint8 * 16),
+    ]
+
+
+class PrefixPort(ctypes.Structure):
+    _fields_ = [
+        ("lo", ctypes.c_uint16),
+        ("hi", ctypes.c_uint16),
+        ("proto", ctypes.c_uint8),
+        ("pad", ctypes.c_uint8 * 3),
+    ]
+
+
+class PrefixPolicyValue(ctypes.Structure):
+    _fields_ = [
+        ("count", ctypes.c_uint32),
+        ("ports", PrefixPort * PREFIX_POLICY_PORTS),
+    ]
+
+
 class SvcKey(ctypes.Structure):
     _fields_ = [
         ("addr", V6Addr),
@@ -479,6 +513,7 @@ _EP_FLAGS = {
     EP_F_POLICY_READY: "policy-ready",
     EP_F_INGRESS_ENFORCED: "ingress-enforced",
     EP_F_EGRESS_ENFORCED: "egress-enforced",
+    EP_F_PREFIX_POLICY: "prefix-policy",
 }
 _SVC_FLAGS = {
     SVC_F_NODEPORT: "nodeport",
@@ -574,6 +609,24 @@ def decode_policy_key(k: PolicyKey) -> Fields:
 def decode_policy_value(v: PolicyValue) -> Fields:
     name = Verdict(v.verdict).name.lower() if v.verdict in (1, 2, 3) else str(v.verdict)
     return {"verdict": name, "cookie": str(v.cookie)}
+
+
+def decode_prefix_policy_key(k: PrefixPolicyKey) -> Fields:
+    return {
+        "endpoint_id": str(k.ep_id),
+        "direction": Direction(k.dir).name.lower() if k.dir in (1, 2) else str(k.dir),
+        "prefix": prefix_of(k.family, bytes(k.addr), k.prefixlen - PREFIX_POLICY_KEY_BITS),
+    }
+
+
+def decode_prefix_policy_value(v: PrefixPolicyValue) -> Fields:
+    ports = []
+    for r in v.ports[: min(v.count, PREFIX_POLICY_PORTS)]:
+        span = f"{r.lo}" if r.lo == r.hi else f"{r.lo}-{r.hi}"
+        if (r.lo, r.hi) == (0, 0xFFFF):
+            span = "any"
+        ports.append(f"{proto_name(r.proto) if r.proto else 'any'}/{span}")
+    return {"allows": ",".join(ports) or "nothing"}
 
 
 def decode_svc_key(k: SvcKey) -> Fields:
@@ -731,6 +784,7 @@ class MapSizes:
     endpoints: int = 4096
     ipcache: int = 512 * 1024
     policy: int = 256 * 1024
+    prefix_policy: int = 64 * 1024
     services: int = 64 * 1024
     backends: int = 64 * 1024
     revnat: int = 64 * 1024
@@ -785,6 +839,9 @@ def map_specs(sizes: MapSizes) -> tuple[MapSpec, ...]:
                 s.F_NO_PREALLOC, d(decode_ipcache_key), d(decode_ipcache_value)),
         MapSpec("policy", s.MAP_TYPE_LPM_TRIE, PolicyKey, PolicyValue, sizes.policy,
                 s.F_NO_PREALLOC, d(decode_policy_key), d(decode_policy_value)),
+        MapSpec("prefix_policy", s.MAP_TYPE_LPM_TRIE, PrefixPolicyKey, PrefixPolicyValue,
+                sizes.prefix_policy, s.F_NO_PREALLOC, d(decode_prefix_policy_key),
+                d(decode_prefix_policy_value)),
         MapSpec("services", s.MAP_TYPE_HASH, SvcKey, SvcValue, sizes.services, 0,
                 d(decode_svc_key), d(decode_svc_value)),
         MapSpec("backends", s.MAP_TYPE_HASH, U32, BackendValue, sizes.backends, 0,

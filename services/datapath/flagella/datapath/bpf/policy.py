@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from flagella.datapath.bpf import layout as L
 from flagella.datapath.bpf.layout import MapSpec
 from flagella.datapath.bpf.maps import BpfMap, MapFullError
+from flagella.datapath.bpf.prefixpolicy import PrefixPolicy, PrefixPortsExceeded, PrefixRule
+from flagella.datapath.bpf.prefixpolicy import expand as expand_prefixes
 from flagella.datapath.bpf.tables import Endpoints
 
 _ANY_PROTO_PORTS = (L.PROTO_TCP, L.PROTO_UDP, L.PROTO_SCTP)
@@ -168,11 +170,19 @@ class Policy(BpfMap[L.PolicyKey, L.PolicyValue]):
     """Policy entries of every local endpoint (see the module docs)."""
 
     def __init__(
-        self, spec: MapSpec, fd: int, pin_path: str, endpoints: Endpoints, budget: int
+        self,
+        spec: MapSpec,
+        fd: int,
+        pin_path: str,
+        endpoints: Endpoints,
+        budget: int,
+        *,
+        prefixes: PrefixPolicy,
     ) -> None:
         super().__init__(spec, fd, pin_path)
         self._endpoints = endpoints
         self.budget = budget
+        self.prefixes = prefixes
         # endpoint id -> {key tuple: (verdict, cookie)} as in the map; read
         # back from the pinned map, so it survives a restart.
         self._index: dict[int, dict[PolicyKeyTuple, tuple[int, int]]] = {}
@@ -186,21 +196,36 @@ class Policy(BpfMap[L.PolicyKey, L.PolicyValue]):
         revision: int,
         ingress_enforced: bool = True,
         egress_enforced: bool = True,
+        *,
+        prefixes: Sequence[PrefixRule] = (),
     ) -> int:
         """Replaces the endpoint's entries, then marks its policy realized
         at revision (traffic flows from then on). Entries are written
         before stale ones are removed, denies first. Returns the number of
         map keys the endpoint now has. Only addresses already in the
         endpoints map are marked ready: call it after endpoints.upsert()
-        (a new address of an endpoint inherits the state of its others)."""
+        (a new address of an endpoint inherits the state of its others).
+        prefixes: Kubernetes ipBlocks over peer addresses (prefixpolicy)."""
         desired = expand(entries)
-        if len(desired) > self.budget:
+        try:
+            desired_prefixes = expand_prefixes(prefixes)
+        except PrefixPortsExceeded as exc:
+            raise PolicyBudgetExceeded(28, f"endpoint {endpoint_id}: {exc}") from None
+        total = len(desired) + len(desired_prefixes)
+        if total > self.budget:
             raise PolicyBudgetExceeded(
-                28, f"endpoint {endpoint_id}: {len(desired)} policy entries, budget {self.budget}"
+                28, f"endpoint {endpoint_id}: {total} policy entries, budget {self.budget}"
             )
         self._write(endpoint_id, desired)
-        self._endpoints.set_policy_state(endpoint_id, revision, ingress_enforced, egress_enforced)
-        return len(desired)
+        self.prefixes.write(endpoint_id, desired_prefixes)
+        self._endpoints.set_policy_state(
+            endpoint_id,
+            revision,
+            ingress_enforced,
+            egress_enforced,
+            prefix_policy=bool(desired_prefixes),
+        )
+        return total
 
     def _write(self, endpoint_id: int, desired: dict[PolicyKeyTuple, tuple[int, int]]) -> None:
         current = self._index.setdefault(endpoint_id, {})
@@ -220,7 +245,7 @@ class Policy(BpfMap[L.PolicyKey, L.PolicyValue]):
         current = self._index.pop(endpoint_id, {})
         for key in current:
             self.delete(policy_key(endpoint_id, key))
-        return len(current)
+        return len(current) + self.prefixes.clear_endpoint(endpoint_id)
 
     def entry_count(self, endpoint_id: int) -> int:
         return len(self._index.get(endpoint_id, {}))

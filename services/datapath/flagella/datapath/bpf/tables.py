@@ -124,7 +124,13 @@ class Endpoints(BpfMap[L.EndpointKey, L.EndpointInfo]):
         return min(s.policy_revision for s in states)
 
     def set_policy_state(
-        self, endpoint_id: int, revision: int, ingress_enforced: bool, egress_enforced: bool
+        self,
+        endpoint_id: int,
+        revision: int,
+        ingress_enforced: bool,
+        egress_enforced: bool,
+        *,
+        prefix_policy: bool = False,
     ) -> int:
         """Marks the endpoint's policy realized: ready, enforcement, revision,
         and a new policy generation (established connections are checked
@@ -138,6 +144,8 @@ class Endpoints(BpfMap[L.EndpointKey, L.EndpointInfo]):
                 flags |= L.EP_F_INGRESS_ENFORCED
             if egress_enforced:
                 flags |= L.EP_F_EGRESS_ENFORCED
+            if prefix_policy:
+                flags |= L.EP_F_PREFIX_POLICY
             v.flags = flags
             v.policy_revision = revision
             v.policy_gen = (v.policy_gen + 1) & 0xFFFFFFFF

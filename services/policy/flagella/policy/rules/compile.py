@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from flagella.policy.identities import IPNetwork
 from flagella.policy.labels import DEFAULT_SOURCE, NAMESPACE_KEY, SOURCE_ANY, SOURCE_RESERVED
 from flagella.policy.rules.model import (
+    K8S_DERIVED_LABEL,
     PORT_PROTOCOLS,
     CIDRSpec,
     Direction,
@@ -33,6 +34,8 @@ from flagella.policy.selector import (
 # (port, end_port, protocol); the port is a str for a named port (end_port
 # 0), which stays symbolic: the datapath resolves it per endpoint.
 PortKey = tuple[int | str, int, Protocol]
+# A Kubernetes ipBlock: its CIDR and excepts.
+Block = tuple[IPNetwork, tuple[IPNetwork, ...]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +52,10 @@ class Clause:
     # Its selectors from from/toEndpoints: the ones fromRequires/toRequires
     # narrow (Cilium leaves entities and CIDRs alone).
     endpoint_selectors: frozenset[Selector] = frozenset()
+    # With --k8s-ipblock-mode=kubernetes, the clause's ipBlocks when the rule
+    # is a Kubernetes NetworkPolicy: they match addresses, pods and nodes
+    # included (also in selectors, as strict CIDR selectors).
+    blocks: tuple[Block, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,9 @@ class CompiledRule:
     groups: frozenset[str] = field(default_factory=frozenset)
     # fromRequires / toRequires of all its clauses, by direction.
     requires: tuple[tuple[Direction, LabelSelector], ...] = ()
+    # A Kubernetes NetworkPolicy with ipBlocks: what it resolves to depends
+    # on --k8s-ipblock-mode.
+    has_ipblocks: bool = False
 
     def requirements(self, direction: Direction) -> tuple[LabelSelector, ...]:
         return tuple(sel for d, sel in self.requires if d is direction)
@@ -160,12 +170,23 @@ def _cidr_selectors(
 
 
 def compile_rule(
-    rule: Rule, cidr_groups: Mapping[str, tuple[IPNetwork, ...]] | None = None
+    rule: Rule,
+    cidr_groups: Mapping[str, tuple[IPNetwork, ...]] | None = None,
+    *,
+    k8s_ipblocks: bool = True,
 ) -> CompiledRule:
     """cidr_groups: the CIDRs of each CIDR group, as they are now (a
-    reference to a group not there selects nothing)."""
+    reference to a group not there selects nothing). k8s_ipblocks:
+    --k8s-ipblock-mode=kubernetes (Kubernetes NetworkPolicy ipBlocks match
+    addresses); off, Cilium's semantics."""
     group_nets = cidr_groups or {}
     ns = rule.namespace
+    kubernetes = K8S_DERIVED_LABEL in rule.labels
+    # A Kubernetes NetworkPolicy's ipBlocks match addresses (blocks: the
+    # resolved policy's prefix entries), pods and nodes included; their
+    # prefixes get no CIDR identities (each would be one more peer of every
+    # CIDR rule around it), so their CIDR selectors are strict.
+    by_address = kubernetes and k8s_ipblocks
     clauses: list[Clause] = []
     prefixes: set[IPNetwork] = set()
     requires: dict[tuple[Direction, LabelSelector], None] = {}
@@ -180,8 +201,15 @@ def compile_rule(
             sels: list[Selector] = [peer_selector(s, ns) for s in peer.endpoints]
             endpoint_sels = frozenset(sels)
             requires.update(((direction, peer_selector(s, ns)), None) for s in peer.requires)
+            blocks: list[Block] = []
             for c in peer.cidrs:
-                sels += _cidr_selectors(c, group_nets, prefixes)
+                if c.group or not (by_address and verdict is Verdict.ALLOW):
+                    sels += _cidr_selectors(c, group_nets, prefixes)
+                    continue
+                net = parse_network(c.cidr, "")
+                excepts = tuple(sorted({parse_network(e, "") for e in c.excepts}, key=str))
+                sels.append(CIDRSelector(net, excepts, strict=True))
+                blocks.append((net, excepts))
             for entity in peer.entities:
                 sels.append(WILDCARD if entity is Entity.ALL else EntitySelector(entity))
             # Ports alone mean any peer; a peer clause whose CIDR groups
@@ -199,6 +227,7 @@ def compile_rule(
                     ports=_expand_ports(peer.to_ports),
                     where=f"{name}[{i}]",
                     endpoint_selectors=endpoint_sels,
+                    blocks=tuple(dict.fromkeys(blocks)),
                 )
             )
     subject = subject_selector(rule.endpoint_selector, ns)
@@ -214,4 +243,5 @@ def compile_rule(
         prefixes=frozenset(p for p in prefixes if p.prefixlen > 0),
         groups=frozenset(c.group for p in rule.peers() for c in p.cidrs if c.group),
         requires=tuple(requires),
+        has_ipblocks=kubernetes and any(p.cidrs for p in (*rule.ingress, *rule.egress)),
     )

@@ -17,30 +17,40 @@ from flagella.policy.rules.k8s import parse_k8s_network_policy
 from flagella.policy.rules.model import Rule
 from flagella.policy.rules.validate import check_unique, fail, join
 
-_KINDS: dict[tuple[str, str], Callable[[Mapping[str, Any], str], Rule]] = {
-    ("flagella.io/v1", "FlagellaNetworkPolicy"): parse_flagella_policy,
-    ("cilium.io/v2", "CiliumNetworkPolicy"): parse_flagella_policy,
-    ("cilium.io/v2", "CiliumClusterwideNetworkPolicy"): lambda o, p: parse_flagella_policy(
-        o, p, cluster_wide=True
+_Parser = Callable[[Mapping[str, Any], str, "list[str] | None"], Rule]
+_KINDS: dict[tuple[str, str], _Parser] = {
+    ("flagella.io/v1", "FlagellaNetworkPolicy"): lambda o, p, w: parse_flagella_policy(
+        o, p, warnings=w
     ),
-    ("networking.k8s.io/v1", "NetworkPolicy"): parse_k8s_network_policy,
+    ("cilium.io/v2", "CiliumNetworkPolicy"): lambda o, p, w: parse_flagella_policy(
+        o, p, warnings=w
+    ),
+    ("cilium.io/v2", "CiliumClusterwideNetworkPolicy"): lambda o, p, w: parse_flagella_policy(
+        o, p, cluster_wide=True, warnings=w
+    ),
+    ("networking.k8s.io/v1", "NetworkPolicy"): lambda o, p, w: parse_k8s_network_policy(
+        o, p, warnings=w
+    ),
 }
 
 
-def _object(value: Any, path: str, out: list[tuple[str, Rule]]) -> None:
+def _object(value: Any, path: str, out: list[tuple[str, Rule]], warnings: list[str] | None) -> None:
     obj = Doc.mapping(value, path)
     kind = obj.get("kind")
     if kind == "List" or (isinstance(kind, str) and kind.endswith("List") and "items" in obj):
         for i, item in enumerate(Doc.seq(obj.get("items"), join(path, "items"))):
-            _object(item, f"{join(path, 'items')}[{i}]", out)
+            _object(item, f"{join(path, 'items')}[{i}]", out, warnings)
         return
-    out.append((path, parse_object(obj, path)))
+    out.append((path, parse_object(obj, path, warnings=warnings)))
 
 
-def parse_object(obj: Mapping[str, Any], path: str = "") -> Rule:
+def parse_object(
+    obj: Mapping[str, Any], path: str = "", *, warnings: list[str] | None = None
+) -> Rule:
     """The rule of one policy object (by its apiVersion and kind): what
     `flagella policy import` makes of it, and the Kubernetes watchers too.
-    Raises InvalidArgument naming the path of the first problem."""
+    Raises InvalidArgument naming the path of the first problem; appends
+    to warnings what was accepted but changed (a CIDR's host bits)."""
     kind = obj.get("kind")
     api = obj.get("apiVersion")
     parser = _KINDS.get((api, kind)) if isinstance(api, str) and isinstance(kind, str) else None
@@ -51,7 +61,7 @@ def parse_object(obj: Mapping[str, Any], path: str = "") -> Rule:
             f"apiVersion {api!r} kind {kind!r} is neither a FlagellaNetworkPolicy "
             "(flagella.io/v1) nor a Kubernetes NetworkPolicy (networking.k8s.io/v1)",
         )
-    return parser(obj, path)
+    return parser(obj, path, warnings)
 
 
 _BaseLoader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -85,10 +95,11 @@ def _strict_mapping(loader: Any, node: Any, deep: bool = False) -> Any:
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _strict_mapping)
 
 
-def parse_document(text: str) -> list[Rule]:
+def parse_document(text: str, *, warnings: list[str] | None = None) -> list[Rule]:
     """Every rule in a YAML or JSON document (several YAML documents, a
     List, or a top-level list of objects). Validates everything; raises
-    InvalidArgument naming the path of the first problem."""
+    InvalidArgument naming the path of the first problem; appends to
+    warnings ("<path>: <what>") what was accepted but changed."""
     try:
         docs = [d for d in yaml.load_all(text, Loader=_StrictLoader) if d is not None]
     except yaml.YAMLError as exc:
@@ -105,8 +116,8 @@ def parse_document(text: str) -> list[Rule]:
         prefix = f"[{i}]" if len(docs) > 1 else ""
         if isinstance(doc, list):
             for j, item in enumerate(doc):
-                _object(item, f"{prefix}[{j}]", found)
+                _object(item, f"{prefix}[{j}]", found, warnings)
         else:
-            _object(doc, prefix, found)
+            _object(doc, prefix, found, warnings)
     check_unique(found)
     return [rule for _, rule in found]

@@ -7,9 +7,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from flagella.policy.rules.model import Expression, PortSpec, Protocol, SelectorSpec
+from flagella.policy.rules.model import CIDRSpec, Expression, PortSpec, Protocol, SelectorSpec
 from flagella.policy.rules.validate import (
     PROTOCOL_NAMES,
+    check_cidr,
     check_name,
     check_namespace,
     check_port,
@@ -96,6 +97,21 @@ def parse_selector(value: Any, path: str) -> SelectorSpec:
     spec = SelectorSpec(tuple(sorted(labels)), tuple(exprs))
     check_selector(spec, path, labels_path="matchLabels", exprs_path="matchExpressions")
     return spec
+
+
+def parse_cidr_spec(obj: Mapping[str, Any], path: str, warnings: list[str] | None) -> CIDRSpec:
+    """A {cidr, except} object (a CIDRSet entry, a Kubernetes ipBlock),
+    checked, host bits masked (a warning each)."""
+    if "cidr" not in obj:
+        raise fail(f"{path}.cidr", "required")
+    spec = CIDRSpec(
+        Doc.string(obj["cidr"], f"{path}.cidr"),
+        tuple(
+            Doc.string(e, f"{path}.except[{j}]")
+            for j, e in enumerate(Doc.seq(obj.get("except"), f"{path}.except"))
+        ),
+    )
+    return check_cidr(spec, path, cidr_field="cidr", except_field="except", warnings=warnings)
 
 
 def _port_number(value: Any, path: str) -> int | str:

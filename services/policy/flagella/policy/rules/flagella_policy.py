@@ -6,7 +6,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from flagella.policy.rules.fields import Doc, parse_metadata, parse_ports, parse_selector
+from flagella.policy.rules.fields import (
+    Doc,
+    parse_cidr_spec,
+    parse_metadata,
+    parse_ports,
+    parse_selector,
+)
 from flagella.policy.rules.icmp import parse_icmps
 from flagella.policy.rules.model import CIDRSpec, Direction, PeerSpec, Protocol, Rule
 from flagella.policy.rules.validate import (
@@ -14,22 +20,20 @@ from flagella.policy.rules.validate import (
     check_cidr,
     fail,
     join,
-    parse_network,
+    masked_cidr,
 )
 from flagella.policy.selector import Entity
 
 
-def _cidr_list(value: Any, path: str) -> list[CIDRSpec]:
+def _cidr_list(value: Any, path: str, warnings: list[str] | None) -> list[CIDRSpec]:
     out = []
     for i, raw in enumerate(Doc.seq(value, path)):
         p = f"{path}[{i}]"
-        text = Doc.string(raw, p)
-        parse_network(text, p)
-        out.append(CIDRSpec(text))
+        out.append(CIDRSpec(masked_cidr(Doc.string(raw, p), p, warnings)))
     return out
 
 
-def _cidr_set(value: Any, path: str) -> list[CIDRSpec]:
+def _cidr_set(value: Any, path: str, warnings: list[str] | None) -> list[CIDRSpec]:
     out = []
     for i, raw in enumerate(Doc.seq(value, path)):
         p = f"{path}[{i}]"
@@ -42,16 +46,17 @@ def _cidr_set(value: Any, path: str) -> list[CIDRSpec]:
         )
         if ("cidr" in obj) == ("cidrGroupRef" in obj):
             raise fail(f"{p}.cidr", "give exactly one of cidr and cidrGroupRef")
-        excepts = tuple(
-            Doc.string(e, f"{p}.except[{j}]")
-            for j, e in enumerate(Doc.seq(obj.get("except"), f"{p}.except"))
-        )
         if "cidrGroupRef" in obj:
+            excepts = tuple(
+                Doc.string(e, f"{p}.except[{j}]")
+                for j, e in enumerate(Doc.seq(obj.get("except"), f"{p}.except"))
+            )
             spec = CIDRSpec("", excepts, Doc.string(obj["cidrGroupRef"], f"{p}.cidrGroupRef"))
+            out.append(
+                check_cidr(spec, p, cidr_field="cidr", except_field="except", warnings=warnings)
+            )
         else:
-            spec = CIDRSpec(Doc.string(obj["cidr"], f"{p}.cidr"), excepts)
-        check_cidr(spec, p, cidr_field="cidr", except_field="except")
-        out.append(spec)
+            out.append(parse_cidr_spec(obj, p, warnings))
     return out
 
 
@@ -79,7 +84,7 @@ _UNSUPPORTED_PEER = {
 }
 
 
-def _peer_doc(value: Any, path: str, direction: Direction) -> PeerSpec:
+def _peer_doc(value: Any, path: str, direction: Direction, warnings: list[str] | None) -> PeerSpec:
     obj = Doc.mapping(value if value is not None else {}, path)
     pre = "from" if direction is Direction.INGRESS else "to"
     fields = (
@@ -96,8 +101,8 @@ def _peer_doc(value: Any, path: str, direction: Direction) -> PeerSpec:
         parse_selector(raw, f"{path}.{pre}Endpoints[{i}]")
         for i, raw in enumerate(Doc.seq(obj.get(f"{pre}Endpoints"), f"{path}.{pre}Endpoints"))
     )
-    cidrs = _cidr_list(obj.get(f"{pre}CIDR"), f"{path}.{pre}CIDR")
-    cidrs += _cidr_set(obj.get(f"{pre}CIDRSet"), f"{path}.{pre}CIDRSet")
+    cidrs = _cidr_list(obj.get(f"{pre}CIDR"), f"{path}.{pre}CIDR", warnings)
+    cidrs += _cidr_set(obj.get(f"{pre}CIDRSet"), f"{path}.{pre}CIDRSet", warnings)
     entities = _entities(obj.get(f"{pre}Entities"), f"{path}.{pre}Entities")
     to_ports = []
     for i, raw in enumerate(Doc.seq(obj.get("toPorts"), f"{path}.toPorts")):
@@ -124,9 +129,16 @@ def _peer_doc(value: Any, path: str, direction: Direction) -> PeerSpec:
     return PeerSpec(endpoints, tuple(cidrs), entities, tuple(to_ports), requires)
 
 
-def parse_flagella_policy(obj: Mapping[str, Any], path: str, *, cluster_wide: bool = False) -> Rule:
+def parse_flagella_policy(
+    obj: Mapping[str, Any],
+    path: str,
+    *,
+    cluster_wide: bool = False,
+    warnings: list[str] | None = None,
+) -> Rule:
     """A FlagellaNetworkPolicy (or CiliumNetworkPolicy /
-    CiliumClusterwideNetworkPolicy, same fields)."""
+    CiliumClusterwideNetworkPolicy, same fields). CIDRs with host bits are
+    masked, with a warning appended to warnings."""
     Doc.only(obj, path, ("apiVersion", "kind", "metadata", "spec", "status"))
     name, namespace, labels = parse_metadata(obj, path)
     if cluster_wide:
@@ -149,7 +161,7 @@ def parse_flagella_policy(obj: Mapping[str, Any], path: str, *, cluster_wide: bo
 
     def peers(fld: str, direction: Direction) -> tuple[PeerSpec, ...]:
         return tuple(
-            _peer_doc(raw, f"{sp}.{fld}[{i}]", direction)
+            _peer_doc(raw, f"{sp}.{fld}[{i}]", direction, warnings)
             for i, raw in enumerate(Doc.seq(spec.get(fld), f"{sp}.{fld}"))
         )
 

@@ -7,8 +7,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from flagella.policy.labels import NAMESPACE_KEY, NAMESPACE_LABELS_PREFIX
-from flagella.policy.rules.fields import Doc, parse_metadata, parse_ports, parse_selector
+from flagella.policy.rules.fields import (
+    Doc,
+    parse_cidr_spec,
+    parse_metadata,
+    parse_ports,
+    parse_selector,
+)
 from flagella.policy.rules.model import (
+    K8S_DERIVED_LABEL,
     CIDRSpec,
     Expression,
     PeerSpec,
@@ -16,7 +23,7 @@ from flagella.policy.rules.model import (
     Rule,
     SelectorSpec,
 )
-from flagella.policy.rules.validate import check_cidr, fail, join
+from flagella.policy.rules.validate import fail, join
 from flagella.policy.selector import Entity
 
 K8S_NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
@@ -54,7 +61,9 @@ def _namespace_selector(ns: SelectorSpec) -> SelectorSpec:
     return SelectorSpec(tuple(labels), tuple(exprs))
 
 
-def _k8s_peer(raw: Any, path: str) -> tuple[SelectorSpec | None, CIDRSpec | None]:
+def _k8s_peer(
+    raw: Any, path: str, warnings: list[str] | None
+) -> tuple[SelectorSpec | None, CIDRSpec | None]:
     obj = Doc.mapping(raw, path)
     Doc.only(obj, path, ("podSelector", "namespaceSelector", "ipBlock"))
     if "ipBlock" in obj:
@@ -65,17 +74,7 @@ def _k8s_peer(raw: Any, path: str) -> tuple[SelectorSpec | None, CIDRSpec | None
         bp = f"{path}.ipBlock"
         block = Doc.mapping(obj["ipBlock"], bp)
         Doc.only(block, bp, ("cidr", "except"))
-        if "cidr" not in block:
-            raise fail(f"{bp}.cidr", "required")
-        spec = CIDRSpec(
-            Doc.string(block["cidr"], f"{bp}.cidr"),
-            tuple(
-                Doc.string(e, f"{bp}.except[{j}]")
-                for j, e in enumerate(Doc.seq(block.get("except"), f"{bp}.except"))
-            ),
-        )
-        check_cidr(spec, bp, cidr_field="cidr", except_field="except")
-        return None, spec
+        return None, parse_cidr_spec(block, bp, warnings)
     if "podSelector" not in obj and "namespaceSelector" not in obj:
         raise fail(path, "a peer needs podSelector, namespaceSelector or ipBlock")
     pod = _k8s_label_selector(obj.get("podSelector") or {}, f"{path}.podSelector")
@@ -93,7 +92,9 @@ def _k8s_peer(raw: Any, path: str) -> tuple[SelectorSpec | None, CIDRSpec | None
     )
 
 
-def _k8s_rules(value: Any, path: str, peer_field: str) -> tuple[PeerSpec, ...]:
+def _k8s_rules(
+    value: Any, path: str, peer_field: str, warnings: list[str] | None
+) -> tuple[PeerSpec, ...]:
     out = []
     for i, raw in enumerate(Doc.seq(value, path)):
         p = f"{path}[{i}]"
@@ -112,7 +113,7 @@ def _k8s_rules(value: Any, path: str, peer_field: str) -> tuple[PeerSpec, ...]:
         endpoints: list[SelectorSpec] = []
         cidrs: list[CIDRSpec] = []
         for j, peer in enumerate(raw_peers):
-            sel, cidr = _k8s_peer(peer, f"{p}.{peer_field}[{j}]")
+            sel, cidr = _k8s_peer(peer, f"{p}.{peer_field}[{j}]", warnings)
             if sel is not None:
                 endpoints.append(sel)
             if cidr is not None:
@@ -121,8 +122,13 @@ def _k8s_rules(value: Any, path: str, peer_field: str) -> tuple[PeerSpec, ...]:
     return tuple(out)
 
 
-def parse_k8s_network_policy(obj: Mapping[str, Any], path: str) -> Rule:
-    """Translates a networking.k8s.io/v1 NetworkPolicy as Cilium does."""
+def parse_k8s_network_policy(
+    obj: Mapping[str, Any], path: str, *, warnings: list[str] | None = None
+) -> Rule:
+    """Translates a networking.k8s.io/v1 NetworkPolicy as Cilium does, but
+    for ipBlocks, which keep Kubernetes' meaning (the rule's
+    K8S_DERIVED_LABEL says so). CIDRs with host bits are masked, with a
+    warning appended to warnings."""
     Doc.only(obj, path, ("apiVersion", "kind", "metadata", "spec", "status"))
     name, namespace, labels = parse_metadata(obj, path)
     namespace = namespace or "default"
@@ -132,8 +138,8 @@ def parse_k8s_network_policy(obj: Mapping[str, Any], path: str) -> Rule:
     if "podSelector" not in spec:
         raise fail(f"{sp}.podSelector", "required")
     selector = _k8s_label_selector(spec.get("podSelector") or {}, f"{sp}.podSelector")
-    ingress = _k8s_rules(spec.get("ingress"), f"{sp}.ingress", "from")
-    egress = _k8s_rules(spec.get("egress"), f"{sp}.egress", "to")
+    ingress = _k8s_rules(spec.get("ingress"), f"{sp}.ingress", "from", warnings)
+    egress = _k8s_rules(spec.get("egress"), f"{sp}.egress", "to", warnings)
     if "policyTypes" in spec and spec["policyTypes"] is not None:
         types = set()
         for i, raw in enumerate(Doc.seq(spec["policyTypes"], f"{sp}.policyTypes")):
@@ -155,5 +161,5 @@ def parse_k8s_network_policy(obj: Mapping[str, Any], path: str) -> Rule:
         enforce_ingress=enforce_in,
         enforce_egress=enforce_out,
         description=f"Kubernetes NetworkPolicy {namespace}/{name}",
-        labels=tuple(sorted({*labels, ("io.flagella.policy.derived-from", "NetworkPolicy")})),
+        labels=tuple(sorted({*labels, K8S_DERIVED_LABEL})),
     )

@@ -134,6 +134,13 @@ class RuleSource:
 
 BY_HAND = RuleSource()
 
+# The label of a rule translated from a Kubernetes NetworkPolicy: its CIDRs
+# (ipBlocks) keep Kubernetes' meaning, every address inside them, pods and
+# nodes included (unless the policy service runs with
+# --k8s-ipblock-mode=cilium). Other rules' CIDRs select CIDR identities
+# only (Cilium's semantics: addresses outside the cluster).
+K8S_DERIVED_LABEL = ("io.flagella.policy.derived-from", "NetworkPolicy")
+
 
 @dataclass(frozen=True, slots=True)
 class Rule:

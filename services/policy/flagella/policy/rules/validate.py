@@ -104,15 +104,29 @@ def check_selector(spec: SelectorSpec, path: str, *, labels_path: str, exprs_pat
 
 
 def parse_network(text: str, path: str) -> IPNetwork:
+    """A CIDR (or a bare IP: its full-length prefix). Host bits are masked
+    (10.244.0.108/4 is 0.0.0.0/4), as Kubernetes and Cilium read it;
+    `masked_cidr` says when that happened."""
     if not isinstance(text, str) or not text:
         raise fail(path, "expected a CIDR such as 10.0.0.0/8")
     try:
         if "/" not in text:
             addr = ipaddress.ip_address(text)
             return ipaddress.ip_network(f"{addr}/{addr.max_prefixlen}")
-        return ipaddress.ip_network(text, strict=True)
+        return ipaddress.ip_network(text, strict=False)
     except ValueError as exc:
         raise fail(path, f"{text!r} is not a valid CIDR ({exc})") from None
+
+
+def masked_cidr(text: str, path: str, warnings: list[str] | None) -> str:
+    """The CIDR as stored: the text itself, or, when it has host bits set,
+    the network without them (with a warning naming the field)."""
+    net = parse_network(text, path)
+    if "/" not in text or ipaddress.ip_interface(text).ip == net.network_address:
+        return text
+    if warnings is not None:
+        warnings.append(f"{path}: {text} has host bits set; read as {net}")
+    return str(net)
 
 
 def check_cidr(
@@ -122,20 +136,31 @@ def check_cidr(
     cidr_field: str,
     except_field: str,
     group_field: str = "cidrGroupRef",
-) -> None:
+    warnings: list[str] | None = None,
+) -> CIDRSpec:
+    """Checks a CIDR and its excepts (each inside the CIDR, after masking)
+    and returns it with host bits masked (a warning per masked field). A
+    group reference: the group's name, and excepts that are CIDRs (the
+    group's CIDRs are known at resolution time only: each except applies
+    to the group's CIDRs it lies inside)."""
     if spec.group:
-        # The group's CIDRs are known at resolution time only: each except
-        # applies to the group's CIDRs it lies inside.
         check_name(spec.group, f"{path}.{group_field}")
-        for i, text in enumerate(spec.excepts):
-            parse_network(text, f"{path}.{except_field}[{i}]")
-        return
-    net = parse_network(spec.cidr, f"{path}.{cidr_field}" if cidr_field else path)
+        group_excepts = tuple(
+            masked_cidr(text, f"{path}.{except_field}[{i}]", warnings)
+            for i, text in enumerate(spec.excepts)
+        )
+        return CIDRSpec("", group_excepts, spec.group)
+    cidr_path = f"{path}.{cidr_field}" if cidr_field else path
+    cidr = masked_cidr(spec.cidr, cidr_path, warnings)
+    net = parse_network(cidr, cidr_path)
+    excepts = []
     for i, text in enumerate(spec.excepts):
         p = f"{path}.{except_field}[{i}]"
-        exc_net = parse_network(text, p)
+        excepts.append(masked_cidr(text, p, warnings))
+        exc_net = parse_network(excepts[-1], p)
         if exc_net.version != net.version or not exc_net.subnet_of(net):  # type: ignore[arg-type]
             raise fail(p, f"{text} is not inside {net}")
+    return CIDRSpec(cidr, tuple(excepts))
 
 
 def check_port(spec: PortSpec, path: str, *, end_field: str = "endPort") -> None:

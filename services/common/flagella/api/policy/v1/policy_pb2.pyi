@@ -729,7 +729,9 @@ class CIDRRule(_message.Message):
     EXCEPT_FIELD_NUMBER: _builtins.int
     GROUP_FIELD_NUMBER: _builtins.int
     cidr: _builtins.str
-    """A CIDR, or (cidr empty) group: every CIDR of that CIDR group."""
+    """A CIDR or an IP (host bits are masked, with a warning in PutRules'
+    answer), or (cidr empty) group: every CIDR of that CIDR group.
+    """
     group: _builtins.str
     def __init__(
         self,
@@ -1033,18 +1035,26 @@ class PutRulesResponse(_message.Message):
 
     NAMES_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
+    WARNINGS_FIELD_NUMBER: _builtins.int
     revision: _builtins.int
     @_builtins.property
     def names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def warnings(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """What was accepted but read differently than written, each
+        "<field path>: <what>" (e.g. a CIDR with host bits set, masked).
+        """
+
     def __init__(
         self,
         *,
         names: _abc.Iterable[_builtins.str] | None = ...,
         revision: _builtins.int = ...,
+        warnings: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["names", b"names", "revision", b"revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["names", b"names", "revision", b"revision", "warnings", b"warnings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1371,6 +1381,7 @@ class ResolvedPolicy(_message.Message):
     EGRESS_ENFORCED_FIELD_NUMBER: _builtins.int
     ENTRIES_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    PREFIX_ENTRIES_FIELD_NUMBER: _builtins.int
     identity: _builtins.int
     revision: _builtins.int
     """Repository revision this policy was computed at."""
@@ -1384,6 +1395,15 @@ class ResolvedPolicy(_message.Message):
     """
     @_builtins.property
     def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___PolicyEntry]: ...
+    @_builtins.property
+    def prefix_entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___PrefixEntry]:
+        """Kubernetes ipBlocks over addresses (pods and nodes included): per
+        direction, flattened so that the longest prefix matching a peer address
+        carries everything allowed for it (an except is an entry allowing what
+        the other blocks allow there, possibly nothing). A datapath consults
+        them when the identity entries did not allow (nor deny) a packet.
+        """
+
     def __init__(
         self,
         *,
@@ -1393,14 +1413,48 @@ class ResolvedPolicy(_message.Message):
         egress_enforced: _builtins.bool = ...,
         entries: _abc.Iterable[Global___PolicyEntry] | None = ...,
         error: _builtins.str = ...,
+        prefix_entries: _abc.Iterable[Global___PrefixEntry] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["egress_enforced", b"egress_enforced", "entries", b"entries", "error", b"error", "identity", b"identity", "ingress_enforced", b"ingress_enforced", "revision", b"revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["egress_enforced", b"egress_enforced", "entries", b"entries", "error", b"error", "identity", b"identity", "ingress_enforced", b"ingress_enforced", "prefix_entries", b"prefix_entries", "revision", b"revision"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ResolvedPolicy: _TypeAlias = ResolvedPolicy  # noqa: Y015
+
+@_typing.final
+class PrefixEntry(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PREFIX_FIELD_NUMBER: _builtins.int
+    DIRECTION_FIELD_NUMBER: _builtins.int
+    PORTS_FIELD_NUMBER: _builtins.int
+    DERIVED_FROM_FIELD_NUMBER: _builtins.int
+    prefix: _builtins.str
+    """A CIDR (masked)."""
+    direction: Global___Direction.ValueType
+    @_builtins.property
+    def ports(self) -> _containers.RepeatedCompositeFieldContainer[Global___PortProtocol]:
+        """Allowed here (protocol ANY with port 0: everything); empty: nothing."""
+
+    @_builtins.property
+    def derived_from(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        prefix: _builtins.str = ...,
+        direction: Global___Direction.ValueType = ...,
+        ports: _abc.Iterable[Global___PortProtocol] | None = ...,
+        derived_from: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["derived_from", b"derived_from", "direction", b"direction", "ports", b"ports", "prefix", b"prefix"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrefixEntry: _TypeAlias = PrefixEntry  # noqa: Y015
 
 @_typing.final
 class ResolvePolicyRequest(_message.Message):
