@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass
 
 from harness.cluster import Cluster, Node
-from harness.cni import cni, netconf
+from harness.cni import add_pod
 from harness.netns import Netns
 
 
@@ -23,13 +22,5 @@ def cni_pod(
     cluster: Cluster, node: Node, name: str, labels: dict[str, str], namespace: str = "shop"
 ) -> CniPod:
     ns = cluster.pod(node, name)
-    conf = netconf(node.cni_socket, labels)
-    rc, result = cni("ADD", conf, container_id=f"ctr-{name}", netns=ns.path, pod=(namespace, name))
-    assert rc == 0, result
-    ips = [ipaddress.ip_interface(ip["address"]).ip for ip in result["ips"]]
-    return CniPod(
-        name,
-        ns,
-        next(str(ip) for ip in ips if ip.version == 4),
-        next((str(ip) for ip in ips if ip.version == 6), None),
-    )
+    ip4, ip6 = add_pod(node.cni_socket, ns.path, name, namespace, labels)
+    return CniPod(name, ns, ip4, ip6 or None)
