@@ -99,6 +99,8 @@ class LeaderElector:
         self.holder = ""  # the holder last seen in the Lease
         self.terms = 0  # leaderships begun, for tests and status
         self.leading = asyncio.Event()
+        # Whether the Lease is ours to release (held and not lost).
+        self._holding = False
         # The Lease's spec as last read, and when (monotonic) it last changed.
         self._observed: Mapping[str, Any] | None = None
         self._observed_at = 0.0
@@ -122,7 +124,7 @@ class LeaderElector:
                 await self._acquire()
                 await self._lead(job)
         finally:
-            if self.is_leader:
+            if self._holding:
                 self._step_down("stopping")
                 with contextlib.suppress(Exception):
                     await asyncio.shield(self._release())
@@ -134,6 +136,7 @@ class LeaderElector:
             if await self._try_acquire_or_renew():
                 break
             await asyncio.sleep(self._acquire_backoff.next())
+        self._holding = True
         self.is_leader = True
         self.terms += 1
         self.leading.set()
@@ -145,8 +148,13 @@ class LeaderElector:
     async def _lead(self, job: Callable[[], Awaitable[None]]) -> None:
         # The job lives as long as this term: the group cancels it on the
         # way out, whatever ends the term.
-        async with TaskGroup(f"leader {self.name}") as term:
-            await self._renew_until_lost(term.spawn(f"leader-{self.name}", self._job(job)))
+        try:
+            async with TaskGroup(f"leader {self.name}") as term:
+                await self._renew_until_lost(term.spawn(f"leader-{self.name}", self._job(job)))
+        finally:
+            # Only now, the job stopped: is_leader False means no job runs.
+            self.is_leader = False
+            self.leading.clear()
 
     async def _job(self, job: Callable[[], Awaitable[None]]) -> None:
         try:
@@ -166,20 +174,23 @@ class LeaderElector:
                 # The job ended (a bug, logged): let another replica try.
                 self._step_down("its job ended")
                 await self._release()
+                self._holding = False
                 await asyncio.sleep(self.timings.retry_period)
                 return
             if await self._try_acquire_or_renew():
                 renewed = loop.time()
             elif self.holder and self.holder != self.identity:
-                self._step_down(f"the lease is held by {self.holder}")
+                self._step_down(f"the lease is held by {self.holder}", lost=True)
                 return
             elif loop.time() - renewed >= self.timings.renew_deadline:
-                self._step_down("not renewed within the renew deadline")
+                self._step_down("not renewed within the renew deadline", lost=True)
                 return
 
-    def _step_down(self, reason: str) -> None:
-        self.is_leader = False
-        self.leading.clear()
+    def _step_down(self, reason: str, *, lost: bool = False) -> None:
+        """Ends the term (the job is stopped on the way out of _lead).
+        lost: the Lease is not ours any more (nothing to release)."""
+        if lost:
+            self._holding = False
         log.warning(
             "stopped leading",
             extra={"lease": f"{self.namespace}/{self.name}", "reason": reason},
