@@ -346,6 +346,20 @@ def test_policy_crds_are_structural_have_printer_columns_and_take_the_documented
     kinds = {k.kind: k for k in POLICY_KINDS if k.group != "networking.k8s.io"}
     assert set(crds) == {*kinds, flagellaendpoint.KIND}
     crds.pop(flagellaendpoint.KIND)
+    groups = [k for k in kinds.values() if k.cidr_groups]
+    for k in groups:
+        crd = crds.pop(k.kind)
+        kinds.pop(k.kind)
+        assert crd["metadata"]["name"] == f"{k.plural}.{k.group}"
+        assert crd["spec"]["scope"] == "Cluster"
+        [version] = crd["spec"]["versions"]
+        assert version["name"] == k.version
+        schema = version["schema"]["openAPIV3Schema"]
+        _structural(schema, k.kind)
+        jsonschema.validate({"spec": {"externalCIDRs": ["192.0.2.0/24", "2001:db8::/64"]}}, schema)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({"spec": {"externalCIDRs": "192.0.2.0/24"}}, schema)
+    assert [k.kind for k in groups] == ["CiliumCIDRGroup"]
     docs = [
         d
         for text in re.findall(r"```yaml\n(.*?)```", (ROOT / "docs/policy.md").read_text(), re.S)

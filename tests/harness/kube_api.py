@@ -3,9 +3,9 @@ for a few collections (no real API server can run on these machines).
 
 It serves, for the collections in COLLECTIONS (Services, EndpointSlices,
 Pods, Namespaces, Nodes, NetworkPolicies, and the CiliumNetworkPolicy,
-CiliumClusterwideNetworkPolicy, FlagellaNetworkPolicy and FlagellaEndpoint
-custom resources, each at its all-namespaces path /api/v1/<plural> or
-/apis/<group>/<version>/<plural>):
+CiliumClusterwideNetworkPolicy, FlagellaNetworkPolicy, CiliumCIDRGroup and
+FlagellaEndpoint custom resources, each at its all-namespaces path
+/api/v1/<plural> or /apis/<group>/<version>/<plural>):
 - LIST: GET -> {"kind": "<Kind>List", "metadata": {"resourceVersion"}, "items"}
   [&limit=N[&continue=T]]: pages of at most N items, all of the first
   page's resourceVersion, "continue" in the metadata while more follow; a
@@ -86,6 +86,11 @@ COLLECTIONS = {
         "flagellanetworkpolicies",
         "FlagellaNetworkPolicyList",
         "flagella.io/v1",
+    ),
+    "/apis/cilium.io/v2alpha1/ciliumcidrgroups": (
+        "ciliumcidrgroups",
+        "CiliumCIDRGroupList",
+        "cilium.io/v2alpha1",
     ),
     "/api/v1/pods": ("pods", "PodList", "v1"),
     "/api/v1/namespaces": ("namespaces", "NamespaceList", "v1"),

@@ -442,3 +442,84 @@ def test_only_the_kinds_asked_for_are_followed_on_the_stand_in_api_server(
     wait_for(lambda: p.proc.health(KUBERNETES_HEALTH) == SERVING)
     assert not any("cilium" in r for r in kube_api.requests)
     assert holders(kube_api)["ciliumnetworkpolicies"] == ""
+
+
+def cidr_group_object(name: str, cidrs: list[str]) -> dict[str, Any]:
+    return {
+        "apiVersion": "cilium.io/v2alpha1",
+        "kind": "CiliumCIDRGroup",
+        "metadata": {"name": name, "labels": {"team": "edge"}},
+        "spec": {"externalCIDRs": cidrs},
+    }
+
+
+def test_cilium_cidr_groups_from_the_stand_in_api_server_are_the_groups_rules_reference(
+    kube_api: KubeListWatchServer, start_policy: Callable[..., Policy]
+) -> None:
+    groups_resource = "ciliumcidrgroups"
+    kube_api.apply(groups_resource, cidr_group_object("partners", ["192.0.2.0/24"]))
+    p = start_policy()
+    # A rule by hand names the group; its CIDR identities follow the object.
+    p.stub.PutRules(
+        pb.PutRulesRequest(
+            document=(
+                "apiVersion: flagella.io/v1\nkind: FlagellaNetworkPolicy\n"
+                "metadata: {name: out, namespace: shop}\n"
+                "spec: {endpointSelector: {}, egress: [{toCIDRSet: [{cidrGroupRef: partners}]}]}\n"
+            )
+        ),
+        timeout=10,
+    )
+
+    def groups() -> dict[str, pb.CIDRGroup]:
+        got = p.stub.ListCIDRGroups(pb.ListCIDRGroupsRequest(), timeout=10)
+        return {g.name: g for g in got.groups}
+
+    def cidr_prefixes() -> set[str]:
+        got = p.stub.ListIPCache(pb.ListIPCacheRequest(), timeout=10)
+        return {e.prefix for e in got.entries if e.source == "cidr-policy"}
+
+    wait_for(lambda: "partners" in groups())
+    group = groups()["partners"]
+    assert list(group.cidrs) == ["192.0.2.0/24"]
+    assert dict(group.labels) == {"team": "edge"}
+    assert (group.source.kind, group.source.name) == ("CiliumCIDRGroup", "partners")
+    wait_for(lambda: cidr_prefixes() == {"192.0.2.0/24"})
+
+    # The API cannot change or delete what Kubernetes owns.
+    for call, request in (
+        (p.stub.PutCIDRGroup, pb.CIDRGroup(name="partners", cidrs=["10.0.0.0/8"])),
+        (p.stub.DeleteCIDRGroup, pb.DeleteCIDRGroupRequest(name="partners")),
+    ):
+        with pytest.raises(grpc.RpcError) as err:
+            call(request, timeout=10)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "CiliumCIDRGroup partners" in (err.value.details() or "")
+
+    # Edited in place: the group and the rule's CIDR identities follow.
+    kube_api.apply(
+        groups_resource, cidr_group_object("partners", ["198.51.100.0/24", "2001:db8::/64"])
+    )
+    wait_for(lambda: cidr_prefixes() == {"198.51.100.0/24", "2001:db8::/64"})
+    assert list(groups()["partners"].cidrs) == ["198.51.100.0/24", "2001:db8::/64"]
+
+    # A group by hand of another name is left alone; one of an object's name
+    # is replaced by the object (Kubernetes is the source of truth).
+    p.stub.PutCIDRGroup(pb.CIDRGroup(name="mine", cidrs=["203.0.113.0/24"]), timeout=10)
+    p.stub.PutCIDRGroup(pb.CIDRGroup(name="later", cidrs=["203.0.113.0/24"]), timeout=10)
+    kube_api.apply(groups_resource, cidr_group_object("later", ["100.64.0.0/10"]))
+    wait_for(lambda: groups()["later"].source.kind == "CiliumCIDRGroup")
+    assert list(groups()["later"].cidrs) == ["100.64.0.0/10"]
+
+    # Invalid (host bits): an Event naming the field; its last valid version stays.
+    kube_api.apply(groups_resource, cidr_group_object("partners", ["198.51.100.7/24"]))
+    events = wait_for(lambda: kube_api.events_about("CiliumCIDRGroup", "", "partners"))
+    assert "spec.externalCIDRs[0]" in events[0]["message"]
+    assert list(groups()["partners"].cidrs) == ["198.51.100.0/24", "2001:db8::/64"]
+
+    # Deleted in Kubernetes: the group goes, and the rule's CIDRs with it
+    # (a missing group selects nothing); the group by hand stays.
+    kube_api.delete(groups_resource, "", "partners")
+    kube_api.delete(groups_resource, "", "later")
+    wait_for(lambda: set(groups()) == {"mine"})
+    wait_for(lambda: cidr_prefixes() == set())

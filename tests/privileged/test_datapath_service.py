@@ -163,7 +163,9 @@ def test_kill9_datapath_keeps_streams_and_policy(cluster: Cluster, node: Node) -
     time.sleep(1.0)  # the datapath is down: traffic keeps flowing in the kernel
     assert a.ns.request("tcp", b.ip, 8080) == f"b {a.ip} HELLO"
     assert c.ns.request("tcp", b.ip, 8080, timeout=1) is None
-    cluster.start_datapath(node)
+    restarted = cluster.start_datapath(node)
+    # It loaded the programs the first start compiled (--bpf-cache-dir).
+    assert "BPF programs read from the cache" in restarted.logs()
     # The new process restored the endpoints and enforces the same policy.
     dp = cluster.datapath(node)
     listed = dp.ListEndpoints(datapath_pb2.ListEndpointsRequest(), timeout=10).endpoints

@@ -136,3 +136,29 @@ def test_proto_api_group_reference_and_group_validation() -> None:
         with pytest.raises(InvalidArgument) as err:
             cidr_group_from_pb(bad)
         assert err.value.field == field, bad
+
+
+def test_a_cilium_cidr_group_object_is_checked_with_its_own_field_paths() -> None:
+    from flagella.policy.kube import KINDS, translate_cidr_group
+    from flagella.policy.rules import cidr_group_from_json, cidr_group_to_json
+
+    [kind] = [k for k in KINDS if k.cidr_groups]
+
+    def obj(name: str, cidrs: object) -> dict[str, object]:
+        return {"metadata": {"name": name}, "spec": {"externalCIDRs": cidrs}}
+
+    group = translate_cidr_group(kind, obj("partners", ["192.0.2.0/24", "2001:db8::1"]))
+    assert group.cidrs == ("192.0.2.0/24", "2001:db8::1/128")
+    assert (group.source.kind, group.source.name) == ("CiliumCIDRGroup", "partners")
+    # The source is kept in etcd's JSON (what the watcher compares).
+    again = cidr_group_from_json("partners", cidr_group_to_json(group))
+    assert again.content() == group.content()
+    for bad, field in (
+        (obj("partners", ["192.0.2.1/24"]), "spec.externalCIDRs[0]"),
+        (obj("partners", ["10.0.0.0/8", "nonsense"]), "spec.externalCIDRs[1]"),
+        (obj("partners", "192.0.2.0/24"), "spec.externalCIDRs"),
+        (obj("Partners", []), "metadata.name"),
+    ):
+        with pytest.raises(InvalidArgument) as err:
+            translate_cidr_group(kind, bad)
+        assert err.value.field == field

@@ -203,8 +203,11 @@ def cmd_cidrgroup(args: argparse.Namespace, clients: Clients) -> int:
         emit(
             args,
             to_dict(resp).get("groups", []),
-            ["NAME", "CIDRS", "REVISION"],
-            [[g.name, ",".join(g.cidrs) or "-", g.revision] for g in resp.groups],
+            ["NAME", "CIDRS", "SOURCE", "REVISION"],
+            [
+                [g.name, ",".join(g.cidrs) or "-", g.source.kind or "api", g.revision]
+                for g in resp.groups
+            ],
         )
     elif args.action == "put":
         group = policy_pb2.CIDRGroup(name=args.name, cidrs=args.cidrs)

@@ -39,6 +39,11 @@ class DatapathConfig(ServiceConfig):
         "/run/flagella/cni.sock", "unix socket flagella-cni talks to (root only, mode 0600)"
     )
     bpf_root: str = option("/sys/fs/bpf/flagella", "bpffs folder the maps are pinned under")
+    bpf_cache_dir: str = option(
+        "/var/cache/flagella/bpf",
+        "folder of compiled programs kept across restarts (private to root); empty: "
+        "compile on every start",
+    )
     state_dir: str = option(
         "/var/run/flagella/datapath", "folder of endpoint records (restored after a restart)"
     )

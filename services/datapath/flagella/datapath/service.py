@@ -245,7 +245,9 @@ class DatapathService:
                 {"net.ipv4.ip_forward": "1", "net.ipv6.conf.all.forwarding": "1"},
                 cfg.proc_sys,
             )
-        self._bpf = await self.writer.run(Datapath.load, cfg.bpf_root)
+        self._bpf = await self.writer.run(
+            functools.partial(Datapath.load, cfg.bpf_root, program_cache=cfg.bpf_cache_dir)
+        )
         log.info(
             "BPF datapath loaded",
             extra={"folder": str(self.bpf.folder), "restored": not self.bpf.created},

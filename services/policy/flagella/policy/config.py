@@ -14,6 +14,7 @@ POLICY_KIND_NAMES = (
     "CiliumNetworkPolicy",
     "CiliumClusterwideNetworkPolicy",
     "FlagellaNetworkPolicy",
+    "CiliumCIDRGroup",
 )
 
 

@@ -3,7 +3,6 @@ with the structural checks of rules given as protos."""
 
 from __future__ import annotations
 
-import ipaddress
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -12,12 +11,11 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from flagella.api.policy.v1 import policy_pb2 as pb
 from flagella.common.errors import InvalidArgument
 from flagella.policy.allocator import IdentityView
-from flagella.policy.labels import Label, LabelError, check_key, split_label
+from flagella.policy.labels import Label, LabelError, split_label
 from flagella.policy.prefixes import PrefixEntry
 from flagella.policy.resolve import PolicyContent, PolicyEntry, ResolvedPolicy
 from flagella.policy.rules import (
     ICMP_PROTOCOLS,
-    MAX_GROUP_CIDRS,
     CIDRGroup,
     CIDRSpec,
     Direction,
@@ -26,17 +24,17 @@ from flagella.policy.rules import (
     PortSpec,
     Protocol,
     Rule,
+    RuleSource,
     SelectorSpec,
     check_cidr,
-    check_label_value,
     check_name,
     check_namespace,
     check_port,
     check_selector,
     icmp_port,
     icmp_type_of,
-    parse_network,
 )
+from flagella.policy.rules.groups import make_cidr_group
 from flagella.policy.selector import Entity
 from flagella.policy.state import IPEntry
 from flagella.policy.streams import EventKind, IPCacheEvent, PolicyEvent
@@ -267,14 +265,14 @@ def rule_pb(rule: Rule) -> pb.Rule:
         labels=dict(rule.labels),
         revision=rule.revision,
         updated_at=updated if rule.updated_at else None,
-        source=(
-            pb.RuleSource(
-                kind=rule.source.kind, namespace=rule.source.namespace, name=rule.source.name
-            )
-            if rule.source.kubernetes
-            else None
-        ),
+        source=rule_source_pb(rule.source),
     )
+
+
+def rule_source_pb(source: RuleSource) -> pb.RuleSource | None:
+    if not source.kubernetes:
+        return None
+    return pb.RuleSource(kind=source.kind, namespace=source.namespace, name=source.name)
 
 
 # --- policies and the ipcache ---
@@ -399,27 +397,14 @@ def policy_event_pb(ev: PolicyEvent, cache: ContentCache | None = None) -> pb.Po
 
 
 def cidr_group_from_pb(group: pb.CIDRGroup) -> CIDRGroup:
-    check_name(group.name, "name")
-    if len(group.cidrs) > MAX_GROUP_CIDRS:
-        raise InvalidArgument(f"{len(group.cidrs)} CIDRs; at most {MAX_GROUP_CIDRS}", field="cidrs")
-    cidrs = []
-    for i, text in enumerate(group.cidrs):
-        net = parse_network(text, f"cidrs[{i}]")
-        if "/" in text and ipaddress.ip_interface(text).ip != net.network_address:
-            # No answer carries warnings here: refused rather than masked.
-            raise InvalidArgument(f"{text} has host bits set (mean {net}?)", field=f"cidrs[{i}]")
-        cidrs.append(str(net))
-    labels = sorted(group.labels.items())
-    for key, value in labels:
-        try:
-            check_key(key)
-        except LabelError as exc:
-            raise InvalidArgument(str(exc), field=f"labels[{key}]") from None
-        check_label_value(value, f"labels[{key}]")
-    return CIDRGroup(group.name, tuple(dict.fromkeys(cidrs)), tuple(labels))
+    return make_cidr_group(group.name, group.cidrs, group.labels)
 
 
 def cidr_group_pb(group: CIDRGroup) -> pb.CIDRGroup:
     return pb.CIDRGroup(
-        name=group.name, cidrs=group.cidrs, labels=dict(group.labels), revision=group.revision
+        name=group.name,
+        cidrs=group.cidrs,
+        labels=dict(group.labels),
+        revision=group.revision,
+        source=rule_source_pb(group.source),
     )

@@ -1,10 +1,12 @@
 """Network policy from the Kubernetes API (--kubeconfig PATH|in-cluster).
 
-Four watchers, one per kind: networking.k8s.io/v1 NetworkPolicy, cilium.io/v2
+One watcher per kind: networking.k8s.io/v1 NetworkPolicy, cilium.io/v2
 CiliumNetworkPolicy and CiliumClusterwideNetworkPolicy, flagella.io/v1
-FlagellaNetworkPolicy. Each follows its kind into a table through the sync
-layer's KubeSource (paged list, watch from the resourceVersion with
-bookmarks, relist on 410 Gone swapped in as a diff) on every replica; only
+FlagellaNetworkPolicy (each object a rule), and cilium.io/v2alpha1
+CiliumCIDRGroup (each object a CIDR group of its name). Each follows its
+kind into a table through the sync layer's KubeSource (paged list, watch
+from the resourceVersion with bookmarks, relist on 410 Gone swapped in as
+a diff) on every replica; only
 the replica holding the watcher's Lease (flagella-policy-<plural>,
 flagella.common.leader) writes, so each kind has one writer.
 
@@ -35,7 +37,7 @@ import importlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 from flagella.common.backoff import Backoff
 from flagella.common.errors import FlagellaError, InvalidArgument
@@ -47,7 +49,8 @@ from flagella.common.sync.dirty import DirtyKeys
 from flagella.common.sync.kube import ListFunction, Obj, object_key, resource_version
 from flagella.common.tasks import TaskGroup
 from flagella.policy.repository import RuleRepository
-from flagella.policy.rules import Rule, RuleSource, compile_rule, parse_object
+from flagella.policy.rules import CIDRGroup, Rule, RuleSource, compile_rule, parse_object
+from flagella.policy.rules.groups import K8S_FIELDS, make_cidr_group
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +65,8 @@ class PolicyKind:
     group: str
     version: str
     plural: str
+    # A cluster-scoped kind whose objects are CIDR groups, not rules.
+    cidr_groups: bool = False
 
     @property
     def api_version(self) -> str:
@@ -72,8 +77,11 @@ class PolicyKind:
         return LEASE_PREFIX + self.plural
 
     def rule_name(self, key: str) -> str:
-        """The name of the rule of the object at key ("namespace/name")."""
+        """The name of the rule of the object at key ("namespace/name"); for
+        a CIDR group, the object's name (the name rules reference)."""
         namespace, _, name = key.partition("/")
+        if self.cidr_groups:
+            return name
         return f"{self.kind}/{namespace}/{name}" if namespace else f"{self.kind}/{name}"
 
     def list_function(self, api: Any) -> ListFunction:
@@ -101,6 +109,7 @@ KINDS = (
         "CiliumClusterwideNetworkPolicy", "cilium.io", "v2", "ciliumclusterwidenetworkpolicies"
     ),
     PolicyKind("FlagellaNetworkPolicy", "flagella.io", "v1", "flagellanetworkpolicies"),
+    PolicyKind("CiliumCIDRGroup", "cilium.io", "v2alpha1", "ciliumcidrgroups", cidr_groups=True),
 )
 
 
@@ -123,9 +132,37 @@ def translate(kind: PolicyKind, obj: Obj, warnings: list[str] | None = None) -> 
     return rule
 
 
-class PolicyWatcher:
+def translate_cidr_group(kind: PolicyKind, obj: Obj) -> CIDRGroup:
+    """The CIDR group of a CiliumCIDRGroup. Raises InvalidArgument naming the
+    field."""
+    meta = obj.get("metadata") or {}
+    spec = obj.get("spec") or {}
+    cidrs = spec.get("externalCIDRs") or []
+    if not isinstance(cidrs, list) or not all(isinstance(c, str) for c in cidrs):
+        raise InvalidArgument("expected a list of CIDRs", field=K8S_FIELDS.cidrs)
+    labels = meta.get("labels") or {}
+    name = meta.get("name", "")
+    source = RuleSource(kind.kind, "", name)
+    return make_cidr_group(name, cidrs, labels, fields=K8S_FIELDS, source=source)
+
+
+class Stored(Protocol):
+    @property
+    def revision(self) -> int: ...
+
+    @property
+    def source(self) -> RuleSource: ...
+
+    def content(self) -> Any: ...
+
+
+T = TypeVar("T", bound=Stored)
+
+
+class ObjectWatcher(Generic[T]):
     """One kind: its table of objects (every replica) and, while this
-    replica leads, the sync of its rules."""
+    replica leads, the sync of what they become in etcd (rules, or CIDR
+    groups): the hooks below say which."""
 
     def __init__(
         self, kind: PolicyKind, rules: RuleRepository, events: EventRecorder | None = None
@@ -146,12 +183,22 @@ class PolicyWatcher:
         # per version, however often it is looked at.
         self._reported: dict[str, str] = {}
 
-    def stored(self) -> dict[str, Rule]:
-        """The rules of this kind in the mirror, by their object's key."""
+    # --- what the objects become ---
+
+    def held(self) -> dict[str, T]:
+        """What the mirror holds, by name (of every source)."""
+        raise NotImplementedError
+
+    def translate(self, obj: Obj, warnings: list[str]) -> T:
+        raise NotImplementedError
+
+    async def write(self, name: str, desired: T | None, revision: int) -> int | None:
+        raise NotImplementedError
+
+    def stored(self) -> dict[str, T]:
+        """What the mirror holds of this kind, by its object's key."""
         return {
-            r.source.object_key: r
-            for r in self.rules.state.rules.values()
-            if r.source.kind == self.kind.kind
+            r.source.object_key: r for r in self.held().values() if r.source.kind == self.kind.kind
         }
 
     async def follow(self) -> None:
@@ -176,12 +223,12 @@ class PolicyWatcher:
         False: to be tried again (etcd away, or another writer first)."""
         name = self.kind.rule_name(key)
         obj = self.table.get(key)
-        held = self.rules.state.rules.get(name)
-        desired: Rule | None = None
+        held = self.held().get(name)
+        desired: T | None = None
         warnings: list[str] = []
         if obj is not None:
             try:
-                desired = translate(self.kind, obj, warnings)
+                desired = self.translate(obj, warnings)
             except InvalidArgument as exc:
                 await self._report(key, obj, exc)
                 return True
@@ -191,9 +238,7 @@ class PolicyWatcher:
         if desired is not None and held is not None and desired.content() == held.content():
             return True
         try:
-            written = await self.rules.sync_rule(
-                name, desired, revision=held.revision if held else 0
-            )
+            written = await self.write(name, desired, held.revision if held else 0)
         except FlagellaError as exc:
             log.warning(
                 "kubernetes policy not written, will retry",
@@ -236,13 +281,41 @@ class PolicyWatcher:
             )
 
 
+class PolicyWatcher(ObjectWatcher[Rule]):
+    """A kind whose objects are rules."""
+
+    def held(self) -> dict[str, Rule]:
+        return self.rules.state.rules
+
+    def translate(self, obj: Obj, warnings: list[str]) -> Rule:
+        return translate(self.kind, obj, warnings)
+
+    async def write(self, name: str, desired: Rule | None, revision: int) -> int | None:
+        return await self.rules.sync_rule(name, desired, revision=revision)
+
+
+class CIDRGroupWatcher(ObjectWatcher[CIDRGroup]):
+    """CiliumCIDRGroup: each object the CIDR group of its name. A group put
+    through the API under that name is replaced (the cluster's object is
+    the source of truth) and can then only change through the object."""
+
+    def held(self) -> dict[str, CIDRGroup]:
+        return self.rules.state.cidr_groups
+
+    def translate(self, obj: Obj, warnings: list[str]) -> CIDRGroup:
+        return translate_cidr_group(self.kind, obj)
+
+    async def write(self, name: str, desired: CIDRGroup | None, revision: int) -> int | None:
+        return await self.rules.sync_cidr_group(name, desired, revision=revision)
+
+
 class PolicyWatchers:
-    """The four watchers of a replica, on one API client."""
+    """The watchers of a replica (one per kind), on one API client."""
 
     def __init__(self, rules: RuleRepository, kubeconfig: str) -> None:
         self.rules = rules
         self.kubeconfig = kubeconfig
-        self.watchers: list[PolicyWatcher] = []
+        self.watchers: list[ObjectWatcher[Any]] = []
         self._api: Any = None
 
     async def start(
@@ -257,7 +330,11 @@ class PolicyWatchers:
         self._api = await api_client(self.kubeconfig)
         events = EventRecorder(self._api, "flagella-policy", election.identity)
         for kind in kinds:
-            watcher = PolicyWatcher(kind, self.rules, events)
+            watcher: ObjectWatcher[Any] = (
+                CIDRGroupWatcher(kind, self.rules, events)
+                if kind.cidr_groups
+                else PolicyWatcher(kind, self.rules, events)
+            )
             source = KubeSource(
                 kind.plural, kind.list_function(self._api), watcher.table,
                 watch_timeout=WATCH_TIMEOUT_S,

@@ -91,6 +91,7 @@ class RuleRepository:
     async def put_cidr_group(self, group: CIDRGroup) -> int:
         """Stores (replaces) a validated group; every rule naming it is
         resolved again with its new CIDRs once the mirror has it."""
+        self._check_by_hand(group.name)
         revision = await self.store.put_cidr_group(group)
         await self.mirror.wait_for(revision)
         log.info("CIDR group stored", extra={"group": group.name, "revision": revision})
@@ -99,11 +100,30 @@ class RuleRepository:
     async def delete_cidr_group(self, name: str) -> tuple[bool, int]:
         """Rules naming a deleted group select nothing through it (never
         any peer) until it is back."""
+        self._check_by_hand(name)
         deleted, revision = await self.store.delete_cidr_group(name)
         if not deleted:
             return False, self.state.revision
         await self.mirror.wait_for(revision)
         return True, revision
+
+    async def sync_cidr_group(
+        self, name: str, group: CIDRGroup | None, *, revision: int
+    ) -> int | None:
+        """sync_rule for the CiliumCIDRGroup watcher."""
+        written = await self.store.sync_cidr_group(name, group, revision=revision)
+        if written is not None:
+            await self.mirror.wait_for(written)
+        return written
+
+    def _check_by_hand(self, name: str) -> None:
+        held = self.state.cidr_groups.get(name)
+        if held is not None and held.source.kubernetes:
+            raise FailedPrecondition(
+                f"CIDR group {name!r} comes from the Kubernetes {held.source.kind} "
+                f"{held.source.name}: change or delete that object",
+                field="name",
+            )
 
     def list_cidr_groups(self) -> tuple[list[CIDRGroup], int]:
         state = self.state

@@ -386,8 +386,18 @@ class PolicyStore:
         """Puts rule under name (deletes name when rule is None) in one
         transaction, if the key is still at revision (0: absent). The
         revision written, or None when the key had moved (another writer)."""
-        key = keys.rule_key(name)
-        ops = [put_op(key, rule_to_json(rule))] if rule is not None else [delete_op(key)]
+        value = rule_to_json(rule) if rule is not None else None
+        return await self._sync_key(keys.rule_key(name), value, revision)
+
+    async def sync_cidr_group(
+        self, name: str, group: CIDRGroup | None, *, revision: int
+    ) -> int | None:
+        """sync_rule for a CIDR group."""
+        value = cidr_group_to_json(group) if group is not None else None
+        return await self._sync_key(keys.cidr_group_key(name), value, revision)
+
+    async def _sync_key(self, key: str, value: bytes | None, revision: int) -> int | None:
+        ops = [put_op(key, value)] if value is not None else [delete_op(key)]
         result = await self.etcd.txn([mod_revision_is(key, revision)], ops)
         return result.revision if result.succeeded else None
 

@@ -55,6 +55,7 @@ class Programs:
     programs: Mapping[str, Program]
     source_dir: Path
     compile_seconds: float
+    cached: bool = False  # read from the program cache (progcache), not compiled
 
     def __getitem__(self, name: str) -> Program:
         return self.programs[name]

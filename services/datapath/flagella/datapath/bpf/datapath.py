@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flagella.datapath.bpf import layout as L
-from flagella.datapath.bpf import syscall, tc
-from flagella.datapath.bpf.compiler import PROGRAMS, Programs, compile_programs
+from flagella.datapath.bpf import progcache, syscall, tc
+from flagella.datapath.bpf.compiler import PROGRAMS, Programs
 from flagella.datapath.bpf.events import EventReader
 from flagella.datapath.bpf.lb import (
     Affinity,
@@ -205,10 +205,12 @@ class Datapath:
         sizes: L.MapSizes | None = None,
         programs: Programs | None = None,
         load_programs: bool = True,
+        program_cache: str | None = None,
     ) -> Datapath:
         """Opens (or creates and pins) every map under
         <pin_root>/<layout version>/ and loads the programs against them
-        (compiling bpf/ first unless programs is given). A new folder gets
+        (compiling bpf/ first, through the program cache folder if given,
+        unless programs is given). A new folder gets
         the default NodeConfig. Nothing is attached here: call attach()
         for each endpoint (replacing whatever an earlier process attached)."""
         sizes = sizes or L.MapSizes()
@@ -227,7 +229,7 @@ class Datapath:
                     Config(spec, fd, str(folder / spec.name)).write(NodeConfig())
                 created_any = created_any or created
             if load_programs:
-                progs = programs or compile_programs()
+                progs = programs or progcache.load_programs(program_cache)
                 for name in PROGRAMS:
                     prog_fds[name] = syscall.prog_load(name, progs[name].instantiate(fds))
         except BaseException:

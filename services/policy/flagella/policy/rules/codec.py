@@ -80,14 +80,7 @@ def rule_to_json(rule: Rule) -> bytes:
         "labels": dict(rule.labels),
         "updatedAt": rule.updated_at,
     }
-    if rule.source.kubernetes:
-        # Absent for rules by hand: rules stored before sources existed read
-        # back as what they were.
-        doc["source"] = {
-            "kind": rule.source.kind,
-            "namespace": rule.source.namespace,
-            "name": rule.source.name,
-        }
+    _put_source(doc, rule.source)
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 
@@ -122,7 +115,6 @@ def _peer_from(d: Mapping[str, Any]) -> PeerSpec:
 
 def rule_from_json(raw: bytes, *, revision: int = 0, create_revision: int = 0) -> Rule:
     d = json.loads(raw)
-    src = d.get("source") or {}
     return Rule(
         name=d["name"],
         namespace=d.get("namespace", ""),
@@ -135,17 +127,29 @@ def rule_from_json(raw: bytes, *, revision: int = 0, create_revision: int = 0) -
         enforce_egress=bool(d.get("enforceEgress", False)),
         description=d.get("description", ""),
         labels=tuple(sorted(d.get("labels", {}).items())),
-        source=RuleSource(src.get("kind", ""), src.get("namespace", ""), src.get("name", "")),
+        source=_source_from(d),
         revision=revision,
         create_revision=create_revision,
         updated_at=float(d.get("updatedAt", 0.0)),
     )
 
 
+def _put_source(doc: dict[str, Any], source: RuleSource) -> None:
+    if source.kubernetes:
+        # Absent for what was put by hand: what was stored before sources
+        # existed reads back as what it was.
+        doc["source"] = {"kind": source.kind, "namespace": source.namespace, "name": source.name}
+
+
+def _source_from(d: Mapping[str, Any]) -> RuleSource:
+    src = d.get("source") or {}
+    return RuleSource(src.get("kind", ""), src.get("namespace", ""), src.get("name", ""))
+
+
 def cidr_group_to_json(group: CIDRGroup) -> bytes:
-    return json.dumps(
-        {"cidrs": list(group.cidrs), "labels": dict(group.labels)}, sort_keys=True
-    ).encode()
+    doc: dict[str, Any] = {"cidrs": list(group.cidrs), "labels": dict(group.labels)}
+    _put_source(doc, group.source)
+    return json.dumps(doc, sort_keys=True).encode()
 
 
 def cidr_group_from_json(name: str, raw: bytes, *, revision: int = 0) -> CIDRGroup:
@@ -155,4 +159,5 @@ def cidr_group_from_json(name: str, raw: bytes, *, revision: int = 0) -> CIDRGro
         cidrs=tuple(d.get("cidrs", ())),
         labels=tuple(sorted(d.get("labels", {}).items())),
         revision=revision,
+        source=_source_from(d),
     )

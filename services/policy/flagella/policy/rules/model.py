@@ -85,32 +85,6 @@ class CIDRSpec:
 
 
 @dataclass(frozen=True, slots=True)
-class CIDRGroup:
-    """A named set of CIDRs rules reference (CiliumCIDRGroup)."""
-
-    name: str
-    cidrs: tuple[str, ...] = ()
-    labels: tuple[tuple[str, str], ...] = ()
-    revision: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class PeerSpec:
-    """One peer clause: who (endpoints, CIDRs, entities) on which ports. With
-    ports only it means any peer on those ports; entirely empty it selects
-    nothing (and still makes the direction default-deny)."""
-
-    endpoints: tuple[SelectorSpec, ...] = ()
-    cidrs: tuple[CIDRSpec, ...] = ()
-    entities: tuple[Entity, ...] = ()
-    to_ports: tuple[tuple[PortSpec, ...], ...] = ()
-    # fromRequires / toRequires: label selectors every endpoint peer of
-    # every rule selecting the same endpoint (in this direction) must also
-    # match; they allow nothing by themselves.
-    requires: tuple[SelectorSpec, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
 class RuleSource:
     """Where a rule comes from: the Kubernetes object it was translated
     from (kind, namespace, name; namespace "" for a cluster-scoped kind),
@@ -133,6 +107,39 @@ class RuleSource:
 
 
 BY_HAND = RuleSource()
+
+
+@dataclass(frozen=True, slots=True)
+class CIDRGroup:
+    """A named set of CIDRs rules reference (CiliumCIDRGroup)."""
+
+    name: str
+    cidrs: tuple[str, ...] = ()
+    labels: tuple[tuple[str, str], ...] = ()
+    revision: int = 0
+    # The CiliumCIDRGroup object it was read from (kind set), or by hand.
+    source: RuleSource = BY_HAND
+
+    def content(self) -> tuple[object, ...]:
+        """What the group says, without its revision."""
+        return (self.cidrs, self.labels, self.source)
+
+
+@dataclass(frozen=True, slots=True)
+class PeerSpec:
+    """One peer clause: who (endpoints, CIDRs, entities) on which ports. With
+    ports only it means any peer on those ports; entirely empty it selects
+    nothing (and still makes the direction default-deny)."""
+
+    endpoints: tuple[SelectorSpec, ...] = ()
+    cidrs: tuple[CIDRSpec, ...] = ()
+    entities: tuple[Entity, ...] = ()
+    to_ports: tuple[tuple[PortSpec, ...], ...] = ()
+    # fromRequires / toRequires: label selectors every endpoint peer of
+    # every rule selecting the same endpoint (in this direction) must also
+    # match; they allow nothing by themselves.
+    requires: tuple[SelectorSpec, ...] = ()
+
 
 # The label of a rule translated from a Kubernetes NetworkPolicy: its CIDRs
 # (ipBlocks) keep Kubernetes' meaning, every address inside them, pods and

@@ -1148,6 +1148,7 @@ class CIDRGroup(_message.Message):
     CIDRS_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """A lowercase DNS name."""
     revision: _builtins.int
@@ -1158,6 +1159,12 @@ class CIDRGroup(_message.Message):
 
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    @_builtins.property
+    def source(self) -> Global___RuleSource:
+        """The CiliumCIDRGroup the group was read from; unset for a group put
+        through the API (ignored on put).
+        """
+
     def __init__(
         self,
         *,
@@ -1165,10 +1172,11 @@ class CIDRGroup(_message.Message):
         cidrs: _abc.Iterable[_builtins.str] | None = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         revision: _builtins.int = ...,
+        source: Global___RuleSource | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["source", b"source"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cidrs", b"cidrs", "labels", b"labels", "name", b"name", "revision", b"revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cidrs", b"cidrs", "labels", b"labels", "name", b"name", "revision", b"revision", "source", b"source"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
