@@ -248,7 +248,7 @@ class _ServerInterceptor(WrappingInterceptor):
                 call = metrics.call(kind, method)
                 call.start()
                 try:
-                    result = inner(incoming(request, call), context)
+                    result = inner(incoming(request, call), _CountingWrites(context, call))
                     if hasattr(result, "__aiter__"):
                         async for item in result:
                             call.sent.inc()
@@ -269,6 +269,22 @@ class _ServerInterceptor(WrappingInterceptor):
             return answer
 
         return rewrap(handler, unary, stream, streaming_requests=True)
+
+
+class _CountingWrites:
+    """A servicer context whose write() counts the message sent (handlers
+    that stream with context.write instead of yielding)."""
+
+    def __init__(self, context: Any, call: CallMetrics) -> None:
+        self._context = context
+        self._call = call
+
+    async def write(self, message: Any) -> None:
+        await self._context.write(message)
+        self._call.sent.inc()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
 
 
 # --- client ---
