@@ -164,7 +164,7 @@ class Metrics:
     def __init__(self, service: str) -> None:
         # No *_created series: Go's client (and so Cilium's metrics) has none,
         # and they double the series of every counter and histogram.
-        disable_created_metrics()
+        disable_created_metrics()  # type: ignore[no-untyped-call]  # untyped in 0.26
         self.service = service
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
