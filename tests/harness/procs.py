@@ -91,8 +91,9 @@ class ServiceProcess:
         self.log_path = log_dir / f"flagella-{svc}-{self.port}.log"
         self.returncode: int | None = None
         self.proc: subprocess.Popen[bytes] | None = None
-        # Its own metrics port; in another netns (prefix) one the kernel picks.
-        self.metrics_port = 0 if self.prefix else free_port()
+        # Its own metrics port; in a netns of its own (prefix: a node's
+        # datapath) the default port, which nothing else there holds.
+        self.metrics_port = 9965 if self.prefix else free_port()
         self.metrics_listen = f"127.0.0.1:{self.metrics_port}"
         self.insecure = insecure or "--insecure" in self.args
         self.pki = test_pki or tls.session()
@@ -149,8 +150,16 @@ class ServiceProcess:
 
     def scrape(self, timeout: float = 5.0) -> str:
         """GET /metrics of this process (the Prometheus text format)."""
-        assert self.metrics_port, "metrics of a process in another netns: scrape from there"
         url = f"http://{self.metrics_listen}/metrics"
+        if self.prefix:  # from inside its netns
+            fetch = f"import urllib.request as u; print(u.urlopen({url!r}).read().decode())"
+            return subprocess.run(
+                [*self.prefix, sys.executable, "-c", fetch],
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=timeout + 10,
+            ).stdout
         with urllib.request.urlopen(url, timeout=timeout) as resp:
             return str(resp.read().decode())
 
