@@ -15,6 +15,14 @@ from harness.procs import ServiceProcess
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Service processes a test starts by hand (not through harness.procs,
+    which gives each its own port) serve metrics on a port the kernel
+    picks, not their fixed defaults: tests run side by side."""
+    for svc in ("ipam", "policy", "endpoint", "lb", "datapath"):
+        os.environ.setdefault(f"FLAGELLA_{svc.upper()}_METRICS_LISTEN", "127.0.0.1:0")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     """In CI a skipped privileged test is a failure: they must always run there."""

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,10 @@ class ServiceProcess:
         self.log_path = log_dir / f"flagella-{svc}-{self.port}.log"
         self.returncode: int | None = None
         self.proc: subprocess.Popen[bytes] | None = None
+        # Its own metrics port; in a netns of its own (prefix: a node's
+        # datapath) the default port, which nothing else there holds.
+        self.metrics_port = 9965 if self.prefix else free_port()
+        self.metrics_listen = f"127.0.0.1:{self.metrics_port}"
         self.insecure = insecure or "--insecure" in self.args
         self.pki = test_pki or tls.session()
         self.identity = identity or default_identity(svc, self.args)
@@ -134,12 +139,29 @@ class ServiceProcess:
             f"flagella.{self.svc}",
             "--listen",
             self.address,
+            "--metrics-listen",
+            self.metrics_listen,
             *self.tls_args(),
             *self.args,
         ]
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
         return self
+
+    def scrape(self, timeout: float = 5.0) -> str:
+        """GET /metrics of this process (the Prometheus text format)."""
+        url = f"http://{self.metrics_listen}/metrics"
+        if self.prefix:  # from inside its netns
+            fetch = f"import urllib.request as u; print(u.urlopen({url!r}).read().decode())"
+            return subprocess.run(
+                [*self.prefix, sys.executable, "-c", fetch],
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=timeout + 10,
+            ).stdout
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return str(resp.read().decode())
 
     def wait_serving(self, timeout: float = 30.0) -> ServiceProcess:
         deadline = time.monotonic() + timeout

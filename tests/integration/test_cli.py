@@ -96,6 +96,17 @@ def test_every_command_group(suite: tuple[Cluster, Node], tmp_path: Path) -> Non
     assert "PRESSURE" in status
     data = as_json(cluster, node, "status")
     assert {s["status"] for s in data["services"].values()} == {"SERVING"}
+    # Its reader gone (`flagella status | head`), the CLI ends quietly.
+    gone = subprocess.Popen(
+        [CLI, *addresses(cluster, node), "status"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert gone.stdout is not None
+    gone.stdout.close()
+    _, err = gone.communicate(timeout=60)
+    assert (gone.returncode, err) == (141, "")
     assert any(m["name"] == "policy" and m["max_entries"] > 0 for m in data["maps"])
 
     # endpoints

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 from harness.cluster import Cluster, Node
 from harness.netns import wait_until
+from harness.metrics import check_documented
 from harness.pods import Pod, add_pod
+from prometheus_client.parser import text_string_to_metric_families
 
 from flagella.api.datapath.v1 import datapath_pb2
 from flagella.api.lb.v1 import lb_pb2
@@ -81,6 +83,23 @@ def test_pods_talk_and_policy_changes_take_effect_at_runtime(cluster: Cluster, n
     l4 = [f for f in flows if f.src_identity == fe.identity and f.dst_port == 5353]
     assert l4
     assert l4[-1].drop_reason == datapath_pb2.DROP_REASON_POLICY_L4
+
+    # The same drops, counted on the datapath's /metrics (drops, forwards).
+    assert node.process is not None
+    scraped = node.process.scrape()
+    check_documented(scraped)
+    families = {f.name: f for f in text_string_to_metric_families(scraped)}
+    drops = {
+        (sample.labels["reason"], sample.labels["direction"]): sample.value
+        for sample in families["flagella_drop_count"].samples
+    }
+    assert drops[("POLICY_L3", "INGRESS")] >= 1
+    assert drops[("POLICY_L4", "INGRESS")] >= 1
+    forwards = {s.labels["direction"]: s.value for s in families["flagella_forward_count"].samples}
+    assert forwards["EGRESS"] > 0
+    assert forwards["INGRESS"] > 0
+    [endpoints] = families["flagella_endpoint_count"].samples
+    assert endpoints.value == 3
 
     # Changed at runtime, no reload.
     policy.PutRules(policy_pb2.PutRulesRequest(document=ALLOW_FRONTEND_AND_OTHER), timeout=10)

@@ -434,6 +434,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CliError, certs.CertsError) as exc:
         print(f"flagella: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        # The reader went away (`flagella monitor | head`): end quietly, as
+        # other command-line tools do. Python would otherwise complain again
+        # when it flushes stdout at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for such a tool
 
 
 if __name__ == "__main__":

@@ -115,6 +115,11 @@ class ServiceConfig:
         False,
         "DEVELOPMENT ONLY: plaintext gRPC with no authentication or authorization",
     )
+    metrics_listen: str = option(
+        "127.0.0.1:9960",
+        "serve Prometheus metrics (GET /metrics, HTTP) here; empty: off",
+        parse=parse_host_port,
+    )
     health_listen: str = option(
         "",
         "also serve grpc.health.v1.Health alone, in plaintext, here (for Kubernetes probes)",
@@ -131,6 +136,8 @@ class ServiceConfig:
             raise ConfigError("--etcd-timeout", "must be positive")
         if self.shutdown_grace < 0:
             raise ConfigError("--shutdown-grace", "must not be negative")
+        if self.metrics_listen.startswith("unix:"):
+            raise ConfigError("--metrics-listen", "metrics are served over TCP (host:port)")
 
 
 class _OneLineParser(argparse.ArgumentParser):

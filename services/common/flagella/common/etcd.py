@@ -206,18 +206,22 @@ def get_prefix_op(prefix: str, *, limit: int = 0, keys_only: bool = False) -> An
     )
 
 
-class _TlsClient(aetcd.Client):  # type: ignore[misc]  # aetcd is untyped
-    """aetcd's client over mutual TLS: aetcd only dials plaintext. etcd
-    (--client-cert-auth) takes the user from the certificate's CN, so no
-    password or token is sent. The channel follows the certificate files
-    when they are replaced (flagella.common.tls.ReloadingChannel)."""
+class _Client(aetcd.Client):  # type: ignore[misc]  # aetcd is untyped
+    """aetcd's client on a channel of ours: over mutual TLS (aetcd only
+    dials plaintext; etcd --client-cert-auth takes the user from the
+    certificate's CN, so no password or token is sent; the channel follows
+    the certificate files when they are replaced, ReloadingChannel), or
+    plaintext without files; with the given interceptors either way."""
 
     _is_connecting: bool
     _connected: asyncio.Event
 
-    def __init__(self, files: tls.TlsFiles, **kwargs: Any) -> None:
+    def __init__(
+        self, files: tls.TlsFiles | None, interceptors: Sequence[Any] = (), **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self._files = files
+        self._interceptors = list(interceptors)
 
     async def connect(self) -> None:
         if self._connected.is_set():
@@ -228,9 +232,15 @@ class _TlsClient(aetcd.Client):  # type: ignore[misc]  # aetcd is untyped
         self._is_connecting = True
         try:
             target = f"{self._host}:{self._port}"
-            self.channel = tls.secure_channel(
-                target, self._files, options=list(self._options.items())
-            )
+            options = list(self._options.items())
+            if self._files is None:
+                self.channel = grpc.aio.insecure_channel(
+                    target, options=options, interceptors=self._interceptors
+                )
+            else:
+                self.channel = tls.secure_channel(
+                    target, self._files, options=options, interceptors=self._interceptors
+                )
             self.kvstub = etcd_rpc.KVStub(self.channel)
             self.clusterstub = etcd_rpc.ClusterStub(self.channel)
             self.leasestub = etcd_rpc.LeaseStub(self.channel)
@@ -254,12 +264,14 @@ class Etcd:
         *,
         timeout: float = 5.0,
         tls_files: tls.TlsFiles | None = None,
+        interceptors: Sequence[Any] = (),
     ) -> None:
         if not endpoints:
             raise ValueError("no etcd endpoints")
         self.endpoints = list(endpoints)
         self.timeout = timeout
         self.tls_files = tls_files
+        self.interceptors = list(interceptors)
         self._client: aetcd.Client | None = None
         self._endpoint_index = 0
 
@@ -287,9 +299,7 @@ class Etcd:
                 "grpc.max_receive_message_length": 128 << 20,
             },
         }
-        if self.tls_files is None:
-            return aetcd.Client(**kwargs)
-        return _TlsClient(self.tls_files, **kwargs)
+        return _Client(self.tls_files, self.interceptors, **kwargs)
 
     @property
     def client(self) -> aetcd.Client:

@@ -33,6 +33,7 @@ from flagella.common.errors import ConfigError, FlagellaError
 from flagella.common.etcd import Etcd
 from flagella.common.handlers import WrappingInterceptor, relay, rewrap
 from flagella.common.logs import setup_logging
+from flagella.common.metrics import Metrics, MetricsServer
 from flagella.common.pki import TlsFileError
 from flagella.common.tasks import TaskGroup
 from flagella.common.tls import TlsFiles
@@ -253,6 +254,8 @@ class Runtime(Generic[C]):
     # Who may call what; a service that owns scoped resources registers
     # their resolvers (authz.node_of) here.
     authorizer: Authorizer = field(default_factory=Authorizer)
+    # This process's Prometheus metrics; services add their own to its registry.
+    metrics: Metrics = field(default_factory=lambda: Metrics("flagella"))
     _channels: list[grpc.aio.Channel] = field(default_factory=list)
 
     def channel(self, target: str) -> grpc.aio.Channel:
@@ -267,7 +270,7 @@ class Runtime(Generic[C]):
             ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 2_000),
         ]
-        interceptors = self.tracing.client_interceptors()
+        interceptors = [*self.metrics.client_interceptors(), *self.tracing.client_interceptors()]
         ch: grpc.aio.Channel
         if self.tls is None:
             ch = grpc.aio.insecure_channel(target, interceptors=interceptors, options=options)
@@ -279,7 +282,12 @@ class Runtime(Generic[C]):
     def etcd(self) -> Etcd:
         """A client of the configured etcd, as this service's etcd user."""
         cfg = self.config
-        return Etcd(cfg.etcd_endpoints, timeout=cfg.etcd_timeout, tls_files=self.etcd_tls)
+        return Etcd(
+            cfg.etcd_endpoints,
+            timeout=cfg.etcd_timeout,
+            tls_files=self.etcd_tls,
+            interceptors=[self.metrics.kvstore.interceptor()],
+        )
 
     async def close_channels(self) -> None:
         for ch in self._channels:
@@ -338,6 +346,7 @@ async def serve(runtime: Runtime[C], service: App) -> None:
     auth = [] if runtime.tls is None else [AuthInterceptor(runtime.authorizer)]
     server = grpc.aio.server(
         interceptors=[
+            runtime.metrics.server_interceptor(),
             *runtime.tracing.server_interceptors(),
             *auth,
             ErrorInterceptor(runtime.readiness),
@@ -359,11 +368,18 @@ async def serve(runtime: Runtime[C], service: App) -> None:
         if cfg.health_listen
         else None
     )
+    metrics_server = MetricsServer(runtime.metrics, cfg.metrics_listen)
+    if cfg.metrics_listen:
+        try:
+            await metrics_server.start()
+        except OSError as exc:
+            raise FatalError(f"cannot serve metrics on {cfg.metrics_listen}: {exc}") from exc
     log.info(
         "listening",
         extra={
             "address": [cfg.listen, *cfg.extra_listen],
             "health_address": cfg.health_listen or None,
+            "metrics_address": cfg.metrics_listen or None,
             "mtls": runtime.tls is not None,
             "identity": runtime.tls.current.identity.uri if runtime.tls else None,
             "pid": os.getpid(),
@@ -394,6 +410,7 @@ async def serve(runtime: Runtime[C], service: App) -> None:
         if probes is not None:
             await probes.stop(0)
         await server.stop(cfg.shutdown_grace)
+        await metrics_server.stop()
         await runtime.tasks.stop()
         with contextlib.suppress(Exception):
             await service.stop()
@@ -487,6 +504,7 @@ def main(
         runtime = Runtime(
             name=name,
             config=cfg,
+            metrics=Metrics(name),
             tracing=setup_tracing(prog, env),
             readiness=Readiness(health.aio.HealthServicer()),
             environ=env,

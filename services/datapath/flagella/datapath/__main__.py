@@ -32,6 +32,7 @@ from flagella.datapath.handlers import (
     ServicesCodec,
 )
 from flagella.datapath.ipcache import node_entries, policy_entries
+from flagella.datapath.metrics import DatapathCollector
 from flagella.datapath.node import NodeRegistration
 from flagella.datapath.routes import NodeRoutes, NodeRoutesCodec
 from flagella.datapath.service import DatapathService
@@ -51,6 +52,7 @@ class DatapathApp:
     def __init__(self, runtime: Runtime[DatapathConfig]) -> None:
         self.runtime = runtime
         self.service = DatapathService(runtime.config)
+        runtime.metrics.registry.register(DatapathCollector(self.service))
         self.registration: NodeRegistration | None = None
         self.relay: CniRelay | None = None
 

@@ -20,6 +20,11 @@ class DatapathConfig(ServiceConfig):
     USES_ETCD = False  # it never connects to etcd
 
     listen: str = option("127.0.0.1:50055", "gRPC address to serve on", parse=parse_host_port)
+    metrics_listen: str = option(
+        "127.0.0.1:9965",
+        "serve Prometheus metrics (GET /metrics, HTTP) here; empty: off",
+        parse=parse_host_port,
+    )
     node_name: str = option(socket.gethostname(), "name of this node in the node registry")
     node_ip: tuple[str, ...] = option(
         (), "this node's internal IPs (one per family)", parse=parse_ip

@@ -224,6 +224,11 @@ class DatapathService:
         )
 
     @property
+    def loaded(self) -> Datapath | None:
+        """The datapath once start() loaded it (None before)."""
+        return self._bpf
+
+    @property
     def bpf(self) -> Datapath:
         if self._bpf is None:
             raise Unavailable("the BPF datapath is not loaded yet")

@@ -16,6 +16,11 @@ class EndpointConfig(KubeConfig):
     and followed from the API server, endpoint status written to it."""
 
     listen: str = option("127.0.0.1:50053", "gRPC address to serve on", parse=parse_host_port)
+    metrics_listen: str = option(
+        "127.0.0.1:9963",
+        "serve Prometheus metrics (GET /metrics, HTTP) here; empty: off",
+        parse=parse_host_port,
+    )
     ipam_address: str = option("127.0.0.1:50051", "ipam service", parse=parse_host_port)
     policy_address: str = option("127.0.0.1:50052", "policy service", parse=parse_host_port)
     reservation_seconds: float = option(

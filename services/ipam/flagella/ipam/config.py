@@ -15,6 +15,11 @@ class IpamConfig(ServiceConfig):
     allocations."""
 
     listen: str = option("127.0.0.1:50051", "gRPC address to serve on", parse=parse_host_port)
+    metrics_listen: str = option(
+        "127.0.0.1:9961",
+        "serve Prometheus metrics (GET /metrics, HTTP) here; empty: off",
+        parse=parse_host_port,
+    )
     mode: str = option(
         "cluster-pool",
         "cluster-pool: carve node CIDRs from --cluster-cidr; host-scope: each node's CIDR is given",

@@ -42,6 +42,11 @@ class LbConfig(KubeConfig):
     (with --kubeconfig: of Kubernetes Services and EndpointSlices)."""
 
     listen: str = option("127.0.0.1:50054", "gRPC address to serve on", parse=parse_host_port)
+    metrics_listen: str = option(
+        "127.0.0.1:9964",
+        "serve Prometheus metrics (GET /metrics, HTTP) here; empty: off",
+        parse=parse_host_port,
+    )
     node_port_range: str = option(
         "30000-32767", "range of NodePort ports, LOW-HIGH", parse=parse_port_range
     )

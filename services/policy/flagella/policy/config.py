@@ -25,6 +25,11 @@ class PolicyConfig(KubeConfig):
     Cilium and Flagella policy custom resources of the Kubernetes API)."""
 
     listen: str = option("127.0.0.1:50052", "gRPC address to serve on", parse=parse_host_port)
+    metrics_listen: str = option(
+        "127.0.0.1:9962",
+        "serve Prometheus metrics (GET /metrics, HTTP) here; empty: off",
+        parse=parse_host_port,
+    )
     node_lease_ttl: int = option(
         900,
         "seconds a node's identity references and ipcache entries outlive the last sign "
