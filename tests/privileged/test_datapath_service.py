@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 from harness.cluster import Cluster, Node
-from harness.netns import wait_until
 from harness.metrics import check_documented
+from harness.netns import wait_until
 from harness.pods import Pod, add_pod
 from prometheus_client.parser import text_string_to_metric_families
 
