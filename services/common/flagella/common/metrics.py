@@ -13,9 +13,10 @@ Label values are method names and codes only: bounded, whatever the traffic.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import grpc
@@ -225,20 +226,9 @@ class _ServerInterceptor(WrappingInterceptor):
         def unary(inner: Callable[..., Any]) -> Callable[..., Any]:
             async def answer(request: Any, context: Any) -> Any:
                 call = metrics.call(kind, method)
-                call.start()
-                try:
+                with _handling(call, context):
                     response = await inner(incoming(request, call), context)
-                except asyncio.CancelledError:
-                    call.finish(grpc.StatusCode.CANCELLED)
-                    raise
-                except grpc.aio.AbortError:
-                    call.finish(_status(context, grpc.StatusCode.UNKNOWN))
-                    raise
-                except Exception:
-                    call.finish(grpc.StatusCode.UNKNOWN)
-                    raise
-                call.sent.inc()
-                call.finish(_status(context, grpc.StatusCode.OK))
+                    call.sent.inc()
                 return response
 
             return answer
@@ -246,8 +236,7 @@ class _ServerInterceptor(WrappingInterceptor):
         def stream(inner: Callable[..., Any]) -> Callable[..., Any]:
             async def answer(request: Any, context: Any) -> AsyncIterator[Any]:
                 call = metrics.call(kind, method)
-                call.start()
-                try:
+                with _handling(call, context):
                     result = inner(incoming(request, call), _CountingWrites(context, call))
                     if hasattr(result, "__aiter__"):
                         async for item in result:
@@ -255,20 +244,28 @@ class _ServerInterceptor(WrappingInterceptor):
                             yield item
                     else:  # a handler writing with context.write
                         await result
-                except (asyncio.CancelledError, GeneratorExit):
-                    call.finish(grpc.StatusCode.CANCELLED)
-                    raise
-                except grpc.aio.AbortError:
-                    call.finish(_status(context, grpc.StatusCode.UNKNOWN))
-                    raise
-                except Exception:
-                    call.finish(grpc.StatusCode.UNKNOWN)
-                    raise
-                call.finish(_status(context, grpc.StatusCode.OK))
 
             return answer
 
         return rewrap(handler, unary, stream, streaming_requests=True)
+
+
+@contextlib.contextmanager
+def _handling(call: CallMetrics, context: Any) -> Iterator[None]:
+    """Times the call and counts it with the status it ends with."""
+    call.start()
+    try:
+        yield
+    except (asyncio.CancelledError, GeneratorExit):
+        call.finish(grpc.StatusCode.CANCELLED)
+        raise
+    except grpc.aio.AbortError:
+        call.finish(_status(context, grpc.StatusCode.UNKNOWN))
+        raise
+    except Exception:
+        call.finish(grpc.StatusCode.UNKNOWN)
+        raise
+    call.finish(_status(context, grpc.StatusCode.OK))
 
 
 class _CountingWrites:
@@ -302,6 +299,17 @@ class _ClientBase:
         call = self.metrics.call(kind, full)
         call.start()
         return call
+
+    async def follow(
+        self, kind: str, continuation: Callable[..., Any], details: Any, request: Any
+    ) -> Any:
+        """Start a streaming call, counted when it ends (it outlives us)."""
+        call = self.begin(kind, details)
+        if kind == "server_stream":
+            call.sent.inc()  # its one request
+        rpc = await continuation(details, request)
+        self.on_done(call, rpc)
+        return rpc
 
     def on_done(self, call: CallMetrics, rpc: Any) -> None:
         async def record(done: Any) -> None:
@@ -343,31 +351,23 @@ class _UnaryStream(_ClientBase, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(
         self, continuation: Callable[..., Any], client_call_details: Any, request: Any
     ) -> Any:
-        call = self.begin("server_stream", client_call_details)
-        call.sent.inc()
-        rpc = await continuation(client_call_details, request)
-        self.on_done(call, rpc)
-        return rpc
+        return await self.follow("server_stream", continuation, client_call_details, request)
 
 
 class _StreamUnary(_ClientBase, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(
         self, continuation: Callable[..., Any], client_call_details: Any, request_iterator: Any
     ) -> Any:
-        call = self.begin("client_stream", client_call_details)
-        rpc = await continuation(client_call_details, request_iterator)
-        self.on_done(call, rpc)
-        return rpc
+        return await self.follow(
+            "client_stream", continuation, client_call_details, request_iterator
+        )
 
 
 class _StreamStream(_ClientBase, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(
         self, continuation: Callable[..., Any], client_call_details: Any, request_iterator: Any
     ) -> Any:
-        call = self.begin("bidi_stream", client_call_details)
-        rpc = await continuation(client_call_details, request_iterator)
-        self.on_done(call, rpc)
-        return rpc
+        return await self.follow("bidi_stream", continuation, client_call_details, request_iterator)
 
 
 class _KvstoreInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
