@@ -24,6 +24,11 @@ class PolicyConfig(KubeConfig):
     Cilium and Flagella policy custom resources of the Kubernetes API)."""
 
     listen: str = option("127.0.0.1:50052", "gRPC address to serve on", parse=parse_host_port)
+    lb_address: str = option(
+        "127.0.0.1:50054",
+        "lb service (host:port), whose services toServices rules follow; empty: none "
+        "(toServices then selects nothing)",
+    )
     node_lease_ttl: int = option(
         900,
         "seconds a node's identity references and ipcache entries outlive the last sign "
