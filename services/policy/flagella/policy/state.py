@@ -4,7 +4,9 @@ references, node leases, rules, ipcache) and the resolver fed from it.
 It is built from a snapshot and then moved forward one batch of watch
 events at a time; it is a pure function of the keys it was given, so any
 replica, or a rebuild from etcd's history at an older revision, computes the
-same identities, CIDR identities, ipcache view and resolved policies.
+same identities, CIDR identities, ipcache view and resolved policies. (One
+input is not in etcd: the lb services toServices rules resolve to, read as
+they are now; services_changed follows them.)
 """
 
 from __future__ import annotations
