@@ -191,3 +191,33 @@ async def test_prefix_entries_follow_the_backends(etcd: EtcdServer, spawn: Spawn
             lb_channel.close()
         await operator.close()
         await endpoint.close()
+
+
+@pytest.mark.parametrize(
+    ("document", "field"),
+    [
+        (RULES.replace("  egress:", "  egressDeny:", 1), "spec.egressDeny[0].toServices"),
+        (
+            RULES.replace("[{k8sService: {serviceName: db}}]", "[{k8sService: {}}]"),
+            "spec.egress[0].toServices[0].k8sService.serviceName",
+        ),
+        (
+            RULES.replace("{k8sService: {serviceName: db}}", "{}"),
+            "spec.egress[0].toServices[0]",
+        ),
+    ],
+)
+async def test_errors_name_the_field_and_store_nothing(
+    etcd: EtcdServer, spawn: Spawn, document: str, field: str
+) -> None:
+    policy = spawn("policy", "--etcd-endpoints", etcd.endpoint, "--lb-address", "")
+    channel = policy.aio_channel()
+    s = pbg.PolicyServiceStub(channel)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await s.PutRules(pb.PutRulesRequest(document=document))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field in (info.value.details() or "")
+        assert not (await s.ListRules(pb.ListRulesRequest())).rules
+    finally:
+        await channel.close()
