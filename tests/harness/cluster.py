@@ -25,6 +25,7 @@ from flagella.common.pki import Identity
 from harness import tls
 from harness.etcd import EtcdServer
 from harness.kube_api import KubeListWatchServer
+from harness.net import free_port
 from harness.netns import Netns, NetnsSet
 from harness.procs import ServiceProcess
 from harness.underlay import Underlay
@@ -80,19 +81,24 @@ class Cluster:
         """The control plane, in dependency order."""
         extra = extra or {}
         common = ["--etcd-endpoints", self.etcd.endpoint]
+        # lb starts after policy, which follows it (toServices): its port now.
+        lb_port = free_port()
         for svc in ("ipam", "policy", "lb", "endpoint"):
             if svc not in services:
                 continue
             args = [*common, "--extra-listen", self.socket(svc), *extra.get(svc, [])]
             if svc == "ipam":
                 args += ["--cluster-cidr", "10.200.0.0/16"]
+            if svc == "policy":
+                args += ["--lb-address", f"127.0.0.1:{lb_port}" if "lb" in services else ""]
             if svc == "endpoint":
                 args += [
                     "--ipam-address", self.services["ipam"].address,
                     "--policy-address", self.services["policy"].address,
                 ]  # fmt: skip
             self.service_args[svc] = args
-            self.services[svc] = self.spawn(svc, *args)
+            port = {"port": lb_port} if svc == "lb" else {}
+            self.services[svc] = self.spawn(svc, *args, **port)
         return self
 
     def kill9(self, svc: str) -> None:

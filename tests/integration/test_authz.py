@@ -109,8 +109,8 @@ EXPECTED: dict[str, set[str]] = {
     "lb/UpsertServices": OP,
     "lb/GetService": NODES | OP,
     "lb/DeleteService": OP,
-    "lb/ListServices": NODES | OP,
-    "lb/WatchServices": NODES | OP,
+    "lb/ListServices": NODES | OP | {"policy"},
+    "lb/WatchServices": NODES | OP | {"policy"},
     "lb/GetMaglevTable": NODES | OP,
     # A node's datapath relays its CNI plugin's invocations, for itself.
     "endpoint/Cni": {"node-a"},

@@ -77,6 +77,7 @@ def node_of(resource: str) -> Grant:
 
 
 ENDPOINT = service("endpoint")
+POLICY = service("policy")
 OPERATOR = Grant("operator")
 NODES = Grant("node")
 ANYONE = (Grant("anyone"),)
@@ -150,8 +151,9 @@ TABLE: dict[str, tuple[Grant, ...]] = {
             "UpsertServices": (OPERATOR,),
             "DeleteService": (OPERATOR,),
             "GetService": READERS,
-            "ListServices": READERS,
-            "WatchServices": READERS,
+            # The policy service follows the services for toServices rules.
+            "ListServices": (*READERS, POLICY),
+            "WatchServices": (*READERS, POLICY),
             "GetMaglevTable": READERS,
         },
     ),

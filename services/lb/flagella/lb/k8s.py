@@ -151,6 +151,7 @@ def translate(
                     affinity_timeout=timeout,
                     source_ranges=ranges,
                     source=Source.KUBERNETES,
+                    labels=dict(meta.get("labels") or {}),
                 )
             )
     return out

@@ -119,6 +119,8 @@ class ServiceSpec:
     affinity: Affinity | None = None
     source_ranges: tuple[str, ...] = ()
     source: Source = Source.API
+    # Sorted (key, value) pairs: what policy toServices selectors match.
+    labels: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,7 @@ class ServiceRecord:
     source: Source
     # Backend-id blocks this service owns (see ids.py).
     backend_blocks: tuple[int, ...] = ()
+    labels: tuple[tuple[str, str], ...] = ()
     # etcd mod revision of the record (not stored in the value).
     revision: int = field(default=0, compare=False)
 
@@ -159,6 +162,7 @@ class ServiceRecord:
             and self.affinity == spec.affinity
             and self.source_ranges == spec.source_ranges
             and self.source == spec.source
+            and self.labels == spec.labels
         )
 
     def maglev_backends(self) -> list[MaglevBackend]:
@@ -206,6 +210,9 @@ class ServiceRecord:
             "source": self.source.value,
             "backend_blocks": list(self.backend_blocks),
         }
+        if self.labels:
+            # Absent without labels: records stored before labels read back the same.
+            doc["labels"] = dict(self.labels)
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
@@ -239,6 +246,7 @@ class ServiceRecord:
             source_ranges=tuple(doc.get("source_ranges", ())),
             source=Source(doc.get("source", "api")),
             backend_blocks=tuple(int(b) for b in doc.get("backend_blocks", ())),
+            labels=tuple(sorted(doc.get("labels", {}).items())),
             revision=revision,
         )
 

@@ -418,6 +418,7 @@ class LbService:
             source_ranges=spec.source_ranges,
             source=spec.source,
             backend_blocks=blocks,
+            labels=spec.labels,
         )
         return UpsertPlan(record, current, new_blocks, ids_plan.release_blocks)
 

@@ -105,6 +105,7 @@ def raw_from_proto(svc: lb_pb2.Service) -> RawService:
         affinity_timeout=timeout,
         source_ranges=list(svc.source_ranges),
         source=Source.API,
+        labels=dict(svc.labels),
     )
 
 
@@ -143,6 +144,7 @@ def service_to_proto(rec: ServiceRecord) -> lb_pb2.Service:
         revision=rec.revision,
         source=rec.source.value,
         maglev_table_size=rec.maglev_table_size,
+        labels=dict(rec.labels),
     )
     if rec.affinity is not None:
         out.session_affinity.type = pb.SessionAffinity.TYPE_CLIENT_IP

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from flagella.common.errors import FlagellaError, InvalidArgument
@@ -77,6 +77,7 @@ class RawService:
     affinity_timeout: tuple[int, int] | None = None
     source_ranges: Sequence[str] = ()
     source: Source = Source.API
+    labels: Mapping[str, str] | None = None
 
 
 def _ip(value: str, field: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
@@ -235,6 +236,7 @@ def build_spec(raw: RawService, limits: Limits) -> ServiceSpec:
         str(n) for n in sorted(ranges.values(), key=lambda n: (int(n.network_address), n.prefixlen))
     )
 
+    labels = _labels(raw.labels or {})
     return ServiceSpec(
         name=name,
         namespace=namespace,
@@ -247,7 +249,26 @@ def build_spec(raw: RawService, limits: Limits) -> ServiceSpec:
         affinity=affinity,
         source_ranges=source_ranges,
         source=raw.source,
+        labels=labels,
     )
+
+
+MAX_LABELS = 64
+# Kubernetes label syntax: an optional DNS-subdomain prefix, then a name.
+_LABEL_NAME = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+_LABEL_KEY_RE = re.compile(rf"^([a-z0-9]([-a-z0-9.]{{0,251}}[a-z0-9])?/)?{_LABEL_NAME}$")
+_LABEL_VALUE_RE = re.compile(rf"^({_LABEL_NAME})?$")
+
+
+def _labels(labels: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    if len(labels) > MAX_LABELS:
+        raise InvalidArgument(f"at most {MAX_LABELS} labels", field="service.labels")
+    for key, value in labels.items():
+        if not _LABEL_KEY_RE.match(key):
+            raise InvalidArgument(f"{key!r} is not a label key", field=f"service.labels[{key}]")
+        if not _LABEL_VALUE_RE.match(value):
+            raise InvalidArgument(f"{value!r} is not a label value", field=f"service.labels[{key}]")
+    return tuple(sorted(labels.items()))
 
 
 MAX_BATCH = 1000

@@ -13,6 +13,7 @@ from flagella.common.server import FatalError, Probes, Runtime
 from flagella.common.server import main as serve_main
 from flagella.policy.config import PolicyConfig
 from flagella.policy.kube import KINDS, PolicyWatchers
+from flagella.policy.lbservices import LbServices
 from flagella.policy.service import PolicyService
 from flagella.policy.servicer import PolicyServicer
 from flagella.policy.settings import Settings
@@ -41,7 +42,12 @@ class PolicyApp:
         self.runtime = runtime
         self.etcd = runtime.etcd()
         self.probes = Probes(runtime.readiness)
-        self.service = PolicyService(PolicyStore(self.etcd), settings_of(cfg), tasks=runtime.tasks)
+        # toServices follows lb's services; policy starts (and is ready)
+        # without lb.
+        lb = LbServices(runtime.channel(cfg.lb_address)) if cfg.lb_address else None
+        self.service = PolicyService(
+            PolicyStore(self.etcd), settings_of(cfg), tasks=runtime.tasks, lb=lb
+        )
         self.kube: PolicyWatchers | None = None
 
     def register(self, server: grpc.aio.Server) -> None:

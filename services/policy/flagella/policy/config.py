@@ -30,6 +30,11 @@ class PolicyConfig(KubeConfig):
         "serve Prometheus metrics (GET /metrics, HTTP) here; empty: off",
         parse=parse_host_port,
     )
+    lb_address: str = option(
+        "127.0.0.1:50054",
+        "lb service (host:port), whose services toServices rules follow; empty: none "
+        "(toServices then selects nothing)",
+    )
     node_lease_ttl: int = option(
         900,
         "seconds a node's identity references and ipcache entries outlive the last sign "

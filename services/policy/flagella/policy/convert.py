@@ -26,11 +26,13 @@ from flagella.policy.rules import (
     Rule,
     RuleSource,
     SelectorSpec,
+    ServicePeer,
     check_cidr,
     check_name,
     check_namespace,
     check_port,
     check_selector,
+    check_service_peer,
     icmp_port,
     icmp_type_of,
 )
@@ -151,7 +153,27 @@ def _peer_from_pb(peer: pb.PeerRule, path: str, warnings: list[str] | None) -> P
     requires = tuple(
         _selector_from_pb(s, f"{path}.requires[{i}]") for i, s in enumerate(peer.requires)
     )
-    return PeerSpec(endpoints, tuple(cidrs), tuple(entities), tuple(to_ports), requires)
+    services = tuple(
+        _service_from_pb(s, f"{path}.services[{i}]") for i, s in enumerate(peer.services)
+    )
+    return PeerSpec(endpoints, tuple(cidrs), tuple(entities), tuple(to_ports), requires, services)
+
+
+def _service_from_pb(s: pb.ServiceSelector, path: str) -> ServicePeer:
+    selector = None
+    if s.HasField("selector"):
+        selector = _selector_from_pb(s.selector, f"{path}.selector")
+    peer = ServicePeer(name=s.name, selector=selector, namespace=s.namespace)
+    check_service_peer(peer, path, name_field="name", selector_field="selector")
+    check_namespace(s.namespace, f"{path}.namespace")
+    return peer
+
+
+def _service_pb(s: ServicePeer) -> pb.ServiceSelector:
+    out = pb.ServiceSelector(name=s.name, namespace=s.namespace)
+    if s.selector is not None:
+        out.selector.CopyFrom(_selector_pb(s.selector))
+    return out
 
 
 def rule_from_pb(rule: pb.Rule, path: str, warnings: list[str] | None = None) -> Rule:
@@ -171,7 +193,16 @@ def rule_from_pb(rule: pb.Rule, path: str, warnings: list[str] | None = None) ->
         raise InvalidArgument("required", field=f"{path}.endpoint_selector")
 
     def peers(items: Sequence[pb.PeerRule], fld: str) -> tuple[PeerSpec, ...]:
-        return tuple(_peer_from_pb(p, f"{path}.{fld}[{i}]", warnings) for i, p in enumerate(items))
+        out = tuple(_peer_from_pb(p, f"{path}.{fld}[{i}]", warnings) for i, p in enumerate(items))
+        for i, p in enumerate(out):
+            # Backends are matched by address, which only allows
+            # (docs/policy.md, toServices).
+            if p.services and fld != "egress":
+                raise InvalidArgument(
+                    "toServices only allows egress (not ingress, not a deny)",
+                    field=f"{path}.{fld}[{i}].services",
+                )
+        return out
 
     return Rule(
         name=name,
@@ -244,6 +275,7 @@ def _peer_pb(peer: PeerSpec) -> pb.PeerRule:
         entities=[_ENTITY_PB[e] for e in peer.entities],
         to_ports=[pb.PortRule(ports=[_port_pb(p) for p in pr]) for pr in peer.to_ports],
         requires=[_selector_pb(s) for s in peer.requires],
+        services=[_service_pb(s) for s in peer.services],
     )
 
 

@@ -134,6 +134,13 @@ class Mirror:
     def set_live(self, live: bool, reason: str = "") -> None:
         """(Readiness follows etcd through the service's probe.)"""
 
+    def services_changed(self) -> None:
+        """The lb services changed: toServices rules follow their backends."""
+        change = self.state.services_changed()
+        if change:
+            self._notify(change)
+            self._wake()
+
     # --- fan-out and waiting ---
 
     def _notify(self, change: Change) -> None:

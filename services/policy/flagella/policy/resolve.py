@@ -94,6 +94,10 @@ class PolicyContent:
     # depends on --k8s-ipblock-mode, which a resumed stream cannot know the
     # client saw (streams.py resends such policies).
     ipblock_rules: bool = False
+    # Rules with toServices select the identity: their prefix entries follow
+    # the lb services, which etcd's history does not hold (a resumed stream
+    # resends such policies too).
+    service_rules: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,6 +252,7 @@ class SigPolicy:
             _add(allow0, [(0, 0, _ANY, _EGRESS)], DEFAULT_ALLOW)
         # Kubernetes ipBlocks over addresses depend on the rules only.
         self.ipblock_rules = any(r.has_ipblocks for r in rules)
+        self.service_rules = any(r.has_services for r in rules)
         self.prefix_entries = flatten(c for r in rules for c in r.clauses if c.blocks)
         self.raw_allow0 = _freeze(allow0)
         self.raw_deny0 = _freeze(deny0)
@@ -359,6 +364,7 @@ class SigPolicy:
             tuple(entries),
             prefix_entries=self.prefix_entries,
             ipblock_rules=self.ipblock_rules,
+            service_rules=self.service_rules,
         )
         return self._content
 

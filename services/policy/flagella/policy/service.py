@@ -12,6 +12,7 @@ from flagella.policy.allocator import Allocation, IdentityAllocator, IdentityVie
 from flagella.policy.gc import GarbageCollector
 from flagella.policy.ipcache import IPCache
 from flagella.policy.labels import Label, LabelFilter, LabelSet
+from flagella.policy.lbservices import LbServices
 from flagella.policy.leases import NodeLeases
 from flagella.policy.mirror import Mirror
 from flagella.policy.repository import RuleRepository
@@ -34,8 +35,12 @@ class PolicyService:
         settings: Settings | None = None,
         *,
         tasks: TaskGroup | None = None,
+        lb: LbServices | None = None,
     ) -> None:
         self.store = store
+        # The lb services toServices rules follow (None: no lb, toServices
+        # selects nothing).
+        self.lb = lb
         self.settings = settings or Settings()
         s = self.settings
         # Background work (garbage collection, lease refreshes): in the
@@ -49,7 +54,10 @@ class PolicyService:
         self.mirror = Mirror(
             store,
             lambda: PolicyState(
-                budget=s.budget, allow_localhost=s.allow_localhost, k8s_ipblocks=s.k8s_ipblocks
+                budget=s.budget,
+                allow_localhost=s.allow_localhost,
+                k8s_ipblocks=s.k8s_ipblocks,
+                services=None if lb is None else lb.infos,
             ),
             tasks=self.tasks,
             wait_timeout=s.wait_timeout,
@@ -74,6 +82,8 @@ class PolicyService:
     async def start(self) -> None:
         await self.mirror.start()
         self.tasks.supervise("policy-gc", self.gc.run)
+        if self.lb is not None:
+            self.lb.start(self.tasks, self.mirror.services_changed)
 
     async def stop(self) -> None:
         if self._own_tasks:

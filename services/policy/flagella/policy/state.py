@@ -4,13 +4,15 @@ references, node leases, rules, ipcache) and the resolver fed from it.
 It is built from a snapshot and then moved forward one batch of watch
 events at a time; it is a pure function of the keys it was given, so any
 replica, or a rebuild from etcd's history at an older revision, computes the
-same identities, CIDR identities, ipcache view and resolved policies.
+same identities, CIDR identities, ipcache view and resolved policies. (One
+input is not in etcd: the lb services toServices rules resolve to, read as
+they are now; services_changed follows them.)
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -31,7 +33,9 @@ from flagella.policy.labels import LabelError, LabelSet, format_labels, parse_la
 from flagella.policy.resolve import DEFAULT_BUDGET, PolicyContent, ResolvedPolicy, Resolver
 from flagella.policy.rules import (
     CIDRGroup,
+    CompiledRule,
     Rule,
+    ServiceInfo,
     cidr_group_from_json,
     compile_rule,
     rule_from_json,
@@ -145,8 +149,13 @@ class PolicyState:
         budget: int = DEFAULT_BUDGET,
         allow_localhost: bool = True,
         k8s_ipblocks: bool = True,
+        services: Callable[[], Sequence[ServiceInfo]] | None = None,
     ) -> None:
         self.revision = 0
+        # The lb services as this replica follows them now (toServices):
+        # not part of etcd's state, so a state of any revision compiles
+        # against the current ones.
+        self._services = services or (lambda: ())
         self.resolver = Resolver(budget=budget, allow_localhost=allow_localhost)
         # --k8s-ipblock-mode=kubernetes: NetworkPolicy ipBlocks match pods.
         self.k8s_ipblocks = k8s_ipblocks
@@ -340,9 +349,14 @@ class PolicyState:
         )
         if rule.key != name:
             raise ValueError(f"rule key {name!r} holds rule {rule.key!r}")
-        compiled = compile_rule(rule, self._group_nets, k8s_ipblocks=self.k8s_ipblocks)
         self.rules[name] = rule
-        self.resolver.put_rule(compiled)
+        self.resolver.put_rule(self._compile(rule))
+
+    def _compile(self, rule: Rule) -> CompiledRule:
+        services = self._services() if any(p.services for p in rule.peers()) else ()
+        return compile_rule(
+            rule, self._group_nets, k8s_ipblocks=self.k8s_ipblocks, services=services
+        )
 
     def _on_cidrgroup(self, p: keys.Parsed, kv: KV | None) -> None:
         name = p.a
@@ -360,9 +374,17 @@ class PolicyState:
         # Every rule naming the group is compiled again against its CIDRs.
         for compiled in [r for r in self.resolver.rules.values() if name in r.groups]:
             self._rules_changed = True
-            self.resolver.put_rule(
-                compile_rule(compiled.rule, self._group_nets, k8s_ipblocks=self.k8s_ipblocks)
-            )
+            self.resolver.put_rule(self._compile(compiled.rule))
+
+    def services_changed(self) -> Change:
+        """Compiles the rules with toServices again against the current lb
+        services; what changed, at the current revision (the services are
+        not in etcd: no revision of their own)."""
+        for compiled in [r for r in self.resolver.rules.values() if r.has_services]:
+            fresh = self._compile(compiled.rule)
+            if fresh.clauses != compiled.clauses:
+                self.resolver.put_rule(fresh)
+        return self.commit(self.revision)
 
     def _recompute_cidr(self) -> None:
         priority: dict[IPNetwork, int] = {}

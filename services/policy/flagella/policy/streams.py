@@ -129,7 +129,7 @@ class NodePolicyView:
 
 def _differs(before: V | None, after: V, *, resumed: bool = False) -> bool:
     if resumed and (
-        (isinstance(after, PolicyContent) and after.ipblock_rules)
+        (isinstance(after, PolicyContent) and (after.ipblock_rules or after.service_rules))
         or (isinstance(after, IPEntry) and after.source == CIDR_POLICY_SOURCE)
     ):
         # The baseline is rebuilt with this replica's --k8s-ipblock-mode
@@ -137,6 +137,8 @@ def _differs(before: V | None, after: V, *, resumed: bool = False) -> bool:
         # identities); the client may hold what a replica of the other mode
         # sent. (CIDR entries it holds that this mode lacks stay until it
         # restarts: they name identities no policy selects, fail-closed.)
+        # Likewise toServices backends: the baseline has today's, not the
+        # ones the client got.
         return True
     # Resolved contents are shared objects: identity first, then equality.
     return before is None or (before is not after and before != after)

@@ -34,9 +34,16 @@ from flagella.policy.rules.model import (
     Rule,
     RuleSource,
     SelectorSpec,
+    ServicePeer,
     Verdict,
     icmp_port,
     icmp_type_of,
+)
+from flagella.policy.rules.services import (
+    ServiceInfo,
+    backend_prefixes,
+    check_service_peer,
+    service_name,
 )
 from flagella.policy.rules.validate import (
     ENTITY_NAMES,
@@ -75,13 +82,17 @@ __all__ = [
     "Rule",
     "RuleSource",
     "SelectorSpec",
+    "ServiceInfo",
+    "ServicePeer",
     "Verdict",
+    "backend_prefixes",
     "check_cidr",
     "check_label_value",
     "check_name",
     "check_namespace",
     "check_port",
     "check_selector",
+    "check_service_peer",
     "check_unique",
     "cidr_group_from_json",
     "cidr_group_to_json",
@@ -98,5 +109,6 @@ __all__ = [
     "rule_from_json",
     "rule_to_json",
     "selector_key",
+    "service_name",
     "subject_selector",
 ]

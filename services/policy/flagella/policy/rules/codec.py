@@ -17,6 +17,7 @@ from flagella.policy.rules.model import (
     Rule,
     RuleSource,
     SelectorSpec,
+    ServicePeer,
 )
 from flagella.policy.selector import Entity
 
@@ -55,7 +56,27 @@ def _peer_json(p: PeerSpec) -> dict[str, Any]:
         out["toPorts"] = [[_port_json(x) for x in pr] for pr in p.to_ports]
     if p.requires:
         out["requires"] = [_selector_json(s) for s in p.requires]
+    if p.services:
+        out["services"] = [_service_json(s) for s in p.services]
     return out
+
+
+def _service_json(s: ServicePeer) -> dict[str, Any]:
+    out: dict[str, Any] = {"namespace": s.namespace} if s.namespace else {}
+    if s.selector is None:
+        out["name"] = s.name
+    else:
+        out["selector"] = _selector_json(s.selector)
+    return out
+
+
+def _service_from(d: Mapping[str, Any]) -> ServicePeer:
+    sel = d.get("selector")
+    return ServicePeer(
+        name=d.get("name", ""),
+        selector=None if sel is None else _selector_from(sel),
+        namespace=d.get("namespace", ""),
+    )
 
 
 def _port_json(x: PortSpec) -> dict[str, Any]:
@@ -110,6 +131,7 @@ def _peer_from(d: Mapping[str, Any]) -> PeerSpec:
             for pr in d.get("toPorts", ())
         ),
         tuple(_selector_from(s) for s in d.get("requires", ())),
+        tuple(_service_from(s) for s in d.get("services", ())),
     )
 
 

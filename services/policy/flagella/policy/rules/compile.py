@@ -3,7 +3,7 @@ clause (selectors, ports, verdict) per peer."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from flagella.policy.identities import IPNetwork
@@ -19,6 +19,7 @@ from flagella.policy.rules.model import (
     SelectorSpec,
     Verdict,
 )
+from flagella.policy.rules.services import ServiceInfo, backend_prefixes
 from flagella.policy.rules.validate import parse_network, selector_key
 from flagella.policy.selector import (
     WILDCARD,
@@ -54,7 +55,8 @@ class Clause:
     endpoint_selectors: frozenset[Selector] = frozenset()
     # With --k8s-ipblock-mode=kubernetes, the clause's ipBlocks when the rule
     # is a Kubernetes NetworkPolicy: they match addresses, pods and nodes
-    # included (also in selectors, as strict CIDR selectors).
+    # included (also in selectors, as strict CIDR selectors); and the host
+    # prefixes of its toServices backends (by address only).
     blocks: tuple[Block, ...] = ()
 
 
@@ -77,6 +79,8 @@ class CompiledRule:
     # A Kubernetes NetworkPolicy with ipBlocks: what it resolves to depends
     # on --k8s-ipblock-mode.
     has_ipblocks: bool = False
+    # It has toServices: recompiled when the lb services change.
+    has_services: bool = False
 
     def requirements(self, direction: Direction) -> tuple[LabelSelector, ...]:
         return tuple(sel for d, sel in self.requires if d is direction)
@@ -174,11 +178,13 @@ def compile_rule(
     cidr_groups: Mapping[str, tuple[IPNetwork, ...]] | None = None,
     *,
     k8s_ipblocks: bool = True,
+    services: Sequence[ServiceInfo] = (),
 ) -> CompiledRule:
     """cidr_groups: the CIDRs of each CIDR group, as they are now (a
     reference to a group not there selects nothing). k8s_ipblocks:
     --k8s-ipblock-mode=kubernetes (Kubernetes NetworkPolicy ipBlocks match
-    addresses); off, Cilium's semantics."""
+    addresses); off, Cilium's semantics. services: the lb services as they
+    are now (toServices selects their backends' addresses)."""
     group_nets = cidr_groups or {}
     ns = rule.namespace
     kubernetes = K8S_DERIVED_LABEL in rule.labels
@@ -212,9 +218,17 @@ def compile_rule(
                 blocks.append((net, excepts))
             for entity in peer.entities:
                 sels.append(WILDCARD if entity is Entity.ALL else EntitySelector(entity))
+            # toServices: each backend by address (parsing allows it in
+            # egress allow clauses only).
+            if peer.services and verdict is Verdict.ALLOW:
+                blocks += [(a, ()) for a in backend_prefixes(peer.services, ns, services)]
             # Ports alone mean any peer; a peer clause whose CIDR groups
-            # are empty or missing selects nothing (never any peer).
-            if not (peer.endpoints or peer.cidrs or peer.entities) and peer.to_ports:
+            # are empty or missing, or whose services have no backends (or
+            # do not exist), selects nothing (never any peer).
+            if (
+                not (peer.endpoints or peer.cidrs or peer.entities or peer.services)
+                and peer.to_ports
+            ):
                 sels.append(WILDCARD)
             if WILDCARD in sels:
                 sels = [WILDCARD]
@@ -244,4 +258,5 @@ def compile_rule(
         groups=frozenset(c.group for p in rule.peers() for c in p.cidrs if c.group),
         requires=tuple(requires),
         has_ipblocks=kubernetes and any(p.cidrs for p in (*rule.ingress, *rule.egress)),
+        has_services=any(p.services for p in rule.peers()),
     )

@@ -15,6 +15,7 @@ from flagella.policy.rules.fields import (
 )
 from flagella.policy.rules.icmp import parse_icmps
 from flagella.policy.rules.model import CIDRSpec, Direction, PeerSpec, Protocol, Rule
+from flagella.policy.rules.services import parse_to_services
 from flagella.policy.rules.validate import (
     ENTITY_NAMES,
     check_cidr,
@@ -75,7 +76,7 @@ def _entities(value: Any, path: str) -> tuple[Entity, ...]:
 
 _UNSUPPORTED_PEER = {
     "toFQDNs": "FQDN rules are not supported",
-    "toServices": "toServices is not supported",
+    "toServices": "toServices is an egress field",
     "fromGroups": "groups are not supported",
     "toGroups": "groups are not supported",
     "fromNodes": "node selectors are not supported",
@@ -84,10 +85,20 @@ _UNSUPPORTED_PEER = {
 }
 
 
-def _peer_doc(value: Any, path: str, direction: Direction, warnings: list[str] | None) -> PeerSpec:
+# Backend addresses are prefix entries, which only ever allow (an identity's
+# deny beats them; nothing denies by address): a deny cannot be exact.
+_DENY_SERVICES = (
+    "toServices cannot deny: a service's backends are matched by address, and "
+    "addresses only allow; deny their pods by toEndpoints instead"
+)
+
+
+def _peer_doc(
+    value: Any, path: str, direction: Direction, warnings: list[str] | None, *, deny: bool = False
+) -> PeerSpec:
     obj = Doc.mapping(value if value is not None else {}, path)
     pre = "from" if direction is Direction.INGRESS else "to"
-    fields = (
+    fields: tuple[str, ...] = (
         f"{pre}Endpoints",
         f"{pre}CIDR",
         f"{pre}CIDRSet",
@@ -96,7 +107,12 @@ def _peer_doc(value: Any, path: str, direction: Direction, warnings: list[str] |
         "toPorts",
         "icmps",
     )
-    Doc.only(obj, path, fields, **_UNSUPPORTED_PEER)
+    if direction is Direction.EGRESS and not deny:
+        fields += ("toServices",)
+    hints = dict(_UNSUPPORTED_PEER)
+    if deny:
+        hints["toServices"] = _DENY_SERVICES
+    Doc.only(obj, path, fields, **hints)
     endpoints = tuple(
         parse_selector(raw, f"{path}.{pre}Endpoints[{i}]")
         for i, raw in enumerate(Doc.seq(obj.get(f"{pre}Endpoints"), f"{path}.{pre}Endpoints"))
@@ -126,7 +142,8 @@ def _peer_doc(value: Any, path: str, direction: Direction, warnings: list[str] |
         parse_selector(raw, f"{path}.{pre}Requires[{i}]")
         for i, raw in enumerate(Doc.seq(obj.get(f"{pre}Requires"), f"{path}.{pre}Requires"))
     )
-    return PeerSpec(endpoints, tuple(cidrs), entities, tuple(to_ports), requires)
+    services = parse_to_services(obj.get("toServices"), f"{path}.toServices")
+    return PeerSpec(endpoints, tuple(cidrs), entities, tuple(to_ports), requires, services)
 
 
 def parse_flagella_policy(
@@ -161,7 +178,7 @@ def parse_flagella_policy(
 
     def peers(fld: str, direction: Direction) -> tuple[PeerSpec, ...]:
         return tuple(
-            _peer_doc(raw, f"{sp}.{fld}[{i}]", direction, warnings)
+            _peer_doc(raw, f"{sp}.{fld}[{i}]", direction, warnings, deny=fld.endswith("Deny"))
             for i, raw in enumerate(Doc.seq(spec.get(fld), f"{sp}.{fld}"))
         )
 

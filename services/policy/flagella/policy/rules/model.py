@@ -126,6 +126,19 @@ class CIDRGroup:
 
 
 @dataclass(frozen=True, slots=True)
+class ServicePeer:
+    """A toServices entry: a service by name (k8sService) or, with a
+    selector, every service whose labels it matches (k8sServiceSelector).
+    It stands for the services' backend addresses as they are at
+    resolution time (rules/services.py)."""
+
+    name: str = ""
+    selector: SelectorSpec | None = None
+    # "" : the rule's namespace (a cluster-wide rule: any namespace).
+    namespace: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class PeerSpec:
     """One peer clause: who (endpoints, CIDRs, entities) on which ports. With
     ports only it means any peer on those ports; entirely empty it selects
@@ -139,6 +152,8 @@ class PeerSpec:
     # every rule selecting the same endpoint (in this direction) must also
     # match; they allow nothing by themselves.
     requires: tuple[SelectorSpec, ...] = ()
+    # toServices (egress allow only).
+    services: tuple[ServicePeer, ...] = ()
 
 
 # The label of a rule translated from a Kubernetes NetworkPolicy: its CIDRs

@@ -203,6 +203,26 @@ Global___SessionAffinity: _TypeAlias = SessionAffinity  # noqa: Y015
 class Service(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class LabelsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     NAME_FIELD_NUMBER: _builtins.int
     NAMESPACE_FIELD_NUMBER: _builtins.int
     ID_FIELD_NUMBER: _builtins.int
@@ -217,6 +237,7 @@ class Service(_message.Message):
     REVISION_FIELD_NUMBER: _builtins.int
     SOURCE_FIELD_NUMBER: _builtins.int
     MAGLEV_TABLE_SIZE_FIELD_NUMBER: _builtins.int
+    LABELS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """"namespace/name" or "name"; the key of the service."""
     namespace: _builtins.str
@@ -246,6 +267,12 @@ class Service(_message.Message):
     def source_ranges(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """loadBalancerSourceRanges: client CIDRs allowed; empty allows all."""
 
+    @_builtins.property
+    def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """The service's labels (a Kubernetes Service's metadata.labels), which
+        policy toServices selectors match.
+        """
+
     def __init__(
         self,
         *,
@@ -263,10 +290,11 @@ class Service(_message.Message):
         revision: _builtins.int = ...,
         source: _builtins.str = ...,
         maglev_table_size: _builtins.int = ...,
+        labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["frontend", b"frontend", "session_affinity", b"session_affinity"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "backends", b"backends", "frontend", b"frontend", "id", b"id", "maglev_table_size", b"maglev_table_size", "name", b"name", "namespace", b"namespace", "node_port", b"node_port", "rev_nat_id", b"rev_nat_id", "revision", b"revision", "session_affinity", b"session_affinity", "source", b"source", "source_ranges", b"source_ranges", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "backends", b"backends", "frontend", b"frontend", "id", b"id", "labels", b"labels", "maglev_table_size", b"maglev_table_size", "name", b"name", "namespace", b"namespace", "node_port", b"node_port", "rev_nat_id", b"rev_nat_id", "revision", b"revision", "session_affinity", b"session_affinity", "source", b"source", "source_ranges", b"source_ranges", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -821,6 +821,7 @@ class PeerRule(_message.Message):
     ENTITIES_FIELD_NUMBER: _builtins.int
     TO_PORTS_FIELD_NUMBER: _builtins.int
     REQUIRES_FIELD_NUMBER: _builtins.int
+    SERVICES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def endpoints(self) -> _containers.RepeatedCompositeFieldContainer[Global___EndpointSelector]: ...
     @_builtins.property
@@ -836,6 +837,12 @@ class PeerRule(_message.Message):
         direction must match too; they allow nothing by themselves.
         """
 
+    @_builtins.property
+    def services(self) -> _containers.RepeatedCompositeFieldContainer[Global___ServiceSelector]:
+        """toServices (egress only): the current backend addresses of services,
+        followed as they change.
+        """
+
     def __init__(
         self,
         *,
@@ -844,14 +851,51 @@ class PeerRule(_message.Message):
         entities: _abc.Iterable[Global___Entity.ValueType] | None = ...,
         to_ports: _abc.Iterable[Global___PortRule] | None = ...,
         requires: _abc.Iterable[Global___EndpointSelector] | None = ...,
+        services: _abc.Iterable[Global___ServiceSelector] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cidrs", b"cidrs", "endpoints", b"endpoints", "entities", b"entities", "requires", b"requires", "to_ports", b"to_ports"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cidrs", b"cidrs", "endpoints", b"endpoints", "entities", b"entities", "requires", b"requires", "services", b"services", "to_ports", b"to_ports"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PeerRule: _TypeAlias = PeerRule  # noqa: Y015
+
+@_typing.final
+class ServiceSelector(_message.Message):
+    """A toServices entry: a service by name (k8sService) or every service whose
+    labels a selector matches (k8sServiceSelector); exactly one of the two.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    SELECTOR_FIELD_NUMBER: _builtins.int
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The Kubernetes Service name (the lb services "namespace/name" and
+    "namespace/name:port").
+    """
+    namespace: _builtins.str
+    """The services' namespace; empty: the rule's (in a cluster-wide rule, any)."""
+    @_builtins.property
+    def selector(self) -> Global___EndpointSelector:
+        """Services by their labels (an empty selector: every service)."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        selector: Global___EndpointSelector | None = ...,
+        namespace: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["selector", b"selector"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "namespace", b"namespace", "selector", b"selector"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ServiceSelector: _TypeAlias = ServiceSelector  # noqa: Y015
 
 @_typing.final
 class Rule(_message.Message):
