@@ -997,8 +997,8 @@ int from_container(struct __sk_buff *skb)
 	struct endpoint_key ek = {};
 	addr_copy(&ek.addr, &p.saddr);
 	struct endpoint_info *ep = endpoints.lookup(&ek);
-	if (!ep || ep->ifindex != skb->ifindex)
-		return drop(skb, &p, DROP_UNKNOWN_ENDPOINT, DIR_EGRESS, 0, 0, 0);
+	if (!ep || ep->ifindex != skb->ifindex) /* not this veth's pod's address */
+		return drop(skb, &p, DROP_INVALID_SOURCE_IP, DIR_EGRESS, 0, 0, 0);
 	__u64 ep_id = ep->ep_id;
 	__u32 my_id = ep->identity;
 	if (!(ep->flags & EP_F_POLICY_READY))

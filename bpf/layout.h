@@ -34,24 +34,27 @@ union v6addr {
 
 /* --- drop reasons: the numbers of flagella.datapath.v1.DropReason --- */
 #define REASON_FORWARDED 0
-#define DROP_POLICY_L3 130
-#define DROP_POLICY_L4 131
-#define DROP_POLICY_DENY 132
-#define DROP_POLICY_NOT_READY 133
-#define DROP_NO_BACKEND 140
-#define DROP_SOURCE_RANGE 141
-#define DROP_CT_INSERT_FAILED 150
-#define DROP_CT_INVALID 151
-#define DROP_NAT_FAILED 152
-#define DROP_INVALID_PACKET 160
-#define DROP_UNSUPPORTED_L3 161
-#define DROP_UNKNOWN_ENDPOINT 162
-#define DROP_FIB_LOOKUP_FAILED 163
-#define DROP_REDIRECT_FAILED 164
-#define DROP_FRAG_NOT_SUPPORTED 165 /* a later fragment whose first was not seen */
-#define DROP_UNKNOWN_NODE 166       /* a tunnel packet from an address that is no node */
-#define DROP_NO_TUNNEL_ENDPOINT 167 /* the tunnel has no node for the destination */
-#define DROP_TTL_EXCEEDED 168       /* a forwarded packet's TTL / hop limit ran out */
+/* Drop reasons: Cilium's numbers (flow.proto DropReason) where the meaning
+ * is the same, flagella's own from 230 (Cilium uses 130-203). */
+#define DROP_POLICY_L3 133            /* Cilium POLICY_DENIED */
+#define DROP_POLICY_L4 230            /* flagella only */
+#define DROP_POLICY_DENY 181          /* Cilium POLICY_DENY */
+#define DROP_POLICY_NOT_READY 165     /* Cilium NO_CONFIGURATION_AVAILABLE_TO_PERFORM_POLICY_DECISION */
+#define DROP_NO_BACKEND 158           /* Cilium SERVICE_BACKEND_NOT_FOUND */
+#define DROP_SOURCE_RANGE 177         /* Cilium DENIED_BY_LB_SRC_RANGE_CHECK */
+#define DROP_CT_INSERT_FAILED 155     /* Cilium CT_MAP_INSERTION_FAILED */
+#define DROP_CT_INVALID 135           /* Cilium CT_TRUNCATED_OR_INVALID_HEADER */
+#define DROP_NAT_FAILED 167           /* Cilium NO_MAPPING_FOR_NAT_MASQUERADE */
+#define DROP_INVALID_PACKET 134       /* Cilium INVALID_PACKET_DROPPED */
+#define DROP_INVALID_SOURCE_IP 132    /* Cilium INVALID_SOURCE_IP */
+#define DROP_UNSUPPORTED_L3 139       /* Cilium UNSUPPORTED_L3_PROTOCOL */
+#define DROP_UNKNOWN_ENDPOINT 152     /* Cilium NO_MATCHING_LOCAL_CONTAINER_FOUND */
+#define DROP_FIB_LOOKUP_FAILED 169    /* Cilium FIB_LOOKUP_FAILED */
+#define DROP_REDIRECT_FAILED 231      /* flagella only */
+#define DROP_FRAG_NOT_SUPPORTED 175   /* Cilium FIRST_LOGICAL_DATAGRAM_FRAGMENT_NOT_FOUND */
+#define DROP_UNKNOWN_NODE 232         /* flagella only */
+#define DROP_NO_TUNNEL_ENDPOINT 160   /* Cilium NO_TUNNEL_OR_ENCAPSULATION_ENDPOINT */
+#define DROP_TTL_EXCEEDED 196         /* Cilium TTL_EXCEEDED */
 /* metrics only: events the ring buffer had no room for (direction 0) */
 #define METRIC_EVENTS_LOST 255
 

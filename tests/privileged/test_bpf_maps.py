@@ -131,7 +131,9 @@ def test_policy_budget_is_enforced_without_writing(
         assert dp.policy.entry_count(POD_A.endpoint_id) == 2
         # The previous policy still decides.
         assert dp.policy.verdict(POD_A.endpoint_id, POD_B.identity, Direction.EGRESS, 6, 80) == 0
-        assert dp.policy.verdict(POD_A.endpoint_id, POD_B.identity, Direction.EGRESS, 6, 3) == 131
+        assert dp.policy.verdict(POD_A.endpoint_id, POD_B.identity, Direction.EGRESS, 6, 3) == int(
+            L.DropReason.POLICY_L4
+        )
 
 
 def test_every_map_dumps_to_named_string_fields(dp: Datapath) -> None:
@@ -180,12 +182,12 @@ def test_events_of_drops_can_be_switched_off(dp: Datapath) -> None:
     with dp.events() as ev:
         dp.test_run("from_container", P.build(POD_A.ip, POD_B.ip))
         flows = ev.poll(100)
-        assert [f.drop_reason for f in flows] == [133]
+        assert [f.drop_reason for f in flows] == [L.DropReason.POLICY_NOT_READY]
         assert flows[0].time_ns > 1_600_000_000 * 10**9
         dp.config.write(NodeConfig(drop_events=False))
         dp.test_run("from_container", P.build(POD_A.ip, POD_B.ip))
         assert ev.read() == []
-    assert dp.metrics.drops(133) == 2
+    assert dp.metrics.drops(L.DropReason.POLICY_NOT_READY) == 2
 
 
 def test_entry_counts_of_hash_maps_across_batches_and_of_arrays(dp: Datapath) -> None:

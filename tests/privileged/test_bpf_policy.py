@@ -317,14 +317,14 @@ def test_ipv6_policy(dp: Datapath) -> None:
 def test_spoofed_source_and_fragments_are_dropped(dp: Datapath) -> None:
     open_all(dp, POD_A, POD_B)
     assert egress(dp, P.build("10.1.0.99", POD_B.ip)) == L.TC_ACT_SHOT
-    assert dp.metrics.drops(DropReason.UNKNOWN_ENDPOINT, EGRESS) == 1
+    assert dp.metrics.drops(DropReason.INVALID_SOURCE_IP, EGRESS) == 1
     # A's address on another interface than its own veth.
     dp.endpoints.upsert(
         POD_A.endpoint_id, [POD_A.ip], ifindex=4242, identity=POD_A.identity,
         mac=POD_A.mac, node_mac=POD_A.node_mac,
     )  # fmt: skip
     assert egress(dp, P.build(POD_A.ip, POD_B.ip)) == L.TC_ACT_SHOT
-    assert dp.metrics.drops(DropReason.UNKNOWN_ENDPOINT, EGRESS) == 2
+    assert dp.metrics.drops(DropReason.INVALID_SOURCE_IP, EGRESS) == 2
     frag = P.build(POD_B.ip, POD_A.ip, frag_off=100)
     assert egress(dp, frag) == L.TC_ACT_SHOT
     assert dp.metrics.drops(DropReason.FRAG_NOT_SUPPORTED, EGRESS) == 1

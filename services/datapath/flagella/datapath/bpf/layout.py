@@ -26,31 +26,33 @@ from flagella.datapath.bpf import syscall
 # 3: tunnel mode: the ipcache's tunnel endpoint and flags, the tunnel device in
 #    the config; the frags map (IP fragments tracked).
 # 4: prefix_policy (Kubernetes ipBlocks over addresses), EP_F_PREFIX_POLICY.
-LAYOUT_VERSION = 4
+# 5: drop reasons renumbered as Cilium's (metrics map keys carry them).
+LAYOUT_VERSION = 5
 
 
 class DropReason(enum.IntEnum):
     """flagella.datapath.v1.DropReason (same numbers)."""
 
     UNSPECIFIED = 0
-    POLICY_L3 = 130
-    POLICY_L4 = 131
-    POLICY_DENY = 132
-    POLICY_NOT_READY = 133
-    NO_BACKEND = 140
-    SOURCE_RANGE = 141
-    CT_INSERT_FAILED = 150
-    CT_INVALID = 151
-    NAT_FAILED = 152
-    INVALID_PACKET = 160
-    UNSUPPORTED_L3 = 161
-    UNKNOWN_ENDPOINT = 162
-    FIB_LOOKUP_FAILED = 163
-    REDIRECT_FAILED = 164
-    FRAG_NOT_SUPPORTED = 165
-    UNKNOWN_NODE = 166
-    NO_TUNNEL_ENDPOINT = 167
-    TTL_EXCEEDED = 168
+    POLICY_L3 = 133
+    POLICY_L4 = 230
+    POLICY_DENY = 181
+    POLICY_NOT_READY = 165
+    NO_BACKEND = 158
+    SOURCE_RANGE = 177
+    CT_INSERT_FAILED = 155
+    CT_INVALID = 135
+    NAT_FAILED = 167
+    INVALID_PACKET = 134
+    INVALID_SOURCE_IP = 132
+    UNSUPPORTED_L3 = 139
+    UNKNOWN_ENDPOINT = 152
+    FIB_LOOKUP_FAILED = 169
+    REDIRECT_FAILED = 231
+    FRAG_NOT_SUPPORTED = 175
+    UNKNOWN_NODE = 232
+    NO_TUNNEL_ENDPOINT = 160
+    TTL_EXCEEDED = 196
 
 
 # metrics: reason 0 counts forwarded packets; (direction 0, 255) counts

@@ -67,71 +67,93 @@ class _DropReason:
 class _DropReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DropReason.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     DROP_REASON_UNSPECIFIED: _DropReason.ValueType  # 0
-    DROP_REASON_POLICY_L3: _DropReason.ValueType  # 130
-    """No allow entry for the peer identity."""
-    DROP_REASON_POLICY_L4: _DropReason.ValueType  # 131
-    """The peer identity is allowed on other ports only."""
-    DROP_REASON_POLICY_DENY: _DropReason.ValueType  # 132
-    """A deny entry matched."""
-    DROP_REASON_POLICY_NOT_READY: _DropReason.ValueType  # 133
-    """The endpoint's policy has not been received yet."""
-    DROP_REASON_NO_BACKEND: _DropReason.ValueType  # 140
-    DROP_REASON_SOURCE_RANGE: _DropReason.ValueType  # 141
-    DROP_REASON_CT_INSERT_FAILED: _DropReason.ValueType  # 150
-    DROP_REASON_CT_INVALID: _DropReason.ValueType  # 151
-    DROP_REASON_NAT_FAILED: _DropReason.ValueType  # 152
-    DROP_REASON_INVALID_PACKET: _DropReason.ValueType  # 160
-    DROP_REASON_UNSUPPORTED_L3: _DropReason.ValueType  # 161
-    DROP_REASON_UNKNOWN_ENDPOINT: _DropReason.ValueType  # 162
-    DROP_REASON_FIB_LOOKUP_FAILED: _DropReason.ValueType  # 163
-    DROP_REASON_REDIRECT_FAILED: _DropReason.ValueType  # 164
-    DROP_REASON_FRAG_NOT_SUPPORTED: _DropReason.ValueType  # 165
-    """A non-first IP fragment whose first fragment was not seen (no L4 header
-    to judge it by).
+    """Cilium's numbers (flow.proto DropReason) where the meaning is the same;
+    flagella's own from 230 (Cilium's reasons are 130-203).
     """
-    DROP_REASON_UNKNOWN_NODE: _DropReason.ValueType  # 166
+    DROP_REASON_INVALID_SOURCE_IP: _DropReason.ValueType  # 132
+    """A pod's packet from an address that is not its own. Cilium: INVALID_SOURCE_IP."""
+    DROP_REASON_POLICY_L3: _DropReason.ValueType  # 133
+    """Policy denied: no allow entry for the peer identity. Cilium: POLICY_DENIED."""
+    DROP_REASON_INVALID_PACKET: _DropReason.ValueType  # 134
+    """Invalid packet. Cilium: INVALID_PACKET_DROPPED."""
+    DROP_REASON_CT_INVALID: _DropReason.ValueType  # 135
+    """Conntrack: truncated or invalid header. Cilium: CT_TRUNCATED_OR_INVALID_HEADER."""
+    DROP_REASON_UNSUPPORTED_L3: _DropReason.ValueType  # 139
+    """Unsupported L3 protocol. Cilium: UNSUPPORTED_L3_PROTOCOL."""
+    DROP_REASON_UNKNOWN_ENDPOINT: _DropReason.ValueType  # 152
+    """No local endpoint for the destination on this veth. Cilium: NO_MATCHING_LOCAL_CONTAINER_FOUND."""
+    DROP_REASON_CT_INSERT_FAILED: _DropReason.ValueType  # 155
+    """Conntrack map insertion failed. Cilium: CT_MAP_INSERTION_FAILED."""
+    DROP_REASON_NO_BACKEND: _DropReason.ValueType  # 158
+    """Service backend not found. Cilium: SERVICE_BACKEND_NOT_FOUND."""
+    DROP_REASON_NO_TUNNEL_ENDPOINT: _DropReason.ValueType  # 160
+    """Tunnel mode: no node's pod CIDR holds the destination. Cilium: NO_TUNNEL_OR_ENCAPSULATION_ENDPOINT."""
+    DROP_REASON_POLICY_NOT_READY: _DropReason.ValueType  # 165
+    """The endpoint's policy has not been received yet. Cilium: NO_CONFIGURATION_AVAILABLE_TO_PERFORM_POLICY_DECISION."""
+    DROP_REASON_NAT_FAILED: _DropReason.ValueType  # 167
+    """No mapping for NAT masquerade (no free port, or the rewrite failed) Cilium: NO_MAPPING_FOR_NAT_MASQUERADE."""
+    DROP_REASON_FIB_LOOKUP_FAILED: _DropReason.ValueType  # 169
+    """FIB lookup failed. Cilium: FIB_LOOKUP_FAILED."""
+    DROP_REASON_FRAG_NOT_SUPPORTED: _DropReason.ValueType  # 175
+    """A later IP fragment whose first fragment was not seen. Cilium: FIRST_LOGICAL_DATAGRAM_FRAGMENT_NOT_FOUND."""
+    DROP_REASON_SOURCE_RANGE: _DropReason.ValueType  # 177
+    """Denied by the service's loadBalancerSourceRanges. Cilium: DENIED_BY_LB_SRC_RANGE_CHECK."""
+    DROP_REASON_POLICY_DENY: _DropReason.ValueType  # 181
+    """Policy denied by denylist: a deny entry matched. Cilium: POLICY_DENY."""
+    DROP_REASON_TTL_EXCEEDED: _DropReason.ValueType  # 196
+    """A forwarded packet's TTL / hop limit ran out. Cilium: TTL_EXCEEDED."""
+    DROP_REASON_POLICY_L4: _DropReason.ValueType  # 230
+    """Policy denied: the peer identity is allowed on other ports only (Cilium: 133 POLICY_DENIED)"""
+    DROP_REASON_REDIRECT_FAILED: _DropReason.ValueType  # 231
+    """The redirect to the destination device failed."""
+    DROP_REASON_UNKNOWN_NODE: _DropReason.ValueType  # 232
     """Tunnel mode: a VXLAN packet whose outer source is no node of the cluster."""
-    DROP_REASON_NO_TUNNEL_ENDPOINT: _DropReason.ValueType  # 167
-    """Tunnel mode: the node's own packet to an address no node's pod CIDR holds."""
-    DROP_REASON_TTL_EXCEEDED: _DropReason.ValueType  # 168
-    """A packet the datapath forwards (local delivery, tunnel, NodePort) whose
-    TTL / hop limit ran out.
-    """
 
 class DropReason(_DropReason, metaclass=_DropReasonEnumTypeWrapper):
     """Drop reasons; the numbers are the datapath's own codes."""
 
 DROP_REASON_UNSPECIFIED: DropReason.ValueType  # 0
-DROP_REASON_POLICY_L3: DropReason.ValueType  # 130
-"""No allow entry for the peer identity."""
-DROP_REASON_POLICY_L4: DropReason.ValueType  # 131
-"""The peer identity is allowed on other ports only."""
-DROP_REASON_POLICY_DENY: DropReason.ValueType  # 132
-"""A deny entry matched."""
-DROP_REASON_POLICY_NOT_READY: DropReason.ValueType  # 133
-"""The endpoint's policy has not been received yet."""
-DROP_REASON_NO_BACKEND: DropReason.ValueType  # 140
-DROP_REASON_SOURCE_RANGE: DropReason.ValueType  # 141
-DROP_REASON_CT_INSERT_FAILED: DropReason.ValueType  # 150
-DROP_REASON_CT_INVALID: DropReason.ValueType  # 151
-DROP_REASON_NAT_FAILED: DropReason.ValueType  # 152
-DROP_REASON_INVALID_PACKET: DropReason.ValueType  # 160
-DROP_REASON_UNSUPPORTED_L3: DropReason.ValueType  # 161
-DROP_REASON_UNKNOWN_ENDPOINT: DropReason.ValueType  # 162
-DROP_REASON_FIB_LOOKUP_FAILED: DropReason.ValueType  # 163
-DROP_REASON_REDIRECT_FAILED: DropReason.ValueType  # 164
-DROP_REASON_FRAG_NOT_SUPPORTED: DropReason.ValueType  # 165
-"""A non-first IP fragment whose first fragment was not seen (no L4 header
-to judge it by).
+"""Cilium's numbers (flow.proto DropReason) where the meaning is the same;
+flagella's own from 230 (Cilium's reasons are 130-203).
 """
-DROP_REASON_UNKNOWN_NODE: DropReason.ValueType  # 166
+DROP_REASON_INVALID_SOURCE_IP: DropReason.ValueType  # 132
+"""A pod's packet from an address that is not its own. Cilium: INVALID_SOURCE_IP."""
+DROP_REASON_POLICY_L3: DropReason.ValueType  # 133
+"""Policy denied: no allow entry for the peer identity. Cilium: POLICY_DENIED."""
+DROP_REASON_INVALID_PACKET: DropReason.ValueType  # 134
+"""Invalid packet. Cilium: INVALID_PACKET_DROPPED."""
+DROP_REASON_CT_INVALID: DropReason.ValueType  # 135
+"""Conntrack: truncated or invalid header. Cilium: CT_TRUNCATED_OR_INVALID_HEADER."""
+DROP_REASON_UNSUPPORTED_L3: DropReason.ValueType  # 139
+"""Unsupported L3 protocol. Cilium: UNSUPPORTED_L3_PROTOCOL."""
+DROP_REASON_UNKNOWN_ENDPOINT: DropReason.ValueType  # 152
+"""No local endpoint for the destination on this veth. Cilium: NO_MATCHING_LOCAL_CONTAINER_FOUND."""
+DROP_REASON_CT_INSERT_FAILED: DropReason.ValueType  # 155
+"""Conntrack map insertion failed. Cilium: CT_MAP_INSERTION_FAILED."""
+DROP_REASON_NO_BACKEND: DropReason.ValueType  # 158
+"""Service backend not found. Cilium: SERVICE_BACKEND_NOT_FOUND."""
+DROP_REASON_NO_TUNNEL_ENDPOINT: DropReason.ValueType  # 160
+"""Tunnel mode: no node's pod CIDR holds the destination. Cilium: NO_TUNNEL_OR_ENCAPSULATION_ENDPOINT."""
+DROP_REASON_POLICY_NOT_READY: DropReason.ValueType  # 165
+"""The endpoint's policy has not been received yet. Cilium: NO_CONFIGURATION_AVAILABLE_TO_PERFORM_POLICY_DECISION."""
+DROP_REASON_NAT_FAILED: DropReason.ValueType  # 167
+"""No mapping for NAT masquerade (no free port, or the rewrite failed) Cilium: NO_MAPPING_FOR_NAT_MASQUERADE."""
+DROP_REASON_FIB_LOOKUP_FAILED: DropReason.ValueType  # 169
+"""FIB lookup failed. Cilium: FIB_LOOKUP_FAILED."""
+DROP_REASON_FRAG_NOT_SUPPORTED: DropReason.ValueType  # 175
+"""A later IP fragment whose first fragment was not seen. Cilium: FIRST_LOGICAL_DATAGRAM_FRAGMENT_NOT_FOUND."""
+DROP_REASON_SOURCE_RANGE: DropReason.ValueType  # 177
+"""Denied by the service's loadBalancerSourceRanges. Cilium: DENIED_BY_LB_SRC_RANGE_CHECK."""
+DROP_REASON_POLICY_DENY: DropReason.ValueType  # 181
+"""Policy denied by denylist: a deny entry matched. Cilium: POLICY_DENY."""
+DROP_REASON_TTL_EXCEEDED: DropReason.ValueType  # 196
+"""A forwarded packet's TTL / hop limit ran out. Cilium: TTL_EXCEEDED."""
+DROP_REASON_POLICY_L4: DropReason.ValueType  # 230
+"""Policy denied: the peer identity is allowed on other ports only (Cilium: 133 POLICY_DENIED)"""
+DROP_REASON_REDIRECT_FAILED: DropReason.ValueType  # 231
+"""The redirect to the destination device failed."""
+DROP_REASON_UNKNOWN_NODE: DropReason.ValueType  # 232
 """Tunnel mode: a VXLAN packet whose outer source is no node of the cluster."""
-DROP_REASON_NO_TUNNEL_ENDPOINT: DropReason.ValueType  # 167
-"""Tunnel mode: the node's own packet to an address no node's pod CIDR holds."""
-DROP_REASON_TTL_EXCEEDED: DropReason.ValueType  # 168
-"""A packet the datapath forwards (local delivery, tunnel, NodePort) whose
-TTL / hop limit ran out.
-"""
 Global___DropReason: _TypeAlias = DropReason  # noqa: Y015
 
 class _FlowDirection:
