@@ -16,6 +16,7 @@ from flagella.policy.convert import (
     ContentCache,
     cidr_group_from_pb,
     cidr_group_pb,
+    host_policy_event_pb,
     identity_pb,
     ip_entry_pb,
     ip_event_pb,
@@ -236,3 +237,10 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         check_node(request.node)
         async for event in self.service.watch_policy(request.node, request.since_revision):
             yield policy_event_pb(event, self.contents)
+
+    async def WatchHostPolicy(
+        self, request: pb.WatchHostPolicyRequest, context: Ctx
+    ) -> AsyncIterator[pb.HostPolicyEvent]:
+        check_node(request.node)
+        async for host in self.service.watch_host_policy(request.node):
+            yield host_policy_event_pb(host, self.contents)

@@ -77,6 +77,9 @@ class CompiledRule:
     # A Kubernetes NetworkPolicy with ipBlocks: what it resolves to depends
     # on --k8s-ipblock-mode.
     has_ipblocks: bool = False
+    # A host policy: subject is its nodeSelector, matched against nodes'
+    # host labels (hostpolicy.py), never against identities.
+    host: bool = False
 
     def requirements(self, direction: Direction) -> tuple[LabelSelector, ...]:
         return tuple(sel for d, sel in self.requires if d is direction)
@@ -230,7 +233,10 @@ def compile_rule(
                     blocks=tuple(dict.fromkeys(blocks)),
                 )
             )
-    subject = subject_selector(rule.endpoint_selector, ns)
+    if rule.node_selector is not None:
+        subject = subject_selector(rule.node_selector, "")
+    else:
+        subject = subject_selector(rule.endpoint_selector, ns)
     return CompiledRule(
         key=rule.key,
         rule=rule,
@@ -244,4 +250,5 @@ def compile_rule(
         groups=frozenset(c.group for p in rule.peers() for c in p.cidrs if c.group),
         requires=tuple(requires),
         has_ipblocks=kubernetes and any(p.cidrs for p in (*rule.ingress, *rule.egress)),
+        host=rule.host,
     )
