@@ -31,6 +31,7 @@ from flagella.datapath.handlers import (
     RemoveBackends,
     ServicesCodec,
 )
+from flagella.datapath.hostfw import HostFirewall
 from flagella.datapath.ipcache import node_entries, policy_entries
 from flagella.datapath.node import NodeRegistration
 from flagella.datapath.routes import NodeRoutes, NodeRoutesCodec
@@ -53,6 +54,7 @@ class DatapathApp:
         self.service = DatapathService(runtime.config)
         self.registration: NodeRegistration | None = None
         self.relay: CniRelay | None = None
+        self.hostfw: HostFirewall | None = None
 
     def register(self, server: grpc.aio.Server) -> None:
         datapath_pb2_grpc.add_DatapathServiceServicer_to_server(
@@ -79,6 +81,7 @@ class DatapathApp:
                     for ip in cfg.node_ip
                 ],
                 datapath_address=cfg.advertise_address or cfg.listen,
+                labels=cfg.labels,
             )
             self.registration = NodeRegistration(
                 ipam, request, tracer, on_registered=self.service.set_node
@@ -117,6 +120,8 @@ class DatapathApp:
                 IdentityPolicies(self.service),
                 PolicySynced(self.service.policy_synced, source),
             )
+            hostfw = self.hostfw = HostFirewall(self.service)
+            tasks.supervise("host-policy", lambda: hostfw.follow(policy, cfg.node_name))
         if cfg.lb_address:
             lb = lb_pb2_grpc.LoadBalancerServiceStub(self.runtime.channel(cfg.lb_address))
             services, _ = self._stream(
