@@ -12,7 +12,6 @@ policy restores access within a second. One cluster for the module."""
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from harness.cluster import Cluster, Node, standalone_cluster
-from harness.cni import cni, netconf
+from harness.cni import add_pod as cni_add_pod
 from harness.netns import Netns, wait_until
 from harness.underlay import Underlay
 
@@ -88,22 +87,10 @@ class HostCluster:
     stranger_ip: str
 
 
-def add_pod(c: Cluster, node: Node, name: str, labels: dict[str, str]) -> tuple[Netns, str]:
+def add_pod(c: Cluster, node: Node, name: str, labels: dict[str, str]) -> Netns:
     ns = c.pod(node, name)
-    rc, result = cni(
-        "ADD",
-        netconf(node.cni_socket, labels),
-        container_id=f"ctr-{name}",
-        netns=ns.path,
-        pod=("apps", name),
-    )
-    assert rc == 0, result
-    ip4 = next(
-        str(ipaddress.ip_interface(ip["address"]).ip)
-        for ip in result["ips"]
-        if ipaddress.ip_interface(ip["address"]).version == 4
-    )
-    return ns, ip4
+    cni_add_pod(node.cni_socket, ns.path, name, "apps", labels)
+    return ns
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +132,7 @@ def ssh(ns: Netns, node: Node) -> str | None:
 def test_host_policy_on_the_selected_node_only(hc: HostCluster) -> None:
     c, edge, core = hc.cluster, hc.edge, hc.core
     admin_host, stranger = hc.underlay.outside, hc.stranger
-    web, _ = add_pod(c, edge, "web", {"app": "web"})
+    web = add_pod(c, edge, "web", {"app": "web"})
     # Before: everyone reaches both nodes.
     for ns in (admin_host, stranger, web):
         assert ssh(ns, edge) is not None
@@ -191,7 +178,7 @@ def test_host_policy_on_the_selected_node_only(hc: HostCluster) -> None:
             f.src_ip == hc.stranger_ip and f.dst_port == SSH and f.dst_identity == 1 for f in drops
         ), drops
         # Pods of the node: as the policy says (a new admin pod: CNI ADD works).
-        admin_pod, _ = add_pod(c, edge, "admin", {"app": "admin"})
+        admin_pod = add_pod(c, edge, "admin", {"app": "admin"})
         assert (ssh(admin_pod, edge) or "").startswith("n1-ssh")
         assert ssh(web, edge) is None
         # The node whose labels do not match is unaffected.
