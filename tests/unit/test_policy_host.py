@@ -10,9 +10,9 @@ from policy_world import World, lookup
 
 from flagella.api.policy.v1 import policy_pb2 as pb
 from flagella.common.errors import InvalidArgument
-from flagella.common.etcd import KeyValue
 from flagella.policy.convert import rule_from_pb, rule_pb
-from flagella.policy.hostpolicy import NodeLabels, NodeLabelsCodec, host_info
+from flagella.policy.hostpolicy import host_info
+from flagella.policy.labels import LabelError
 from flagella.policy.rules import (
     Direction,
     Protocol,
@@ -170,20 +170,12 @@ def test_host_deny_and_egress_clauses() -> None:
     assert not lookup(content, w.names["world"], 443, Protocol.TCP, Direction.EGRESS)
 
 
-def test_node_labels_follow_the_ipam_registry() -> None:
-    codec = NodeLabelsCodec()
-    assert codec.key("flagella/ipam/v1/nodes/n1") == "n1"
-    assert codec.key("flagella/ipam/v1/blocks/x") is None
-
-    key = "flagella/ipam/v1/nodes/n1"
-    kv = KeyValue(key, b'{"name": "n1", "labels": {"role": "edge"}}', 2, 2, 1, 0)
-    assert codec.decode("n1", kv) == (("role", "edge"),)
-    assert codec.decode("n1", KeyValue(key, b"not json", 2, 3, 2, 0)) is None
-    sink = NodeLabels()
-    sink.replace([("n1", (("role", "edge"),), 3)], 3)
-    assert sink.initialized.is_set()
-    assert sink.get("n1") == (("role", "edge"),)
-    sink.commit([("n1", None, 4), ("n2", (), 4)], 4)
-    assert sink.get("n1") is None
-    assert sink.get("n2") == ()
-    assert sink.revision == 4
+def test_host_labels_are_the_nodes_labels_and_reserved_host() -> None:
+    info = host_info({"role": "edge", "topology.kubernetes.io/zone": "a"})
+    assert {str(label) for label in info.labels} == {
+        "reserved:host",
+        "k8s:role=edge",
+        "k8s:topology.kubernetes.io/zone=a",
+    }
+    with pytest.raises(LabelError):
+        host_info({"bad key": "x"})

@@ -90,7 +90,6 @@ ROLES: dict[str, tuple[Grant, ...]] = {
         Grant("flagella/policy/v1/", Perm.READWRITE, "CIDR groups, rules"),
         Grant("flagella/state/identities/v1/", Perm.READWRITE, "identities, references"),
         Grant("flagella/state/ip/v1/", Perm.READWRITE, "ipcache"),
-        Grant("flagella/ipam/v1/nodes/", Perm.READ, "node labels, which select host policies"),
         _POLICY_SPAN,
         _REVISION,
     ),

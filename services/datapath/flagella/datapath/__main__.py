@@ -121,7 +121,9 @@ class DatapathApp:
                 PolicySynced(self.service.policy_synced, source),
             )
             hostfw = self.hostfw = HostFirewall(self.service)
-            tasks.supervise("host-policy", lambda: hostfw.follow(policy, cfg.node_name))
+            tasks.supervise(
+                "host-policy", lambda: hostfw.follow(policy, cfg.node_name, self._node_labels)
+            )
         if cfg.lb_address:
             lb = lb_pb2_grpc.LoadBalancerServiceStub(self.runtime.channel(cfg.lb_address))
             services, _ = self._stream(
@@ -148,6 +150,16 @@ class DatapathApp:
             except (OSError, UnsafeSocket) as exc:
                 raise FatalError(f"cannot serve the CNI socket {cfg.cni_socket}: {exc}") from exc
             self.relay = relay
+
+    async def _node_labels(self) -> dict[str, str]:
+        """This node's labels as its registration in the node registry has
+        them (what host policies select it by); without ipam, --node-labels."""
+        reg = self.registration
+        if reg is None:
+            return self.runtime.config.labels
+        await reg.registered.wait()
+        node = reg.node
+        return dict(node.labels) if node is not None else self.runtime.config.labels
 
     def _stream(
         self,

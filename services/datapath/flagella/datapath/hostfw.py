@@ -16,7 +16,7 @@ import asyncio
 import dataclasses
 import logging
 import socket
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -162,16 +162,26 @@ class HostFirewall:
             dataclasses.replace(current, host_policy=on, host_ingress=ingress, host_egress=egress)
         )
 
-    async def follow(self, stub: policy_pb2_grpc.PolicyServiceAsyncStub, node: str) -> None:
+    async def follow(
+        self,
+        stub: policy_pb2_grpc.PolicyServiceAsyncStub,
+        node: str,
+        labels: Callable[[], Awaitable[Mapping[str, str]]],
+    ) -> None:
         """Apply the node's host policy as the policy service sends it,
-        forever. While the stream is down the last policy stays enforced."""
+        forever, asking with the node's labels as labels() gives them (its
+        registration's). While the stream is down the last policy stays
+        enforced."""
         await self.write_safety_set()
         backoff = Backoff(0.2, 5.0)
         synced = self.svc.streams_synced
         synced.setdefault("host-policy", False)
         while True:
             try:
-                call: Any = stub.WatchHostPolicy(policy_pb2.WatchHostPolicyRequest(node=node))
+                request = policy_pb2.WatchHostPolicyRequest(
+                    node=node, node_labels=dict(await labels())
+                )
+                call: Any = stub.WatchHostPolicy(request)
                 async for event in call:
                     await self.apply(event)
                     synced["host-policy"] = True

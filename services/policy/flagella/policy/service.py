@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Sequence
 from flagella.common.tasks import TaskGroup
 from flagella.policy.allocator import Allocation, IdentityAllocator, IdentityView
 from flagella.policy.gc import GarbageCollector
-from flagella.policy.hostpolicy import HostPolicy, NodeLabels, watch_host_policy
+from flagella.policy.hostpolicy import HostPolicy, Labels, watch_host_policy
 from flagella.policy.ipcache import IPCache
 from flagella.policy.labels import Label, LabelFilter, LabelSet
 from flagella.policy.leases import NodeLeases
@@ -67,8 +67,6 @@ class PolicyService:
         self.rules = RuleRepository(store, self.mirror)
         self.streams = Streams(self.mirror, self.leases, s)
         self.gc = GarbageCollector(store, self.mirror, self.leases, interval=s.gc_interval)
-        # Node labels (ipam's registry), which select host policies.
-        self.node_labels = NodeLabels()
 
     @property
     def state(self) -> PolicyState:
@@ -77,9 +75,6 @@ class PolicyService:
     async def start(self) -> None:
         await self.mirror.start()
         self.tasks.supervise("policy-gc", self.gc.run)
-        self.tasks.supervise(
-            "policy-node-labels", self.store.node_labels_source(self.node_labels).run
-        )
 
     async def stop(self) -> None:
         if self._own_tasks:
@@ -154,10 +149,8 @@ class PolicyService:
     def watch_policy(self, node: str, since: int) -> AsyncIterator[PolicyEvent]:
         return self.streams.watch_policy(node, since)
 
-    def watch_host_policy(self, node: str) -> AsyncIterator[HostPolicy]:
-        return watch_host_policy(
-            self.mirror, self.node_labels, node, heartbeat=self.settings.watch_heartbeat
-        )
+    def watch_host_policy(self, node: str, labels: Labels) -> AsyncIterator[HostPolicy]:
+        return watch_host_policy(self.mirror, node, labels, heartbeat=self.settings.watch_heartbeat)
 
     # --- garbage collection ---
 

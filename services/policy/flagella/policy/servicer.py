@@ -26,6 +26,7 @@ from flagella.policy.convert import (
     rule_from_pb,
     rule_pb,
 )
+from flagella.policy.hostpolicy import host_info
 from flagella.policy.labels import LabelError, LabelSet, label_set
 from flagella.policy.rules import ICMP_PROTOCOLS, icmp_port, parse_document
 from flagella.policy.service import PolicyService
@@ -242,5 +243,10 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         self, request: pb.WatchHostPolicyRequest, context: Ctx
     ) -> AsyncIterator[pb.HostPolicyEvent]:
         check_node(request.node)
-        async for host in self.service.watch_host_policy(request.node):
+        labels = tuple(sorted(request.node_labels.items()))
+        try:
+            host_info(dict(labels))
+        except LabelError as exc:
+            raise InvalidArgument(str(exc), field="node_labels") from None
+        async for host in self.service.watch_host_policy(request.node, labels):
             yield host_policy_event_pb(host, self.contents)

@@ -26,7 +26,6 @@ from flagella.common.etcd import (
 )
 from flagella.common.sync import EtcdSource, Sink
 from flagella.policy import keys
-from flagella.policy.hostpolicy import IPAM_NODES_PREFIX, Labels, NodeLabels, NodeLabelsCodec
 from flagella.policy.labels import Label, label_set
 from flagella.policy.outcomes import (
     CreateOutcome,
@@ -134,13 +133,6 @@ class PolicyStore:
             start=keys.CIDR_GROUPS_PREFIX,
             range_end=prefix_end(keys.IP_PREFIX),
             name="policy",
-        )
-
-    def node_labels_source(self, sink: NodeLabels) -> EtcdSource[str, Labels]:
-        """The labels of ipam's registered nodes (read only), which select
-        host policies."""
-        return EtcdSource(
-            self.etcd, sink, NodeLabelsCodec(), prefix=IPAM_NODES_PREFIX, name="ipam nodes"
         )
 
     # --- node leases (flagella.policy.leases) ---

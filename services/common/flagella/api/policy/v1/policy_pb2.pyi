@@ -1611,16 +1611,46 @@ Global___PolicyEvent: _TypeAlias = PolicyEvent  # noqa: Y015
 class WatchHostPolicyRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class NodeLabelsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     NODE_FIELD_NUMBER: _builtins.int
+    NODE_LABELS_FIELD_NUMBER: _builtins.int
     node: _builtins.str
+    @_builtins.property
+    def node_labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """The node's labels as its registration in the ipam node registry holds
+        them (the datapath sends what ipam answered it). A node can only
+        weaken its own host firewall by misstating them, which it enforces
+        itself anyway.
+        """
+
     def __init__(
         self,
         *,
         node: _builtins.str = ...,
+        node_labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["node", b"node"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node", b"node", "node_labels", b"node_labels"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1665,7 +1695,7 @@ class HostPolicyEvent(_message.Message):
 
     @_builtins.property
     def node_labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
-        """The node's labels it was selected by (as the ipam registry has them)."""
+        """The node's labels it was selected by (the request's)."""
 
     @_builtins.property
     def rules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:

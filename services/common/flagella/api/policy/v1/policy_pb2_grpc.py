@@ -258,8 +258,8 @@ class PolicyServiceServicer:
 
     def WatchHostPolicy(self, request, context):
         """The host policy of one node (rules with a node_selector matching the
-        node's labels in the ipam registry): the whole policy at once, again
-        whenever it changes.
+        node's labels, as its registration in the ipam node registry has
+        them): the whole policy at once, again whenever it changes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

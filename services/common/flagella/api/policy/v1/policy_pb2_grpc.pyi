@@ -70,8 +70,8 @@ class PolicyServiceStub:
     """
     WatchHostPolicy: _grpc.UnaryStreamMultiCallable[_policy_pb2.WatchHostPolicyRequest, _policy_pb2.HostPolicyEvent]
     """The host policy of one node (rules with a node_selector matching the
-    node's labels in the ipam registry): the whole policy at once, again
-    whenever it changes.
+    node's labels, as its registration in the ipam node registry has
+    them): the whole policy at once, again whenever it changes.
     """
 
 @_typing.type_check_only
@@ -114,8 +114,8 @@ class PolicyServiceAsyncStub(PolicyServiceStub):
     """
     WatchHostPolicy: _aio.UnaryStreamMultiCallable[_policy_pb2.WatchHostPolicyRequest, _policy_pb2.HostPolicyEvent]  # type: ignore[assignment]
     """The host policy of one node (rules with a node_selector matching the
-    node's labels in the ipam registry): the whole policy at once, again
-    whenever it changes.
+    node's labels, as its registration in the ipam node registry has
+    them): the whole policy at once, again whenever it changes.
     """
 
 class PolicyServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -269,8 +269,8 @@ class PolicyServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_policy_pb2.HostPolicyEvent], _abc.AsyncIterator[_policy_pb2.HostPolicyEvent]]:
         """The host policy of one node (rules with a node_selector matching the
-        node's labels in the ipam registry): the whole policy at once, again
-        whenever it changes.
+        node's labels, as its registration in the ipam node registry has
+        them): the whole policy at once, again whenever it changes.
         """
 
 def add_PolicyServiceServicer_to_server(servicer: PolicyServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
