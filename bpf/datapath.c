@@ -55,6 +55,7 @@ BPF_TABLE("lru_hash", struct ct_key, struct ct_entry, ct, COMPILE_MAX);
 BPF_TABLE("lru_hash", struct ct_key, struct nat_value, snat, COMPILE_MAX);
 BPF_TABLE("lru_hash", struct frag_key, struct frag_value, frags, COMPILE_MAX);
 BPF_TABLE("array", __u32, struct dp_config, config, 1);
+BPF_TABLE("hash", struct host_safe_key, __u32, host_safe, COMPILE_MAX);
 BPF_TABLE("percpu_array", __u32, struct metrics_value, metrics, 768);
 BPF_RINGBUF_OUTPUT(events, 1);
 /* Never used by a program: lets the loader check struct flow_event. */
@@ -743,6 +744,101 @@ static __always_inline int icmp_related(struct __sk_buff *skb, struct pkt *p, __
 	return e && e->expires > now;
 }
 
+/* --- host firewall (host policies) --- */
+
+static __always_inline int is_node_addr(struct dp_config *cfg, const union v6addr *a)
+{
+	return (!addr_is_zero(&cfg->node_ip4) && addr_eq(a, &cfg->node_ip4)) ||
+	       (!addr_is_zero(&cfg->node_ip6) && addr_eq(a, &cfg->node_ip6));
+}
+
+/* Is the packet part of the node's traffic with its control plane (the
+ * safety set)? ingress: the packet arrives at the host. */
+static __always_inline int host_safe_match(struct pkt *p, int ingress)
+{
+	struct host_safe_key k = {};
+	k.proto = p->proto;
+	k.scope = SAFE_REMOTE;
+	addr_copy(&k.addr, ingress ? &p->saddr : &p->daddr);
+	k.port = ingress ? p->sport : p->dport;
+	if (host_safe.lookup(&k))
+		return 1;
+	__builtin_memset(&k.addr, 0, sizeof(k.addr));
+	k.scope = SAFE_ANY_PORT;
+	if (host_safe.lookup(&k))
+		return 1;
+	k.scope = SAFE_LOCAL_PORT;
+	k.port = ingress ? p->dport : p->sport;
+	return host_safe.lookup(&k) != NULL;
+}
+
+/* The node's own packet (ingress: to it; egress: from it) under its host
+ * policy: the safety set, conntrack (replies and established connections
+ * pass), then the host endpoint's policy for a new connection. 0: pass on;
+ * else the packet was dropped (TC_ACT_SHOT). */
+static __always_inline int host_firewall(struct __sk_buff *skb, struct dp_config *cfg,
+					 struct pkt *p, __u32 peer, int ingress)
+{
+	__u8 dir = ingress ? DIR_INGRESS : DIR_EGRESS;
+	__u8 fwd = ingress ? CT_SCOPE_HOST_IN : CT_SCOPE_HOST_OUT;
+	__u8 rev = ingress ? CT_SCOPE_HOST_OUT : CT_SCOPE_HOST_IN;
+	__u32 src_id = ingress ? peer : ID_HOST;
+	__u32 dst_id = ingress ? ID_HOST : peer;
+	__u64 now = bpf_ktime_get_ns();
+
+	if (host_safe_match(p, ingress)) {
+		count(dir, REASON_HOST_SAFETY, p->len);
+		if ((cfg->flags & CFG_VERDICT_EVENTS) && p->proto == IPPROTO_TCP &&
+		    (p->tcp_flags & (TCP_SYN | TCP_ACK)) == TCP_SYN)
+			emit(skb, p, EV_HOST_SAFETY, VERDICT_FORWARDED, 0, dir, HOST_EP_ID, src_id,
+			     dst_id);
+		return 0;
+	}
+	if (icmp_related(skb, p, rev, fwd, now))
+		return 0;
+	struct ct_entry *ce = NULL;
+	if (ct_lookup(p, fwd, rev, &ce, now) != CT_NEW)
+		return 0;
+	if (cfg->flags & (ingress ? CFG_HOST_INGRESS : CFG_HOST_EGRESS)) {
+		int ret = policy_check(HOST_EP_ID, peer, dir, p);
+		if (ret)
+			return drop(skb, p, ret, dir, HOST_EP_ID, src_id, dst_id);
+	}
+	if (ct_create(p, fwd, 0, 0, peer, now) < 0)
+		return drop(skb, p, DROP_CT_INSERT_FAILED, dir, HOST_EP_ID, src_id, dst_id);
+	if (cfg->flags & CFG_VERDICT_EVENTS)
+		emit(skb, p, EV_POLICY_VERDICT, VERDICT_FORWARDED, 0, dir, HOST_EP_ID, src_id, dst_id);
+	return 0;
+}
+
+/* A local pod's new connection to the host (ingress of the host), or the
+ * host's to a local pod (its egress): the host endpoint's policy with the
+ * pod's identity; the pod's conntrack entry carries the connection. 0 or a
+ * drop reason. */
+static __always_inline int host_policy_pod(struct dp_config *cfg, __u32 pod_id, __u8 dir,
+					   struct pkt *p)
+{
+	__u32 on = dir == DIR_INGRESS ? CFG_HOST_INGRESS : CFG_HOST_EGRESS;
+	if (!cfg || !(cfg->flags & CFG_HOST_POLICY) || !(cfg->flags & on))
+		return 0;
+	return policy_check(HOST_EP_ID, pod_id, dir, p);
+}
+
+/* The node's own packet leaving it (to_netdev, to_tunnel): translated
+ * traffic (NodePort SNAT towards a remote backend) is not the host's, and
+ * the tunnel's own packets always pass. 0: pass on; else dropped. */
+static __always_inline int host_egress(struct __sk_buff *skb, struct dp_config *cfg,
+				       struct pkt *p, __u32 peer)
+{
+	if ((cfg->flags & CFG_TUNNEL) && p->proto == IPPROTO_UDP && p->dport == cfg->tunnel_port)
+		return 0;
+	struct ct_key nk = {};
+	ct_fill(&nk, p, NAT_IN, 1);
+	if (snat.lookup(&nk))
+		return 0;
+	return host_firewall(skb, cfg, p, peer, 0);
+}
+
 /* --- load balancing --- */
 
 static __always_inline __u32 mix32(__u32 h)
@@ -1039,6 +1135,12 @@ int from_container(struct __sk_buff *skb)
 			if (ret)
 				return drop(skb, &p, ret, DIR_EGRESS, ep_id, my_id, peer);
 		}
+		/* To the node's own address: the host's ingress policy too. */
+		if (!dst && cfg && (cfg->flags & CFG_HOST_POLICY) && is_node_addr(cfg, &p.daddr)) {
+			ret = host_policy_pod(cfg, my_id, DIR_INGRESS, &p);
+			if (ret)
+				return drop(skb, &p, ret, DIR_INGRESS, HOST_EP_ID, my_id, ID_HOST);
+		}
 		if (ct_create(&p, CT_SCOPE_EGRESS, rev_nat_id, ep->policy_gen, peer, now) < 0)
 			return drop(skb, &p, DROP_CT_INSERT_FAILED, DIR_EGRESS, ep_id, my_id, peer);
 		if (cfg && (cfg->flags & CFG_VERDICT_EVENTS))
@@ -1114,6 +1216,12 @@ int to_container(struct __sk_buff *skb)
 		}
 	} else {
 		__u32 peer = ingress_peer(skb, cfg, &p);
+		/* From the host: the host's egress policy first. */
+		if (peer == ID_HOST) {
+			ret = host_policy_pod(cfg, my_id, DIR_EGRESS, &p);
+			if (ret)
+				return drop(skb, &p, ret, DIR_EGRESS, HOST_EP_ID, ID_HOST, my_id);
+		}
 		if ((ep->flags & EP_F_INGRESS_ENFORCED) &&
 		    !(peer == ID_HOST && cfg && (cfg->flags & CFG_ALLOW_HOST))) {
 			ret = policy_check_addr(ep, peer, DIR_INGRESS, &p, &p.saddr);
@@ -1253,6 +1361,11 @@ int to_netdev(struct __sk_buff *skb)
 	int ret = parse(skb, &p);
 	if (ret != 0)
 		return TC_ACT_OK; /* not ours to judge on the uplink */
+	struct dp_config *hc = get_config();
+	if (hc && (hc->flags & CFG_HOST_POLICY) && is_node_addr(hc, &p.saddr)) {
+		ret = host_egress(skb, hc, &p, ipcache_identity(&p.daddr, p.family));
+		return ret ? ret : TC_ACT_OK;
+	}
 	if (!natable(&p))
 		return TC_ACT_OK;
 	struct endpoint_key ek = {};
@@ -1394,7 +1507,8 @@ static __always_inline int nodeport_lb(struct __sk_buff *skb, struct pkt *p, str
 }
 
 /* Replies to the node address: masquerade (to the pod) and NodePort SNAT
- * (to the outside client, from the frontend). */
+ * (to the outside client, from the frontend). The TC action, or -1 when
+ * the packet is the node's own traffic. */
 static __always_inline int rev_snat(struct __sk_buff *skb, struct pkt *p, struct dp_config *cfg,
 				    __u64 now)
 {
@@ -1402,11 +1516,11 @@ static __always_inline int rev_snat(struct __sk_buff *skb, struct pkt *p, struct
 	ct_fill(&ik, p, NAT_IN, 0);
 	struct nat_value *nv = snat.lookup(&ik);
 	if (!nv || nv->expires <= now)
-		return TC_ACT_OK; /* the node's own traffic */
+		return -1; /* the node's own traffic */
 	__u16 flags = nv->flags;
 	__u32 masq = p->family == 4 ? CFG_MASQUERADE4 : CFG_MASQUERADE6;
 	if (!(flags & NAT_F_NODEPORT) && !(cfg->flags & masq))
-		return TC_ACT_OK;
+		return -1;
 	union v6addr to;
 	addr_copy(&to, &nv->addr);
 	__be16 port = nv->port;
@@ -1446,7 +1560,7 @@ int from_netdev(struct __sk_buff *skb)
 {
 	struct pkt p = {};
 	int ret = parse(skb, &p);
-	if (ret != 0 || !natable(&p))
+	if (ret != 0)
 		return TC_ACT_OK;
 	struct dp_config *cfg = get_config();
 	if (!cfg)
@@ -1460,11 +1574,22 @@ int from_netdev(struct __sk_buff *skb)
 		return TC_ACT_OK; /* only the node address is translated here */
 	if ((cfg->flags & CFG_TUNNEL) && p.proto == IPPROTO_UDP && p.dport == cfg->tunnel_port)
 		return TC_ACT_OK; /* the tunnel's own packets: not a service's */
-	__u64 now = bpf_ktime_get_ns();
-	ret = nodeport_lb(skb, &p, cfg, &node_ip, now);
-	if (ret >= 0)
-		return ret;
-	return rev_snat(skb, &p, cfg, now);
+	if (natable(&p)) {
+		__u64 now = bpf_ktime_get_ns();
+		ret = nodeport_lb(skb, &p, cfg, &node_ip, now);
+		if (ret >= 0)
+			return ret;
+		ret = rev_snat(skb, &p, cfg, now);
+		if (ret >= 0)
+			return ret;
+	}
+	/* The node's own traffic: its host policy, if it has one. */
+	if (cfg->flags & CFG_HOST_POLICY) {
+		ret = host_firewall(skb, cfg, &p, ipcache_identity(&p.saddr, p.family), 1);
+		if (ret)
+			return ret;
+	}
+	return TC_ACT_OK;
 }
 
 /* ------------------------------------------------------------------ */
@@ -1500,6 +1625,12 @@ int from_tunnel(struct __sk_buff *skb)
 	addr_copy(&ek.addr, &p.daddr);
 	struct endpoint_info *ep = endpoints.lookup(&ek);
 	if (!ep) {
+		struct dp_config *cfg = get_config();
+		if (cfg && (cfg->flags & CFG_HOST_POLICY) && is_node_addr(cfg, &p.daddr)) {
+			ret = host_firewall(skb, cfg, &p, id, 1);
+			if (ret)
+				return ret;
+		}
 		if (skb->pkt_type != PACKET_HOST)
 			bpf_skb_change_type(skb, PACKET_HOST);
 		return TC_ACT_OK;
@@ -1529,6 +1660,16 @@ int to_tunnel(struct __sk_buff *skb)
 	struct ipcache_value *v = ipcache_get(&p.daddr, p.family);
 	if (!v || !v->tunnel_ip)
 		return drop(skb, &p, DROP_NO_TUNNEL_ENDPOINT, DIR_EGRESS, 0, ID_HOST, 0);
+	struct dp_config *cfg = get_config();
+	if (cfg && (cfg->flags & CFG_HOST_POLICY) && is_node_addr(cfg, &p.saddr)) {
+		__be32 tip = v->tunnel_ip;
+		ret = host_egress(skb, cfg, &p, v->identity);
+		if (ret)
+			return ret;
+		if (set_tunnel(skb, tip, ID_HOST) < 0)
+			return drop(skb, &p, DROP_INVALID_PACKET, DIR_EGRESS, 0, ID_HOST, 0);
+		return TC_ACT_OK;
+	}
 	if (set_tunnel(skb, v->tunnel_ip, ID_HOST) < 0)
 		return drop(skb, &p, DROP_INVALID_PACKET, DIR_EGRESS, 0, ID_HOST, 0);
 	return TC_ACT_OK;

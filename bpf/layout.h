@@ -55,6 +55,9 @@ union v6addr {
 #define DROP_UNKNOWN_NODE 232         /* flagella only */
 #define DROP_NO_TUNNEL_ENDPOINT 160   /* Cilium NO_TUNNEL_OR_ENCAPSULATION_ENDPOINT */
 #define DROP_TTL_EXCEEDED 196         /* Cilium TTL_EXCEEDED */
+/* metrics only: the host policy's safety set let the node's own packet
+ * through before policy (host firewall, see HOST_EP_ID) */
+#define REASON_HOST_SAFETY 1
 /* metrics only: events the ring buffer had no room for (direction 0) */
 #define METRIC_EVENTS_LOST 255
 
@@ -67,6 +70,7 @@ union v6addr {
 #define EV_DROP 1
 #define EV_POLICY_VERDICT 2
 #define EV_TRACE 3
+#define EV_HOST_SAFETY 4 /* a host connection let through by the safety set */
 #define VERDICT_FORWARDED 1
 #define VERDICT_DROPPED 2
 
@@ -295,6 +299,11 @@ struct ct_entry {
 	__u32 pad2;
 };
 
+/* The host firewall's connections (only tracked while a host policy is
+ * loaded): opened by the node itself, and towards it. */
+#define CT_SCOPE_HOST_OUT 4
+#define CT_SCOPE_HOST_IN 5
+
 /* --- masquerade and NodePort SNAT (cilium_snat_v4_external): both
  * directions in one map --- */
 #define NAT_OUT 0 /* key: tuple as sent (pod, or outside client after DNAT);
@@ -341,6 +350,11 @@ struct frag_value {
 #define CFG_VERDICT_EVENTS (1U << 3) /* emit policy-verdict events */
 #define CFG_DROP_EVENTS (1U << 4)  /* emit drop events */
 #define CFG_TUNNEL (1U << 5)       /* tunnel routing mode: pods of other nodes via VXLAN */
+/* Host firewall: a host policy is loaded (without it the node's own
+ * traffic costs one flag test), and which of its directions it enforces. */
+#define CFG_HOST_POLICY (1U << 6)
+#define CFG_HOST_INGRESS (1U << 7)
+#define CFG_HOST_EGRESS (1U << 8)
 
 struct dp_config {
 	union v6addr node_ip4; /* v4-mapped; zero: none */
@@ -351,6 +365,25 @@ struct dp_config {
 	__u32 tunnel_ifindex;  /* CFG_TUNNEL: the collect-metadata VXLAN device */
 	__be16 tunnel_port;    /* CFG_TUNNEL: its UDP port */
 	__u16 pad;
+};
+
+/* --- host firewall ---
+ * The node's host is an endpoint of identity host (1) whose policy-map
+ * entries use this endpoint id (no pod has it: endpoint ids are below
+ * 16^12). Flows judged by the host policy carry it too. */
+#define HOST_EP_ID 0xFFFFFFFFFFFFFFFFULL
+
+/* The safety set (host_safe): the node's traffic with its control plane,
+ * let through before any host policy. */
+#define SAFE_REMOTE 0      /* a control-plane server: (its address, its port) */
+#define SAFE_LOCAL_PORT 1  /* a server of this node the control plane calls: its port */
+#define SAFE_ANY_PORT 2    /* a port on any node (health probes): the remote port */
+
+struct host_safe_key {
+	union v6addr addr; /* SAFE_REMOTE only; zero otherwise */
+	__be16 port;
+	__u8 proto;
+	__u8 scope;        /* SAFE_* */
 };
 
 /* --- tunnel mode: the source identity rides in the VNI; from-tunnel hands

@@ -141,6 +141,7 @@ TABLE: dict[str, tuple[Grant, ...]] = {
             "TracePolicy": (OPERATOR,),
             # A node reads the policy of its own endpoints.
             "WatchPolicy": (own_node("node"), OPERATOR),
+            "WatchHostPolicy": (own_node("node"), OPERATOR),
         },
     ),
     **_methods(

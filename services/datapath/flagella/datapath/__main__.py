@@ -31,6 +31,7 @@ from flagella.datapath.handlers import (
     RemoveBackends,
     ServicesCodec,
 )
+from flagella.datapath.hostfw import HostFirewall
 from flagella.datapath.ipcache import node_entries, policy_entries
 from flagella.datapath.metrics import DatapathCollector
 from flagella.datapath.node import NodeRegistration
@@ -55,6 +56,7 @@ class DatapathApp:
         runtime.metrics.registry.register(DatapathCollector(self.service))
         self.registration: NodeRegistration | None = None
         self.relay: CniRelay | None = None
+        self.hostfw: HostFirewall | None = None
 
     def register(self, server: grpc.aio.Server) -> None:
         datapath_pb2_grpc.add_DatapathServiceServicer_to_server(
@@ -81,6 +83,7 @@ class DatapathApp:
                     for ip in cfg.node_ip
                 ],
                 datapath_address=cfg.advertise_address or cfg.listen,
+                labels=cfg.labels,
             )
             self.registration = NodeRegistration(
                 ipam, request, tracer, on_registered=self.service.set_node
@@ -119,6 +122,10 @@ class DatapathApp:
                 IdentityPolicies(self.service),
                 PolicySynced(self.service.policy_synced, source),
             )
+            hostfw = self.hostfw = HostFirewall(self.service)
+            tasks.supervise(
+                "host-policy", lambda: hostfw.follow(policy, cfg.node_name, self._node_labels)
+            )
         if cfg.lb_address:
             lb = lb_pb2_grpc.LoadBalancerServiceStub(self.runtime.channel(cfg.lb_address))
             services, _ = self._stream(
@@ -145,6 +152,16 @@ class DatapathApp:
             except (OSError, UnsafeSocket) as exc:
                 raise FatalError(f"cannot serve the CNI socket {cfg.cni_socket}: {exc}") from exc
             self.relay = relay
+
+    async def _node_labels(self) -> dict[str, str]:
+        """This node's labels as its registration in the node registry has
+        them (what host policies select it by); without ipam, --node-labels."""
+        reg = self.registration
+        if reg is None:
+            return self.runtime.config.labels
+        await reg.registered.wait()
+        node = reg.node
+        return dict(node.labels) if node is not None else self.runtime.config.labels
 
     def _stream(
         self,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import re
 import socket
 from dataclasses import dataclass
 
@@ -11,6 +12,24 @@ from flagella.common.errors import ConfigError
 from flagella.common.pki import Identity
 
 ROUTING_MODES = ("tunnel", "native")
+
+# A Kubernetes label: an optional DNS prefix and a name; a value of up to 63.
+_LABEL_NAME = re.compile(
+    r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
+_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
+
+
+def parse_node_label(value: str) -> str:
+    """key=value, as a Kubernetes label."""
+    key, sep, val = value.partition("=")
+    if not sep:
+        raise ValueError(f"{value!r} is not key=value")
+    if not _LABEL_NAME.match(key):
+        raise ValueError(f"{key!r} is not a valid label key")
+    if not _LABEL_VALUE.match(val):
+        raise ValueError(f"{val!r} is not a valid label value")
+    return value
 
 
 @dataclass(frozen=True)
@@ -68,6 +87,18 @@ class DatapathConfig(ServiceConfig):
         "where sysctls are written (in a container: a rw mount of the host's /proc/sys)",
     )
     gc_interval_seconds: float = option(30.0, "conntrack and NAT garbage collection period")
+    node_labels: tuple[str, ...] = option(
+        (),
+        "this node's labels (key=value, comma-separated), registered with ipam: host "
+        "policies select nodes by them",
+        parse=parse_node_label,
+    )
+    host_policy_safety: str = option(
+        "on",
+        "on: the node's traffic with etcd and the control-plane services it is configured "
+        "with passes before any host policy (off: the host policy alone decides)",
+        choices=("on", "off"),
+    )
 
     def tls_identity(self, service: str) -> Identity:
         # The datapath registers its node (and asks for its node's policy):
@@ -106,6 +137,10 @@ class DatapathConfig(ServiceConfig):
             versions.add(version)
         if self.tunnel and versions and 4 not in versions:
             raise ConfigError("--node-ip", "tunnel mode needs an IPv4 node IP (the underlay)")
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return dict(item.partition("=")[::2] for item in self.node_labels)
 
     @property
     def tunnel(self) -> bool:

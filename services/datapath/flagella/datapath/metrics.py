@@ -46,6 +46,12 @@ class DatapathCollector(Collector):
             "Bytes the BPF datapath passed on, by direction.",
             labels=("direction",),
         )
+        safety = CounterMetricFamily(
+            "flagella_host_safety_count",
+            "Packets of the node's own control-plane traffic the host policy's safety set "
+            "let through before policy, by direction.",
+            labels=("direction",),
+        )
         lost = CounterMetricFamily(
             "flagella_flow_events_lost",
             "Flow events the datapath's ring buffer had no room for.",
@@ -58,6 +64,8 @@ class DatapathCollector(Collector):
                 if c.reason == L.REASON_FORWARDED:
                     forwards.add_metric((direction,), c.packets)
                     forward_bytes.add_metric((direction,), c.bytes)
+                elif c.reason == L.REASON_HOST_SAFETY:
+                    safety.add_metric((direction,), c.packets)
                 elif c.reason == L.METRIC_EVENTS_LOST:
                     lost_packets += c.packets
                 else:
@@ -68,4 +76,4 @@ class DatapathCollector(Collector):
             "flagella_endpoint_count", "Endpoints (pods) the datapath serves on this node."
         )
         endpoints.add_metric((), len(self.service.endpoints))
-        yield from (drops, drop_bytes, forwards, forward_bytes, lost, endpoints)
+        yield from (drops, drop_bytes, forwards, forward_bytes, safety, lost, endpoints)

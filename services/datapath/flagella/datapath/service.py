@@ -48,7 +48,7 @@ from flagella.datapath.flows import FlowFilter, FlowHub, FlowRecord
 from flagella.datapath.health import NodeHealth
 from flagella.datapath.ipcache import IPCacheOps, IPCacheView
 from flagella.datapath.routes import RouteOps
-from flagella.datapath.state import EndpointRecord, StateDir
+from flagella.datapath.state import EndpointRecord, HostPolicyState, StateDir
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -210,6 +210,8 @@ class DatapathService:
         self.routes = Reconciler("routes", RouteOps())
         self.pod_cidrs: list[str] = []
         self.streams_synced: dict[str, bool] = {}
+        # The host firewall's state (flagella.datapath.hostfw keeps it).
+        self.host_policy = HostPolicyState()
         self._locks = KeyedLocks()
         self._reader: Any = None
         self.uplink_ifindex = 0
@@ -292,6 +294,9 @@ class DatapathService:
         ips = [ipaddress.ip_address(ip) for ip in self.config.node_ip]
         v4 = next((str(ip) for ip in ips if ip.version == 4), "")
         v6 = next((str(ip) for ip in ips if ip.version == 6), "")
+        # The host policy pinned with the maps stays enforced across a
+        # restart until the policy service says otherwise.
+        current = await self.writer.run(self.bpf.config.read)
         await self.writer.run(
             self.bpf.config.write,
             NodeConfig(
@@ -301,6 +306,9 @@ class DatapathService:
                 masquerade6=self.config.masquerade and bool(v6),
                 tunnel_ifindex=self.tunnel_ifindex,
                 tunnel_port=self.config.tunnel_port if self.tunnel_ifindex else 0,
+                host_policy=current.host_policy,
+                host_ingress=current.host_ingress,
+                host_egress=current.host_egress,
             ),
         )
 

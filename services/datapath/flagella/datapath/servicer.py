@@ -14,7 +14,7 @@ from flagella.common.portnames import NamedPort, check_named_ports, protocol_nam
 from flagella.datapath.flows import FlowFilter, FlowRecord
 from flagella.datapath.health import PeerHealth
 from flagella.datapath.service import DatapathService, SetupRequest
-from flagella.datapath.state import EndpointRecord
+from flagella.datapath.state import EndpointRecord, HostPolicyState
 
 MAX_WAIT_S = 300.0
 
@@ -84,6 +84,20 @@ def flow_to_proto(f: FlowRecord, node: str) -> datapath_pb2.Flow:
         endpoint_id=f.endpoint_id,
         ifindex=f.ifindex,
         node=node,
+    )
+
+
+def _host_policy_status(h: HostPolicyState) -> datapath_pb2.HostPolicyStatus:
+    return datapath_pb2.HostPolicyStatus(
+        present=h.present,
+        revision=h.revision,
+        ingress_enforced=h.ingress_enforced,
+        egress_enforced=h.egress_enforced,
+        entries=h.entries,
+        rules=list(h.rules),
+        node_labels=dict(h.node_labels),
+        error=h.error,
+        safety_entries=h.safety_entries,
     )
 
 
@@ -254,6 +268,7 @@ class DatapathServicer(datapath_pb2_grpc.DatapathServiceServicer):
             streams_synced=svc.streams_synced,
             endpoints=len(svc.endpoints),
             peers=[_peer_health(p) for p in sorted(svc.health.peers.values(), key=_by_node)],
+            host_policy=_host_policy_status(svc.host_policy),
         )
 
     async def ObserveFlows(

@@ -67,3 +67,18 @@ class StateDir:
                 # A torn or foreign file: not ours to trust; drop it.
                 path.unlink(missing_ok=True)
         return records
+
+
+@dataclass(frozen=True)
+class HostPolicyState:
+    """What the host firewall enforces now (flagella.datapath.hostfw)."""
+
+    present: bool = False
+    revision: int = 0
+    ingress_enforced: bool = False
+    egress_enforced: bool = False
+    entries: int = 0
+    rules: tuple[str, ...] = ()
+    node_labels: tuple[tuple[str, str], ...] = ()
+    error: str = ""
+    safety_entries: int = 0

@@ -11,6 +11,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from flagella.api.policy.v1 import policy_pb2 as pb
 from flagella.common.errors import InvalidArgument
 from flagella.policy.allocator import IdentityView
+from flagella.policy.hostpolicy import HOST_IDENTITY, HostPolicy
 from flagella.policy.labels import Label, LabelError, split_label
 from flagella.policy.prefixes import PrefixEntry
 from flagella.policy.resolve import PolicyContent, PolicyEntry, ResolvedPolicy
@@ -189,8 +190,23 @@ def rule_from_pb(rule: pb.Rule, path: str, warnings: list[str] | None = None) ->
         namespace = ns
     check_name(name, f"{path}.name")
     check_namespace(namespace, f"{path}.namespace")
-    if not rule.HasField("endpoint_selector"):
-        raise InvalidArgument("required", field=f"{path}.endpoint_selector")
+    node_selector = None
+    if rule.HasField("node_selector"):
+        # A host policy: cluster-wide, and nodes or pods, never both.
+        if rule.HasField("endpoint_selector"):
+            raise InvalidArgument(
+                "give endpoint_selector or node_selector, not both", field=f"{path}.node_selector"
+            )
+        if namespace:
+            raise InvalidArgument(
+                "a node_selector (host policy) needs a cluster-wide rule (no namespace)",
+                field=f"{path}.node_selector",
+            )
+        node_selector = _selector_from_pb(rule.node_selector, f"{path}.node_selector")
+    elif not rule.HasField("endpoint_selector"):
+        raise InvalidArgument(
+            "required (or node_selector for a host policy)", field=f"{path}.endpoint_selector"
+        )
 
     def peers(items: Sequence[pb.PeerRule], fld: str) -> tuple[PeerSpec, ...]:
         out = tuple(_peer_from_pb(p, f"{path}.{fld}[{i}]", warnings) for i, p in enumerate(items))
@@ -207,7 +223,11 @@ def rule_from_pb(rule: pb.Rule, path: str, warnings: list[str] | None = None) ->
     return Rule(
         name=name,
         namespace=namespace,
-        endpoint_selector=_selector_from_pb(rule.endpoint_selector, f"{path}.endpoint_selector"),
+        endpoint_selector=(
+            SelectorSpec()
+            if node_selector is not None
+            else _selector_from_pb(rule.endpoint_selector, f"{path}.endpoint_selector")
+        ),
         ingress=peers(rule.ingress, "ingress"),
         ingress_deny=peers(rule.ingress_deny, "ingress_deny"),
         egress=peers(rule.egress, "egress"),
@@ -216,6 +236,7 @@ def rule_from_pb(rule: pb.Rule, path: str, warnings: list[str] | None = None) ->
         enforce_egress=rule.enforce_egress,
         description=rule.description,
         labels=tuple(sorted(rule.labels.items())),
+        node_selector=node_selector,
     )
 
 
@@ -286,7 +307,8 @@ def rule_pb(rule: Rule) -> pb.Rule:
     return pb.Rule(
         name=rule.key,
         namespace=rule.namespace,
-        endpoint_selector=_selector_pb(rule.endpoint_selector),
+        endpoint_selector=None if rule.host else _selector_pb(rule.endpoint_selector),
+        node_selector=(None if rule.node_selector is None else _selector_pb(rule.node_selector)),
         ingress=[_peer_pb(p) for p in rule.ingress],
         ingress_deny=[_peer_pb(p) for p in rule.ingress_deny],
         egress=[_peer_pb(p) for p in rule.egress],
@@ -422,6 +444,18 @@ def policy_event_pb(ev: PolicyEvent, cache: ContentCache | None = None) -> pb.Po
         out.policy.MergeFromString(cache.get(c) if cache is not None else content_bytes(c))
         out.policy.identity = ev.policy.identity
         out.policy.revision = ev.policy.revision
+    return out
+
+
+def host_policy_event_pb(host: HostPolicy, cache: ContentCache | None = None) -> pb.HostPolicyEvent:
+    out = pb.HostPolicyEvent(
+        revision=host.revision, node_labels=dict(host.node_labels), rules=list(host.rules)
+    )
+    if host.content is not None:
+        c = host.content
+        out.policy.MergeFromString(cache.get(c) if cache is not None else content_bytes(c))
+        out.policy.identity = HOST_IDENTITY
+        out.policy.revision = host.revision
     return out
 
 

@@ -385,6 +385,8 @@ class Resolver:
         self._sigs_with_rule: dict[str, set[frozenset[str]]] = {}
         self._computed: dict[frozenset[str], SigPolicy] = {}
         self._dirty: set[int] = set()
+        # Host policies (nodeSelector rules), by key.
+        self.host_rules: dict[str, CompiledRule] = {}
 
     # --- inputs ---
 
@@ -422,21 +424,29 @@ class Resolver:
         return True
 
     def _register(self, rule: CompiledRule) -> set[int]:
-        self.selectors.add_user(rule.subject)
-        self._rules_by_subject.setdefault(rule.subject, set()).add(rule.key)
         for sel in rule.peer_selectors:
             self.selectors.add_user(sel)
             self._peer_users.setdefault(sel, set()).add(rule.key)
+        if rule.host:
+            # Selects nodes' host endpoints (host_content), no identity.
+            self.host_rules[rule.key] = rule
+            return set()
+        self.selectors.add_user(rule.subject)
+        self._rules_by_subject.setdefault(rule.subject, set()).add(rule.key)
         return set(self.selectors.selections(rule.subject))
 
     def _unregister(self, rule: CompiledRule) -> set[int]:
-        affected = set(self.selectors.selections(rule.subject))
-        users = self._rules_by_subject.get(rule.subject)
-        if users is not None:
-            users.discard(rule.key)
-            if not users:
-                del self._rules_by_subject[rule.subject]
-        self.selectors.remove_user(rule.subject)
+        affected: set[int] = set()
+        if rule.host:
+            self.host_rules.pop(rule.key, None)
+        else:
+            affected = set(self.selectors.selections(rule.subject))
+            users = self._rules_by_subject.get(rule.subject)
+            if users is not None:
+                users.discard(rule.key)
+                if not users:
+                    del self._rules_by_subject[rule.subject]
+            self.selectors.remove_user(rule.subject)
         for sel in rule.peer_selectors:
             peer_users = self._peer_users.get(sel)
             if peer_users is not None:
@@ -560,6 +570,17 @@ class Resolver:
                 if self._eligible(rule, info):
                     out.append(rule)
         return sorted(out, key=lambda r: r.key)
+
+    def host_content(self, host: IdentityInfo) -> tuple[PolicyContent, frozenset[str]] | None:
+        """The host policy of a node whose host endpoint has host's labels:
+        the rules whose nodeSelector selects it, resolved as a signature
+        (peers as for pods), and their keys; None: no rule selects it.
+        Computed afresh (host rules are few; nothing caches a signature no
+        identity has)."""
+        sig = frozenset(k for k, r in self.host_rules.items() if r.subject.matches(host))
+        if not sig:
+            return None
+        return SigPolicy(self, sig).content(self.budget), sig
 
     def iter_signatures(self) -> Iterator[tuple[frozenset[str], set[int]]]:
         return iter(self._members.items())

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Sequence
 from flagella.common.tasks import TaskGroup
 from flagella.policy.allocator import Allocation, IdentityAllocator, IdentityView
 from flagella.policy.gc import GarbageCollector
+from flagella.policy.hostpolicy import HostPolicy, Labels, watch_host_policy
 from flagella.policy.ipcache import IPCache
 from flagella.policy.labels import Label, LabelFilter, LabelSet
 from flagella.policy.lbservices import LbServices
@@ -157,6 +158,9 @@ class PolicyService:
 
     def watch_policy(self, node: str, since: int) -> AsyncIterator[PolicyEvent]:
         return self.streams.watch_policy(node, since)
+
+    def watch_host_policy(self, node: str, labels: Labels) -> AsyncIterator[HostPolicy]:
+        return watch_host_policy(self.mirror, node, labels, heartbeat=self.settings.watch_heartbeat)
 
     # --- garbage collection ---
 

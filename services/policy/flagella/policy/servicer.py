@@ -16,6 +16,7 @@ from flagella.policy.convert import (
     ContentCache,
     cidr_group_from_pb,
     cidr_group_pb,
+    host_policy_event_pb,
     identity_pb,
     ip_entry_pb,
     ip_event_pb,
@@ -25,6 +26,7 @@ from flagella.policy.convert import (
     rule_from_pb,
     rule_pb,
 )
+from flagella.policy.hostpolicy import host_info
 from flagella.policy.labels import LabelError, LabelSet, label_set
 from flagella.policy.rules import ICMP_PROTOCOLS, icmp_port, parse_document
 from flagella.policy.service import PolicyService
@@ -236,3 +238,15 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         check_node(request.node)
         async for event in self.service.watch_policy(request.node, request.since_revision):
             yield policy_event_pb(event, self.contents)
+
+    async def WatchHostPolicy(
+        self, request: pb.WatchHostPolicyRequest, context: Ctx
+    ) -> AsyncIterator[pb.HostPolicyEvent]:
+        check_node(request.node)
+        labels = tuple(sorted(request.node_labels.items()))
+        try:
+            host_info(dict(labels))
+        except LabelError as exc:
+            raise InvalidArgument(str(exc), field="node_labels") from None
+        async for host in self.service.watch_host_policy(request.node, labels):
+            yield host_policy_event_pb(host, self.contents)

@@ -31,6 +31,7 @@ from flagella.datapath.bpf.tables import (
     Config,
     Conntrack,
     Endpoints,
+    HostSafe,
     IPCache,
     Metrics,
     Nat,
@@ -173,6 +174,7 @@ class Datapath:
         self.conntrack = Conntrack(specs["ct"], fds["ct"], pin("ct"))
         self.nat = Nat(specs["snat"], fds["snat"], pin("snat"))
         self.config = Config(specs["config"], fds["config"], pin("config"))
+        self.host_safe = HostSafe(specs["host_safe"], fds["host_safe"], pin("host_safe"))
         self.metrics = Metrics(specs["metrics"], fds["metrics"], pin("metrics"))
         self.frags: BpfMap[L.FragKey, L.FragValue] = BpfMap(
             specs["frags"], fds["frags"], pin("frags")
@@ -191,6 +193,7 @@ class Datapath:
             "ct": self.conntrack,
             "snat": self.nat,
             "config": self.config,
+            "host_safe": self.host_safe,
             "metrics": self.metrics,
             "frags": self.frags,
         }

@@ -26,7 +26,8 @@ from flagella.datapath.bpf import syscall
 # 3: tunnel mode: the ipcache's tunnel endpoint and flags, the tunnel device in
 #    the config; the frags map (IP fragments tracked).
 # 4: prefix_policy (Kubernetes ipBlocks over addresses), EP_F_PREFIX_POLICY.
-# 5: drop reasons renumbered as Cilium's (metrics map keys carry them).
+# 5: drop reasons renumbered as Cilium's (metrics map keys carry them); host
+#    firewall: host_safe, CFG_HOST_*, the host conntrack scopes.
 LAYOUT_VERSION = 5
 
 
@@ -58,6 +59,7 @@ class DropReason(enum.IntEnum):
 # metrics: reason 0 counts forwarded packets; (direction 0, 255) counts
 # events the ring buffer had no room for.
 REASON_FORWARDED = 0
+REASON_HOST_SAFETY = 1  # the host policy's safety set let it through
 METRIC_EVENTS_LOST = 255
 
 
@@ -74,6 +76,7 @@ class FlowType(enum.IntEnum):
     DROP = 1
     POLICY_VERDICT = 2
     TRACE = 3
+    HOST_SAFETY = 4  # a host connection let through by the safety set
 
 
 class FlowVerdict(enum.IntEnum):
@@ -133,6 +136,8 @@ CT_SCOPE_EGRESS = 0
 CT_SCOPE_INGRESS = 1
 CT_SCOPE_SERVICE = 2
 CT_SCOPE_NODEPORT = 3
+CT_SCOPE_HOST_OUT = 4
+CT_SCOPE_HOST_IN = 5
 CT_F_SEEN_NON_SYN = 1 << 0
 CT_F_TX_CLOSING = 1 << 1
 CT_F_RX_CLOSING = 1 << 2
@@ -148,6 +153,16 @@ CFG_ALLOW_HOST = 1 << 2
 CFG_VERDICT_EVENTS = 1 << 3
 CFG_DROP_EVENTS = 1 << 4
 CFG_TUNNEL = 1 << 5
+CFG_HOST_POLICY = 1 << 6
+CFG_HOST_INGRESS = 1 << 7
+CFG_HOST_EGRESS = 1 << 8
+
+# Host firewall: the host endpoint's id in the policy map and in flows
+# (endpoint ids are below 16^12), and the safety set's key scopes.
+HOST_EP_ID = 0xFFFF_FFFF_FFFF_FFFF
+SAFE_REMOTE = 0  # a control-plane server: (address, port)
+SAFE_LOCAL_PORT = 1  # a server of this node the control plane calls: its port
+SAFE_ANY_PORT = 2  # a port on any node (health probes)
 # ipcache flags
 IPC_F_CLUSTER = 1 << 0
 
@@ -161,6 +176,8 @@ _SCOPE_NAMES = {
     CT_SCOPE_INGRESS: "ingress",
     CT_SCOPE_SERVICE: "service",
     CT_SCOPE_NODEPORT: "nodeport",
+    CT_SCOPE_HOST_OUT: "host-out",
+    CT_SCOPE_HOST_IN: "host-in",
 }
 _NAT_NAMES = {NAT_OUT: "out", NAT_IN: "in"}
 _PROTO_NAMES = {
@@ -464,6 +481,15 @@ class FragValue(ctypes.Structure):
     ]
 
 
+class HostSafeKey(ctypes.Structure):
+    _fields_ = [
+        ("addr", V6Addr),
+        ("port", ctypes.c_uint16),  # network order
+        ("proto", ctypes.c_uint8),
+        ("scope", ctypes.c_uint8),
+    ]
+
+
 class DpConfig(ctypes.Structure):
     _fields_ = [
         ("node_ip4", V6Addr),
@@ -536,6 +562,9 @@ _CFG_FLAGS = {
     CFG_VERDICT_EVENTS: "verdict-events",
     CFG_DROP_EVENTS: "drop-events",
     CFG_TUNNEL: "tunnel",
+    CFG_HOST_POLICY: "host-policy",
+    CFG_HOST_INGRESS: "host-ingress",
+    CFG_HOST_EGRESS: "host-egress",
 }
 
 
@@ -762,7 +791,11 @@ def decode_config(v: DpConfig) -> Fields:
 
 def decode_metrics_key(k: U32) -> Fields:
     direction, reason = divmod(k.value, 256)
-    name = "forwarded" if reason == 0 else ("events-lost" if reason == METRIC_EVENTS_LOST else "")
+    name = {
+        0: "forwarded",
+        REASON_HOST_SAFETY: "host-safety",
+        METRIC_EVENTS_LOST: "events-lost",
+    }.get(reason, "")
     if not name:
         try:
             name = DropReason(reason).name.lower()
@@ -770,6 +803,18 @@ def decode_metrics_key(k: U32) -> Fields:
             name = str(reason)
     dname = Direction(direction).name.lower() if direction in (0, 1, 2) else str(direction)
     return {"direction": dname, "reason": name, "code": str(reason)}
+
+
+_SAFE_SCOPES = {SAFE_REMOTE: "remote", SAFE_LOCAL_PORT: "local-port", SAFE_ANY_PORT: "any-port"}
+
+
+def decode_host_safe_key(k: HostSafeKey) -> Fields:
+    return {
+        "scope": _SAFE_SCOPES.get(k.scope, str(k.scope)),
+        "addr": get_addr(k.addr) if any(k.addr.u8) else "",
+        "port": str(port_host(k.port)),
+        "proto": _PROTO_NAMES.get(k.proto, str(k.proto)),
+    }
 
 
 def decode_metrics_value(v: MetricsValue) -> Fields:
@@ -796,6 +841,7 @@ class MapSizes:
     ct: int = 256 * 1024
     snat: int = 128 * 1024
     frags: int = 8192  # datagrams in flight as fragments (Cilium's default)
+    host_safe: int = 256  # the host policy's safety set
     events_bytes: int = 1 << 20
     # Per-endpoint budget of policy entries after range expansion (Cilium:
     # 16384 per endpoint policy map). Not part of the map layout.
@@ -863,6 +909,8 @@ def map_specs(sizes: MapSizes) -> tuple[MapSpec, ...]:
                 d(decode_nat_key), d(decode_nat_value)),
         MapSpec("frags", s.MAP_TYPE_LRU_HASH, FragKey, FragValue, sizes.frags, 0,
                 d(decode_frag_key), d(decode_frag_value)),
+        MapSpec("host_safe", s.MAP_TYPE_HASH, HostSafeKey, U32, sizes.host_safe, 0,
+                d(decode_host_safe_key), d(_decode_u32("on"))),
         MapSpec("config", s.MAP_TYPE_ARRAY, U32, DpConfig, 1, 0,
                 d(_decode_u32("index")), d(decode_config)),
         MapSpec("metrics", s.MAP_TYPE_PERCPU_ARRAY, U32, MetricsValue, 768, 0,

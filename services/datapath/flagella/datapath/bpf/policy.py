@@ -239,6 +239,18 @@ class Policy(BpfMap[L.PolicyKey, L.PolicyValue]):
             self.delete(policy_key(endpoint_id, key))
             del current[key]
 
+    def apply_host(self, entries: Sequence[PolicyEntry]) -> int:
+        """Replaces the host endpoint's entries (L.HOST_EP_ID; the host
+        firewall's flags in the config say what is enforced). Same budget
+        and order as apply(); returns the number of keys."""
+        desired = expand(entries)
+        if len(desired) > self.budget:
+            raise PolicyBudgetExceeded(
+                28, f"host policy: {len(desired)} policy entries, budget {self.budget}"
+            )
+        self._write(L.HOST_EP_ID, desired)
+        return len(desired)
+
     def clear_endpoint(self, endpoint_id: int) -> int:
         """Removes every entry of the endpoint (its traffic is then judged
         by its flags: remove the endpoint or mark it not ready first)."""

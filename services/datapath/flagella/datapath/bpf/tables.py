@@ -222,6 +222,10 @@ class NodeConfig:
     # (0: native routing, the host stack routes them), and its UDP port.
     tunnel_ifindex: int = 0
     tunnel_port: int = 0
+    # Host firewall: a host policy is loaded, and the directions it enforces.
+    host_policy: bool = False
+    host_ingress: bool = False
+    host_egress: bool = False
 
 
 class Config(BpfMap[L.U32, L.DpConfig]):
@@ -241,6 +245,9 @@ class Config(BpfMap[L.U32, L.DpConfig]):
             nat_port_max=v.nat_port_max,
             tunnel_ifindex=v.tunnel_ifindex if v.flags & L.CFG_TUNNEL else 0,
             tunnel_port=L.port_host(v.tunnel_port) if v.flags & L.CFG_TUNNEL else 0,
+            host_policy=bool(v.flags & L.CFG_HOST_POLICY),
+            host_ingress=bool(v.flags & L.CFG_HOST_INGRESS),
+            host_egress=bool(v.flags & L.CFG_HOST_EGRESS),
         )
 
     def write(self, cfg: NodeConfig) -> None:
@@ -268,6 +275,9 @@ class Config(BpfMap[L.U32, L.DpConfig]):
             (cfg.verdict_events, L.CFG_VERDICT_EVENTS),
             (cfg.drop_events, L.CFG_DROP_EVENTS),
             (cfg.tunnel_ifindex > 0, L.CFG_TUNNEL),
+            (cfg.host_policy, L.CFG_HOST_POLICY),
+            (cfg.host_policy and cfg.host_ingress, L.CFG_HOST_INGRESS),
+            (cfg.host_policy and cfg.host_egress, L.CFG_HOST_EGRESS),
         ):
             if on:
                 flags |= bit
@@ -383,3 +393,45 @@ class Nat(BpfMap[L.CtKey, L.NatValue]):
             (key_tuple(k), k.scope, L.get_addr(v.addr), L.port_host(v.port))
             for k, v in self.items()
         ]
+
+
+@dataclass(frozen=True, order=True)
+class SafeEntry:
+    """One entry of the host policy's safety set: scope L.SAFE_*; addr
+    only for SAFE_REMOTE; proto an IP protocol number."""
+
+    scope: int
+    port: int
+    proto: int = L.PROTO_TCP
+    addr: str = ""
+
+
+class HostSafe(BpfMap[L.HostSafeKey, L.U32]):
+    """The safety set: the node's traffic with its control plane, let
+    through before any host policy."""
+
+    @staticmethod
+    def _key(e: SafeEntry) -> L.HostSafeKey:
+        k = L.HostSafeKey(port=socket.htons(e.port), proto=e.proto, scope=e.scope)
+        if e.addr:
+            L.set_addr(k.addr, e.addr)
+        return k
+
+    def entries(self) -> set[SafeEntry]:
+        return {
+            SafeEntry(
+                k.scope,
+                L.port_host(k.port),
+                k.proto,
+                L.get_addr(k.addr) if any(k.addr.u8) else "",
+            )
+            for k, _ in self.items()
+        }
+
+    def replace(self, wanted: set[SafeEntry]) -> None:
+        """Exactly wanted: new entries first, then the stale ones go."""
+        current = self.entries()
+        for e in sorted(wanted - current):
+            self.update(self._key(e), L.U32(1))
+        for e in sorted(current - wanted):
+            self.delete(self._key(e))

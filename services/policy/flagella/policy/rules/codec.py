@@ -101,6 +101,9 @@ def rule_to_json(rule: Rule) -> bytes:
         "labels": dict(rule.labels),
         "updatedAt": rule.updated_at,
     }
+    if rule.node_selector is not None:
+        # Absent for endpoint rules: older rules read back the same.
+        doc["nodeSelector"] = _selector_json(rule.node_selector)
     _put_source(doc, rule.source)
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
@@ -153,6 +156,7 @@ def rule_from_json(raw: bytes, *, revision: int = 0, create_revision: int = 0) -
         revision=revision,
         create_revision=create_revision,
         updated_at=float(d.get("updatedAt", 0.0)),
+        node_selector=_selector_from(d["nodeSelector"]) if "nodeSelector" in d else None,
     )
 
 

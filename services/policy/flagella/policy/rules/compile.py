@@ -81,6 +81,9 @@ class CompiledRule:
     has_ipblocks: bool = False
     # It has toServices: recompiled when the lb services change.
     has_services: bool = False
+    # A host policy: subject is its nodeSelector, matched against nodes'
+    # host labels (hostpolicy.py), never against identities.
+    host: bool = False
 
     def requirements(self, direction: Direction) -> tuple[LabelSelector, ...]:
         return tuple(sel for d, sel in self.requires if d is direction)
@@ -244,7 +247,10 @@ def compile_rule(
                     blocks=tuple(dict.fromkeys(blocks)),
                 )
             )
-    subject = subject_selector(rule.endpoint_selector, ns)
+    if rule.node_selector is not None:
+        subject = subject_selector(rule.node_selector, "")
+    else:
+        subject = subject_selector(rule.endpoint_selector, ns)
     return CompiledRule(
         key=rule.key,
         rule=rule,
@@ -259,4 +265,5 @@ def compile_rule(
         requires=tuple(requires),
         has_ipblocks=kubernetes and any(p.cidrs for p in (*rule.ingress, *rule.egress)),
         has_services=any(p.services for p in rule.peers()),
+        host=rule.host,
     )

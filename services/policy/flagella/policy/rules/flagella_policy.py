@@ -14,7 +14,14 @@ from flagella.policy.rules.fields import (
     parse_selector,
 )
 from flagella.policy.rules.icmp import parse_icmps
-from flagella.policy.rules.model import CIDRSpec, Direction, PeerSpec, Protocol, Rule
+from flagella.policy.rules.model import (
+    CIDRSpec,
+    Direction,
+    PeerSpec,
+    Protocol,
+    Rule,
+    SelectorSpec,
+)
 from flagella.policy.rules.services import parse_to_services
 from flagella.policy.rules.validate import (
     ENTITY_NAMES,
@@ -167,14 +174,36 @@ def parse_flagella_policy(
     Doc.only(
         spec,
         sp,
-        ("endpointSelector", "ingress", "ingressDeny", "egress", "egressDeny", "description"),
-        nodeSelector="node selectors (host policies) are not supported",
+        (
+            "endpointSelector",
+            "nodeSelector",
+            "ingress",
+            "ingressDeny",
+            "egress",
+            "egressDeny",
+            "description",
+        ),
         enableDefaultDeny="enableDefaultDeny is not supported",
         labels="rule labels go in metadata.labels",
     )
-    if "endpointSelector" not in spec:
-        raise fail(f"{sp}.endpointSelector", "required")
-    selector = parse_selector(spec["endpointSelector"], f"{sp}.endpointSelector")
+    node_selector = None
+    if "nodeSelector" in spec:
+        # A host policy (Cilium's rule: cluster-wide, and nodes or pods,
+        # never both).
+        if "endpointSelector" in spec:
+            raise fail(f"{sp}.nodeSelector", "give endpointSelector or nodeSelector, not both")
+        if namespace:
+            raise fail(
+                f"{sp}.nodeSelector",
+                "a nodeSelector (host policy) needs a cluster-wide rule "
+                "(no metadata.namespace; CiliumClusterwideNetworkPolicy)",
+            )
+        node_selector = parse_selector(spec["nodeSelector"], f"{sp}.nodeSelector")
+        selector = SelectorSpec()
+    elif "endpointSelector" not in spec:
+        raise fail(f"{sp}.endpointSelector", "required (or nodeSelector for a host policy)")
+    else:
+        selector = parse_selector(spec["endpointSelector"], f"{sp}.endpointSelector")
 
     def peers(fld: str, direction: Direction) -> tuple[PeerSpec, ...]:
         return tuple(
@@ -193,4 +222,5 @@ def parse_flagella_policy(
         egress_deny=peers("egressDeny", Direction.EGRESS),
         description=description,
         labels=labels,
+        node_selector=node_selector,
     )

@@ -178,6 +178,10 @@ class Rule:
     description: str = ""
     labels: tuple[tuple[str, str], ...] = ()
     source: RuleSource = BY_HAND
+    # A host policy (Cilium's nodeSelector, cluster-wide rules only): the
+    # rule selects the host endpoint of the nodes whose labels match, not
+    # pods (endpoint_selector is then empty and unused).
+    node_selector: SelectorSpec | None = None
     # Set by the store.
     revision: int = 0
     create_revision: int = 0
@@ -193,6 +197,11 @@ class Rule:
         are three rules."""
         base = f"{self.namespace}/{self.name}" if self.namespace else self.name
         return f"{self.source.kind}/{base}" if self.source.kind else base
+
+    @property
+    def host(self) -> bool:
+        """A host policy (selects nodes' host endpoints)."""
+        return self.node_selector is not None
 
     def peers(self) -> tuple[PeerSpec, ...]:
         return (*self.ingress, *self.ingress_deny, *self.egress, *self.egress_deny)
@@ -212,4 +221,5 @@ class Rule:
             description=self.description,
             labels=self.labels,
             source=self.source,
+            node_selector=self.node_selector,
         )

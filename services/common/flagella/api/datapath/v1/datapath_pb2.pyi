@@ -51,6 +51,10 @@ class _FlowTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FlowType.Val
     FLOW_TYPE_DROP: _FlowType.ValueType  # 1
     FLOW_TYPE_POLICY_VERDICT: _FlowType.ValueType  # 2
     FLOW_TYPE_TRACE: _FlowType.ValueType  # 3
+    FLOW_TYPE_HOST_SAFETY: _FlowType.ValueType  # 4
+    """The node's own connection let through by the host policy's safety set
+    (its control plane), before policy.
+    """
 
 class FlowType(_FlowType, metaclass=_FlowTypeEnumTypeWrapper): ...
 
@@ -58,6 +62,10 @@ FLOW_TYPE_UNSPECIFIED: FlowType.ValueType  # 0
 FLOW_TYPE_DROP: FlowType.ValueType  # 1
 FLOW_TYPE_POLICY_VERDICT: FlowType.ValueType  # 2
 FLOW_TYPE_TRACE: FlowType.ValueType  # 3
+FLOW_TYPE_HOST_SAFETY: FlowType.ValueType  # 4
+"""The node's own connection let through by the host policy's safety set
+(its control plane), before policy.
+"""
 Global___FlowType: _TypeAlias = FlowType  # noqa: Y015
 
 class _DropReason:
@@ -904,6 +912,7 @@ class DatapathStatus(_message.Message):
     STREAMS_SYNCED_FIELD_NUMBER: _builtins.int
     ENDPOINTS_FIELD_NUMBER: _builtins.int
     PEERS_FIELD_NUMBER: _builtins.int
+    HOST_POLICY_FIELD_NUMBER: _builtins.int
     node: _builtins.str
     programs_loaded: _builtins.bool
     endpoints: _builtins.int
@@ -923,6 +932,10 @@ class DatapathStatus(_message.Message):
     def peers(self) -> _containers.RepeatedCompositeFieldContainer[Global___NodeHealth]:
         """Health of the other nodes as this one probes them (--health-port)."""
 
+    @_builtins.property
+    def host_policy(self) -> Global___HostPolicyStatus:
+        """The host firewall: this node's host policy as enforced."""
+
     def __init__(
         self,
         *,
@@ -934,14 +947,87 @@ class DatapathStatus(_message.Message):
         streams_synced: _abc.Mapping[_builtins.str, _builtins.bool] | None = ...,
         endpoints: _builtins.int = ...,
         peers: _abc.Iterable[Global___NodeHealth] | None = ...,
+        host_policy: Global___HostPolicyStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["host_policy", b"host_policy"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoints", b"endpoints", "maps", b"maps", "node", b"node", "peers", b"peers", "programs", b"programs", "programs_loaded", b"programs_loaded", "reconcilers", b"reconcilers", "streams_synced", b"streams_synced"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoints", b"endpoints", "host_policy", b"host_policy", "maps", b"maps", "node", b"node", "peers", b"peers", "programs", b"programs", "programs_loaded", b"programs_loaded", "reconcilers", b"reconcilers", "streams_synced", b"streams_synced"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DatapathStatus: _TypeAlias = DatapathStatus  # noqa: Y015
+
+@_typing.final
+class HostPolicyStatus(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class NodeLabelsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    PRESENT_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    INGRESS_ENFORCED_FIELD_NUMBER: _builtins.int
+    EGRESS_ENFORCED_FIELD_NUMBER: _builtins.int
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    RULES_FIELD_NUMBER: _builtins.int
+    NODE_LABELS_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    SAFETY_ENTRIES_FIELD_NUMBER: _builtins.int
+    present: _builtins.bool
+    """False: no host policy selects this node (its own traffic is not judged)."""
+    revision: _builtins.int
+    """Policy repository revision of the host policy applied."""
+    ingress_enforced: _builtins.bool
+    egress_enforced: _builtins.bool
+    entries: _builtins.int
+    """Policy-map keys of the host endpoint."""
+    error: _builtins.str
+    """Set when the policy could not be written (then enforced fail-closed)."""
+    safety_entries: _builtins.int
+    """Entries of the safety set (0 with --host-policy-safety=off)."""
+    @_builtins.property
+    def rules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The host rules selecting this node, and the labels they selected it by."""
+
+    @_builtins.property
+    def node_labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        present: _builtins.bool = ...,
+        revision: _builtins.int = ...,
+        ingress_enforced: _builtins.bool = ...,
+        egress_enforced: _builtins.bool = ...,
+        entries: _builtins.int = ...,
+        rules: _abc.Iterable[_builtins.str] | None = ...,
+        node_labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        error: _builtins.str = ...,
+        safety_entries: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["egress_enforced", b"egress_enforced", "entries", b"entries", "error", b"error", "ingress_enforced", b"ingress_enforced", "node_labels", b"node_labels", "present", b"present", "revision", b"revision", "rules", b"rules", "safety_entries", b"safety_entries"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HostPolicyStatus: _TypeAlias = HostPolicyStatus  # noqa: Y015
 
 @_typing.final
 class NodeHealth(_message.Message):
@@ -1014,6 +1100,7 @@ class Flow(_message.Message):
     src_identity: _builtins.int
     dst_identity: _builtins.int
     endpoint_id: _builtins.int
+    """The host endpoint (host firewall): 18446744073709551615 (2^64 - 1)."""
     ifindex: _builtins.int
     node: _builtins.str
     @_builtins.property

@@ -935,6 +935,7 @@ class Rule(_message.Message):
     REVISION_FIELD_NUMBER: _builtins.int
     UPDATED_AT_FIELD_NUMBER: _builtins.int
     SOURCE_FIELD_NUMBER: _builtins.int
+    NODE_SELECTOR_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Unique key of the rule: "namespace/name" or "name"."""
     namespace: _builtins.str
@@ -967,6 +968,14 @@ class Rule(_message.Message):
         rule); unset for rules put through this API.
         """
 
+    @_builtins.property
+    def node_selector(self) -> Global___EndpointSelector:
+        """A host policy (Cilium's nodeSelector): the rule selects the host
+        endpoint of every node whose labels match (reserved:host and the
+        node's labels, keys without a source are k8s:), not pods. Only for
+        cluster-wide rules, instead of endpoint_selector.
+        """
+
     def __init__(
         self,
         *,
@@ -984,10 +993,11 @@ class Rule(_message.Message):
         revision: _builtins.int = ...,
         updated_at: _timestamp_pb2.Timestamp | None = ...,
         source: Global___RuleSource | None = ...,
+        node_selector: Global___EndpointSelector | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["endpoint_selector", b"endpoint_selector", "source", b"source", "updated_at", b"updated_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["endpoint_selector", b"endpoint_selector", "node_selector", b"node_selector", "source", b"source", "updated_at", b"updated_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "egress", b"egress", "egress_deny", b"egress_deny", "endpoint_selector", b"endpoint_selector", "enforce_egress", b"enforce_egress", "enforce_ingress", b"enforce_ingress", "ingress", b"ingress", "ingress_deny", b"ingress_deny", "labels", b"labels", "name", b"name", "namespace", b"namespace", "revision", b"revision", "source", b"source", "updated_at", b"updated_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "egress", b"egress", "egress_deny", b"egress_deny", "endpoint_selector", b"endpoint_selector", "enforce_egress", b"enforce_egress", "enforce_ingress", b"enforce_ingress", "ingress", b"ingress", "ingress_deny", b"ingress_deny", "labels", b"labels", "name", b"name", "namespace", b"namespace", "node_selector", b"node_selector", "revision", b"revision", "source", b"source", "updated_at", b"updated_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1648,3 +1658,113 @@ class PolicyEvent(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PolicyEvent: _TypeAlias = PolicyEvent  # noqa: Y015
+
+@_typing.final
+class WatchHostPolicyRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class NodeLabelsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    NODE_FIELD_NUMBER: _builtins.int
+    NODE_LABELS_FIELD_NUMBER: _builtins.int
+    node: _builtins.str
+    @_builtins.property
+    def node_labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """The node's labels as its registration in the ipam node registry holds
+        them (the datapath sends what ipam answered it). A node can only
+        weaken its own host firewall by misstating them, which it enforces
+        itself anyway.
+        """
+
+    def __init__(
+        self,
+        *,
+        node: _builtins.str = ...,
+        node_labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node", b"node", "node_labels", b"node_labels"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchHostPolicyRequest: _TypeAlias = WatchHostPolicyRequest  # noqa: Y015
+
+@_typing.final
+class HostPolicyEvent(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class NodeLabelsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    POLICY_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    NODE_LABELS_FIELD_NUMBER: _builtins.int
+    RULES_FIELD_NUMBER: _builtins.int
+    revision: _builtins.int
+    """Policy repository revision it was computed at."""
+    @_builtins.property
+    def policy(self) -> Global___ResolvedPolicy:
+        """The node's whole host policy (identity 1, the host endpoint; entries'
+        identities are the peers). Unset: no rule selects the node (nothing
+        is enforced on its host).
+        """
+
+    @_builtins.property
+    def node_labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """The node's labels it was selected by (the request's)."""
+
+    @_builtins.property
+    def rules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Names of the host rules selecting the node."""
+
+    def __init__(
+        self,
+        *,
+        policy: Global___ResolvedPolicy | None = ...,
+        revision: _builtins.int = ...,
+        node_labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        rules: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["policy", b"policy"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_labels", b"node_labels", "policy", b"policy", "revision", b"revision", "rules", b"rules"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HostPolicyEvent: _TypeAlias = HostPolicyEvent  # noqa: Y015

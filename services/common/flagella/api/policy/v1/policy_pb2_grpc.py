@@ -125,6 +125,11 @@ class PolicyServiceStub:
                 request_serializer=flagella_dot_policy_dot_v1_dot_policy__pb2.WatchPolicyRequest.SerializeToString,
                 response_deserializer=flagella_dot_policy_dot_v1_dot_policy__pb2.PolicyEvent.FromString,
                 _registered_method=True)
+        self.WatchHostPolicy = channel.unary_stream(
+                '/flagella.policy.v1.PolicyService/WatchHostPolicy',
+                request_serializer=flagella_dot_policy_dot_v1_dot_policy__pb2.WatchHostPolicyRequest.SerializeToString,
+                response_deserializer=flagella_dot_policy_dot_v1_dot_policy__pb2.HostPolicyEvent.FromString,
+                _registered_method=True)
 
 
 class PolicyServiceServicer:
@@ -251,6 +256,15 @@ class PolicyServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchHostPolicy(self, request, context):
+        """The host policy of one node (rules with a node_selector matching the
+        node's labels, as its registration in the ipam node registry has
+        them): the whole policy at once, again whenever it changes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PolicyServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -343,6 +357,11 @@ def add_PolicyServiceServicer_to_server(servicer, server):
                     servicer.WatchPolicy,
                     request_deserializer=flagella_dot_policy_dot_v1_dot_policy__pb2.WatchPolicyRequest.FromString,
                     response_serializer=flagella_dot_policy_dot_v1_dot_policy__pb2.PolicyEvent.SerializeToString,
+            ),
+            'WatchHostPolicy': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchHostPolicy,
+                    request_deserializer=flagella_dot_policy_dot_v1_dot_policy__pb2.WatchHostPolicyRequest.FromString,
+                    response_serializer=flagella_dot_policy_dot_v1_dot_policy__pb2.HostPolicyEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -831,6 +850,33 @@ class PolicyService:
             '/flagella.policy.v1.PolicyService/WatchPolicy',
             flagella_dot_policy_dot_v1_dot_policy__pb2.WatchPolicyRequest.SerializeToString,
             flagella_dot_policy_dot_v1_dot_policy__pb2.PolicyEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchHostPolicy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/flagella.policy.v1.PolicyService/WatchHostPolicy',
+            flagella_dot_policy_dot_v1_dot_policy__pb2.WatchHostPolicyRequest.SerializeToString,
+            flagella_dot_policy_dot_v1_dot_policy__pb2.HostPolicyEvent.FromString,
             options,
             channel_credentials,
             insecure,

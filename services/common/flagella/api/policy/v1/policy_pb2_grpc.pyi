@@ -68,6 +68,11 @@ class PolicyServiceStub:
     """The resolved policies of every identity referenced on a node: snapshot,
     then deltas; resumable by revision.
     """
+    WatchHostPolicy: _grpc.UnaryStreamMultiCallable[_policy_pb2.WatchHostPolicyRequest, _policy_pb2.HostPolicyEvent]
+    """The host policy of one node (rules with a node_selector matching the
+    node's labels, as its registration in the ipam node registry has
+    them): the whole policy at once, again whenever it changes.
+    """
 
 @_typing.type_check_only
 class PolicyServiceAsyncStub(PolicyServiceStub):
@@ -106,6 +111,11 @@ class PolicyServiceAsyncStub(PolicyServiceStub):
     WatchPolicy: _aio.UnaryStreamMultiCallable[_policy_pb2.WatchPolicyRequest, _policy_pb2.PolicyEvent]  # type: ignore[assignment]
     """The resolved policies of every identity referenced on a node: snapshot,
     then deltas; resumable by revision.
+    """
+    WatchHostPolicy: _aio.UnaryStreamMultiCallable[_policy_pb2.WatchHostPolicyRequest, _policy_pb2.HostPolicyEvent]  # type: ignore[assignment]
+    """The host policy of one node (rules with a node_selector matching the
+    node's labels, as its registration in the ipam node registry has
+    them): the whole policy at once, again whenever it changes.
     """
 
 class PolicyServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -250,6 +260,17 @@ class PolicyServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_policy_pb2.PolicyEvent], _abc.AsyncIterator[_policy_pb2.PolicyEvent]]:
         """The resolved policies of every identity referenced on a node: snapshot,
         then deltas; resumable by revision.
+        """
+
+    @_abc_1.abstractmethod
+    def WatchHostPolicy(
+        self,
+        request: _policy_pb2.WatchHostPolicyRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_policy_pb2.HostPolicyEvent], _abc.AsyncIterator[_policy_pb2.HostPolicyEvent]]:
+        """The host policy of one node (rules with a node_selector matching the
+        node's labels, as its registration in the ipam node registry has
+        them): the whole policy at once, again whenever it changes.
         """
 
 def add_PolicyServiceServicer_to_server(servicer: PolicyServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
