@@ -43,7 +43,9 @@ from flagella.policy.rules import (
     Protocol,
     Verdict,
 )
+from flagella.policy.rules.model import ACTION_DENY, ACTION_PASS, TIER_ADMIN, TIER_BASELINE
 from flagella.policy.selector import WILDCARD, LabelSelector, Selector, SelectorCache
+from flagella.policy.tiers import AdminIndex, evaluate, first_match
 
 DEFAULT_BUDGET = 16384
 
@@ -207,6 +209,14 @@ def _precedence(
     return {k: v for k, v in allow.items() if k not in final_deny}, final_deny
 
 
+def _add_dir(
+    acc: dict[Key4, set[str]], entries: dict[Key4, frozenset[str]], direction: int
+) -> None:
+    for k, names in entries.items():
+        if k[3] == direction:
+            acc.setdefault(k, set()).update(names)
+
+
 def _clause_keys(clause: Clause) -> tuple[Key4, ...]:
     d = int(clause.direction)
     return tuple((p, e, int(proto), d) for p, e, proto in clause.ports)
@@ -218,10 +228,17 @@ class SigPolicy:
     def __init__(self, resolver: Resolver, sig: frozenset[str]) -> None:
         self.resolver = resolver
         self.sig = sig
-        rules = [resolver.rules[k] for k in sorted(sig)]
-        self.ingress_enforced = any(r.enforces_ingress for r in rules)
-        self.egress_enforced = any(r.enforces_egress for r in rules)
-        self.localhost = resolver.allow_localhost and self.ingress_enforced
+        every = [resolver.rules[k] for k in sorted(sig)]
+        rules = [r for r in every if not r.tier]
+        self.np_enforced = {
+            _INGRESS: any(r.enforces_ingress for r in rules),
+            _EGRESS: any(r.enforces_egress for r in rules),
+        }
+        # AdminNetworkPolicy tiers (tiers.py); empty in the common case.
+        self.admin = AdminIndex([r for r in every if r.tier])
+        self.ingress_enforced = self.np_enforced[_INGRESS] or _INGRESS in self.admin.directions
+        self.egress_enforced = self.np_enforced[_EGRESS] or _EGRESS in self.admin.directions
+        self.localhost = resolver.allow_localhost and self.np_enforced[_INGRESS]
         # fromRequires / toRequires of every rule of the signature, which
         # every endpoint selector of every rule of it must meet too.
         self.requires = {d: tuple(s for r in rules for s in r.requirements(d)) for d in Direction}
@@ -242,9 +259,9 @@ class SigPolicy:
                         self.by_selector.setdefault(sel, []).append(
                             (clause, keys, narrowed and sel in clause.endpoint_selectors)
                         )
-        if not self.ingress_enforced:
+        if not self.np_enforced[_INGRESS]:
             _add(allow0, [(0, 0, _ANY, _INGRESS)], DEFAULT_ALLOW)
-        if not self.egress_enforced:
+        if not self.np_enforced[_EGRESS]:
             _add(allow0, [(0, 0, _ANY, _EGRESS)], DEFAULT_ALLOW)
         # Kubernetes ipBlocks over addresses depend on the rules only.
         self.ipblock_rules = any(r.has_ipblocks for r in rules)
@@ -263,6 +280,8 @@ class SigPolicy:
         cache = self.resolver.selectors
         ids: set[int] = set()
         for sel in self.by_selector:
+            ids |= cache.selections(sel)
+        for sel in self.admin.by_selector:
             ids |= cache.selections(sel)
         if self.localhost:
             ids.add(HOST)
@@ -300,10 +319,42 @@ class SigPolicy:
 
     def _compute_ident(self, ident: int) -> None:
         allow, deny = self._raw(ident)
-        if not allow and not deny:
-            self._set_group(ident, None)
-            return
-        self._set_group(ident, _precedence(allow, deny, self.raw_allow0, self.raw_deny0))
+        group: Group | None = None
+        if allow or deny:
+            group = _precedence(allow, deny, self.raw_allow0, self.raw_deny0)
+        if self.admin.by_selector:
+            group = self._admin_group(ident, group)
+        self._set_group(ident, group)
+
+    def _admin_group(self, ident: int, group: Group | None) -> Group | None:
+        """The NetworkPolicy tier's group of a peer through the admin tiers
+        of the directions whose admin rules select the peer."""
+        sels = self.resolver.selectors.selectors_of(ident)
+        found = self.admin.clauses_for(sels)
+        if not found:
+            return group
+        np_allow, np_deny = group if group is not None else ({}, {})
+        out_allow: dict[Key4, set[str]] = {}
+        out_deny: dict[Key4, set[str]] = {}
+        for d in (_INGRESS, _EGRESS):
+            if d not in found:
+                _add_dir(out_allow, np_allow, d)
+                _add_dir(out_deny, np_deny, d)
+                continue
+            admin, baseline = found[d]
+            a, dn = evaluate(
+                d,
+                admin=admin,
+                baseline=baseline,
+                np_enforced=self.np_enforced[d],
+                np_allow=np_allow,
+                np_deny=np_deny,
+            )
+            for k, names in a.items():
+                out_allow.setdefault(k, set()).update(names)
+            for k, names in dn.items():
+                out_deny.setdefault(k, set()).update(names)
+        return _freeze(out_allow), _freeze(out_deny)
 
     def _compute_all(self) -> None:
         for ident in self._group_ids():
@@ -580,7 +631,71 @@ def trace_direction(
     allow_localhost: bool,
 ) -> DirectionTrace:
     """The verdict for traffic in one direction of an endpoint selected by
-    rules, from/to peer on dport/proto."""
+    rules, from/to peer on dport/proto, through the tiers: admin, the
+    NetworkPolicy tier, baseline."""
+    np_rules = [r for r in rules if not r.tier]
+    if len(np_rules) == len(rules):
+        return _trace_np(np_rules, direction, peer, dport, proto, allow_localhost=allow_localhost)
+    name = "ingress" if direction is Direction.INGRESS else "egress"
+
+    def port_ok(key: tuple[int | str, int, Protocol]) -> bool:
+        return port_matches(key, dport, proto)
+
+    def decided(found: tuple[CompiledRule, Clause], lines: list[str]) -> DirectionTrace:
+        rule, clause = found
+        verdict = Verdict.DENY if clause.action == ACTION_DENY else Verdict.ALLOW
+        lines.append(f"  {rule.key} {clause.where} ({clause.action}) decides")
+        lines.append(f"  {name} {'DENIED' if verdict is Verdict.DENY else 'ALLOWED'}")
+        return DirectionTrace(True, verdict, [rule.key], lines)
+
+    lines: list[str] = []
+    found = first_match([r for r in rules if r.tier == TIER_ADMIN], direction, peer, port_ok)
+    if found is not None and found[1].action != ACTION_PASS:
+        if found[1].action == ACTION_DENY:
+            return decided(found, lines)
+        # The datapath takes a deny of identity 0 (any peer) over any
+        # peer's allow: an admin Allow cannot override one (tiers.py).
+        np = _trace_np(np_rules, direction, peer, dport, proto, allow_localhost=allow_localhost)
+        if np.verdict is Verdict.DENY and _any_peer_denies(np_rules, direction, dport, proto):
+            np.lines.append(
+                f"  {found[0].key} {found[1].where} (Allow) is overridden by a deny of any peer"
+            )
+            return np
+        return decided(found, lines)
+    if found is not None:
+        lines.append(f"  {found[0].key} {found[1].where} (Pass): on to the NetworkPolicy tier")
+    np = _trace_np(np_rules, direction, peer, dport, proto, allow_localhost=allow_localhost)
+    if np.enforced:
+        return DirectionTrace(True, np.verdict, np.deciding, lines + np.lines)
+    base = first_match([r for r in rules if r.tier == TIER_BASELINE], direction, peer, port_ok)
+    if base is not None:
+        return decided(base, lines + np.lines)
+    lines += np.lines
+    return DirectionTrace(True, Verdict.ALLOW, [], lines)
+
+
+def _any_peer_denies(
+    rules: list[CompiledRule], direction: Direction, dport: int, proto: Protocol
+) -> bool:
+    return any(
+        c.direction is direction
+        and c.verdict is Verdict.DENY
+        and WILDCARD in c.selectors
+        and any(port_matches(p, dport, proto) for p in c.ports)
+        for r in rules
+        for c in r.clauses
+    )
+
+
+def _trace_np(
+    rules: list[CompiledRule],
+    direction: Direction,
+    peer: IdentityInfo,
+    dport: int,
+    proto: Protocol,
+    *,
+    allow_localhost: bool,
+) -> DirectionTrace:
     name = "ingress" if direction is Direction.INGRESS else "egress"
     enforcing = [
         r.key

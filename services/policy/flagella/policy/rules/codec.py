@@ -55,6 +55,10 @@ def _peer_json(p: PeerSpec) -> dict[str, Any]:
         out["toPorts"] = [[_port_json(x) for x in pr] for pr in p.to_ports]
     if p.requires:
         out["requires"] = [_selector_json(s) for s in p.requires]
+    if p.action:
+        out["action"] = p.action
+    if p.name:
+        out["name"] = p.name
     return out
 
 
@@ -80,6 +84,10 @@ def rule_to_json(rule: Rule) -> bytes:
         "labels": dict(rule.labels),
         "updatedAt": rule.updated_at,
     }
+    if rule.tier:
+        # Absent for the NetworkPolicy tier: older rules read back the same.
+        doc["tier"] = rule.tier
+        doc["priority"] = rule.priority
     if rule.source.kubernetes:
         # Absent for rules by hand: rules stored before sources existed read
         # back as what they were.
@@ -117,6 +125,8 @@ def _peer_from(d: Mapping[str, Any]) -> PeerSpec:
             for pr in d.get("toPorts", ())
         ),
         tuple(_selector_from(s) for s in d.get("requires", ())),
+        d.get("action", ""),
+        d.get("name", ""),
     )
 
 
@@ -136,6 +146,8 @@ def rule_from_json(raw: bytes, *, revision: int = 0, create_revision: int = 0) -
         description=d.get("description", ""),
         labels=tuple(sorted(d.get("labels", {}).items())),
         source=RuleSource(src.get("kind", ""), src.get("namespace", ""), src.get("name", "")),
+        tier=d.get("tier", ""),
+        priority=int(d.get("priority", 0)),
         revision=revision,
         create_revision=create_revision,
         updated_at=float(d.get("updatedAt", 0.0)),

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from flagella.policy.identities import IPNetwork
 from flagella.policy.labels import DEFAULT_SOURCE, NAMESPACE_KEY, SOURCE_ANY, SOURCE_RESERVED
 from flagella.policy.rules.model import (
+    ACTION_DENY,
     K8S_DERIVED_LABEL,
     PORT_PROTOCOLS,
     CIDRSpec,
@@ -56,6 +57,9 @@ class Clause:
     # is a Kubernetes NetworkPolicy: they match addresses, pods and nodes
     # included (also in selectors, as strict CIDR selectors).
     blocks: tuple[Block, ...] = ()
+    # An (Baseline)AdminNetworkPolicy gress rule: Allow, Deny or Pass
+    # (verdict is then DENY for Deny, ALLOW otherwise); "" elsewhere.
+    action: str = ""
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,11 @@ class CompiledRule:
     # A Kubernetes NetworkPolicy with ipBlocks: what it resolves to depends
     # on --k8s-ipblock-mode.
     has_ipblocks: bool = False
+    # Rule.tier and Rule.priority: "" is the NetworkPolicy tier; admin
+    # tiers neither enforce a direction nor feed the NetworkPolicy tier's
+    # entries (tiers.py evaluates them).
+    tier: str = ""
+    priority: int = 0
 
     def requirements(self, direction: Direction) -> tuple[LabelSelector, ...]:
         return tuple(sel for d, sel in self.requires if d is direction)
@@ -218,30 +227,38 @@ def compile_rule(
                 sels.append(WILDCARD)
             if WILDCARD in sels:
                 sels = [WILDCARD]
+            clause_verdict = verdict
+            if peer.action:
+                clause_verdict = Verdict.DENY if peer.action == ACTION_DENY else Verdict.ALLOW
             clauses.append(
                 Clause(
                     rule=rule.key,
                     direction=direction,
-                    verdict=verdict,
+                    verdict=clause_verdict,
                     selectors=tuple(dict.fromkeys(sels)),
                     ports=_expand_ports(peer.to_ports),
                     where=f"{name}[{i}]",
                     endpoint_selectors=endpoint_sels,
                     blocks=tuple(dict.fromkeys(blocks)),
+                    action=peer.action,
                 )
             )
     subject = subject_selector(rule.endpoint_selector, ns)
+    np_tier = not rule.tier
     return CompiledRule(
         key=rule.key,
         rule=rule,
         subject=subject,
         selects_reserved=subject.names_source(SOURCE_RESERVED),
-        enforces_ingress=bool(rule.ingress or rule.ingress_deny or rule.enforce_ingress),
-        enforces_egress=bool(rule.egress or rule.egress_deny or rule.enforce_egress),
+        enforces_ingress=np_tier
+        and bool(rule.ingress or rule.ingress_deny or rule.enforce_ingress),
+        enforces_egress=np_tier and bool(rule.egress or rule.egress_deny or rule.enforce_egress),
         clauses=tuple(clauses),
         peer_selectors=frozenset(s for c in clauses for s in c.selectors if s is not WILDCARD),
         prefixes=frozenset(p for p in prefixes if p.prefixlen > 0),
         groups=frozenset(c.group for p in rule.peers() for c in p.cidrs if c.group),
         requires=tuple(requires),
         has_ipblocks=kubernetes and any(p.cidrs for p in (*rule.ingress, *rule.egress)),
+        tier=rule.tier,
+        priority=rule.priority,
     )

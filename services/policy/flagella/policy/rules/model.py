@@ -108,6 +108,25 @@ class PeerSpec:
     # every rule selecting the same endpoint (in this direction) must also
     # match; they allow nothing by themselves.
     requires: tuple[SelectorSpec, ...] = ()
+    # AdminNetworkPolicy tiers (Rule.tier set): the gress rule's action
+    # (ACTION_*) and name; empty for every other rule.
+    action: str = ""
+    name: str = ""
+
+
+# Rule.tier: "" for NetworkPolicies and flagella/Cilium rules (the
+# NetworkPolicy tier); an AdminNetworkPolicy is evaluated before them, a
+# BaselineAdminNetworkPolicy after them (resolve.py, tiers.py).
+TIER_ADMIN = "admin"
+TIER_BASELINE = "baseline"
+ACTION_ALLOW = "Allow"
+ACTION_DENY = "Deny"
+ACTION_PASS = "Pass"
+ADMIN_ACTIONS = (ACTION_ALLOW, ACTION_DENY, ACTION_PASS)
+BASELINE_ACTIONS = (ACTION_ALLOW, ACTION_DENY)
+ADMIN_MAX_PRIORITY = 1000
+ADMIN_MAX_GRESS_RULES = 100
+BASELINE_NAME = "default"
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +175,10 @@ class Rule:
     description: str = ""
     labels: tuple[tuple[str, str], ...] = ()
     source: RuleSource = BY_HAND
+    # "", TIER_ADMIN or TIER_BASELINE; priority: an AdminNetworkPolicy's
+    # (0-1000, lower first).
+    tier: str = ""
+    priority: int = 0
     # Set by the store.
     revision: int = 0
     create_revision: int = 0
@@ -190,4 +213,6 @@ class Rule:
             description=self.description,
             labels=self.labels,
             source=self.source,
+            tier=self.tier,
+            priority=self.priority,
         )
