@@ -39,6 +39,7 @@ from flagella.endpoint.kube import LEASE_NAME as ENDPOINT_LEASE
 from flagella.endpoint.labels import PodInfo
 from flagella.endpoint.model import Endpoint, State
 from flagella.lb.k8s import LEASE_NAME as LB_LEASE
+from flagella.policy.kube import ADMIN_GROUP
 from flagella.policy.kube import KINDS as POLICY_KINDS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -343,9 +344,14 @@ def test_policy_crds_are_structural_have_printer_columns_and_take_the_documented
         for o in objects(rendered["k8s"])
         if o["kind"] == "CustomResourceDefinition"
     }
-    kinds = {k.kind: k for k in POLICY_KINDS if k.group != "networking.k8s.io"}
-    assert set(crds) == {*kinds, flagellaendpoint.KIND}
+    # Upstream's kinds (NetworkPolicy; the admin tiers' CRDs are upstream's
+    # shape, tested below).
+    kinds = {k.kind: k for k in POLICY_KINDS if k.group not in ("networking.k8s.io", ADMIN_GROUP)}
+    admin = {k.kind for k in POLICY_KINDS if k.group == ADMIN_GROUP}
+    assert set(crds) == {*kinds, *admin, flagellaendpoint.KIND}
     crds.pop(flagellaendpoint.KIND)
+    for kind in admin:
+        crds.pop(kind)
     docs = [
         d
         for text in re.findall(r"```yaml\n(.*?)```", (ROOT / "docs/policy.md").read_text(), re.S)
@@ -379,6 +385,44 @@ def test_policy_crds_are_structural_have_printer_columns_and_take_the_documented
         ]
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate({"spec": {"endpointSelector": {"matchLabels": {"a": 1}}}}, schema)
+
+
+def test_admin_network_policy_crds_are_structural_and_take_the_documented_policies(
+    rendered: dict[str, Path],
+) -> None:
+    crds = {
+        o["spec"]["names"]["kind"]: o
+        for o in objects(rendered["k8s"])
+        if o["kind"] == "CustomResourceDefinition" and o["spec"]["group"] == ADMIN_GROUP
+    }
+    kinds = {k.kind: k for k in POLICY_KINDS if k.group == ADMIN_GROUP}
+    assert set(crds) == set(kinds)
+    docs = [
+        d
+        for text in re.findall(r"```yaml\n(.*?)```", (ROOT / "docs/policy.md").read_text(), re.S)
+        for d in yaml.safe_load_all(text)
+        if isinstance(d, dict) and d.get("kind") in kinds
+    ]
+    assert {d["kind"] for d in docs} == set(kinds), "docs/policy.md lacks an example"
+    for kind, crd in crds.items():
+        k = kinds[kind]
+        spec = crd["spec"]
+        assert crd["metadata"]["name"] == f"{k.plural}.{k.group}"
+        assert (spec["names"]["plural"], spec["scope"]) == (k.plural, "Cluster")
+        [version] = spec["versions"]
+        assert version["name"] == k.version
+        schema = version["schema"]["openAPIV3Schema"]
+        _structural(schema, kind)
+        for doc in docs:
+            if doc["kind"] == kind:
+                jsonschema.validate(doc, schema)
+        ingress = schema["properties"]["spec"]["properties"]["ingress"]["items"]
+        assert ("Pass" in ingress["properties"]["action"]["enum"]) is (kind == "AdminNetworkPolicy")
+    priority = crds["AdminNetworkPolicy"]["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(
+            {"metadata": {}, "spec": {"priority": 1001, "subject": {"namespaces": {}}}}, priority
+        )
 
 
 def test_the_flagellaendpoint_crd_takes_what_the_endpoint_service_writes_with_printer_columns(

@@ -23,7 +23,7 @@ from flagella.common import pki
 from harness import netpol
 from harness.cluster import Cluster, Node
 from harness.cni import check_result, cni, netconf
-from harness.kube_api import KubeListWatchServer
+from harness.kube_api import ADMIN_POLICY_KINDS, POLICY_KINDS, KubeListWatchServer
 from harness.netns import wait_until
 from harness.netpol import ModelPod, Prober, Reachability
 
@@ -57,8 +57,17 @@ def endpoint_of(env: Env, pod: str) -> endpoint_pb2.Endpoint:
 
 
 def rule_name(policy: dict[str, Any]) -> str:
+    """The rule of a policy object of any kind (NetworkPolicy when it says
+    none; cluster-scoped kinds have no namespace)."""
     meta = policy["metadata"]
-    return f"NetworkPolicy/{meta['namespace']}/{meta['name']}"
+    kind = policy.get("kind", "NetworkPolicy")
+    namespace = meta.get("namespace", "")
+    return f"{kind}/{namespace}/{meta['name']}" if namespace else f"{kind}/{meta['name']}"
+
+
+def resource_of(policy: dict[str, Any]) -> str:
+    kind = policy.get("kind", "NetworkPolicy")
+    return {**POLICY_KINDS, **ADMIN_POLICY_KINDS}[kind][0]
 
 
 class Run:
@@ -83,14 +92,14 @@ class Run:
         self.rule_revisions[name] = self.rule_revision(name)
         self.gone.discard(name)
         self.policies[name] = policy
-        self.env.kube_api.apply("networkpolicies", policy)
+        self.env.kube_api.apply(resource_of(policy), policy)
 
     update = create
 
     def delete_policies(self) -> None:
         for name, policy in self.policies.items():
             meta = policy["metadata"]
-            self.env.kube_api.delete("networkpolicies", meta["namespace"], meta["name"])
+            self.env.kube_api.delete(resource_of(policy), meta.get("namespace", ""), meta["name"])
             self.gone.add(name)
             self.rule_revisions.pop(name, None)
         self.policies.clear()
@@ -186,7 +195,7 @@ class Run:
             for policy in self.policies.values():
                 meta = policy["metadata"]
                 about = self.env.kube_api.events_about(
-                    "NetworkPolicy", meta["namespace"], meta["name"]
+                    policy.get("kind", "NetworkPolicy"), meta.get("namespace", ""), meta["name"]
                 )
                 events += [e["message"] for e in about]
             raise AssertionError(f"{self.case}: policies not stored; events: {events}")

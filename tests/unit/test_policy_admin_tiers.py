@@ -9,10 +9,12 @@ from __future__ import annotations
 import pytest
 from policy_world import World
 
+from flagella.api.policy.v1 import policy_pb2 as pb
 from flagella.common.errors import InvalidArgument
 from flagella.datapath.bpf import layout as L
 from flagella.datapath.bpf.policy import PolicyEntry as MapEntry
 from flagella.datapath.bpf.policy import expand
+from flagella.policy.convert import rule_from_pb, rule_pb
 from flagella.policy.resolve import PolicyContent
 from flagella.policy.rules import (
     Direction,
@@ -460,3 +462,55 @@ def test_stored_form_round_trips() -> None:
     assert base.tier == "baseline"
     assert base.key == "default"
     assert rule_from_json(rule_to_json(base)).content() == base.content()
+
+
+def test_proto_round_trip_and_proto_errors() -> None:
+    (rule,) = parse_document(
+        anp("p", 7, SUBJECT_XA + "  ingress:\n" + ingress("Pass", ns_sel("y"), tcp(80), "n1"))
+    )
+    msg = rule_pb(rule)
+    assert msg.tier == pb.POLICY_TIER_ADMIN
+    assert msg.priority == 7
+    assert msg.ingress[0].action == pb.ADMIN_ACTION_PASS
+    msg.name = "p"  # the key, as a put names it
+    assert rule_from_pb(msg, "rules.rules[0]").content() == rule.content()
+    sel = pb.EndpointSelector(match_labels={"app": "web"})
+    peer = pb.PeerRule(endpoints=[sel], action=pb.ADMIN_ACTION_PASS)
+    bad = [
+        (
+            pb.Rule(name="p", endpoint_selector=sel, tier=1, priority=1001),
+            "rules.rules[0].priority",
+        ),
+        (
+            pb.Rule(name="other", endpoint_selector=sel, tier=2, ingress=[peer]),
+            "rules.rules[0].name",
+        ),
+        (
+            pb.Rule(name="default", endpoint_selector=sel, tier=2, ingress=[peer]),
+            "rules.rules[0].ingress[0].action",
+        ),
+        (
+            pb.Rule(
+                name="p", endpoint_selector=sel, tier=1, ingress=[pb.PeerRule(endpoints=[sel])]
+            ),
+            "rules.rules[0].ingress[0].action",
+        ),
+        (
+            pb.Rule(name="p", endpoint_selector=sel, ingress=[peer]),
+            "rules.rules[0].ingress[0].action",
+        ),
+        (pb.Rule(name="x/p", endpoint_selector=sel, tier=1), "rules.rules[0].namespace"),
+        (
+            pb.Rule(
+                name="p",
+                endpoint_selector=sel,
+                tier=1,
+                ingress=[pb.PeerRule(entities=[pb.ENTITY_WORLD], action=pb.ADMIN_ACTION_DENY)],
+            ),
+            "rules.rules[0].ingress[0].endpoints",
+        ),
+    ]
+    for msg, field in bad:
+        with pytest.raises(InvalidArgument) as err:
+            rule_from_pb(msg, "rules.rules[0]")
+        assert err.value.field == field, (msg, str(err.value))

@@ -14,6 +14,8 @@ POLICY_KIND_NAMES = (
     "CiliumNetworkPolicy",
     "CiliumClusterwideNetworkPolicy",
     "FlagellaNetworkPolicy",
+    "AdminNetworkPolicy",
+    "BaselineAdminNetworkPolicy",
 )
 
 

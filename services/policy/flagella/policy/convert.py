@@ -37,6 +37,14 @@ from flagella.policy.rules import (
     icmp_type_of,
     parse_network,
 )
+from flagella.policy.rules.admin import check_admin_rule
+from flagella.policy.rules.model import (
+    ACTION_ALLOW,
+    ACTION_DENY,
+    ACTION_PASS,
+    TIER_ADMIN,
+    TIER_BASELINE,
+)
 from flagella.policy.selector import Entity
 from flagella.policy.state import IPEntry
 from flagella.policy.streams import EventKind, IPCacheEvent, PolicyEvent
@@ -100,6 +108,19 @@ def identity_pb(view: IdentityView) -> pb.Identity:
 
 # --- rules ---
 
+_TIERS = {
+    pb.POLICY_TIER_NETWORK_POLICY: "",
+    pb.POLICY_TIER_ADMIN: TIER_ADMIN,
+    pb.POLICY_TIER_BASELINE: TIER_BASELINE,
+}
+_TIER_PB = {v: k for k, v in _TIERS.items()}
+_ACTIONS = {
+    pb.ADMIN_ACTION_ALLOW: ACTION_ALLOW,
+    pb.ADMIN_ACTION_DENY: ACTION_DENY,
+    pb.ADMIN_ACTION_PASS: ACTION_PASS,
+}
+_ACTION_PB = {v: k for k, v in _ACTIONS.items()}
+
 
 def _selector_from_pb(sel: pb.EndpointSelector, path: str) -> SelectorSpec:
     exprs = []
@@ -153,7 +174,15 @@ def _peer_from_pb(peer: pb.PeerRule, path: str, warnings: list[str] | None) -> P
     requires = tuple(
         _selector_from_pb(s, f"{path}.requires[{i}]") for i, s in enumerate(peer.requires)
     )
-    return PeerSpec(endpoints, tuple(cidrs), tuple(entities), tuple(to_ports), requires)
+    return PeerSpec(
+        endpoints,
+        tuple(cidrs),
+        tuple(entities),
+        tuple(to_ports),
+        requires,
+        action=_ACTIONS.get(peer.action, ""),
+        name=peer.name,
+    )
 
 
 def rule_from_pb(rule: pb.Rule, path: str, warnings: list[str] | None = None) -> Rule:
@@ -175,7 +204,9 @@ def rule_from_pb(rule: pb.Rule, path: str, warnings: list[str] | None = None) ->
     def peers(items: Sequence[pb.PeerRule], fld: str) -> tuple[PeerSpec, ...]:
         return tuple(_peer_from_pb(p, f"{path}.{fld}[{i}]", warnings) for i, p in enumerate(items))
 
-    return Rule(
+    if rule.tier not in _TIERS:
+        raise InvalidArgument("unknown tier", field=f"{path}.tier")
+    out = Rule(
         name=name,
         namespace=namespace,
         endpoint_selector=_selector_from_pb(rule.endpoint_selector, f"{path}.endpoint_selector"),
@@ -187,7 +218,11 @@ def rule_from_pb(rule: pb.Rule, path: str, warnings: list[str] | None = None) ->
         enforce_egress=rule.enforce_egress,
         description=rule.description,
         labels=tuple(sorted(rule.labels.items())),
+        tier=_TIERS[rule.tier],
+        priority=rule.priority,
     )
+    check_admin_rule(out, path)
+    return out
 
 
 def _selector_pb(spec: SelectorSpec) -> pb.EndpointSelector:
@@ -246,6 +281,8 @@ def _peer_pb(peer: PeerSpec) -> pb.PeerRule:
         entities=[_ENTITY_PB[e] for e in peer.entities],
         to_ports=[pb.PortRule(ports=[_port_pb(p) for p in pr]) for pr in peer.to_ports],
         requires=[_selector_pb(s) for s in peer.requires],
+        action=_ACTION_PB.get(peer.action, pb.ADMIN_ACTION_UNSPECIFIED),
+        name=peer.name,
     )
 
 
@@ -267,6 +304,8 @@ def rule_pb(rule: Rule) -> pb.Rule:
         labels=dict(rule.labels),
         revision=rule.revision,
         updated_at=updated if rule.updated_at else None,
+        tier=_TIER_PB[rule.tier],
+        priority=rule.priority,
         source=(
             pb.RuleSource(
                 kind=rule.source.kind, namespace=rule.source.namespace, name=rule.source.name

@@ -1,8 +1,9 @@
 """Network policy from the Kubernetes API (--kubeconfig PATH|in-cluster).
 
-Four watchers, one per kind: networking.k8s.io/v1 NetworkPolicy, cilium.io/v2
+Six watchers, one per kind: networking.k8s.io/v1 NetworkPolicy, cilium.io/v2
 CiliumNetworkPolicy and CiliumClusterwideNetworkPolicy, flagella.io/v1
-FlagellaNetworkPolicy. Each follows its kind into a table through the sync
+FlagellaNetworkPolicy, policy.networking.k8s.io/v1alpha1 AdminNetworkPolicy
+and BaselineAdminNetworkPolicy. Each follows its kind into a table through the sync
 layer's KubeSource (paged list, watch from the resourceVersion with
 bookmarks, relist on 410 Gone swapped in as a diff) on every replica; only
 the replica holding the watcher's Lease (flagella-policy-<plural>,
@@ -52,6 +53,7 @@ from flagella.policy.rules import Rule, RuleSource, compile_rule, parse_object
 log = logging.getLogger(__name__)
 
 LEASE_PREFIX = "flagella-policy-"
+ADMIN_GROUP = "policy.networking.k8s.io"  # sig-network's network-policy-api
 INVALID_REASON = "InvalidPolicy"
 WATCH_TIMEOUT_S = 60  # the API server ends each watch call after this; we re-watch
 
@@ -101,6 +103,10 @@ KINDS = (
         "CiliumClusterwideNetworkPolicy", "cilium.io", "v2", "ciliumclusterwidenetworkpolicies"
     ),
     PolicyKind("FlagellaNetworkPolicy", "flagella.io", "v1", "flagellanetworkpolicies"),
+    PolicyKind("AdminNetworkPolicy", ADMIN_GROUP, "v1alpha1", "adminnetworkpolicies"),
+    PolicyKind(
+        "BaselineAdminNetworkPolicy", ADMIN_GROUP, "v1alpha1", "baselineadminnetworkpolicies"
+    ),
 )
 
 

@@ -197,3 +197,49 @@ def parse_admin_network_policy(
         tier=TIER_BASELINE if baseline else TIER_ADMIN,
         priority=priority,
     )
+
+
+def check_admin_rule(rule: Rule, path: str) -> None:
+    """What the document parser guarantees, for a rule given as a proto
+    (PutRules): fields named as the proto names them."""
+    peers = (("ingress", rule.ingress), ("egress", rule.egress))
+    denies = (("ingress_deny", rule.ingress_deny), ("egress_deny", rule.egress_deny))
+    if not rule.tier:
+        for fld, items in (*peers, *denies):
+            for i, p in enumerate(items):
+                if p.action:
+                    raise fail(
+                        f"{path}.{fld}[{i}].action", "only rules of an admin tier have actions"
+                    )
+        return
+    baseline = rule.tier == TIER_BASELINE
+    if rule.namespace:
+        raise fail(f"{path}.namespace", "admin tiers are cluster-wide")
+    if baseline and rule.name != BASELINE_NAME:
+        raise fail(f"{path}.name", f"the baseline is a singleton named {BASELINE_NAME!r}")
+    if baseline and rule.priority:
+        raise fail(f"{path}.priority", "the baseline has no priority")
+    if not 0 <= rule.priority <= ADMIN_MAX_PRIORITY:
+        raise fail(f"{path}.priority", f"priority {rule.priority} out of range (0-1000)")
+    for fld, items in denies:
+        if items:
+            raise fail(f"{path}.{fld}", "admin tiers say Deny with an action")
+    if rule.enforce_ingress or rule.enforce_egress:
+        raise fail(f"{path}.enforce_ingress", "admin tiers enforce no direction")
+    actions = BASELINE_ACTIONS if baseline else ADMIN_ACTIONS
+    for fld, items in peers:
+        if len(items) > ADMIN_MAX_GRESS_RULES:
+            raise fail(f"{path}.{fld}", f"at most {ADMIN_MAX_GRESS_RULES} rules")
+        for i, p in enumerate(items):
+            pp = f"{path}.{fld}[{i}]"
+            if p.action not in actions:
+                raise fail(f"{pp}.action", f"one of {', '.join(actions)} is required")
+            if not p.endpoints or p.cidrs or p.entities or p.requires:
+                raise fail(f"{pp}.endpoints", "admin peers are endpoint selectors only")
+            for j, pr in enumerate(p.to_ports):
+                for k, port in enumerate(pr):
+                    where = f"{pp}.to_ports[{j}].ports[{k}]"
+                    if port.name:
+                        raise fail(f"{where}.name", "named ports in admin tiers are not supported")
+                    if port.protocol not in _PROTOCOLS.values() or not port.port:
+                        raise fail(where, "a port number with TCP, UDP or SCTP is required")
