@@ -22,7 +22,7 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -336,14 +336,28 @@ def _structural(node: dict[str, Any], path: str) -> None:
         _structural(extra, f"{path}{{}}")
 
 
-def test_policy_crds_are_structural_have_printer_columns_and_take_the_documented_policies(
-    rendered: dict[str, Path],
-) -> None:
-    crds = {
+def _crds_by_kind(rendered: dict[str, Path]) -> dict[str, dict[str, Any]]:
+    return {
         o["spec"]["names"]["kind"]: o
         for o in objects(rendered["k8s"])
         if o["kind"] == "CustomResourceDefinition"
     }
+
+
+def _documented(kinds: Collection[str]) -> list[dict[str, Any]]:
+    """The example objects of these kinds in docs/policy.md."""
+    return [
+        d
+        for text in re.findall(r"```yaml\n(.*?)```", (ROOT / "docs/policy.md").read_text(), re.S)
+        for d in yaml.safe_load_all(text)
+        if isinstance(d, dict) and d.get("kind") in kinds
+    ]
+
+
+def test_policy_crds_are_structural_have_printer_columns_and_take_the_documented_policies(
+    rendered: dict[str, Path],
+) -> None:
+    crds = _crds_by_kind(rendered)
     # Upstream's kinds (NetworkPolicy; the admin tiers' CRDs are upstream's
     # shape, tested below).
     kinds = {k.kind: k for k in POLICY_KINDS if k.group not in ("networking.k8s.io", ADMIN_GROUP)}
@@ -352,12 +366,7 @@ def test_policy_crds_are_structural_have_printer_columns_and_take_the_documented
     crds.pop(flagellaendpoint.KIND)
     for kind in admin:
         crds.pop(kind)
-    docs = [
-        d
-        for text in re.findall(r"```yaml\n(.*?)```", (ROOT / "docs/policy.md").read_text(), re.S)
-        for d in yaml.safe_load_all(text)
-        if isinstance(d, dict) and d.get("kind") in kinds
-    ]
+    docs = _documented(kinds)
     assert docs, "docs/policy.md has no example policy"
     for kind, crd in crds.items():
         spec = crd["spec"]
@@ -390,19 +399,10 @@ def test_policy_crds_are_structural_have_printer_columns_and_take_the_documented
 def test_admin_network_policy_crds_are_structural_and_take_the_documented_policies(
     rendered: dict[str, Path],
 ) -> None:
-    crds = {
-        o["spec"]["names"]["kind"]: o
-        for o in objects(rendered["k8s"])
-        if o["kind"] == "CustomResourceDefinition" and o["spec"]["group"] == ADMIN_GROUP
-    }
     kinds = {k.kind: k for k in POLICY_KINDS if k.group == ADMIN_GROUP}
+    crds = {k: v for k, v in _crds_by_kind(rendered).items() if k in kinds}
     assert set(crds) == set(kinds)
-    docs = [
-        d
-        for text in re.findall(r"```yaml\n(.*?)```", (ROOT / "docs/policy.md").read_text(), re.S)
-        for d in yaml.safe_load_all(text)
-        if isinstance(d, dict) and d.get("kind") in kinds
-    ]
+    docs = _documented(kinds)
     assert {d["kind"] for d in docs} == set(kinds), "docs/policy.md lacks an example"
     for kind, crd in crds.items():
         k = kinds[kind]

@@ -50,9 +50,8 @@ from typing import Any
 
 import pytest
 from harness import netpol
-from harness.cluster import kube_cluster
 from harness.netpol import Reachability
-from harness.netpol_run import Env, Run, add_pod, endpoint_of, resource_of, rule_name
+from harness.netpol_run import Env, Run, model_env, resource_of, rule_name
 
 pytestmark = [pytest.mark.privileged, pytest.mark.integration]
 
@@ -296,56 +295,38 @@ def admin(priority: int) -> Callable[..., dict[str, Any]]:
 
 
 PROTOS = netpol.protocols()
-STEPS: dict[str, list[Step]] = {
-    "admin-network-policy-core-{ingress,egress}-tcp-rules": rule_files(
-        "ANP TCP",
-        admin(3),
-        ([TCP80], [TCP80]),
-        ([TCP80], [TCP8080]),
-        [TCP80, TCP8080],
-        baseline=False,
-    ),
-    "admin-network-policy-core-{ingress,egress}-udp-rules": rule_files(
-        "ANP UDP",
-        admin(4),
-        ([UDP5353], [UDP53]),
-        ([UDP5353], [UDP53]),
-        [UDP53, UDP5353],
-        baseline=False,
-    ),
-    "admin-network-policy-core-gress-rules": rule_files(
-        "ANP gress",
-        admin(15),
+# Per file group: (ingress (slytherin's ports, the third house's), egress
+# (the same), the ports probed), and the AdminNetworkPolicy's priority.
+FILE_PORTS = {
+    "tcp": (([TCP80], [TCP80]), ([TCP80], [TCP8080]), [TCP80, TCP8080], 3),
+    "udp": (([UDP5353], [UDP53]), ([UDP5353], [UDP53]), [UDP53, UDP5353], 4),
+    "sctp": (([SCTP9003], [SCTP9003]), ([SCTP9003], [SCTP9003]), [SCTP9003], 5),
+    "gress": (
         ([TCP80, UDP53, SCTP9003], [TCP80, UDP5353, SCTP9003]),
         ([TCP80, UDP53, SCTP9003], [TCP8080, UDP5353, SCTP9003]),
         [TCP80, TCP8080, UDP53, UDP5353],
-        baseline=False,
-    ),
-    "baseline-admin-network-policy-core-{ingress,egress}-tcp-rules": rule_files(
-        "BANP TCP",
-        banp,
-        ([TCP80], [TCP80]),
-        ([TCP80], [TCP8080]),
-        [TCP80, TCP8080],
-        baseline=True,
-    ),
-    "baseline-admin-network-policy-core-{ingress,egress}-udp-rules": rule_files(
-        "BANP UDP",
-        banp,
-        ([UDP5353], [UDP53]),
-        ([UDP5353], [UDP53]),
-        [UDP53, UDP5353],
-        baseline=True,
-    ),
-    "baseline-admin-network-policy-core-gress-rules": rule_files(
-        "BANP gress",
-        banp,
-        ([TCP80, UDP53, SCTP9003], [TCP80, UDP5353, SCTP9003]),
-        ([TCP80, UDP53, SCTP9003], [TCP8080, UDP5353, SCTP9003]),
-        [TCP80, TCP8080, UDP53, UDP5353],
-        baseline=True,
+        15,
     ),
 }
+STEPS: dict[str, list[Step]] = {}
+for _what, (_in, _out, _probes, _priority) in FILE_PORTS.items():
+    if _what == "sctp" and SCTP_MISSING:
+        continue
+    _name = "gress-rules" if _what == "gress" else f"{{ingress,egress}}-{_what}-rules"
+    STEPS[f"admin-network-policy-core-{_name}"] = rule_files(
+        f"ANP {_what}", admin(_priority), _in, _out, _probes, baseline=False
+    )
+    STEPS[f"baseline-admin-network-policy-core-{_name}"] = rule_files(
+        f"BANP {_what}", banp, _in, _out, _probes, baseline=True
+    )
+
+
+def slytherin_step(name: str, policies: list[dict[str, Any]], *, allowed: bool) -> Step:
+    """A step of the integration and priority files: slytherin (y) to and
+    from the subject (x) on TCP 80, as upstream probes it."""
+    return Step(
+        name, policies, HUFFLEPUFF, [TCP80], [(Y, X, TCP80, allowed), (X, Y, TCP80, allowed)]
+    )
 
 
 def _np_allow_slytherin() -> dict[str, Any]:
@@ -368,26 +349,20 @@ def _integration() -> list[Step]:
     passing["spec"]["ingress"][0]["action"] = "Pass"
     passing["spec"]["egress"][0]["action"] = "Pass"
     return [
-        Step(
+        slytherin_step(
             "ANP Deny over a NetworkPolicy allow (both directions)",
             [example, np, base],
-            HUFFLEPUFF,
-            [TCP80],
-            [(Y, X, TCP80, False), (X, Y, TCP80, False)],
+            allowed=False,
         ),
-        Step(
+        slytherin_step(
             "ANP Pass: the NetworkPolicy allow decides, not the baseline's deny",
             [passing, np, base],
-            HUFFLEPUFF,
-            [TCP80],
-            [(Y, X, TCP80, True), (X, Y, TCP80, True)],
+            allowed=True,
         ),
-        Step(
+        slytherin_step(
             "ANP Pass, the NetworkPolicy deleted: the baseline's deny decides",
             [passing, base],
-            HUFFLEPUFF,
-            [TCP80],
-            [(Y, X, TCP80, False), (X, Y, TCP80, False)],
+            allowed=False,
         ),
     ]
 
@@ -416,19 +391,13 @@ def _priority() -> list[Step]:
     pass40 = copy.deepcopy(pass60)
     pass40["spec"]["priority"] = 40
     return [
-        Step(
-            "priority 50 Deny before priority 60 Pass",
-            [deny50, pass60, allow],
-            HUFFLEPUFF,
-            [TCP80],
-            [(Y, X, TCP80, False), (X, Y, TCP80, False)],
+        slytherin_step(
+            "priority 50 Deny before priority 60 Pass", [deny50, pass60, allow], allowed=False
         ),
-        Step(
+        slytherin_step(
             "priority 60 updated to 40: Pass first, the baseline allows",
             [deny50, pass40, allow],
-            HUFFLEPUFF,
-            [TCP80],
-            [(Y, X, TCP80, True), (X, Y, TCP80, True)],
+            allowed=True,
         ),
     ]
 
@@ -439,15 +408,6 @@ SCTP_FILES = [
     "admin-network-policy-core-{ingress,egress}-sctp-rules",
     "baseline-admin-network-policy-core-{ingress,egress}-sctp-rules",
 ]
-if not SCTP_MISSING:
-    STEPS[SCTP_FILES[0]] = rule_files(
-        "ANP SCTP", admin(5), ([SCTP9003], [SCTP9003]), ([SCTP9003], [SCTP9003]), [SCTP9003],
-        baseline=False,
-    )  # fmt: skip
-    STEPS[SCTP_FILES[1]] = rule_files(
-        "BANP SCTP", banp, ([SCTP9003], [SCTP9003]), ([SCTP9003], [SCTP9003]), [SCTP9003],
-        baseline=True,
-    )  # fmt: skip
 NOT_RUN = {f: SCTP_MISSING for f in SCTP_FILES if SCTP_MISSING}
 
 
@@ -500,17 +460,9 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         ns: {**netpol.namespace_object(ns)["metadata"]["labels"], HOUSE: house}
         for ns, house in houses(RAVENCLAW).items()
     }
-    with kube_cluster(tmp, namespaces) as (kube_api, cluster):
-        node = cluster.add_node("n1")
-        t0 = time.monotonic()
-        pods = {p: add_pod(cluster, node, kube_api, p) for p in netpol.pod_strings()}
-        for pod in pods.values():
-            netpol.serve(pod)
-        print(f"\n9 pods made through flagella-cni in {time.monotonic() - t0:.1f}s")
-        with netpol.probers(pods) as probers:
-            e = Env(cluster, node, kube_api, pods, probers)
-            e.endpoint_ids = {p: endpoint_of(e, p).id for p in pods}
-            yield e
+    with model_env(tmp, namespaces) as (e, took):
+        print(f"\n9 pods made through flagella-cni in {took:.1f}s")
+        yield e
 
 
 FILES = list(STEPS)

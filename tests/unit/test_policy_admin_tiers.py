@@ -141,6 +141,19 @@ NP_DENY_ALL_XA = netpol(
 )
 NP_ALLOW_ALL_XA = netpol("allow", "x", "  podSelector: {matchLabels: {pod: a}}\n  ingress: [{}]\n")
 
+
+def allow80_and_deny(*, allow_priority: int, deny_priority: int) -> list[str]:
+    """An ANP allowing y on TCP 80 and one denying y everything."""
+    return [
+        anp("deny", deny_priority, SUBJECT_XA + "  ingress:\n" + ingress("Deny", ns_sel("y"))),
+        anp(
+            "allow-80",
+            allow_priority,
+            SUBJECT_XA + "  ingress:\n" + ingress("Allow", ns_sel("y"), tcp(80)),
+        ),
+    ]
+
+
 # (name, documents, [(src, dst, port, allowed)])
 CASES = [
     (
@@ -178,26 +191,12 @@ CASES = [
     ),
     (
         "lower priority first",
-        [
-            anp("late-deny", 20, SUBJECT_XA + "  ingress:\n" + ingress("Deny", ns_sel("y"))),
-            anp(
-                "early-allow",
-                10,
-                SUBJECT_XA + "  ingress:\n" + ingress("Allow", ns_sel("y"), tcp(80)),
-            ),
-        ],
+        allow80_and_deny(allow_priority=10, deny_priority=20),
         [("y/a", "x/a", 80, True), ("y/a", "x/a", 81, False), ("x/b", "x/a", 81, True)],
     ),
     (
         "higher priority later",
-        [
-            anp("late-deny", 5, SUBJECT_XA + "  ingress:\n" + ingress("Deny", ns_sel("y"))),
-            anp(
-                "early-allow",
-                10,
-                SUBJECT_XA + "  ingress:\n" + ingress("Allow", ns_sel("y"), tcp(80)),
-            ),
-        ],
+        allow80_and_deny(allow_priority=10, deny_priority=5),
         [("y/a", "x/a", 80, False), ("y/a", "x/a", 81, False)],
     ),
     (

@@ -43,9 +43,8 @@ from flagella.policy.rules import (
     Protocol,
     Verdict,
 )
-from flagella.policy.rules.model import ACTION_DENY, ACTION_PASS, TIER_ADMIN, TIER_BASELINE
 from flagella.policy.selector import WILDCARD, LabelSelector, Selector, SelectorCache
-from flagella.policy.tiers import AdminIndex, evaluate, first_match
+from flagella.policy.tiers import AdminIndex, evaluate
 
 DEFAULT_BUDGET = 16384
 
@@ -631,71 +630,7 @@ def trace_direction(
     allow_localhost: bool,
 ) -> DirectionTrace:
     """The verdict for traffic in one direction of an endpoint selected by
-    rules, from/to peer on dport/proto, through the tiers: admin, the
-    NetworkPolicy tier, baseline."""
-    np_rules = [r for r in rules if not r.tier]
-    if len(np_rules) == len(rules):
-        return _trace_np(np_rules, direction, peer, dport, proto, allow_localhost=allow_localhost)
-    name = "ingress" if direction is Direction.INGRESS else "egress"
-
-    def port_ok(key: tuple[int | str, int, Protocol]) -> bool:
-        return port_matches(key, dport, proto)
-
-    def decided(found: tuple[CompiledRule, Clause], lines: list[str]) -> DirectionTrace:
-        rule, clause = found
-        verdict = Verdict.DENY if clause.action == ACTION_DENY else Verdict.ALLOW
-        lines.append(f"  {rule.key} {clause.where} ({clause.action}) decides")
-        lines.append(f"  {name} {'DENIED' if verdict is Verdict.DENY else 'ALLOWED'}")
-        return DirectionTrace(True, verdict, [rule.key], lines)
-
-    lines: list[str] = []
-    found = first_match([r for r in rules if r.tier == TIER_ADMIN], direction, peer, port_ok)
-    if found is not None and found[1].action != ACTION_PASS:
-        if found[1].action == ACTION_DENY:
-            return decided(found, lines)
-        # The datapath takes a deny of identity 0 (any peer) over any
-        # peer's allow: an admin Allow cannot override one (tiers.py).
-        np = _trace_np(np_rules, direction, peer, dport, proto, allow_localhost=allow_localhost)
-        if np.verdict is Verdict.DENY and _any_peer_denies(np_rules, direction, dport, proto):
-            np.lines.append(
-                f"  {found[0].key} {found[1].where} (Allow) is overridden by a deny of any peer"
-            )
-            return np
-        return decided(found, lines)
-    if found is not None:
-        lines.append(f"  {found[0].key} {found[1].where} (Pass): on to the NetworkPolicy tier")
-    np = _trace_np(np_rules, direction, peer, dport, proto, allow_localhost=allow_localhost)
-    if np.enforced:
-        return DirectionTrace(True, np.verdict, np.deciding, lines + np.lines)
-    base = first_match([r for r in rules if r.tier == TIER_BASELINE], direction, peer, port_ok)
-    if base is not None:
-        return decided(base, lines + np.lines)
-    lines += np.lines
-    return DirectionTrace(True, Verdict.ALLOW, [], lines)
-
-
-def _any_peer_denies(
-    rules: list[CompiledRule], direction: Direction, dport: int, proto: Protocol
-) -> bool:
-    return any(
-        c.direction is direction
-        and c.verdict is Verdict.DENY
-        and WILDCARD in c.selectors
-        and any(port_matches(p, dport, proto) for p in c.ports)
-        for r in rules
-        for c in r.clauses
-    )
-
-
-def _trace_np(
-    rules: list[CompiledRule],
-    direction: Direction,
-    peer: IdentityInfo,
-    dport: int,
-    proto: Protocol,
-    *,
-    allow_localhost: bool,
-) -> DirectionTrace:
+    rules, from/to peer on dport/proto."""
     name = "ingress" if direction is Direction.INGRESS else "egress"
     enforcing = [
         r.key
