@@ -22,7 +22,7 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ from flagella.endpoint.kube import LEASE_NAME as ENDPOINT_LEASE
 from flagella.endpoint.labels import PodInfo
 from flagella.endpoint.model import Endpoint, State
 from flagella.lb.k8s import LEASE_NAME as LB_LEASE
+from flagella.policy.kube import ADMIN_GROUP
 from flagella.policy.kube import KINDS as POLICY_KINDS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -335,37 +336,42 @@ def _structural(node: dict[str, Any], path: str) -> None:
         _structural(extra, f"{path}{{}}")
 
 
-def test_policy_crds_are_structural_have_printer_columns_and_take_the_documented_policies(
-    rendered: dict[str, Path],
-) -> None:
-    crds = {
+def _crds_by_kind(rendered: dict[str, Path]) -> dict[str, dict[str, Any]]:
+    return {
         o["spec"]["names"]["kind"]: o
         for o in objects(rendered["k8s"])
         if o["kind"] == "CustomResourceDefinition"
     }
-    kinds = {k.kind: k for k in POLICY_KINDS if k.group != "networking.k8s.io"}
-    assert set(crds) == {*kinds, flagellaendpoint.KIND}
-    crds.pop(flagellaendpoint.KIND)
-    groups = [k for k in kinds.values() if k.cidr_groups]
-    for k in groups:
-        crd = crds.pop(k.kind)
-        kinds.pop(k.kind)
-        assert crd["metadata"]["name"] == f"{k.plural}.{k.group}"
-        assert crd["spec"]["scope"] == "Cluster"
-        [version] = crd["spec"]["versions"]
-        assert version["name"] == k.version
-        schema = version["schema"]["openAPIV3Schema"]
-        _structural(schema, k.kind)
-        jsonschema.validate({"spec": {"externalCIDRs": ["192.0.2.0/24", "2001:db8::/64"]}}, schema)
-        with pytest.raises(jsonschema.ValidationError):
-            jsonschema.validate({"spec": {"externalCIDRs": "192.0.2.0/24"}}, schema)
-    assert [k.kind for k in groups] == ["CiliumCIDRGroup"]
-    docs = [
+
+
+def _documented(kinds: Collection[str]) -> list[dict[str, Any]]:
+    """The example objects of these kinds in docs/policy.md."""
+    return [
         d
         for text in re.findall(r"```yaml\n(.*?)```", (ROOT / "docs/policy.md").read_text(), re.S)
         for d in yaml.safe_load_all(text)
         if isinstance(d, dict) and d.get("kind") in kinds
     ]
+
+
+def test_policy_crds_are_structural_have_printer_columns_and_take_the_documented_policies(
+    rendered: dict[str, Path],
+) -> None:
+    crds = _crds_by_kind(rendered)
+    # Upstream's kinds (NetworkPolicy; the admin tiers' CRDs are upstream's
+    # shape, tested below).
+    # (CiliumCIDRGroup is no policy: tested below.)
+    kinds = {
+        k.kind: k
+        for k in POLICY_KINDS
+        if k.group not in ("networking.k8s.io", ADMIN_GROUP) and not k.cidr_groups
+    }
+    others = {k.kind for k in POLICY_KINDS if k.group == ADMIN_GROUP or k.cidr_groups}
+    assert set(crds) == {*kinds, *others, flagellaendpoint.KIND}
+    crds.pop(flagellaendpoint.KIND)
+    for kind in others:
+        crds.pop(kind)
+    docs = _documented(kinds)
     assert docs, "docs/policy.md has no example policy"
     for kind, crd in crds.items():
         spec = crd["spec"]
@@ -393,6 +399,53 @@ def test_policy_crds_are_structural_have_printer_columns_and_take_the_documented
         ]
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate({"spec": {"endpointSelector": {"matchLabels": {"a": 1}}}}, schema)
+
+
+def test_the_cilium_cidr_group_crd_is_cluster_scoped_and_takes_a_list_of_cidrs(
+    rendered: dict[str, Path],
+) -> None:
+    groups = [k for k in POLICY_KINDS if k.cidr_groups]
+    assert [k.kind for k in groups] == ["CiliumCIDRGroup"]
+    [k] = groups
+    crd = _crds_by_kind(rendered)[k.kind]
+    assert crd["metadata"]["name"] == f"{k.plural}.{k.group}"
+    assert crd["spec"]["scope"] == "Cluster"
+    [version] = crd["spec"]["versions"]
+    assert version["name"] == k.version
+    schema = version["schema"]["openAPIV3Schema"]
+    _structural(schema, k.kind)
+    jsonschema.validate({"spec": {"externalCIDRs": ["192.0.2.0/24", "2001:db8::/64"]}}, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"spec": {"externalCIDRs": "192.0.2.0/24"}}, schema)
+
+
+def test_admin_network_policy_crds_are_structural_and_take_the_documented_policies(
+    rendered: dict[str, Path],
+) -> None:
+    kinds = {k.kind: k for k in POLICY_KINDS if k.group == ADMIN_GROUP}
+    crds = {k: v for k, v in _crds_by_kind(rendered).items() if k in kinds}
+    assert set(crds) == set(kinds)
+    docs = _documented(kinds)
+    assert {d["kind"] for d in docs} == set(kinds), "docs/policy.md lacks an example"
+    for kind, crd in crds.items():
+        k = kinds[kind]
+        spec = crd["spec"]
+        assert crd["metadata"]["name"] == f"{k.plural}.{k.group}"
+        assert (spec["names"]["plural"], spec["scope"]) == (k.plural, "Cluster")
+        [version] = spec["versions"]
+        assert version["name"] == k.version
+        schema = version["schema"]["openAPIV3Schema"]
+        _structural(schema, kind)
+        for doc in docs:
+            if doc["kind"] == kind:
+                jsonschema.validate(doc, schema)
+        ingress = schema["properties"]["spec"]["properties"]["ingress"]["items"]
+        assert ("Pass" in ingress["properties"]["action"]["enum"]) is (kind == "AdminNetworkPolicy")
+    priority = crds["AdminNetworkPolicy"]["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(
+            {"metadata": {}, "spec": {"priority": 1001, "subject": {"namespaces": {}}}}, priority
+        )
 
 
 def test_the_flagellaendpoint_crd_takes_what_the_endpoint_service_writes_with_printer_columns(

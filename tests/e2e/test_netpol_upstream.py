@@ -99,9 +99,8 @@ from typing import Any
 
 import pytest
 from harness import netpol
-from harness.cluster import kube_cluster
 from harness.netpol import Peer, Reachability
-from harness.netpol_run import Env, Run, add_pod, endpoint_of
+from harness.netpol_run import Env, Run, model_env
 
 pytestmark = [pytest.mark.privileged, pytest.mark.integration]
 
@@ -614,21 +613,13 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         pytest.skip("needs root (netns, veth, BPF)")
     tmp = tmp_path_factory.mktemp("netpol")
     namespaces = {ns: netpol.namespace_object(ns)["metadata"]["labels"] for ns in netpol.NAMESPACES}
-    with kube_cluster(tmp, namespaces) as (kube_api, cluster):
-        node = cluster.add_node("n1")
-        t0 = time.monotonic()
-        pods = {p: add_pod(cluster, node, kube_api, p) for p in netpol.pod_strings()}
-        for pod in pods.values():
-            netpol.serve(pod)
-        print(f"\n9 pods made through flagella-cni in {time.monotonic() - t0:.1f}s; "
+    with model_env(tmp, namespaces) as (e, took):
+        print(f"\n9 pods made through flagella-cni in {took:.1f}s; "
               f"protocols served: {', '.join(netpol.protocols())}"
               + (f"; SCTP not: {SCTP_MISSING}" if SCTP_MISSING else ""))  # fmt: skip
-        with netpol.probers(pods) as probers:
-            e = Env(cluster, node, kube_api, pods, probers)
-            e.endpoint_ids = {p: endpoint_of(e, p).id for p in pods}
-            # Everything reaches everything before any policy (the servers are up).
-            Run(e, "before any policy").validate(80, "TCP", reach())
-            yield e
+        # Everything reaches everything before any policy (the servers are up).
+        Run(e, "before any policy").validate(80, "TCP", reach())
+        yield e
 
 
 @pytest.mark.parametrize("name", RUN_HERE, ids=[slug(n) for n in RUN_HERE])

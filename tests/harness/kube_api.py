@@ -3,9 +3,10 @@ for a few collections (no real API server can run on these machines).
 
 It serves, for the collections in COLLECTIONS (Services, EndpointSlices,
 Pods, Namespaces, Nodes, NetworkPolicies, and the CiliumNetworkPolicy,
-CiliumClusterwideNetworkPolicy, FlagellaNetworkPolicy, CiliumCIDRGroup and
-FlagellaEndpoint custom resources, each at its all-namespaces path
-/api/v1/<plural> or /apis/<group>/<version>/<plural>):
+CiliumClusterwideNetworkPolicy, FlagellaNetworkPolicy, CiliumCIDRGroup,
+FlagellaEndpoint, AdminNetworkPolicy and BaselineAdminNetworkPolicy custom
+resources, each at its all-namespaces path /api/v1/<plural> or
+/apis/<group>/<version>/<plural>):
 - LIST: GET -> {"kind": "<Kind>List", "metadata": {"resourceVersion"}, "items"}
   [&limit=N[&continue=T]]: pages of at most N items, all of the first
   page's resourceVersion, "continue" in the metadata while more follow; a
@@ -91,6 +92,16 @@ COLLECTIONS = {
         "ciliumcidrgroups",
         "CiliumCIDRGroupList",
         "cilium.io/v2alpha1",
+    ),
+    "/apis/policy.networking.k8s.io/v1alpha1/adminnetworkpolicies": (
+        "adminnetworkpolicies",
+        "AdminNetworkPolicyList",
+        "policy.networking.k8s.io/v1alpha1",
+    ),
+    "/apis/policy.networking.k8s.io/v1alpha1/baselineadminnetworkpolicies": (
+        "baselineadminnetworkpolicies",
+        "BaselineAdminNetworkPolicyList",
+        "policy.networking.k8s.io/v1alpha1",
     ),
     "/api/v1/pods": ("pods", "PodList", "v1"),
     "/api/v1/namespaces": ("namespaces", "NamespaceList", "v1"),
@@ -634,6 +645,17 @@ POLICY_KINDS = {
     "CiliumNetworkPolicy": ("ciliumnetworkpolicies", "cilium.io/v2"),
     "CiliumClusterwideNetworkPolicy": ("ciliumclusterwidenetworkpolicies", "cilium.io/v2"),
     "FlagellaNetworkPolicy": ("flagellanetworkpolicies", "flagella.io/v1"),
+}
+
+
+# The admin tiers' kinds (cluster-scoped), kept apart from POLICY_KINDS,
+# whose tests make one object of every kind there.
+ADMIN_POLICY_KINDS = {
+    "AdminNetworkPolicy": ("adminnetworkpolicies", "policy.networking.k8s.io/v1alpha1"),
+    "BaselineAdminNetworkPolicy": (
+        "baselineadminnetworkpolicies",
+        "policy.networking.k8s.io/v1alpha1",
+    ),
 }
 
 

@@ -8,9 +8,11 @@ the policy service's revision."""
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from google.protobuf.duration_pb2 import Duration
@@ -21,9 +23,9 @@ from flagella.api.ipam.v1 import ipam_pb2
 from flagella.api.policy.v1 import policy_pb2
 from flagella.common import pki
 from harness import netpol
-from harness.cluster import Cluster, Node
+from harness.cluster import Cluster, Node, kube_cluster
 from harness.cni import check_result, cni, netconf
-from harness.kube_api import KubeListWatchServer
+from harness.kube_api import ADMIN_POLICY_KINDS, POLICY_KINDS, KubeListWatchServer
 from harness.netns import wait_until
 from harness.netpol import ModelPod, Prober, Reachability
 
@@ -57,8 +59,17 @@ def endpoint_of(env: Env, pod: str) -> endpoint_pb2.Endpoint:
 
 
 def rule_name(policy: dict[str, Any]) -> str:
+    """The rule of a policy object of any kind (NetworkPolicy when it says
+    none; cluster-scoped kinds have no namespace)."""
     meta = policy["metadata"]
-    return f"NetworkPolicy/{meta['namespace']}/{meta['name']}"
+    kind = policy.get("kind", "NetworkPolicy")
+    namespace = meta.get("namespace", "")
+    return f"{kind}/{namespace}/{meta['name']}" if namespace else f"{kind}/{meta['name']}"
+
+
+def resource_of(policy: dict[str, Any]) -> str:
+    kind = policy.get("kind", "NetworkPolicy")
+    return {**POLICY_KINDS, **ADMIN_POLICY_KINDS}[kind][0]
 
 
 class Run:
@@ -83,14 +94,14 @@ class Run:
         self.rule_revisions[name] = self.rule_revision(name)
         self.gone.discard(name)
         self.policies[name] = policy
-        self.env.kube_api.apply("networkpolicies", policy)
+        self.env.kube_api.apply(resource_of(policy), policy)
 
     update = create
 
     def delete_policies(self) -> None:
         for name, policy in self.policies.items():
             meta = policy["metadata"]
-            self.env.kube_api.delete("networkpolicies", meta["namespace"], meta["name"])
+            self.env.kube_api.delete(resource_of(policy), meta.get("namespace", ""), meta["name"])
             self.gone.add(name)
             self.rule_revisions.pop(name, None)
         self.policies.clear()
@@ -186,7 +197,7 @@ class Run:
             for policy in self.policies.values():
                 meta = policy["metadata"]
                 about = self.env.kube_api.events_about(
-                    "NetworkPolicy", meta["namespace"], meta["name"]
+                    policy.get("kind", "NetworkPolicy"), meta.get("namespace", ""), meta["name"]
                 )
                 events += [e["message"] for e in about]
             raise AssertionError(f"{self.case}: policies not stored; events: {events}")
@@ -236,3 +247,21 @@ def add_pod(cluster: Cluster, node: Node, kube_api: KubeListWatchServer, pod: st
     cidrs = cluster.ipam().GetNode(ipam_pb2.GetNodeRequest(name=node.name), timeout=10).pod_cidrs
     cidr = next(c for c in cidrs if ":" not in c)
     return ModelPod(pod, ns, check_result(result, netns=ns.path, ifname="eth0", pod_cidr=cidr))
+
+
+@contextlib.contextmanager
+def model_env(tmp: Path, namespaces: Mapping[str, dict[str, str]]) -> Iterator[tuple[Env, float]]:
+    """The model's cluster (namespaces: their labels) with its 9 pods made
+    through flagella-cni on one node, serving, and their probers; with the
+    seconds the pods took."""
+    with kube_cluster(tmp, dict(namespaces)) as (kube_api, cluster):
+        node = cluster.add_node("n1")
+        t0 = time.monotonic()
+        pods = {p: add_pod(cluster, node, kube_api, p) for p in netpol.pod_strings()}
+        for pod in pods.values():
+            netpol.serve(pod)
+        took = time.monotonic() - t0
+        with netpol.probers(pods) as probers:
+            env = Env(cluster, node, kube_api, pods, probers)
+            env.endpoint_ids = {p: endpoint_of(env, p).id for p in pods}
+            yield env, took

@@ -15,6 +15,8 @@ POLICY_KIND_NAMES = (
     "CiliumClusterwideNetworkPolicy",
     "FlagellaNetworkPolicy",
     "CiliumCIDRGroup",
+    "AdminNetworkPolicy",
+    "BaselineAdminNetworkPolicy",
 )
 
 

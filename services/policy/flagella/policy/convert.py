@@ -37,7 +37,15 @@ from flagella.policy.rules import (
     icmp_port,
     icmp_type_of,
 )
+from flagella.policy.rules.admin import check_admin_rule
 from flagella.policy.rules.groups import make_cidr_group
+from flagella.policy.rules.model import (
+    ACTION_ALLOW,
+    ACTION_DENY,
+    ACTION_PASS,
+    TIER_ADMIN,
+    TIER_BASELINE,
+)
 from flagella.policy.selector import Entity
 from flagella.policy.state import IPEntry
 from flagella.policy.streams import EventKind, IPCacheEvent, PolicyEvent
@@ -101,6 +109,19 @@ def identity_pb(view: IdentityView) -> pb.Identity:
 
 # --- rules ---
 
+_TIERS = {
+    pb.POLICY_TIER_NETWORK_POLICY: "",
+    pb.POLICY_TIER_ADMIN: TIER_ADMIN,
+    pb.POLICY_TIER_BASELINE: TIER_BASELINE,
+}
+_TIER_PB = {v: k for k, v in _TIERS.items()}
+_ACTIONS = {
+    pb.ADMIN_ACTION_ALLOW: ACTION_ALLOW,
+    pb.ADMIN_ACTION_DENY: ACTION_DENY,
+    pb.ADMIN_ACTION_PASS: ACTION_PASS,
+}
+_ACTION_PB = {v: k for k, v in _ACTIONS.items()}
+
 
 def _selector_from_pb(sel: pb.EndpointSelector, path: str) -> SelectorSpec:
     exprs = []
@@ -157,7 +178,16 @@ def _peer_from_pb(peer: pb.PeerRule, path: str, warnings: list[str] | None) -> P
     services = tuple(
         _service_from_pb(s, f"{path}.services[{i}]") for i, s in enumerate(peer.services)
     )
-    return PeerSpec(endpoints, tuple(cidrs), tuple(entities), tuple(to_ports), requires, services)
+    return PeerSpec(
+        endpoints,
+        tuple(cidrs),
+        tuple(entities),
+        tuple(to_ports),
+        requires,
+        services,
+        action=_ACTIONS.get(peer.action, ""),
+        name=peer.name,
+    )
 
 
 def _service_from_pb(s: pb.ServiceSelector, path: str) -> ServicePeer:
@@ -220,7 +250,9 @@ def rule_from_pb(rule: pb.Rule, path: str, warnings: list[str] | None = None) ->
                 )
         return out
 
-    return Rule(
+    if rule.tier not in _TIERS:
+        raise InvalidArgument("unknown tier", field=f"{path}.tier")
+    out = Rule(
         name=name,
         namespace=namespace,
         endpoint_selector=(
@@ -237,7 +269,11 @@ def rule_from_pb(rule: pb.Rule, path: str, warnings: list[str] | None = None) ->
         description=rule.description,
         labels=tuple(sorted(rule.labels.items())),
         node_selector=node_selector,
+        tier=_TIERS[rule.tier],
+        priority=rule.priority,
     )
+    check_admin_rule(out, path)
+    return out
 
 
 def _selector_pb(spec: SelectorSpec) -> pb.EndpointSelector:
@@ -297,6 +333,8 @@ def _peer_pb(peer: PeerSpec) -> pb.PeerRule:
         to_ports=[pb.PortRule(ports=[_port_pb(p) for p in pr]) for pr in peer.to_ports],
         requires=[_selector_pb(s) for s in peer.requires],
         services=[_service_pb(s) for s in peer.services],
+        action=_ACTION_PB.get(peer.action, pb.ADMIN_ACTION_UNSPECIFIED),
+        name=peer.name,
     )
 
 
@@ -319,6 +357,8 @@ def rule_pb(rule: Rule) -> pb.Rule:
         labels=dict(rule.labels),
         revision=rule.revision,
         updated_at=updated if rule.updated_at else None,
+        tier=_TIER_PB[rule.tier],
+        priority=rule.priority,
         source=rule_source_pb(rule.source),
     )
 

@@ -2,7 +2,8 @@
 
 One watcher per kind: networking.k8s.io/v1 NetworkPolicy, cilium.io/v2
 CiliumNetworkPolicy and CiliumClusterwideNetworkPolicy, flagella.io/v1
-FlagellaNetworkPolicy (each object a rule), and cilium.io/v2alpha1
+FlagellaNetworkPolicy, policy.networking.k8s.io/v1alpha1 AdminNetworkPolicy
+and BaselineAdminNetworkPolicy (each object a rule), and cilium.io/v2alpha1
 CiliumCIDRGroup (each object a CIDR group of its name). Each follows its
 kind into a table through the sync layer's KubeSource (paged list, watch
 from the resourceVersion with bookmarks, relist on 410 Gone swapped in as
@@ -55,6 +56,7 @@ from flagella.policy.rules.groups import K8S_FIELDS, make_cidr_group
 log = logging.getLogger(__name__)
 
 LEASE_PREFIX = "flagella-policy-"
+ADMIN_GROUP = "policy.networking.k8s.io"  # sig-network's network-policy-api
 INVALID_REASON = "InvalidPolicy"
 WATCH_TIMEOUT_S = 60  # the API server ends each watch call after this; we re-watch
 
@@ -109,6 +111,10 @@ KINDS = (
         "CiliumClusterwideNetworkPolicy", "cilium.io", "v2", "ciliumclusterwidenetworkpolicies"
     ),
     PolicyKind("FlagellaNetworkPolicy", "flagella.io", "v1", "flagellanetworkpolicies"),
+    PolicyKind("AdminNetworkPolicy", ADMIN_GROUP, "v1alpha1", "adminnetworkpolicies"),
+    PolicyKind(
+        "BaselineAdminNetworkPolicy", ADMIN_GROUP, "v1alpha1", "baselineadminnetworkpolicies"
+    ),
     PolicyKind("CiliumCIDRGroup", "cilium.io", "v2alpha1", "ciliumcidrgroups", cidr_groups=True),
 )
 

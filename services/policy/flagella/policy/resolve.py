@@ -44,6 +44,7 @@ from flagella.policy.rules import (
     Verdict,
 )
 from flagella.policy.selector import WILDCARD, LabelSelector, Selector, SelectorCache
+from flagella.policy.tiers import AdminIndex, evaluate
 
 DEFAULT_BUDGET = 16384
 
@@ -211,6 +212,14 @@ def _precedence(
     return {k: v for k, v in allow.items() if k not in final_deny}, final_deny
 
 
+def _add_dir(
+    acc: dict[Key4, set[str]], entries: dict[Key4, frozenset[str]], direction: int
+) -> None:
+    for k, names in entries.items():
+        if k[3] == direction:
+            acc.setdefault(k, set()).update(names)
+
+
 def _clause_keys(clause: Clause) -> tuple[Key4, ...]:
     d = int(clause.direction)
     return tuple((p, e, int(proto), d) for p, e, proto in clause.ports)
@@ -222,10 +231,17 @@ class SigPolicy:
     def __init__(self, resolver: Resolver, sig: frozenset[str]) -> None:
         self.resolver = resolver
         self.sig = sig
-        rules = [resolver.rules[k] for k in sorted(sig)]
-        self.ingress_enforced = any(r.enforces_ingress for r in rules)
-        self.egress_enforced = any(r.enforces_egress for r in rules)
-        self.localhost = resolver.allow_localhost and self.ingress_enforced
+        every = [resolver.rules[k] for k in sorted(sig)]
+        rules = [r for r in every if not r.tier]
+        self.np_enforced = {
+            _INGRESS: any(r.enforces_ingress for r in rules),
+            _EGRESS: any(r.enforces_egress for r in rules),
+        }
+        # AdminNetworkPolicy tiers (tiers.py); empty in the common case.
+        self.admin = AdminIndex([r for r in every if r.tier])
+        self.ingress_enforced = self.np_enforced[_INGRESS] or _INGRESS in self.admin.directions
+        self.egress_enforced = self.np_enforced[_EGRESS] or _EGRESS in self.admin.directions
+        self.localhost = resolver.allow_localhost and self.np_enforced[_INGRESS]
         # fromRequires / toRequires of every rule of the signature, which
         # every endpoint selector of every rule of it must meet too.
         self.requires = {d: tuple(s for r in rules for s in r.requirements(d)) for d in Direction}
@@ -246,9 +262,9 @@ class SigPolicy:
                         self.by_selector.setdefault(sel, []).append(
                             (clause, keys, narrowed and sel in clause.endpoint_selectors)
                         )
-        if not self.ingress_enforced:
+        if not self.np_enforced[_INGRESS]:
             _add(allow0, [(0, 0, _ANY, _INGRESS)], DEFAULT_ALLOW)
-        if not self.egress_enforced:
+        if not self.np_enforced[_EGRESS]:
             _add(allow0, [(0, 0, _ANY, _EGRESS)], DEFAULT_ALLOW)
         # Kubernetes ipBlocks over addresses depend on the rules only.
         self.ipblock_rules = any(r.has_ipblocks for r in rules)
@@ -268,6 +284,8 @@ class SigPolicy:
         cache = self.resolver.selectors
         ids: set[int] = set()
         for sel in self.by_selector:
+            ids |= cache.selections(sel)
+        for sel in self.admin.by_selector:
             ids |= cache.selections(sel)
         if self.localhost:
             ids.add(HOST)
@@ -305,10 +323,42 @@ class SigPolicy:
 
     def _compute_ident(self, ident: int) -> None:
         allow, deny = self._raw(ident)
-        if not allow and not deny:
-            self._set_group(ident, None)
-            return
-        self._set_group(ident, _precedence(allow, deny, self.raw_allow0, self.raw_deny0))
+        group: Group | None = None
+        if allow or deny:
+            group = _precedence(allow, deny, self.raw_allow0, self.raw_deny0)
+        if self.admin.by_selector:
+            group = self._admin_group(ident, group)
+        self._set_group(ident, group)
+
+    def _admin_group(self, ident: int, group: Group | None) -> Group | None:
+        """The NetworkPolicy tier's group of a peer through the admin tiers
+        of the directions whose admin rules select the peer."""
+        sels = self.resolver.selectors.selectors_of(ident)
+        found = self.admin.clauses_for(sels)
+        if not found:
+            return group
+        np_allow, np_deny = group if group is not None else ({}, {})
+        out_allow: dict[Key4, set[str]] = {}
+        out_deny: dict[Key4, set[str]] = {}
+        for d in (_INGRESS, _EGRESS):
+            if d not in found:
+                _add_dir(out_allow, np_allow, d)
+                _add_dir(out_deny, np_deny, d)
+                continue
+            admin, baseline = found[d]
+            a, dn = evaluate(
+                d,
+                admin=admin,
+                baseline=baseline,
+                np_enforced=self.np_enforced[d],
+                np_allow=np_allow,
+                np_deny=np_deny,
+            )
+            for k, names in a.items():
+                out_allow.setdefault(k, set()).update(names)
+            for k, names in dn.items():
+                out_deny.setdefault(k, set()).update(names)
+        return _freeze(out_allow), _freeze(out_deny)
 
     def _compute_all(self) -> None:
         for ident in self._group_ids():

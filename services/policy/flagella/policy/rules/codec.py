@@ -58,6 +58,10 @@ def _peer_json(p: PeerSpec) -> dict[str, Any]:
         out["requires"] = [_selector_json(s) for s in p.requires]
     if p.services:
         out["services"] = [_service_json(s) for s in p.services]
+    if p.action:
+        out["action"] = p.action
+    if p.name:
+        out["name"] = p.name
     return out
 
 
@@ -104,6 +108,10 @@ def rule_to_json(rule: Rule) -> bytes:
     if rule.node_selector is not None:
         # Absent for endpoint rules: older rules read back the same.
         doc["nodeSelector"] = _selector_json(rule.node_selector)
+    if rule.tier:
+        # Absent for the NetworkPolicy tier: older rules read back the same.
+        doc["tier"] = rule.tier
+        doc["priority"] = rule.priority
     _put_source(doc, rule.source)
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
@@ -135,6 +143,8 @@ def _peer_from(d: Mapping[str, Any]) -> PeerSpec:
         ),
         tuple(_selector_from(s) for s in d.get("requires", ())),
         tuple(_service_from(s) for s in d.get("services", ())),
+        d.get("action", ""),
+        d.get("name", ""),
     )
 
 
@@ -153,6 +163,8 @@ def rule_from_json(raw: bytes, *, revision: int = 0, create_revision: int = 0) -
         description=d.get("description", ""),
         labels=tuple(sorted(d.get("labels", {}).items())),
         source=_source_from(d),
+        tier=d.get("tier", ""),
+        priority=int(d.get("priority", 0)),
         revision=revision,
         create_revision=create_revision,
         updated_at=float(d.get("updatedAt", 0.0)),

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from flagella.policy.identities import IPNetwork
 from flagella.policy.labels import DEFAULT_SOURCE, NAMESPACE_KEY, SOURCE_ANY, SOURCE_RESERVED
 from flagella.policy.rules.model import (
+    ACTION_DENY,
     K8S_DERIVED_LABEL,
     PORT_PROTOCOLS,
     CIDRSpec,
@@ -58,6 +59,9 @@ class Clause:
     # included (also in selectors, as strict CIDR selectors); and the host
     # prefixes of its toServices backends (by address only).
     blocks: tuple[Block, ...] = ()
+    # An (Baseline)AdminNetworkPolicy gress rule: Allow, Deny or Pass
+    # (verdict is then DENY for Deny, ALLOW otherwise); "" elsewhere.
+    action: str = ""
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,11 @@ class CompiledRule:
     # A host policy: subject is its nodeSelector, matched against nodes'
     # host labels (hostpolicy.py), never against identities.
     host: bool = False
+    # Rule.tier and Rule.priority: "" is the NetworkPolicy tier; admin
+    # tiers neither enforce a direction nor feed the NetworkPolicy tier's
+    # entries (tiers.py evaluates them).
+    tier: str = ""
+    priority: int = 0
 
     def requirements(self, direction: Direction) -> tuple[LabelSelector, ...]:
         return tuple(sel for d, sel in self.requires if d is direction)
@@ -235,29 +244,35 @@ def compile_rule(
                 sels.append(WILDCARD)
             if WILDCARD in sels:
                 sels = [WILDCARD]
+            clause_verdict = verdict
+            if peer.action:
+                clause_verdict = Verdict.DENY if peer.action == ACTION_DENY else Verdict.ALLOW
             clauses.append(
                 Clause(
                     rule=rule.key,
                     direction=direction,
-                    verdict=verdict,
+                    verdict=clause_verdict,
                     selectors=tuple(dict.fromkeys(sels)),
                     ports=_expand_ports(peer.to_ports),
                     where=f"{name}[{i}]",
                     endpoint_selectors=endpoint_sels,
                     blocks=tuple(dict.fromkeys(blocks)),
+                    action=peer.action,
                 )
             )
     if rule.node_selector is not None:
         subject = subject_selector(rule.node_selector, "")
     else:
         subject = subject_selector(rule.endpoint_selector, ns)
+    np_tier = not rule.tier
     return CompiledRule(
         key=rule.key,
         rule=rule,
         subject=subject,
         selects_reserved=subject.names_source(SOURCE_RESERVED),
-        enforces_ingress=bool(rule.ingress or rule.ingress_deny or rule.enforce_ingress),
-        enforces_egress=bool(rule.egress or rule.egress_deny or rule.enforce_egress),
+        enforces_ingress=np_tier
+        and bool(rule.ingress or rule.ingress_deny or rule.enforce_ingress),
+        enforces_egress=np_tier and bool(rule.egress or rule.egress_deny or rule.enforce_egress),
         clauses=tuple(clauses),
         peer_selectors=frozenset(s for c in clauses for s in c.selectors if s is not WILDCARD),
         prefixes=frozenset(p for p in prefixes if p.prefixlen > 0),
@@ -266,4 +281,6 @@ def compile_rule(
         has_ipblocks=kubernetes and any(p.cidrs for p in (*rule.ingress, *rule.egress)),
         has_services=any(p.services for p in rule.peers()),
         host=rule.host,
+        tier=rule.tier,
+        priority=rule.priority,
     )

@@ -1,6 +1,7 @@
 """The entry point for policy documents: YAML or JSON text holding one or
 more FlagellaNetworkPolicy, CiliumNetworkPolicy,
-CiliumClusterwideNetworkPolicy or Kubernetes NetworkPolicy objects (several
+CiliumClusterwideNetworkPolicy, Kubernetes NetworkPolicy,
+AdminNetworkPolicy or BaselineAdminNetworkPolicy objects (several
 YAML documents, a List, or a top-level list), read by a strict loader."""
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from typing import Any
 import yaml
 
 from flagella.common.errors import InvalidArgument
+from flagella.policy.rules.admin import API_VERSION as ADMIN_API
+from flagella.policy.rules.admin import parse_admin_network_policy
 from flagella.policy.rules.fields import Doc
 from flagella.policy.rules.flagella_policy import parse_flagella_policy
 from flagella.policy.rules.k8s import parse_k8s_network_policy
@@ -30,6 +33,10 @@ _KINDS: dict[tuple[str, str], _Parser] = {
     ),
     ("networking.k8s.io/v1", "NetworkPolicy"): lambda o, p, w: parse_k8s_network_policy(
         o, p, warnings=w
+    ),
+    (ADMIN_API, "AdminNetworkPolicy"): lambda o, p, w: parse_admin_network_policy(o, p),
+    (ADMIN_API, "BaselineAdminNetworkPolicy"): lambda o, p, w: parse_admin_network_policy(
+        o, p, baseline=True
     ),
 }
 
@@ -59,7 +66,8 @@ def parse_object(
         raise fail(
             where,
             f"apiVersion {api!r} kind {kind!r} is neither a FlagellaNetworkPolicy "
-            "(flagella.io/v1) nor a Kubernetes NetworkPolicy (networking.k8s.io/v1)",
+            "(flagella.io/v1) nor a Kubernetes NetworkPolicy (networking.k8s.io/v1) "
+            f"nor an (Baseline)AdminNetworkPolicy ({ADMIN_API})",
         )
     return parser(obj, path, warnings)
 

@@ -29,7 +29,7 @@ from flagella.policy.selector import Entity
 K8S_NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 
 
-def _k8s_label_selector(value: Any, path: str) -> SelectorSpec:
+def k8s_label_selector(value: Any, path: str) -> SelectorSpec:
     """A Kubernetes LabelSelector; its keys are plain label keys."""
     spec = parse_selector(value, path)
     for key, _ in spec.match_labels:
@@ -41,7 +41,7 @@ def _k8s_label_selector(value: Any, path: str) -> SelectorSpec:
     return spec
 
 
-def _namespace_selector(ns: SelectorSpec) -> SelectorSpec:
+def namespace_selector(ns: SelectorSpec) -> SelectorSpec:
     """A Kubernetes namespaceSelector as requirements on the pod's
     namespace labels (io.cilium.k8s.namespace.labels.<key>); the namespace
     name label maps onto the namespace itself. Always requires the pod
@@ -77,11 +77,11 @@ def _k8s_peer(
         return None, parse_cidr_spec(block, bp, warnings)
     if "podSelector" not in obj and "namespaceSelector" not in obj:
         raise fail(path, "a peer needs podSelector, namespaceSelector or ipBlock")
-    pod = _k8s_label_selector(obj.get("podSelector") or {}, f"{path}.podSelector")
+    pod = k8s_label_selector(obj.get("podSelector") or {}, f"{path}.podSelector")
     if "namespaceSelector" not in obj:
         return pod, None  # same namespace: added when compiled
-    ns = _namespace_selector(
-        _k8s_label_selector(obj.get("namespaceSelector") or {}, f"{path}.namespaceSelector")
+    ns = namespace_selector(
+        k8s_label_selector(obj.get("namespaceSelector") or {}, f"{path}.namespaceSelector")
     )
     return (
         SelectorSpec(
@@ -137,7 +137,7 @@ def parse_k8s_network_policy(
     Doc.only(spec, sp, ("podSelector", "policyTypes", "ingress", "egress"))
     if "podSelector" not in spec:
         raise fail(f"{sp}.podSelector", "required")
-    selector = _k8s_label_selector(spec.get("podSelector") or {}, f"{sp}.podSelector")
+    selector = k8s_label_selector(spec.get("podSelector") or {}, f"{sp}.podSelector")
     ingress = _k8s_rules(spec.get("ingress"), f"{sp}.ingress", "from", warnings)
     egress = _k8s_rules(spec.get("egress"), f"{sp}.egress", "to", warnings)
     if "policyTypes" in spec and spec["policyTypes"] is not None:

@@ -154,6 +154,25 @@ class PeerSpec:
     requires: tuple[SelectorSpec, ...] = ()
     # toServices (egress allow only).
     services: tuple[ServicePeer, ...] = ()
+    # AdminNetworkPolicy tiers (Rule.tier set): the gress rule's action
+    # (ACTION_*) and name; empty for every other rule.
+    action: str = ""
+    name: str = ""
+
+
+# Rule.tier: "" for NetworkPolicies and flagella/Cilium rules (the
+# NetworkPolicy tier); an AdminNetworkPolicy is evaluated before them, a
+# BaselineAdminNetworkPolicy after them (resolve.py, tiers.py).
+TIER_ADMIN = "admin"
+TIER_BASELINE = "baseline"
+ACTION_ALLOW = "Allow"
+ACTION_DENY = "Deny"
+ACTION_PASS = "Pass"
+ADMIN_ACTIONS = (ACTION_ALLOW, ACTION_DENY, ACTION_PASS)
+BASELINE_ACTIONS = (ACTION_ALLOW, ACTION_DENY)
+ADMIN_MAX_PRIORITY = 1000
+ADMIN_MAX_GRESS_RULES = 100
+BASELINE_NAME = "default"
 
 
 # The label of a rule translated from a Kubernetes NetworkPolicy: its CIDRs
@@ -182,6 +201,10 @@ class Rule:
     # rule selects the host endpoint of the nodes whose labels match, not
     # pods (endpoint_selector is then empty and unused).
     node_selector: SelectorSpec | None = None
+    # "", TIER_ADMIN or TIER_BASELINE; priority: an AdminNetworkPolicy's
+    # (0-1000, lower first).
+    tier: str = ""
+    priority: int = 0
     # Set by the store.
     revision: int = 0
     create_revision: int = 0
@@ -222,4 +245,6 @@ class Rule:
             labels=self.labels,
             source=self.source,
             node_selector=self.node_selector,
+            tier=self.tier,
+            priority=self.priority,
         )

@@ -99,6 +99,48 @@ PROTOCOL_ICMP: Protocol.ValueType  # 1
 PROTOCOL_ICMPV6: Protocol.ValueType  # 58
 Global___Protocol: _TypeAlias = Protocol  # noqa: Y015
 
+class _PolicyTier:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _PolicyTierEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_PolicyTier.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    POLICY_TIER_NETWORK_POLICY: _PolicyTier.ValueType  # 0
+    POLICY_TIER_ADMIN: _PolicyTier.ValueType  # 1
+    POLICY_TIER_BASELINE: _PolicyTier.ValueType  # 2
+
+class PolicyTier(_PolicyTier, metaclass=_PolicyTierEnumTypeWrapper):
+    """The tier of a rule: NetworkPolicies and flagella/Cilium rules, or sig-network's
+    AdminNetworkPolicy (evaluated before them) and BaselineAdminNetworkPolicy
+    (after them). docs/policy.md#adminnetworkpolicy.
+    """
+
+POLICY_TIER_NETWORK_POLICY: PolicyTier.ValueType  # 0
+POLICY_TIER_ADMIN: PolicyTier.ValueType  # 1
+POLICY_TIER_BASELINE: PolicyTier.ValueType  # 2
+Global___PolicyTier: _TypeAlias = PolicyTier  # noqa: Y015
+
+class _AdminAction:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _AdminActionEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_AdminAction.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ADMIN_ACTION_UNSPECIFIED: _AdminAction.ValueType  # 0
+    ADMIN_ACTION_ALLOW: _AdminAction.ValueType  # 1
+    ADMIN_ACTION_DENY: _AdminAction.ValueType  # 2
+    ADMIN_ACTION_PASS: _AdminAction.ValueType  # 3
+    """AdminNetworkPolicy only: on to the NetworkPolicy tier."""
+
+class AdminAction(_AdminAction, metaclass=_AdminActionEnumTypeWrapper): ...
+
+ADMIN_ACTION_UNSPECIFIED: AdminAction.ValueType  # 0
+ADMIN_ACTION_ALLOW: AdminAction.ValueType  # 1
+ADMIN_ACTION_DENY: AdminAction.ValueType  # 2
+ADMIN_ACTION_PASS: AdminAction.ValueType  # 3
+"""AdminNetworkPolicy only: on to the NetworkPolicy tier."""
+Global___AdminAction: _TypeAlias = AdminAction  # noqa: Y015
+
 class _Direction:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -822,6 +864,13 @@ class PeerRule(_message.Message):
     TO_PORTS_FIELD_NUMBER: _builtins.int
     REQUIRES_FIELD_NUMBER: _builtins.int
     SERVICES_FIELD_NUMBER: _builtins.int
+    ACTION_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    action: Global___AdminAction.ValueType
+    """(Baseline)AdminNetworkPolicy gress rules (Rule.tier set): the rule's
+    action (required there, unset elsewhere) and its name.
+    """
+    name: _builtins.str
     @_builtins.property
     def endpoints(self) -> _containers.RepeatedCompositeFieldContainer[Global___EndpointSelector]: ...
     @_builtins.property
@@ -852,10 +901,12 @@ class PeerRule(_message.Message):
         to_ports: _abc.Iterable[Global___PortRule] | None = ...,
         requires: _abc.Iterable[Global___EndpointSelector] | None = ...,
         services: _abc.Iterable[Global___ServiceSelector] | None = ...,
+        action: Global___AdminAction.ValueType = ...,
+        name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cidrs", b"cidrs", "endpoints", b"endpoints", "entities", b"entities", "requires", b"requires", "services", b"services", "to_ports", b"to_ports"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "cidrs", b"cidrs", "endpoints", b"endpoints", "entities", b"entities", "name", b"name", "requires", b"requires", "services", b"services", "to_ports", b"to_ports"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -936,6 +987,8 @@ class Rule(_message.Message):
     UPDATED_AT_FIELD_NUMBER: _builtins.int
     SOURCE_FIELD_NUMBER: _builtins.int
     NODE_SELECTOR_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Unique key of the rule: "namespace/name" or "name"."""
     namespace: _builtins.str
@@ -947,6 +1000,13 @@ class Rule(_message.Message):
     description: _builtins.str
     revision: _builtins.int
     """Repository revision of the last change; output only."""
+    tier: Global___PolicyTier.ValueType
+    """An admin tier's rule is cluster-wide, has only ingress and egress
+    peers with endpoints (namespace/pod selectors) and ports, each with an
+    action; a baseline rule is named "default".
+    """
+    priority: _builtins.int
+    """AdminNetworkPolicy: 0-1000, lower first."""
     @_builtins.property
     def endpoint_selector(self) -> Global___EndpointSelector: ...
     @_builtins.property
@@ -994,10 +1054,12 @@ class Rule(_message.Message):
         updated_at: _timestamp_pb2.Timestamp | None = ...,
         source: Global___RuleSource | None = ...,
         node_selector: Global___EndpointSelector | None = ...,
+        tier: Global___PolicyTier.ValueType = ...,
+        priority: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["endpoint_selector", b"endpoint_selector", "node_selector", b"node_selector", "source", b"source", "updated_at", b"updated_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "egress", b"egress", "egress_deny", b"egress_deny", "endpoint_selector", b"endpoint_selector", "enforce_egress", b"enforce_egress", "enforce_ingress", b"enforce_ingress", "ingress", b"ingress", "ingress_deny", b"ingress_deny", "labels", b"labels", "name", b"name", "namespace", b"namespace", "node_selector", b"node_selector", "revision", b"revision", "source", b"source", "updated_at", b"updated_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "egress", b"egress", "egress_deny", b"egress_deny", "endpoint_selector", b"endpoint_selector", "enforce_egress", b"enforce_egress", "enforce_ingress", b"enforce_ingress", "ingress", b"ingress", "ingress_deny", b"ingress_deny", "labels", b"labels", "name", b"name", "namespace", b"namespace", "node_selector", b"node_selector", "priority", b"priority", "revision", b"revision", "source", b"source", "tier", b"tier", "updated_at", b"updated_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
