@@ -14,9 +14,9 @@ POLICY_KIND_NAMES = (
     "CiliumNetworkPolicy",
     "CiliumClusterwideNetworkPolicy",
     "FlagellaNetworkPolicy",
-    "CiliumCIDRGroup",
     "AdminNetworkPolicy",
     "BaselineAdminNetworkPolicy",
+    "CiliumCIDRGroup",
 )
 
 
