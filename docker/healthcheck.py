@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import socket
 import ssl
 import struct
@@ -40,9 +41,8 @@ class ProbeError(Exception):
 
 def listen_address(environ: Mapping[str, str]) -> str:
     """The address from FLAGELLA_<SVC>_LISTEN, as a client dials it."""
-    found = sorted(
-        v for k, v in environ.items() if k.startswith("FLAGELLA_") and k.endswith("_LISTEN")
-    )
+    # FLAGELLA_<SVC>_LISTEN exactly: not _METRICS_LISTEN, _HEALTH_LISTEN, ...
+    found = sorted(v for k, v in environ.items() if re.fullmatch(r"FLAGELLA_[A-Z]+_LISTEN", k))
     if len(found) != 1:
         raise ProbeError("give an address: no single FLAGELLA_<SVC>_LISTEN in the environment")
     address = found[0]

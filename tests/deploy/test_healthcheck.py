@@ -109,6 +109,9 @@ def test_listen_address_mapping() -> None:
     assert probe.listen_address({"FLAGELLA_X_LISTEN": "unix:/run/x.sock"}) == "unix:/run/x.sock"
     with pytest.raises(probe.ProbeError):
         probe.listen_address({})
+    # The service's other addresses are not its gRPC one.
+    both = {"FLAGELLA_X_LISTEN": "10.0.0.1:1", "FLAGELLA_X_METRICS_LISTEN": "10.0.0.1:9965"}
+    assert probe.listen_address(both) == "10.0.0.1:1"
 
 
 def test_hpack_integers() -> None:
