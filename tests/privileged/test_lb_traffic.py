@@ -75,6 +75,8 @@ def test_client_ip_affinity_sticks_until_timeout(cluster: Cluster, node: Node) -
         answer = client.ns.request("tcp", VIP, 80)
         assert answer is not None
         chosen.add(answer.split()[0])
+        if len(chosen) > 1:
+            break  # a fresh choice was made: what the test is after
     assert len(chosen) > 1, chosen
 
 
