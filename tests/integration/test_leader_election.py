@@ -101,7 +101,8 @@ async def test_one_leader_among_three_on_the_stand_in_api_server_then_takeovers(
         assert kube_api.lease("flagella", "job")["spec"]["leaseTransitions"] == 1  # type: ignore[index]
         # The leader last: stopped first, it would hand the Lease to the
         # third, a term this test does not count.
-        for group, _elector in sorted(zip(groups, electors), key=lambda ge: ge[1].is_leader):
+        by_leadership = sorted(zip(groups, electors, strict=True), key=lambda ge: ge[1].is_leader)
+        for group, _elector in by_leadership:
             await group.stop()
         assert Job.most == 1, "two jobs ran at once"
         assert sum(j.terms for j in jobs) == 2
