@@ -32,6 +32,7 @@ again (the service itself stays SERVING: datapaths still need it).
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import functools
 import importlib
@@ -165,7 +166,7 @@ class Stored(Protocol):
 T = TypeVar("T", bound=Stored)
 
 
-class ObjectWatcher(Generic[T]):
+class ObjectWatcher(abc.ABC, Generic[T]):
     """One kind: its table of objects (every replica) and, while this
     replica leads, the sync of what they become in etcd (rules, or CIDR
     groups): the hooks below say which."""
@@ -191,15 +192,17 @@ class ObjectWatcher(Generic[T]):
 
     # --- what the objects become ---
 
+    @abc.abstractmethod
     def held(self) -> dict[str, T]:
         """What the mirror holds, by name (of every source)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def translate(self, obj: Obj, warnings: list[str]) -> T:
-        raise NotImplementedError
+        """What one object becomes; raises InvalidArgument naming the field."""
 
+    @abc.abstractmethod
     async def write(self, name: str, desired: T | None, revision: int) -> int | None:
-        raise NotImplementedError
+        """Store desired (None: delete) under name if it is still at revision."""
 
     def stored(self) -> dict[str, T]:
         """What the mirror holds of this kind, by its object's key."""
