@@ -20,10 +20,15 @@ import ssl
 import subprocess
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
+
+import aetcd.exceptions
 
 from flagella.cli.certs import etcd_client_identity
 from flagella.common import etcdauth, pki
+from flagella.common.errors import Unavailable
 from flagella.common.etcd import Etcd
 from flagella.common.tls import TlsFiles, TlsPaths
 from harness.net import free_port
@@ -76,6 +81,30 @@ def session_pki() -> EtcdPki:
     return EtcdPki(root, pki.CertificateAuthority.create("flagella test etcd CA"))
 
 
+class PatientEtcd(Etcd):
+    """A test's own etcd client: a call whose connection could not be made
+    (the request never left, so retrying is safe even for a write) is tried
+    again for a few seconds. Under a loaded CI machine etcd sometimes drops
+    a TLS handshake; that is not what the test is about."""
+
+    CONNECT_RETRY_S = 10.0
+
+    async def _call(self, fn: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> Any:
+        deadline = time.monotonic() + self.CONNECT_RETRY_S
+        delay = 0.05
+        while True:
+            try:
+                return await super()._call(fn, *args, **kwargs)
+            except Unavailable as exc:
+                never_sent = isinstance(exc.__cause__, aetcd.exceptions.ConnectionFailedError) or (
+                    "failed to connect to all addresses" in exc.message
+                )
+                if not never_sent or time.monotonic() > deadline:
+                    raise
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+
 class EtcdServer:
     def __init__(
         self, data_dir: Path | None = None, *, secure: bool = True, apply_auth: bool = True
@@ -106,9 +135,9 @@ class EtcdServer:
     def client(self, user: str = etcdauth.ROOT, *, timeout: float = 5.0) -> Etcd:
         """A client of this etcd as user (root, or a service's user)."""
         if not self.secure:
-            return Etcd([self.endpoint], timeout=timeout)
+            return PatientEtcd([self.endpoint], timeout=timeout)
         files = TlsFiles(TlsPaths.in_dir(self.pki.user_bundle(user)))
-        return Etcd([self.endpoint], timeout=timeout, tls_files=files)
+        return PatientEtcd([self.endpoint], timeout=timeout, tls_files=files)
 
     def service_args(self, svc: str) -> list[str]:
         """A service's flags for its etcd credentials here."""
