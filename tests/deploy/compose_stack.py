@@ -301,8 +301,29 @@ def build_images(tag: str) -> dict[str, str]:
     return images
 
 
+# scripts/test names the images of a run and builds them while ruff and mypy
+# run (prewarm below): the compose test's own build then only finds them.
+TAG_ENV = "FLAGELLA_COMPOSE_TEST_TAG"
+
+
+def run_tag() -> str:
+    return os.environ.get(TAG_ENV) or f"run{os.getpid()}"
+
+
+def prewarm() -> None:
+    """Build this run's images with a Docker engine of its own, stopped after."""
+    setup_docker()
+    log_dir = tmp_log_dir()
+    docker = DockerDaemon(log_dir).start()
+    try:
+        build_images(run_tag())
+    finally:
+        docker.stop()
+        cleanup_log_dir(log_dir)
+
+
 def start_stack(docker: DockerDaemon) -> ComposeStack:
-    tag = f"run{os.getpid()}"
+    tag = run_tag()
     images = build_images(tag)
     ensure_shared_netns_dir()
     ports = {
@@ -377,3 +398,9 @@ def tmp_log_dir() -> Path:
 
 def cleanup_log_dir(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--prewarm"]:
+        raise SystemExit("usage: compose_stack.py --prewarm")
+    prewarm()

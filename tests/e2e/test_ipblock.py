@@ -23,7 +23,7 @@ import pytest
 from harness.cluster import Cluster, Node, standalone_cluster
 from harness.cni import add_pod as cni_add_pod
 from harness.lb import service
-from harness.netns import Netns, wait_until
+from harness.netns import Netns, at_once, wait_until
 from harness.underlay import SUBNET6, Underlay
 
 from flagella.api.lb.v1 import lb_pb2
@@ -168,15 +168,17 @@ def settle(probe: Callable[[], Matrix], want: Matrix, timeout: float = 20.0) -> 
 
 def into_server(w: World) -> Matrix:
     s, out = w.server, w.underlay.outside
-    return {
-        "a1 v4": reach(w.a1.ns, s.ip4),
-        "a1 v6": reach(w.a1.ns, s.ip6, v6=True),
-        "a2 v4": reach(w.a2.ns, s.ip4),
-        "a2 v6": reach(w.a2.ns, s.ip6, v6=True),
-        "b1 v4": reach(w.b1.ns, s.ip4),
-        "outside v4": reach(out, s.ip4),
-        "outside v6": reach(out, s.ip6, v6=True),
-    }
+    return at_once(
+        {
+            "a1 v4": lambda: reach(w.a1.ns, s.ip4),
+            "a1 v6": lambda: reach(w.a1.ns, s.ip6, v6=True),
+            "a2 v4": lambda: reach(w.a2.ns, s.ip4),
+            "a2 v6": lambda: reach(w.a2.ns, s.ip6, v6=True),
+            "b1 v4": lambda: reach(w.b1.ns, s.ip4),
+            "outside v4": lambda: reach(out, s.ip4),
+            "outside v6": lambda: reach(out, s.ip6, v6=True),
+        }
+    )
 
 
 VIP_B1, VIP_B2 = "10.96.7.1", "10.96.7.2"  # ClusterIPs of b1 and b2 (port 80)
@@ -184,19 +186,25 @@ VIP_B1, VIP_B2 = "10.96.7.1", "10.96.7.2"  # ClusterIPs of b1 and b2 (port 80)
 
 def out_of_a(w: World) -> Matrix:
     ul = w.underlay
-    return {
-        # Policy applies to the backend's address, after translation.
-        "a1 to b1 via ClusterIP": w.a1.ns.request("tcp", VIP_B1, 80, timeout=1) is not None,
-        "a1 to b2 via ClusterIP": w.a1.ns.request("tcp", VIP_B2, 80, timeout=1) is not None,
-        "a1 to b1 v4": reach(w.a1.ns, w.b1.ip4),
-        "a1 to b1 v6": reach(w.a1.ns, w.b1.ip6, v6=True),
-        "a1 to b2 v4": reach(w.a1.ns, w.b2.ip4),
-        "a1 to b2 v6": reach(w.a1.ns, w.b2.ip6, v6=True),
-        "a2 to b2 v4": reach(w.a2.ns, w.b2.ip4),
-        "a1 to outside v4": reach(w.a1.ns, ul.outside_ip4),
-        "a1 to outside v6": reach(w.a1.ns, ul.outside_ip6, v6=True),
-        "server to b2 v4": reach(w.server.ns, w.b2.ip4),  # not selected: open
-    }
+
+    def via(vip: str) -> bool:
+        return w.a1.ns.request("tcp", vip, 80, timeout=1) is not None
+
+    return at_once(
+        {
+            # Policy applies to the backend's address, after translation.
+            "a1 to b1 via ClusterIP": lambda: via(VIP_B1),
+            "a1 to b2 via ClusterIP": lambda: via(VIP_B2),
+            "a1 to b1 v4": lambda: reach(w.a1.ns, w.b1.ip4),
+            "a1 to b1 v6": lambda: reach(w.a1.ns, w.b1.ip6, v6=True),
+            "a1 to b2 v4": lambda: reach(w.a1.ns, w.b2.ip4),
+            "a1 to b2 v6": lambda: reach(w.a1.ns, w.b2.ip6, v6=True),
+            "a2 to b2 v4": lambda: reach(w.a2.ns, w.b2.ip4),
+            "a1 to outside v4": lambda: reach(w.a1.ns, ul.outside_ip4),
+            "a1 to outside v6": lambda: reach(w.a1.ns, ul.outside_ip6, v6=True),
+            "server to b2 v4": lambda: reach(w.server.ns, w.b2.ip4),  # not selected: open
+        }
+    )
 
 
 ALL_IN = dict.fromkeys(

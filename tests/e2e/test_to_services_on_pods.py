@@ -23,7 +23,7 @@ import pytest
 from harness.cluster import Cluster, Node, standalone_cluster
 from harness.cnipods import CniPod, cni_pod
 from harness.lb import service
-from harness.netns import wait_until
+from harness.netns import at_once, wait_until
 from harness.probe import Pod, probing, settle
 
 from flagella.api.lb.v1 import lb_pb2
@@ -105,12 +105,14 @@ def answer(w: World, host: str, port: int = PORT) -> str | None:
 
 
 def reach(w: World) -> dict[str, bool]:
-    return {
-        "db via ClusterIP": answer(w, VIP, 80) is not None,
-        "db1": answer(w, w.db1.ip4) == "db1",
-        "db2": answer(w, w.db2.ip4) == "db2",
-        "other": answer(w, w.other.ip4) == "other",
-    }
+    return at_once(
+        {
+            "db via ClusterIP": lambda: answer(w, VIP, 80) is not None,
+            "db1": lambda: answer(w, w.db1.ip4) == "db1",
+            "db2": lambda: answer(w, w.db2.ip4) == "db2",
+            "other": lambda: answer(w, w.other.ip4) == "other",
+        }
+    )
 
 
 def reach_some(w: World, want: dict[str, bool]) -> bool:

@@ -7,13 +7,14 @@ Servers and clients are small Python programs run inside a netns with
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 NETNS_DIR = Path("/run/netns")
@@ -250,6 +251,14 @@ def namespaces() -> Iterator[NetnsSet]:
         yield nss
     finally:
         nss.cleanup()
+
+
+def at_once(probes: Mapping[str, Callable[[], bool]]) -> dict[str, bool]:
+    """Every probe at the same time (each a process in a namespace, most of
+    their time spent waiting for an answer or a timeout), by name."""
+    with concurrent.futures.ThreadPoolExecutor(len(probes) or 1) as pool:
+        futures = {name: pool.submit(probe) for name, probe in probes.items()}
+        return {name: f.result() for name, f in futures.items()}
 
 
 def wait_until(predicate: object, timeout: float = 20.0, interval: float = 0.1) -> bool:
