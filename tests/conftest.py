@@ -23,6 +23,23 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ.setdefault(f"FLAGELLA_{svc.upper()}_METRICS_LISTEN", "127.0.0.1:0")
 
 
+# Folders whose every test touches the kernel or the Docker engine.
+KERNEL_FOLDERS = ("deploy", "e2e", "privileged")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """For `pytest -n 2 --dist loadgroup` (scripts/test's full run): tests
+    that touch the kernel (namespaces, BPF, links, the Docker engine) run one
+    after the other in one worker, as without xdist; the others go to either
+    worker a file at a time (module-scoped fixtures set up once)."""
+    tests = Path(__file__).parent
+    for item in items:
+        path = Path(item.path)
+        folder = path.relative_to(tests).parts[0] if path.is_relative_to(tests) else ""
+        kernel = folder in KERNEL_FOLDERS or item.get_closest_marker("privileged") is not None
+        item.add_marker(pytest.mark.xdist_group("kernel" if kernel else str(path)))
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     """In CI a skipped privileged test is a failure: they must always run there."""
