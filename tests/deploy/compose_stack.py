@@ -110,6 +110,31 @@ class DockerDaemon:
             self.proc.wait(10)
 
 
+PIN_ROOT = Path("/sys/fs/bpf/flagella")
+TUNNEL_DEVICE = "flagella_vxlan"
+
+
+def host_artefacts() -> set[str]:
+    """What a datapath in the host's network namespace leaves on the host
+    after it stops (as `scripts/down` without --purge): its pins, its tunnel
+    device."""
+    found = set()
+    if PIN_ROOT.exists():
+        found.add(str(PIN_ROOT))
+    if sh(["ip", "link", "show", TUNNEL_DEVICE], check=False).returncode == 0:
+        found.add(TUNNEL_DEVICE)
+    return found
+
+
+def remove_host_artefacts(*, keep: set[str]) -> None:
+    """Remove those the stack made (not those there before it)."""
+    made = host_artefacts() - keep
+    if str(PIN_ROOT) in made:
+        shutil.rmtree(PIN_ROOT, ignore_errors=True)
+    if TUNNEL_DEVICE in made:
+        sh(["ip", "link", "del", TUNNEL_DEVICE], check=False)
+
+
 def ensure_shared_netns_dir() -> None:
     """compose.yaml mounts /run/netns with rslave propagation, which needs it
     to be a shared mount. iproute2 makes it one the first time a named netns

@@ -31,6 +31,8 @@ from compose_stack import (
     ComposeStack,
     DockerDaemon,
     cleanup_log_dir,
+    host_artefacts,
+    remove_host_artefacts,
     setup_docker,
     sh,
     start_stack,
@@ -62,6 +64,9 @@ def compose_stack() -> Iterator[ComposeStack]:
     setup_docker()
     log_dir = tmp_log_dir()
     docker = DockerDaemon(log_dir).start()
+    # The datapath runs in the host's network namespace: what it leaves on
+    # the host by design (pins, the tunnel device) goes with the stack.
+    host_before = host_artefacts()
     stack: ComposeStack | None = None
     try:
         stack = start_stack(docker)
@@ -72,6 +77,7 @@ def compose_stack() -> Iterator[ComposeStack]:
             stack.remove_images()
             shutil.rmtree(stack.tls_dir, ignore_errors=True)
             shutil.rmtree(stack.etcd_tls_dir, ignore_errors=True)
+        remove_host_artefacts(keep=host_before)
         docker.stop()
         cleanup_log_dir(log_dir)
 
