@@ -265,6 +265,17 @@ class Runtime(Generic[C]):
         bootstrap times its own (config, tls, listen, start, serving)."""
         return self.metrics.bootstrap.phase(name)
 
+    def phase_ends_with(self, name: str, done: Awaitable[object]) -> None:
+        """Times a phase that goes on after start() returned (a table's
+        first read, in the background): it ends when `done` does; a stop
+        before then records it as failure."""
+
+        async def timed() -> None:
+            with self.phase(name):
+                await done
+
+        self.tasks.spawn(f"phase-{name}", timed())
+
     async def etcd_connected(self, client: Etcd) -> None:
         """Waits for etcd, timed as the phase etcd_connect."""
         with self.phase("etcd_connect"):

@@ -108,6 +108,7 @@ class EndpointApp:
             self.etcd, self.endpoints, EndpointCodec(), prefix=ENDPOINTS, name="endpoints"
         )
         self.tasks.spawn("endpoints-table", source.run())
+        self.runtime.phase_ends_with("first_sync", self.endpoints.wait_initialized())
         with self.runtime.phase("restore"):
             await self.service.restore()
         interval = self.config.gc_interval_seconds

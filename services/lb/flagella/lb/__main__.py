@@ -55,6 +55,7 @@ class LbApp:
             raise FatalError(str(exc)) from exc
         self.probes.add("etcd", self.etcd.current_revision)
         self.tasks.spawn("services-table", self.store.run())
+        self.runtime.phase_ends_with("first_sync", self.store.services.wait_initialized())
         if self.config.kubeconfig:
             self.k8s = KubernetesWatcher(self.service, self.config.kubeconfig, self.config.limits)
             await self.k8s.start(self.tasks, Election.of(self.config))
