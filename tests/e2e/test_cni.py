@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from harness.cluster import Cluster, Node
 from harness.cni import check_result, cni, netconf
+from harness.metrics import value
 from harness.netns import Netns, wait_until
 
 from flagella.api.datapath.v1 import datapath_pb2
@@ -162,6 +163,28 @@ def test_add_del_check_gc_as_the_spec_says(cluster: Cluster, node: Node) -> None
     # STATUS: ready.
     rc, out = cni("STATUS", conf, ifname="")
     assert (rc, out) == (0, {})
+
+    # The endpoint service timed each operation, by command and outcome, and
+    # counts the endpoints by state (b and d: ready); ipam the addresses used.
+    endpoint = cluster.services["endpoint"]
+    text = endpoint.scrape()
+    seconds = "flagella_cni_operation_duration_seconds_count"
+    assert value(text, seconds, command="ADD", outcome="success") == 5
+    assert value(text, seconds, command="ADD") == 5
+    assert value(text, seconds, command="CHECK", outcome="success") == 1
+    assert value(text, seconds, command="CHECK", outcome="unknown_container") == 1
+    assert value(text, seconds, command="DEL", outcome="success") == 3
+    assert value(text, seconds, command="GC", outcome="success") == 1
+    assert value(text, seconds, command="STATUS", outcome="success") == 1
+    assert wait_until(
+        lambda: value(endpoint.scrape(), "flagella_endpoint_state", state="ready") == 2
+    )
+    allocations = cluster.ipam().ListAllocations(
+        ipam_pb2.ListAllocationsRequest(node=node.name, family=ipam_pb2.FAMILY_IPV4), timeout=10
+    )
+    used = {"family": "IPv4", "node": node.name}
+    ipam = cluster.services["ipam"]
+    assert value(ipam.scrape(), "flagella_ipam_addresses", **used) == len(allocations.allocations)
 
 
 def test_the_node_socket_is_the_only_way_in(cluster: Cluster, node: Node) -> None:

@@ -15,8 +15,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -29,9 +30,11 @@ from prometheus_client import (
     ProcessCollector,
     disable_created_metrics,
 )
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import choose_encoder
 
 from flagella.common.handlers import WrappingInterceptor, rewrap
+from flagella.common.outcomes import Outcomes
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +61,9 @@ GO_CODE = {
 # prometheus.DefBuckets, go-grpc-prometheus's default.
 DEFAULT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 METHOD_LABELS = ("grpc_type", "grpc_service", "grpc_method")
+# Start-up phases: from a few milliseconds (config) to minutes (waiting for etcd).
+BOOTSTRAP_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+PHASE_NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 
 def split_method(full: str) -> tuple[str, str]:
@@ -141,22 +147,83 @@ class CallMetrics:
         self.metrics.seconds.labels(*self.labels).observe(time.perf_counter() - self.started_at)
 
 
+def outcome_histogram(
+    registry: CollectorRegistry,
+    name: str,
+    what: str,
+    label: str,
+    buckets: Sequence[float] = DEFAULT_BUCKETS,
+) -> Histogram:
+    """A histogram of durations of `what`, by label and outcome."""
+    return Histogram(
+        name,
+        f"Duration of {what}, by {label} and outcome.",
+        (label, "outcome"),
+        buckets=buckets,
+        registry=registry,
+    )
+
+
 class KvstoreMetrics:
     """etcd operations as Cilium reports its kvstore's
     (cilium_kvstore_operations_duration_seconds): per etcd RPC (the
     action: Range, Txn, Put, DeleteRange, LeaseGrant, ...) and outcome."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.duration = Histogram(
+        self.duration = outcome_histogram(
+            registry,
             "flagella_kvstore_operations_duration_seconds",
-            "Duration of kvstore (etcd) operations, by etcd RPC and outcome.",
-            ("action", "outcome"),
-            buckets=DEFAULT_BUCKETS,
-            registry=registry,
+            "kvstore (etcd) operations (the action: the etcd RPC)",
+            "action",
         )
 
     def interceptor(self) -> grpc.aio.ClientInterceptor:
         return _KvstoreInterceptor(self)
+
+
+class BootstrapMetrics:
+    """How long each start-up phase took and how it ended, as Cilium's
+    cilium_agent_bootstrap_seconds{scope,outcome}: the bootstrap records its
+    own phases (config, tls, listen, start, serving) and a service adds its
+    own with Runtime.phase(name). "serving" is the time from the bootstrap's
+    start until the service answers SERVING."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.started_at = time.perf_counter()
+        self.seconds = outcome_histogram(
+            registry, "flagella_bootstrap_seconds", "start-up phases", "phase", BOOTSTRAP_BUCKETS
+        )
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Times the block as phase `name`: outcome success, or failure when
+        it raises (cancellation included)."""
+        if not PHASE_NAME.fullmatch(name):
+            raise ValueError(f"phase {name!r}: lower case letters, digits and _")
+        started = time.perf_counter()
+        try:
+            yield
+        except BaseException:
+            self.record(name, time.perf_counter() - started, "failure")
+            raise
+        self.record(name, time.perf_counter() - started, "success")
+
+    def record(self, name: str, seconds: float, outcome: str = "success") -> None:
+        self.seconds.labels(name, outcome).observe(seconds)
+
+    def serving(self) -> None:
+        self.record("serving", time.perf_counter() - self.started_at)
+
+
+def outcome_family(
+    name: str, documentation: str, labels: Sequence[str], outcomes: Outcomes
+) -> CounterMetricFamily:
+    """Counts of flagella.common.outcomes as a counter family (name without
+    _total); labels name the count's keys, outcome last."""
+    family = CounterMetricFamily(name, documentation, labels=labels)
+    for key, count in sorted(outcomes.counts.items()):
+        family.add_metric(key, count)
+    return family
 
 
 class Metrics:
@@ -174,6 +241,7 @@ class Metrics:
         self.server = GrpcMetrics("server", self.registry)
         self.client = GrpcMetrics("client", self.registry)
         self.kvstore = KvstoreMetrics(self.registry)
+        self.bootstrap = BootstrapMetrics(self.registry)
 
     def server_interceptor(self) -> grpc.aio.ServerInterceptor:
         return _ServerInterceptor(self.server)

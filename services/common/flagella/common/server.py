@@ -258,6 +258,29 @@ class Runtime(Generic[C]):
     metrics: Metrics = field(default_factory=lambda: Metrics("flagella"))
     _channels: list[grpc.aio.Channel] = field(default_factory=list)
 
+    def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """Times one start-up phase of the service as
+        flagella_bootstrap_seconds{phase=name} (outcome failure when the
+        block raises): `with runtime.phase("restore"): await ...`. The
+        bootstrap times its own (config, tls, listen, start, serving)."""
+        return self.metrics.bootstrap.phase(name)
+
+    def phase_ends_with(self, name: str, done: Awaitable[object]) -> None:
+        """Times a phase that goes on after start() returned (a table's
+        first read, in the background): it ends when `done` does; a stop
+        before then records it as failure."""
+
+        async def timed() -> None:
+            with self.phase(name):
+                await done
+
+        self.tasks.spawn(f"phase-{name}", timed())
+
+    async def etcd_connected(self, client: Etcd) -> None:
+        """Waits for etcd, timed as the phase etcd_connect."""
+        with self.phase("etcd_connect"):
+            await client.wait_connected()
+
     def channel(self, target: str) -> grpc.aio.Channel:
         """A client channel to a peer service, traced, presenting this
         service's certificate (the latest files) and checking the peer's
@@ -360,20 +383,21 @@ async def serve(runtime: Runtime[C], service: App) -> None:
         [*service.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
     await runtime.readiness.publish()
-    for address in (cfg.listen, *cfg.extra_listen):
-        add_port(server, address, runtime.tls)
-    await server.start()
-    probes = (
-        await health_server(cfg.health_listen, runtime.readiness.servicer)
-        if cfg.health_listen
-        else None
-    )
-    metrics_server = MetricsServer(runtime.metrics, cfg.metrics_listen)
-    if cfg.metrics_listen:
-        try:
-            await metrics_server.start()
-        except OSError as exc:
-            raise FatalError(f"cannot serve metrics on {cfg.metrics_listen}: {exc}") from exc
+    with runtime.phase("listen"):
+        for address in (cfg.listen, *cfg.extra_listen):
+            add_port(server, address, runtime.tls)
+        await server.start()
+        probes = (
+            await health_server(cfg.health_listen, runtime.readiness.servicer)
+            if cfg.health_listen
+            else None
+        )
+        metrics_server = MetricsServer(runtime.metrics, cfg.metrics_listen)
+        if cfg.metrics_listen:
+            try:
+                await metrics_server.start()
+            except OSError as exc:
+                raise FatalError(f"cannot serve metrics on {cfg.metrics_listen}: {exc}") from exc
     log.info(
         "listening",
         extra={
@@ -391,13 +415,18 @@ async def serve(runtime: Runtime[C], service: App) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    start_task = asyncio.create_task(service.start(), name="service-start")
+    async def start() -> None:
+        with runtime.phase("start"):
+            await service.start()
+
+    start_task = asyncio.create_task(start(), name="service-start")
     stop_task = asyncio.create_task(stop.wait(), name="stop-signal")
     try:
         await asyncio.wait({start_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
         if start_task.done():
             start_task.result()  # raises FatalError
             await runtime.readiness.set_started()
+            runtime.metrics.bootstrap.serving()
             await stop_task
         log.info("stopping", extra={"grace_s": cfg.shutdown_grace})
     finally:
@@ -470,21 +499,24 @@ def main(
     0 after a clean stop, 2 for bad configuration, 1 when start-up failed."""
     env = dict(os.environ if environ is None else environ)
     prog = f"flagella-{name}"
+    metrics = Metrics(name)
     try:
-        cfg = load_config(
-            config_cls,
-            prog=prog,
-            env_prefix=f"FLAGELLA_{name.upper()}_",
-            argv=sys.argv[1:] if argv is None else argv,
-            environ=env,
-            description=(config_cls.__doc__ or "").strip(),
-        )
+        with metrics.bootstrap.phase("config"):
+            cfg = load_config(
+                config_cls,
+                prog=prog,
+                env_prefix=f"FLAGELLA_{name.upper()}_",
+                argv=sys.argv[1:] if argv is None else argv,
+                environ=env,
+                description=(config_cls.__doc__ or "").strip(),
+            )
     except ConfigError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     try:
-        files = load_tls(cfg, name)
-        etcd_files = load_etcd_tls(cfg, name)
+        with metrics.bootstrap.phase("tls"):
+            files = load_tls(cfg, name)
+            etcd_files = load_etcd_tls(cfg, name)
     except ConfigError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
@@ -504,7 +536,7 @@ def main(
         runtime = Runtime(
             name=name,
             config=cfg,
-            metrics=Metrics(name),
+            metrics=metrics,
             tracing=setup_tracing(prog, env),
             readiness=Readiness(health.aio.HealthServicer()),
             environ=env,

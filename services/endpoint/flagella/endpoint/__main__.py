@@ -16,15 +16,18 @@ from flagella.common.kubestatus import health_report
 from flagella.common.leader import Election
 from flagella.common.server import FatalError, Probes, Runtime
 from flagella.common.server import main as serve_main
+from flagella.common.sync import EtcdSource, Table
 from flagella.common.tasks import TaskGroup
 from flagella.endpoint.cnirun import CniRunner
 from flagella.endpoint.config import EndpointConfig
 from flagella.endpoint.kube import EndpointWatchers, KubeReader
+from flagella.endpoint.metrics import CniLatency, EndpointCollector
+from flagella.endpoint.model import Endpoint
 from flagella.endpoint.peers import DatapathPeers, IpamPeer, PeerHealth, PolicyPeer
 from flagella.endpoint.service import EndpointService, Settings
 from flagella.endpoint.servicer import EndpointServicer
 from flagella.endpoint.status import CniStatus
-from flagella.endpoint.store import EndpointStore
+from flagella.endpoint.store import ENDPOINTS, EndpointCodec, EndpointStore
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +85,12 @@ class EndpointApp:
             runtime.readiness,
             {"ipam": PeerHealth(ipam_channel), "policy": PeerHealth(policy_channel)},
         )
+        # etcd's endpoints, for the metrics and the Kubernetes watchers.
+        self.endpoints: Table[str, Endpoint] = Table("endpoints")
+        runtime.metrics.registry.register(EndpointCollector(self.endpoints))
+        latency = CniLatency(runtime.metrics.registry)
         self.servicer = EndpointServicer(
-            self.service, self.status, CniRunner(self.service, self.status)
+            self.service, self.status, CniRunner(self.service, self.status, latency.observe)
         )
         # Nodes delete and check only the endpoints on them.
         runtime.authorizer.resolvers["endpoint"] = self.servicer.node_of
@@ -95,9 +102,15 @@ class EndpointApp:
         # The node mirror fills in the background; until it is synced, node
         # lookups go to ipam.
         self.tasks.supervise("node-watch", self.ipam.follow_nodes)
-        await self.etcd.wait_connected()
+        await self.runtime.etcd_connected(self.etcd)
         self.probes.add("etcd", self.etcd.current_revision)
-        await self.service.restore()
+        source = EtcdSource(
+            self.etcd, self.endpoints, EndpointCodec(), prefix=ENDPOINTS, name="endpoints"
+        )
+        self.tasks.spawn("endpoints-table", source.run())
+        self.runtime.phase_ends_with("first_sync", self.endpoints.wait_initialized())
+        with self.runtime.phase("restore"):
+            await self.service.restore()
         interval = self.config.gc_interval_seconds
         if interval > 0:
             self.tasks.supervise("endpoint-sweep", lambda: self.service.sweep_loop(interval))
@@ -106,7 +119,9 @@ class EndpointApp:
 
     async def _follow_kubernetes(self, reader: KubeReader) -> None:
         cfg = self.config
-        self.kube = EndpointWatchers(self.service, self.etcd, cfg.kubeconfig, reader)
+        self.kube = EndpointWatchers(
+            self.service, self.etcd, cfg.kubeconfig, self.endpoints, reader
+        )
         try:
             await self.kube.connect()
         except Exception as exc:

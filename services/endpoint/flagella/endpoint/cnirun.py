@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -83,16 +84,24 @@ def error_of(exc: Exception, inv: cni.Invocation) -> CniError:
     return CniError(ENDPOINT_FAILED, f"{inv.command} failed: {code.name}", details)
 
 
+#: Takes each operation's (command, CNI error code or None, seconds).
+Latency = Callable[[str, int | None, float], None]
+
+
 class CniRunner:
-    def __init__(self, service: EndpointService, status: Status) -> None:
+    def __init__(
+        self, service: EndpointService, status: Status, latency: Latency | None = None
+    ) -> None:
         self.service = service
         self.status = status
+        self.latency = latency
 
     async def __call__(
         self, environ: Mapping[str, str], config: bytes, *, netns_exists: bool, node: str
     ) -> tuple[str, int]:
         """(what the plugin prints, its exit status) for one invocation on
-        `node`."""
+        `node`. Timed, by command and outcome, when there is a latency."""
+        started = time.perf_counter()
         version = cni.requested_version(config)
         try:
             inv = cni.parse_invocation(environ, config, netns_exists=netns_exists)
@@ -104,8 +113,15 @@ class CniRunner:
             except Exception as exc:
                 raise error_of(exc, inv) from None
         except CniError as err:
+            self._timed(environ, err.code, started)
             return json.dumps(err.to_json(version)), 1
+        self._timed(environ, None, started)
         return ("" if out is None else json.dumps(out)), 0
+
+    def _timed(self, environ: Mapping[str, str], code: int | None, started: float) -> None:
+        if self.latency is not None:
+            command = environ.get("CNI_COMMAND", "")
+            self.latency(command, code, time.perf_counter() - started)
 
     async def _run(self, inv: cni.Invocation, node: str) -> dict[str, Any] | None:
         conf = inv.conf

@@ -46,7 +46,7 @@ from flagella.common.kubeapi import EventRecorder, KubeRequestError, api_client,
 from flagella.common.kubestatus import StatusReport, report_liveness
 from flagella.common.leader import Election, LeaderElector
 from flagella.common.portnames import NamedPort
-from flagella.common.sync import EtcdSource, KubeSource, Table
+from flagella.common.sync import KubeSource, Table
 from flagella.common.sync.dirty import DirtyKeys
 from flagella.common.sync.kube import Obj
 from flagella.common.tasks import TaskGroup
@@ -60,7 +60,6 @@ from flagella.endpoint.labels import (
 )
 from flagella.endpoint.model import Endpoint, State
 from flagella.endpoint.service import EndpointService
-from flagella.endpoint.store import ENDPOINTS, EndpointCodec
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +115,7 @@ class EndpointWatchers:
         service: EndpointService,
         etcd: Etcd,
         kubeconfig: str,
+        endpoints: Table[str, Endpoint],
         reader: KubeReader | None = None,
     ) -> None:
         self.service = service
@@ -126,7 +126,9 @@ class EndpointWatchers:
         self.pods: Table[str, PodInfo] = Table("k8s-pods")
         self.namespaces: Table[str, NamespaceInfo] = Table("k8s-namespaces")
         self.objects: Table[str, Obj] = Table("k8s-flagellaendpoints")
-        self.endpoints: Table[str, Endpoint] = Table("endpoints")
+        # etcd's endpoints: the app's table (fed on every replica, with or
+        # without Kubernetes).
+        self.endpoints = endpoints
         # pod key -> the keys of its endpoints in self.endpoints.
         self.by_pod: dict[str, set[str]] = {}
         self.dirty = DirtyKeys()
@@ -175,10 +177,6 @@ class EndpointWatchers:
         }  # fmt: skip
         for name, source in sources.items():
             tasks.spawn(f"k8s-{name}", source.run())
-        endpoints = EtcdSource(
-            self.etcd, self.endpoints, EndpointCodec(), prefix=ENDPOINTS, name="endpoints"
-        )
-        tasks.spawn("endpoints-table", endpoints.run())
         tasks.spawn("k8s-follow-pods", self._follow(self.pods, lambda k: {k}))
         tasks.spawn("k8s-follow-namespaces", self._follow(self.namespaces, self._pods_in))
         tasks.spawn("k8s-follow-objects", self._follow(self.objects, lambda k: {k}))

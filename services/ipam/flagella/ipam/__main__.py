@@ -11,6 +11,7 @@ from flagella.api.ipam.v1 import ipam_pb2, ipam_pb2_grpc
 from flagella.common.server import FatalError, Probes, Runtime
 from flagella.common.server import main as serve_main
 from flagella.ipam.config import IpamConfig
+from flagella.ipam.metrics import IpamCollector
 from flagella.ipam.model import Mode
 from flagella.ipam.service import IpamService, Settings
 from flagella.ipam.servicer import IpamServicer
@@ -33,10 +34,12 @@ class IpamApp:
 
     def __init__(self, runtime: Runtime[IpamConfig]) -> None:
         self.config: IpamConfig = runtime.config
+        self.runtime = runtime
         self.etcd = runtime.etcd()
         self.probes = Probes(runtime.readiness, runtime.tasks)
         store = IpamStore(self.etcd, runtime.tasks)
         self.service = IpamService(store, settings_of(self.config), tasks=runtime.tasks)
+        runtime.metrics.registry.register(IpamCollector(self.service))
 
     def register(self, server: grpc.aio.Server) -> None:
         ipam_pb2_grpc.add_IpamServiceServicer_to_server(IpamServicer(self.service), server)
@@ -52,9 +55,10 @@ class IpamApp:
                 )
             except ValueError as exc:
                 raise FatalError(f"--kubeconfig: {exc}") from exc
-        await self.etcd.wait_connected()
+        await self.runtime.etcd_connected(self.etcd)
         self.probes.add("etcd", self.etcd.current_revision)
-        await self.service.start()
+        with self.runtime.phase("first_sync"):
+            await self.service.start()
 
     async def stop(self) -> None:
         # The runtime stopped the tasks (probes, watches, sweep) already.

@@ -28,6 +28,7 @@ from flagella.common.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from flagella.common.outcomes import Outcomes, counted
 from flagella.common.sync import Subscription
 from flagella.common.tasks import TaskGroup
 from flagella.ipam.model import (
@@ -134,6 +135,8 @@ class IpamService:
         self.clock = clock
         # Blocks other replicas took that our cache has not seen yet.
         self._learned_blocks: dict[IPNetwork, int] = {}
+        # (operation, outcome) of allocations and releases, for the metrics.
+        self.outcomes = Outcomes()
 
     # --- lifecycle ---
 
@@ -420,6 +423,7 @@ class IpamService:
     def _expiry(self, now: float, expiration: float) -> float | None:
         return now + expiration if expiration > 0 else None
 
+    @counted("allocate")
     async def allocate(
         self,
         node: str,
@@ -518,6 +522,7 @@ class IpamService:
             )
         return pool
 
+    @counted("allocate")
     async def allocate_ip(
         self, node: str, ip: IPAddress, owner: Owner, *, expiration: float = 0.0
     ) -> Allocation:
@@ -589,6 +594,7 @@ class IpamService:
                 return _ordered({**state.allocations, **done}.values())
         raise Aborted("too many concurrent changes; retry", field="owner")
 
+    @counted("release")
     async def release_ip(
         self, node: str, ip: IPAddress, *, force: bool = False
     ) -> list[Allocation]:
@@ -612,6 +618,7 @@ class IpamService:
                 return [a]
         raise Aborted("too many concurrent changes; retry", field="ip")
 
+    @counted("release")
     async def release_owner(self, node: str, owner: Owner) -> list[Allocation]:
         await self._node_pools(node)
         for _ in range(MAX_ATTEMPTS):

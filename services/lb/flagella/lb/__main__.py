@@ -14,6 +14,7 @@ from flagella.common.server import FatalError, Probes, Runtime
 from flagella.common.server import main as serve_main
 from flagella.lb.config import LbConfig
 from flagella.lb.k8s import KubernetesWatcher
+from flagella.lb.metrics import LbCollector
 from flagella.lb.service import LbService
 from flagella.lb.servicer import LbServicer
 from flagella.lb.store import LbStore, SeedMismatch
@@ -24,6 +25,7 @@ class LbApp:
 
     def __init__(self, runtime: Runtime[LbConfig]) -> None:
         cfg = runtime.config
+        self.runtime = runtime
         self.config = cfg
         self.tasks = runtime.tasks
         self.etcd = runtime.etcd()
@@ -32,6 +34,7 @@ class LbApp:
         self.service = LbService(
             self.store, cfg.limits, cfg.seed, cache_slots=cfg.table_cache_slots
         )
+        runtime.metrics.registry.register(LbCollector(self.store.services))
         self.k8s: KubernetesWatcher | None = None
 
     def register(self, server: grpc.aio.Server) -> None:
@@ -41,7 +44,7 @@ class LbApp:
         )
 
     async def start(self) -> None:
-        await self.etcd.wait_connected()
+        await self.runtime.etcd_connected(self.etcd)
         try:
             await retry(
                 lambda: self.store.ensure_seed(self.config.maglev_hash_seed),
@@ -52,6 +55,7 @@ class LbApp:
             raise FatalError(str(exc)) from exc
         self.probes.add("etcd", self.etcd.current_revision)
         self.tasks.spawn("services-table", self.store.run())
+        self.runtime.phase_ends_with("first_sync", self.store.services.wait_initialized())
         if self.config.kubeconfig:
             self.k8s = KubernetesWatcher(self.service, self.config.kubeconfig, self.config.limits)
             await self.k8s.start(self.tasks, Election.of(self.config))

@@ -14,6 +14,7 @@ from flagella.common.server import main as serve_main
 from flagella.policy.config import PolicyConfig
 from flagella.policy.kube import KINDS, PolicyWatchers
 from flagella.policy.lbservices import LbServices
+from flagella.policy.metrics import PolicyCollector
 from flagella.policy.service import PolicyService
 from flagella.policy.servicer import PolicyServicer
 from flagella.policy.settings import Settings
@@ -48,14 +49,16 @@ class PolicyApp:
         self.service = PolicyService(
             PolicyStore(self.etcd), settings_of(cfg), tasks=runtime.tasks, lb=lb
         )
+        runtime.metrics.registry.register(PolicyCollector(self.service))
         self.kube: PolicyWatchers | None = None
 
     def register(self, server: grpc.aio.Server) -> None:
         policy_pb2_grpc.add_PolicyServiceServicer_to_server(PolicyServicer(self.service), server)
 
     async def start(self) -> None:
-        await self.etcd.wait_connected()
-        await self.service.start()
+        await self.runtime.etcd_connected(self.etcd)
+        with self.runtime.phase("first_sync"):
+            await self.service.start()
         self.probes.add("etcd", self.etcd.current_revision)
         cfg = self.runtime.config
         if cfg.kubeconfig:

@@ -46,6 +46,7 @@ from flagella.common.errors import FlagellaError, InvalidArgument
 from flagella.common.kubeapi import EventRecorder, api_client
 from flagella.common.kubestatus import StatusReport, report_liveness
 from flagella.common.leader import Election, LeaderElector
+from flagella.common.outcomes import outcome_of
 from flagella.common.sync import KubeSource, Table
 from flagella.common.sync.dirty import DirtyKeys
 from flagella.common.sync.kube import ListFunction, Obj, object_key, resource_version
@@ -275,6 +276,7 @@ class ObjectWatcher(abc.ABC, Generic[T]):
             return
         self._reported[key] = version
         self.invalid_objects += 1
+        self.rules.changes.record(outcome=outcome_of(exc))
         log.warning(
             "kubernetes policy not valid, nothing applied from it",
             extra={

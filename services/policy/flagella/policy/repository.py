@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from flagella.common.errors import FailedPrecondition, NotFound
+from flagella.common.outcomes import Outcomes
 from flagella.policy.identities import IdentityInfo, kind_of
 from flagella.policy.labels import LabelSet
 from flagella.policy.mirror import Mirror
@@ -25,6 +26,9 @@ class RuleRepository:
     def __init__(self, store: PolicyStore, mirror: Mirror) -> None:
         self.store = store
         self.mirror = mirror
+        # Rule changes by outcome (Cilium's policy_change_total): the API's
+        # imports and deletions, and the Kubernetes watchers' objects.
+        self.changes = Outcomes()
 
     @property
     def state(self) -> PolicyState:
@@ -56,9 +60,10 @@ class RuleRepository:
         if rule is not None:
             compile_rule(rule)
             rule = replace(rule, updated_at=time.time())
-        written = await self.store.sync_rule(name, rule, revision=revision)
-        if written is not None:
-            await self.mirror.wait_for(written)
+        with self.changes.counting():
+            written = await self.store.sync_rule(name, rule, revision=revision)
+            if written is not None:
+                await self.mirror.wait_for(written)
         return written
 
     async def delete_rule(self, name: str) -> tuple[bool, int]:

@@ -138,6 +138,10 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
     # --- rules ---
 
     async def PutRules(self, request: pb.PutRulesRequest, context: Ctx) -> pb.PutRulesResponse:
+        with self.service.rules.changes.counting():
+            return await self._put_rules(request)
+
+    async def _put_rules(self, request: pb.PutRulesRequest) -> pb.PutRulesResponse:
         which = request.WhichOneof("source")
         warnings: list[str] = []
         if which == "rules":
@@ -162,7 +166,8 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
     ) -> pb.DeleteRuleResponse:
         if not request.name:
             raise InvalidArgument("required", field="name")
-        deleted, revision = await self.service.delete_rule(request.name)
+        with self.service.rules.changes.counting():
+            deleted, revision = await self.service.delete_rule(request.name)
         return pb.DeleteRuleResponse(deleted=deleted, revision=revision)
 
     async def ListRules(self, request: pb.ListRulesRequest, context: Ctx) -> pb.ListRulesResponse:
