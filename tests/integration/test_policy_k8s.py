@@ -406,6 +406,8 @@ async def test_the_invalid_object_counter_with_the_stand_in_api_server_in_proces
         assert cnp.invalid_objects == 1
         assert cnp.writes == 1
         assert set(service.state.rules) == {"CiliumNetworkPolicy/shop/good"}
+        # The Event is written after the count (its own API call): wait for it.
+        await until(lambda: bool(kube_api.events_about("CiliumNetworkPolicy", "shop", "bad")), 10)
         events = kube_api.events_about("CiliumNetworkPolicy", "shop", "bad")
         assert [e["message"] for e in events] == [
             "not enforced: spec.ingress[0].toFQDNs: unknown field: FQDN rules are not supported"
@@ -427,6 +429,9 @@ async def test_the_invalid_object_counter_with_the_stand_in_api_server_in_proces
             {"endpointSelector": {}, "egress": [{"toPorts": [{"rules": {}}]}]},
         )
         await until(lambda: cnp.invalid_objects == 2, 10)
+        await until(
+            lambda: len(kube_api.events_about("CiliumNetworkPolicy", "shop", "bad")) >= 2, 10
+        )
         assert len(kube_api.events_about("CiliumNetworkPolicy", "shop", "bad")) == 2
     await kube.stop()
     await client.close()
