@@ -4,7 +4,9 @@ Cilium's names, and the filters on names and labels."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,7 @@ import pytest
 
 from flagella.api.datapath.v1 import datapath_pb2 as dp
 from flagella.cli.base import CliError
-from flagella.cli.observe import parse_since
+from flagella.cli.observe import observe_request, parse_since
 from flagella.common import flows
 
 SCHEMA = json.loads((Path(__file__).parents[1] / "schemas" / "hubble-flow.schema.json").read_text())
@@ -89,23 +91,11 @@ def test_a_policy_drop_in_hubbles_shape() -> None:
 
 def test_other_shapes_validate_too() -> None:
     # Forwarded ICMP to the world, egress, IPv6; an end the directory does not know.
-    echo = flows.to_hubble(
-        flow(
-            type=dp.FLOW_TYPE_POLICY_VERDICT,
-            verdict=dp.FLOW_VERDICT_FORWARDED,
-            drop_reason=0,
-            direction=dp.FLOW_DIRECTION_EGRESS,
-            src_ip="fd00::5",
-            dst_ip="2001:db8::1",
-            protocol=58,
-            icmp_type=128,
-            tcp_flags=0,
-            dst_identity=2,
-            src_identity=999,
-            endpoint_id=12,
-        ),
-        DIRECTORY,
-    )
+    icmp = flow(src_ip="fd00::5", dst_ip="2001:db8::1", protocol=58, icmp_type=128, tcp_flags=0)
+    icmp.type, icmp.verdict = dp.FLOW_TYPE_POLICY_VERDICT, dp.FLOW_VERDICT_FORWARDED
+    icmp.drop_reason, icmp.direction = 0, dp.FLOW_DIRECTION_EGRESS
+    icmp.src_identity, icmp.dst_identity, icmp.endpoint_id = 999, 2, 12
+    echo = flows.to_hubble(icmp, DIRECTORY)
     VALIDATOR.validate(echo)
     f = echo["flow"]
     assert {"drop_reason", "drop_reason_desc"}.isdisjoint(f)
@@ -187,3 +177,30 @@ def test_knows_and_since() -> None:
     for bad in ("", "5x", "yesterday"):
         with pytest.raises(CliError, match="--since"):
             parse_since(bad, 0)
+
+
+def test_the_nodes_part_of_the_filters() -> None:
+    args = argparse.Namespace(
+        verdict=["DROPPED"],
+        drop_reason=["POLICY_DENIED", "181"],
+        traffic_direction=["INGRESS"],
+        identity=[301],
+        port=5432,
+        protocol="TCP",
+        since="30s",
+        last=5,
+    )
+    req = observe_request(args, 1000.0)
+    assert list(req.verdicts) == [dp.FLOW_VERDICT_DROPPED]
+    assert list(req.drop_reasons) == [133, 230, 181]
+    assert list(req.directions) == [dp.FLOW_DIRECTION_INGRESS]
+    assert (list(req.identities), req.port, req.protocol) == ([301], 5432, 6)
+    assert req.since.ToNanoseconds() == 970 * 10**9
+    for field, value, message in (
+        ("protocol", "gre", "--protocol 'gre': one of"),
+        ("port", 70000, "--port 70000: not a port"),
+        ("last", -1, "--last -1: not a count"),
+        ("drop_reason", ["NOPE"], "--drop-reason: unknown drop reason 'NOPE'"),
+    ):
+        with pytest.raises(CliError, match=re.escape(message)):
+            observe_request(argparse.Namespace(**{**vars(args), field: value}), 0)

@@ -282,6 +282,8 @@ def observe_request(args: argparse.Namespace, now: float) -> datapath_pb2.Observ
         raise CliError(f"--protocol {args.protocol!r}: one of {', '.join(sorted(PROTOCOLS))}")
     if not 0 <= args.port <= 65535:
         raise CliError(f"--port {args.port}: not a port")
+    if not 0 <= args.last < ALL:
+        raise CliError(f"--last {args.last}: not a count")
     request = datapath_pb2.ObserveFlowsRequest(
         verdicts=[verdicts[v.upper()] for v in args.verdict],
         drop_reasons=reasons,
@@ -362,6 +364,8 @@ def cmd_observe(args: argparse.Namespace, clients: Clients) -> int:
             got, err = _buffered(clients, dp, req, args.timeout)
             buffered += got
             errors += err
+            if err:
+                continue  # reported once, not followed
             if got:
                 req.since.FromNanoseconds(max(f.time.ToNanoseconds() for f in got) + 1)
         req.last, req.follow = (ALL if keep != 0 else 0), True
