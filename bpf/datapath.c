@@ -382,7 +382,8 @@ static __always_inline void emit(struct __sk_buff *skb, struct pkt *p, __u8 type
 	ev->family = p->family;
 	ev->sport = p->sport;
 	ev->dport = p->dport;
-	ev->pad = 0;
+	ev->tcp_flags = p->tcp_flags;
+	ev->icmp_type = p->icmp_type;
 	addr_copy(&ev->saddr, &p->saddr);
 	addr_copy(&ev->daddr, &p->daddr);
 	events.ringbuf_submit(ev, 0);

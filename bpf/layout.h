@@ -415,7 +415,8 @@ struct flow_event {
 	__u8 family;
 	__be16 sport;
 	__be16 dport;
-	__u16 pad;
+	__u8 tcp_flags;     /* TCP: header byte 13 (FIN 0x01 .. CWR 0x80); else 0 */
+	__u8 icmp_type;     /* ICMP / ICMPv6: the type; else 0 */
 	union v6addr saddr;
 	union v6addr daddr;
 };

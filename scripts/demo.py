@@ -184,9 +184,9 @@ def main() -> int:
             ok &= until(lambda src=src: connect(src, ips["backend"]).startswith("no answer"))
         for src in clients:
             print(f"{src} -> backend:8080: {connect(src, ips['backend'])}")
-        print("what the datapaths saw (flagella monitor --verdict dropped; every node's):")
+        print("what the datapaths saw (flagella observe --verdict dropped; every node's):")
         mon = subprocess.run(
-            [*CLI, "monitor", "--verdict", "dropped", "--last", str(len(clients)), "--no-follow"],
+            [*CLI, "observe", "--verdict", "dropped", "--last", str(len(clients))],
             capture_output=True,
             text=True,
             check=False,

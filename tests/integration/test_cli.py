@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 from harness import tls
 from harness.cluster import Cluster, Node
@@ -24,6 +25,9 @@ from flagella.api.policy.v1 import policy_pb2
 pytestmark = [pytest.mark.privileged, pytest.mark.integration]
 
 CLI = str(Path(sys.executable).parent / "flagella")
+HUBBLE_FLOW = jsonschema.Draft202012Validator(
+    json.loads((Path(__file__).parents[1] / "schemas" / "hubble-flow.schema.json").read_text())
+)
 POLICY = """
 apiVersion: flagella.io/v1
 kind: FlagellaNetworkPolicy
@@ -203,6 +207,7 @@ def test_every_command_group(suite: tuple[Cluster, Node], tmp_path: Path) -> Non
     assert follow.returncode == 0
     assert "DROPPED" in out
     assert other_ip in out
+    check_observe(cluster, node, other_ip, db_ip)
     assert "deleted" not in run(cluster, node, "policy", "delete", "shop/db-from-api").stderr
 
     # services, ipam, maps
@@ -296,6 +301,101 @@ def cli_in(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def check_observe(cluster: Cluster, node: Node, other_ip: str, db_ip: str) -> None:
+    """`flagella observe`: Hubble's JSON (each line valid against the schema
+    written from Hubble's protos), the denied connection of other -> db with
+    Cilium's reason and both pods; hubble's filters; the table names the pods;
+    a closed pipe ends it quietly."""
+
+    def observe(*args: str) -> list[dict[str, Any]]:
+        out = run(cluster, node, "observe", "-o", "json", "--last", "100", *args).stdout
+        lines = [json.loads(line) for line in out.splitlines()]
+        for line in lines:
+            HUBBLE_FLOW.validate(line)
+        return [line["flow"] for line in lines]
+
+    def ours(flows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [
+            f
+            for f in flows
+            if f["IP"] == {"source": other_ip, "destination": db_ip, "ipVersion": "IPv4"}
+        ]
+
+    drops = ours(observe("--verdict", "dropped"))
+    assert drops
+    drop = drops[-1]
+    assert (drop["verdict"], drop["drop_reason"], drop["drop_reason_desc"]) == (
+        "DROPPED", 133, "POLICY_DENIED"
+    )  # fmt: skip
+    assert drop["event_type"] == {"type": 1, "sub_type": 133}
+    assert (drop["node_name"], drop["traffic_direction"], drop["Type"]) == (
+        "n1",
+        "INGRESS",
+        "L3_L4",
+    )
+    assert drop["l4"]["TCP"]["destination_port"] == 5432
+    assert drop["l4"]["TCP"]["flags"] == {"SYN": True}
+    assert drop["Summary"] == "TCP Flags: SYN"
+    src, dst = drop["source"], drop["destination"]
+    assert (src["pod_name"], src["namespace"], dst["pod_name"], dst["namespace"]) == (
+        "other", "shop", "db", "shop"
+    )  # fmt: skip
+    assert "k8s:app=db" in dst["labels"]
+    assert "k8s:app=other" in src["labels"]
+    assert dst["ID"] > 0
+    assert src["identity"] > 0
+    assert dst["identity"] > 0
+
+    # Filters: each selects the drop or leaves it out, as hubble's.
+    def selects(*args: str) -> bool:
+        return bool(ours(observe(*args)))
+
+    assert selects("--pod", "shop/oth", "--namespace", "shop", "--label", "app=other")
+    assert selects("--pod", "db", "--identity", str(dst["identity"]), "--port", "5432")
+    assert selects("--drop-reason", "POLICY_DENIED", "--traffic-direction", "ingress")
+    assert selects("--protocol", "tcp", "--since", "10m")
+    assert not selects("--pod", "shop/api")
+    assert not selects("--namespace", "default")
+    assert not selects("--label", "app=db,tier=web")
+    assert not selects("--pod", "db", "--identity", str(src["identity"]))  # not on one end
+    assert not selects("--drop-reason", "181")
+    assert not selects("--traffic-direction", "egress", "--verdict", "dropped")
+    assert not selects("--since", "2099-01-01T00:00:00Z")
+    assert len(observe("--last", "1")) == 1
+    bad = run(cluster, node, "observe", "--drop-reason", "NOPE", check=False)
+    assert (bad.returncode, bad.stderr) == (
+        1,
+        "flagella: --drop-reason: unknown drop reason 'NOPE'\n",
+    )
+    table = run(cluster, node, "observe", "--pod", "shop/other").stdout
+    assert f"{other_ip}:" in table
+    assert "(shop/other, id" in table
+    assert "(shop/db, id" in table
+
+    # `observe -o json -f | head -1`: one line, status 0, no traceback.
+    cmd = " ".join(
+        [CLI, *addresses(cluster, node), "observe", "-o", "json", "-f", "--duration", "30"]
+    )
+    piped = subprocess.Popen(
+        ["bash", "-c", f"set -o pipefail; {cmd} --verdict dropped | head -1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    other_ns, db_port = node.pods["other"], 5432
+    assert wait_until(
+        lambda: (
+            other_ns.request("tcp", db_ip, db_port, timeout=0.3) is None
+            and piped.poll() is not None
+        ),
+        timeout=30,
+    )
+    out, err = piped.communicate(timeout=10)
+    assert (piped.returncode, err) == (0, "")
+    assert len(out.splitlines()) == 1
+    HUBBLE_FLOW.validate(json.loads(out))
+
+
 def test_no_flags_inside_a_container_every_node_from_the_registry(
     suite: tuple[Cluster, Node],
 ) -> None:
@@ -357,6 +457,14 @@ def test_no_flags_inside_a_container_every_node_from_the_registry(
     table = cli_in(env, "monitor", "--node", "n2", "--last", "50", "--no-follow").stdout
     assert d_ip in table
     assert all(line.startswith("n2 ") for line in table.splitlines())
+    # observe: both nodes' flows in one time order, each with its node; --node globs.
+    merged = cli_in(env, "observe", "-o", "json", "--verdict", "dropped", "--last", "50")
+    lines = [json.loads(line) for line in merged.stdout.splitlines()]
+    assert {line["node_name"] for line in lines} == {"n1", "n2"}
+    times = [(t[:19], float(f"0{t[19:-1]}")) for t in (line["time"] for line in lines)]
+    assert times == sorted(times)
+    n2_only = cli_in(env, "observe", "-o", "json", "--node", "*2", "--last", "50").stdout
+    assert {json.loads(line)["flow"]["node_name"] for line in n2_only.splitlines()} == {"n2"}
 
 
 def test_endpoint_get_shows_named_ports(suite: tuple[Cluster, Node]) -> None:

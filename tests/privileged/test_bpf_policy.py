@@ -79,6 +79,7 @@ def test_deny_l3_no_entry_for_the_peer(dp: Datapath) -> None:
     assert (d.src_ip, d.dst_ip, d.dst_port, d.protocol) == (POD_A.ip, POD_B.ip, 80, 6)
     assert d.endpoint_id == POD_B.endpoint_id
     assert d.direction == INGRESS
+    assert (d.tcp_flags, d.icmp_type) == (P.TCP_SYN, 0)  # Hubble's l4 flags
 
 
 def test_deny_l4_peer_allowed_on_other_ports_only(dp: Datapath) -> None:
@@ -295,6 +296,11 @@ def test_icmp_type_zero_is_its_own_key_and_icmpv6_types_match(dp: Datapath) -> N
         L.TC_ACT_SHOT
     )
     assert dp.metrics.drops(DropReason.POLICY_L4, INGRESS) == 3
+    with dp.events() as ev:
+        drops = [f for f in ev.read() if f.type == L.FlowType.DROP]
+    assert [(f.protocol, f.icmp_type, f.tcp_flags) for f in drops] == [
+        (1, 8, 0), (58, 8, 0), (58, 129, 0)
+    ]  # fmt: skip
 
 
 def test_ipv6_policy(dp: Datapath) -> None:

@@ -21,7 +21,7 @@ from flagella.api.lb.v1 import lb_pb2
 from flagella.api.policy.v1 import policy_pb2
 from flagella.cli import certs, etcdauth
 from flagella.cli.base import PROTOCOL_NAMES, PROTOCOLS, Clients, CliError, emit, enum_name, to_dict
-from flagella.cli.monitor import cmd_monitor
+from flagella.cli.observe import cmd_monitor, cmd_observe
 from flagella.cli.status import cmd_status
 from flagella.cli.targets import SERVICES, default_address
 
@@ -411,7 +411,9 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--node", help=node_help)
     bpf_map.set_defaults(func=cmd_map)
 
-    monitor = sub.add_parser("monitor", help="live flows (drops and policy verdicts)")
+    monitor = sub.add_parser(
+        "monitor", help="live flows, as before observe (JSON: the datapath's Flow message)"
+    )
     monitor.add_argument("--verdict", action="append", default=[], choices=("forwarded", "dropped"))
     monitor.add_argument("--endpoint", action="append", type=int, default=[])
     monitor.add_argument("--identity", action="append", type=int, default=[])
@@ -423,6 +425,41 @@ def build_parser() -> argparse.ArgumentParser:
     monitor.add_argument("--no-follow", action="store_true", help="only the buffered flows")
     monitor.add_argument("--duration", type=float, default=0, help="stop after N seconds")
     monitor.set_defaults(func=cmd_monitor)
+
+    observe = sub.add_parser(
+        "observe",
+        help="flows as hubble observe shows them (-o json: one Hubble flow per line)",
+        description="Flows of every node (or those --node names), each end named. "
+        "Without --last, --since or --follow: the last 20. Filters on pods, namespaces "
+        "and labels match when the source or the destination matches all of them.",
+    )
+    observe.add_argument("-o", "--output", choices=("table", "json"), default=argparse.SUPPRESS)
+    observe.add_argument(
+        "--pod", action="append", default=[], help="[namespace/]pod-name-prefix, either end"
+    )
+    observe.add_argument("-n", "--namespace", action="append", default=[], help="either end")
+    observe.add_argument(
+        "-l", "--label", action="append", default=[], help="selector, e.g. app=db,tier!=web"
+    )
+    observe.add_argument("--identity", action="append", type=int, default=[])
+    observe.add_argument(
+        "--verdict", action="append", default=[], type=str.upper, choices=("FORWARDED", "DROPPED")
+    )
+    observe.add_argument(
+        "--drop-reason", action="append", default=[], help="a number or a name (POLICY_DENIED)"
+    )
+    observe.add_argument(
+        "--traffic-direction", action="append", default=[], type=str.upper,
+        choices=("INGRESS", "EGRESS"),
+    )  # fmt: skip
+    observe.add_argument("--port", type=int, default=0, help="source or destination port")
+    observe.add_argument("--protocol", help="tcp, udp, sctp, icmp, icmpv6")
+    observe.add_argument("--node", action="append", default=[], help="node name (globs)")
+    observe.add_argument("--since", help="a duration back (5m, 1h30m) or an RFC 3339 time")
+    observe.add_argument("--last", type=int, default=0, help="the last N buffered flows")
+    observe.add_argument("-f", "--follow", action="store_true", help="keep showing new flows")
+    observe.add_argument("--duration", type=float, default=0, help="stop after N seconds")
+    observe.set_defaults(func=cmd_observe)
     return parser
 
 

@@ -27,6 +27,8 @@ class FlowRecord:
     dst_identity: int
     endpoint_id: int
     ifindex: int
+    tcp_flags: int = 0
+    icmp_type: int = 0
 
 
 @dataclass(frozen=True)
@@ -40,10 +42,14 @@ class FlowFilter:
     ip: str = ""
     port: int = 0
     protocol: int = 0
+    directions: frozenset[int] = field(default_factory=frozenset)
+    since: float = 0.0  # Unix time; 0: any
 
     def matches(self, f: FlowRecord) -> bool:
         return (
             (not self.verdicts or f.verdict in self.verdicts)
+            and (not self.directions or f.direction in self.directions)
+            and f.time >= self.since
             and (not self.drop_reasons or f.drop_reason in self.drop_reasons)
             and (not self.endpoint_ids or f.endpoint_id in self.endpoint_ids)
             and (

@@ -413,6 +413,8 @@ class DatapathService:
                         dst_identity=ev.dst_identity,
                         endpoint_id=ev.endpoint_id,
                         ifindex=ev.ifindex,
+                        tcp_flags=ev.tcp_flags,
+                        icmp_type=ev.icmp_type,
                     )
                 )
 

@@ -84,6 +84,8 @@ def flow_to_proto(f: FlowRecord, node: str) -> datapath_pb2.Flow:
         endpoint_id=f.endpoint_id,
         ifindex=f.ifindex,
         node=node,
+        tcp_flags=f.tcp_flags,
+        icmp_type=f.icmp_type,
     )
 
 
@@ -282,6 +284,8 @@ class DatapathServicer(datapath_pb2_grpc.DatapathServiceServicer):
             ip=request.ip,
             port=request.port,
             protocol=request.protocol,
+            directions=frozenset(int(d) for d in request.directions),
+            since=request.since.ToNanoseconds() / 1e9 if request.HasField("since") else 0.0,
         )
         node = self.service.config.node_name
         recent, live = self.service.observe(flt, request.last, request.follow)

@@ -31,6 +31,8 @@ class Flow:
     dst_identity: int
     endpoint_id: int
     ifindex: int
+    tcp_flags: int = 0  # TCP: the header's flags byte (FIN 0x01 .. CWR 0x80)
+    icmp_type: int = 0  # ICMP / ICMPv6
 
 
 def decode_event(raw: bytes, mono_to_wall_ns: int) -> Flow:
@@ -50,6 +52,8 @@ def decode_event(raw: bytes, mono_to_wall_ns: int) -> Flow:
         dst_identity=ev.dst_identity,
         endpoint_id=ev.ep_id,
         ifindex=ev.ifindex,
+        tcp_flags=ev.tcp_flags,
+        icmp_type=ev.icmp_type,
     )
 
 

@@ -28,7 +28,8 @@ from flagella.datapath.bpf import syscall
 # 4: prefix_policy (Kubernetes ipBlocks over addresses), EP_F_PREFIX_POLICY.
 # 5: drop reasons renumbered as Cilium's (metrics map keys carry them); host
 #    firewall: host_safe, CFG_HOST_*, the host conntrack scopes.
-LAYOUT_VERSION = 5
+# 6: flow events carry the TCP flags and the ICMP type (Hubble's l4).
+LAYOUT_VERSION = 6
 
 
 class DropReason(enum.IntEnum):
@@ -522,7 +523,8 @@ class FlowEvent(ctypes.Structure):
         ("family", ctypes.c_uint8),
         ("sport", ctypes.c_uint16),
         ("dport", ctypes.c_uint16),
-        ("pad", ctypes.c_uint16),
+        ("tcp_flags", ctypes.c_uint8),
+        ("icmp_type", ctypes.c_uint8),
         ("saddr", V6Addr),
         ("daddr", V6Addr),
     ]

@@ -1087,6 +1087,8 @@ class Flow(_message.Message):
     ENDPOINT_ID_FIELD_NUMBER: _builtins.int
     IFINDEX_FIELD_NUMBER: _builtins.int
     NODE_FIELD_NUMBER: _builtins.int
+    TCP_FLAGS_FIELD_NUMBER: _builtins.int
+    ICMP_TYPE_FIELD_NUMBER: _builtins.int
     type: Global___FlowType.ValueType
     verdict: Global___FlowVerdict.ValueType
     drop_reason: Global___DropReason.ValueType
@@ -1103,6 +1105,12 @@ class Flow(_message.Message):
     """The host endpoint (host firewall): 18446744073709551615 (2^64 - 1)."""
     ifindex: _builtins.int
     node: _builtins.str
+    tcp_flags: _builtins.int
+    """TCP: the header's flags byte (FIN 0x01, SYN 0x02, RST 0x04, PSH 0x08,
+    ACK 0x10, URG 0x20, ECE 0x40, CWR 0x80); 0 for other protocols.
+    """
+    icmp_type: _builtins.int
+    """ICMP / ICMPv6 (protocol 1 / 58): the message type."""
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
@@ -1123,10 +1131,12 @@ class Flow(_message.Message):
         endpoint_id: _builtins.int = ...,
         ifindex: _builtins.int = ...,
         node: _builtins.str = ...,
+        tcp_flags: _builtins.int = ...,
+        icmp_type: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["direction", b"direction", "drop_reason", b"drop_reason", "dst_identity", b"dst_identity", "dst_ip", b"dst_ip", "dst_port", b"dst_port", "endpoint_id", b"endpoint_id", "ifindex", b"ifindex", "node", b"node", "protocol", b"protocol", "src_identity", b"src_identity", "src_ip", b"src_ip", "src_port", b"src_port", "time", b"time", "type", b"type", "verdict", b"verdict"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["direction", b"direction", "drop_reason", b"drop_reason", "dst_identity", b"dst_identity", "dst_ip", b"dst_ip", "dst_port", b"dst_port", "endpoint_id", b"endpoint_id", "icmp_type", b"icmp_type", "ifindex", b"ifindex", "node", b"node", "protocol", b"protocol", "src_identity", b"src_identity", "src_ip", b"src_ip", "src_port", b"src_port", "tcp_flags", b"tcp_flags", "time", b"time", "type", b"type", "verdict", b"verdict"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1145,6 +1155,8 @@ class ObserveFlowsRequest(_message.Message):
     PROTOCOL_FIELD_NUMBER: _builtins.int
     LAST_FIELD_NUMBER: _builtins.int
     FOLLOW_FIELD_NUMBER: _builtins.int
+    DIRECTIONS_FIELD_NUMBER: _builtins.int
+    SINCE_FIELD_NUMBER: _builtins.int
     ip: _builtins.str
     """Matches source or destination."""
     port: _builtins.int
@@ -1163,6 +1175,12 @@ class ObserveFlowsRequest(_message.Message):
     def endpoint_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def identities(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def directions(self) -> _containers.RepeatedScalarFieldContainer[Global___FlowDirection.ValueType]: ...
+    @_builtins.property
+    def since(self) -> _timestamp_pb2.Timestamp:
+        """Only flows at or after this time (buffered and live)."""
+
     def __init__(
         self,
         *,
@@ -1175,10 +1193,12 @@ class ObserveFlowsRequest(_message.Message):
         protocol: _builtins.int = ...,
         last: _builtins.int = ...,
         follow: _builtins.bool = ...,
+        directions: _abc.Iterable[Global___FlowDirection.ValueType] | None = ...,
+        since: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["since", b"since"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["drop_reasons", b"drop_reasons", "endpoint_ids", b"endpoint_ids", "follow", b"follow", "identities", b"identities", "ip", b"ip", "last", b"last", "port", b"port", "protocol", b"protocol", "verdicts", b"verdicts"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["directions", b"directions", "drop_reasons", b"drop_reasons", "endpoint_ids", b"endpoint_ids", "follow", b"follow", "identities", b"identities", "ip", b"ip", "last", b"last", "port", b"port", "protocol", b"protocol", "since", b"since", "verdicts", b"verdicts"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
