@@ -45,6 +45,7 @@ objects are kept).
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import copy
 import json
@@ -364,7 +365,7 @@ class KubeListWatchServer:
             obj = self._objects["leases"].get((namespace, name))
             return copy.deepcopy(obj) if obj is not None else None
 
-    def events_about(self, kind: str, namespace: str, name: str) -> list[dict[str, Any]]:
+    def events_about(self, kind: str, namespace: str, name: str) -> builtins.list[dict[str, Any]]:
         """The Events created so far whose involvedObject is this object."""
         with self._lock:
             return [
@@ -477,6 +478,7 @@ class KubeListWatchServer:
                 return
             if (
                 method == "PUT"
+                and current is not None
                 and meta.get("resourceVersion") != current["metadata"]["resourceVersion"]
             ):
                 message = f"the object has been modified; {resource} {name}"
