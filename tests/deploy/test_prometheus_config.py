@@ -15,19 +15,13 @@ from pathlib import Path
 
 import yaml
 from harness.metrics import DOCS
-from harness.prometheus import dashboard_queries, metric_names
+from harness.prometheus import dashboard_queries, documented_ports, metric_names
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "deploy" / "prometheus"
 RENDER = ROOT / "scripts" / "prometheus_config.py"
 SERVICES = ["ipam", "policy", "endpoint", "lb", "datapath"]
 HISTOGRAM_SUFFIXES = ("_bucket", "_count", "_sum")
-
-
-def documented_ports() -> dict[str, int]:
-    """service -> the port of its default --metrics-listen (docs/metrics.md)."""
-    found = re.findall(r"^\| (\w+) \| `127\.0\.0\.1:(\d+)`", DOCS.read_text(), re.M)
-    return {svc: int(port) for svc, port in found}
 
 
 def render(*args: str) -> subprocess.CompletedProcess[str]:

@@ -25,6 +25,13 @@ from harness.netns import Netns, run
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS = "/usr/bin/prometheus"
 DASHBOARD = ROOT / "deploy" / "grafana" / "flagella.json"
+DOCS = ROOT / "docs" / "metrics.md"
+
+
+def documented_ports() -> dict[str, int]:
+    """service -> the port of its default --metrics-listen (docs/metrics.md)."""
+    found = re.findall(r"^\| (\w+) \| `127\.0\.0\.1:(\d+)`", DOCS.read_text(), re.M)
+    return {svc: int(port) for svc, port in found}
 
 
 class PrometheusServer:
