@@ -22,15 +22,13 @@ pytestmark = [pytest.mark.privileged, pytest.mark.integration]
 
 JOBS = ("ipam", "policy", "endpoint", "lb", "datapath")
 
+# Only app=frontend may reach the backend: `other` is dropped (POLICY_L3).
 POLICY = """
 apiVersion: flagella.io/v1
 kind: FlagellaNetworkPolicy
-metadata: {name: backend-from-frontend, namespace: shop}
-spec:
-  endpointSelector: {matchLabels: {app: backend}}
-  ingress:
-  - fromEndpoints: [{matchLabels: {app: frontend}}]
-    toPorts: [{ports: [{port: "8080", protocol: TCP}]}]
+metadata: {name: backend-from-frontend-only, namespace: shop}
+spec: {endpointSelector: {matchLabels: {app: backend}},
+       ingress: [{fromEndpoints: [{matchLabels: {app: frontend}}]}]}
 """
 
 # What Prometheus must find (> 0) once the pods are up and a drop happened:
