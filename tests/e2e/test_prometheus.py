@@ -34,7 +34,6 @@ spec: {endpointSelector: {matchLabels: {app: backend}},
 # What Prometheus must find (> 0) once the pods are up and a drop happened:
 # one line per acceptance query of issue 17.
 QUERIES = {
-    "gRPC calls handled per service": 'min(sum by (job) (grpc_server_handled_total{grpc_code="OK"}))',
     "the CNI ADDs, relayed to endpoint": 'grpc_server_handled_total{job="endpoint",'
     'grpc_method="Cni",grpc_code="OK"}',
     "ipam's etcd operations": 'flagella_kvstore_operations_duration_seconds_count{job="ipam"}',
@@ -101,6 +100,8 @@ def test_prometheus_scrapes_every_service_and_sees_the_calls_and_a_policy_drop(
 
     put_rules = 'grpc_server_handled_total{job="policy",grpc_method="PutRules",grpc_code="OK"}'
     assert wait_until(lambda: prometheus.value(put_rules) == 1), prometheus.query(put_rules)
+    per_job = 'sum by (job) (grpc_server_handled_total{grpc_code="OK"})'
+    assert {labels["job"] for labels, v in prometheus.query(per_job) if v > 0} == set(JOBS)
     for what, expr in QUERIES.items():
         assert wait_until(lambda e=expr: prometheus.value(e) > 0), (what, prometheus.query(expr))
 
