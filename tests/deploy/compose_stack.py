@@ -1,7 +1,8 @@
 """flagella under Docker Compose for tests: the Docker engine (started here when
 none answers, stopped again by PID), the images built from this tree on a
 local debootstrap base (no registry is reachable), and compose.yaml brought up
-with stand-ins for etcd and Jaeger on free loopback ports and a free subnet."""
+with stand-ins for etcd and Jaeger (and Debian's Prometheus) on free loopback
+ports and a free subnet."""
 
 from __future__ import annotations
 
@@ -360,6 +361,7 @@ def start_stack(docker: DockerDaemon) -> ComposeStack:
         "datapath": free_port(),
         "otlp": free_port(),
         "jaeger_ui": free_port(),
+        "prometheus": free_port(),
     }
     net = free_compose_net()
     registers = ipam_implements_register_node()
@@ -383,6 +385,7 @@ def start_stack(docker: DockerDaemon) -> ComposeStack:
         "FLAGELLA_DATAPATH_PORT": str(ports["datapath"]),
         "FLAGELLA_OTLP_PORT": str(ports["otlp"]),
         "FLAGELLA_JAEGER_UI_PORT": str(ports["jaeger_ui"]),
+        "FLAGELLA_PROMETHEUS_PORT": str(ports["prometheus"]),
         "FLAGELLA_COMPOSE_TLS_DIR": str(tls_dir),
         "FLAGELLA_COMPOSE_ETCD_TLS_DIR": str(etcd_tls_dir),
         "FLAGELLA_NODE_NAME": NODE_NAME,

@@ -38,10 +38,11 @@ from compose_stack import (
     start_stack,
     tmp_log_dir,
 )
+from harness.netns import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 
-UNPRIVILEGED = ("etcd", "jaeger", "ipam", "policy", "endpoint", "lb")
+UNPRIVILEGED = ("etcd", "jaeger", "prometheus", "ipam", "policy", "endpoint", "lb")
 DATAPATH_CAPS = {"CAP_NET_ADMIN", "CAP_SYS_ADMIN", "CAP_BPF", "CAP_PERFMON"}
 
 BCC_PROGRAM = r"""
@@ -94,10 +95,21 @@ def test_up_wait_brings_every_service_to_healthy(
     require_root: None, compose_stack: ComposeStack
 ) -> None:
     state = containers(compose_stack)
-    assert set(state) == {"etcd", "jaeger", *SERVICES}
+    assert set(state) == {"etcd", "jaeger", "prometheus", *SERVICES}
     for name, c in state.items():
         assert c["State"]["Status"] == "running", name
         assert c["State"]["Health"]["Status"] == "healthy", name
+    # Prometheus scrapes all five (its first scrape of each: within 15 s).
+    url = f"http://127.0.0.1:{compose_stack.ports['prometheus']}/api/v1/targets"
+
+    def health() -> dict[str, str]:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            targets = json.loads(resp.read())["data"]["activeTargets"]
+        return {t["labels"]["job"]: t["health"] for t in targets}
+
+    assert wait_until(
+        lambda: health() == dict.fromkeys(SERVICES, "up"), timeout=60, interval=0.5
+    ), health()
 
 
 @pytest.mark.privileged

@@ -29,6 +29,7 @@ from typing import Any
 import jsonschema  # type: ignore[import-untyped]  # (kubernetes-validate brings it)
 import pytest
 import yaml
+from harness.prometheus import documented_ports
 
 from flagella.cli.targets import LOCAL_PORTS, default_address
 from flagella.cli.targets import SERVICES as CLI_SERVICES
@@ -44,7 +45,18 @@ from flagella.policy.kube import KINDS as POLICY_KINDS
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
-TARGETS = ["k8s", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "k8s/overlays").iterdir())]
+PROMETHEUS_K8S = ROOT / "deploy" / "prometheus" / "prometheus-kubernetes.yml"
+# Overlays that only add objects to the base are checked as the base plus
+# what they add (every check of the base holds for them as it is).
+ADD_ONLY = {"k8s/overlays/prometheus-operator"}
+TARGETS = [
+    "k8s",
+    *sorted(
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "k8s/overlays").iterdir()
+        if str(p.relative_to(ROOT)) not in ADD_ONLY
+    ),
+]
 WORKLOADS = {"Deployment", "StatefulSet", "DaemonSet", "Job", "CronJob", "ReplicaSet", "Pod"}
 DATAPATH_CAPS = {"NET_ADMIN", "SYS_ADMIN", "BPF", "PERFMON"}
 READ_VERBS = {"get", "list", "watch"}
@@ -903,3 +915,58 @@ def test_the_cli_in_any_pod_finds_the_services_from_their_link_variables(
             f"{svc.upper()}_SERVICE_PORT": str(port),
         }
         assert default_address(svc, link) == f"10.96.0.9:{LOCAL_PORTS[svc]}"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_service_pod_is_annotated_for_scraping_at_its_declared_metrics_port(
+    rendered: dict[str, Path], target: str
+) -> None:
+    """prometheus.io/scrape and /port on each service's pods, the port
+    declared (`metrics`) and the one the service listens on (not loopback:
+    a scraper comes from elsewhere), at docs/metrics.md's default; the
+    shipped Kubernetes scrape configuration keeps exactly these pods."""
+    ports = documented_ports()
+    k8s_jobs = {
+        job["job_name"]: job["relabel_configs"][0]["regex"]
+        for job in yaml.safe_load(PROMETHEUS_K8S.read_text())["scrape_configs"]
+    }
+    objs = objects(rendered[target])
+    pods = {o["metadata"]["name"]: o for o in objs if o["kind"] in WORKLOADS}
+    for svc in ports:
+        obj = pods[svc]
+        spec = pod_spec(obj)
+        template = obj["spec"]["template"]["metadata"]
+        assert template["annotations"]["prometheus.io/scrape"] == "true", svc
+        assert template["annotations"]["prometheus.io/port"] == str(ports[svc]), svc
+        [main] = [c for c in spec["containers"] if c["name"] == svc]
+        assert {p["name"]: p["containerPort"] for p in main["ports"]}["metrics"] == ports[svc]
+        listen = env_of(main)[f"FLAGELLA_{svc.upper()}_METRICS_LISTEN"]
+        assert listen in (f"0.0.0.0:{ports[svc]}", f"$(NODE_IP):{ports[svc]}"), (svc, listen)
+        name = template["labels"]["app.kubernetes.io/name"]
+        assert re.fullmatch(k8s_jobs[svc], f"true;{name}"), svc
+    assert not [o for o in objs if o["kind"] == "PodMonitor"]
+
+
+def test_the_prometheus_operator_overlay_is_the_base_and_a_pod_monitor_per_service(
+    rendered: dict[str, Path],
+) -> None:
+    target = "k8s/overlays/prometheus-operator"
+    res = subprocess.run([kubectl(), "kustomize", str(ROOT / target)],
+                         capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert res.returncode == 0, f"kubectl kustomize {target}:\n{res.stderr}"
+    objs = [d for d in yaml.safe_load_all(res.stdout) if d]
+    base = objects(rendered["k8s"])
+    assert [o for o in objs if o["kind"] != "PodMonitor"] == base
+    monitors = {o["metadata"]["name"]: o for o in objs if o["kind"] == "PodMonitor"}
+    ports = documented_ports()
+    assert set(monitors) == set(ports)
+    pods = {o["metadata"]["name"]: o for o in base if o["kind"] in WORKLOADS}
+    for svc, monitor in monitors.items():
+        assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+        assert monitor["metadata"]["namespace"] == "flagella"
+        assert monitor["metadata"]["labels"]["app.kubernetes.io/part-of"] == "flagella"
+        labels = pods[svc]["spec"]["template"]["metadata"]["labels"]
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items(), svc
+        assert monitor["spec"]["jobLabel"] == "app.kubernetes.io/name"
+        [endpoint] = monitor["spec"]["podMetricsEndpoints"]
+        assert (endpoint["port"], endpoint["path"]) == ("metrics", "/metrics"), svc
