@@ -232,6 +232,8 @@ def test_writers_keep_map_entries_ops_and_gc_families(dp: Datapath) -> None:
     assert stats.ct_alive == {"ipv4": 1, "ipv6": 1}
     assert stats.conntrack == 2
     assert dp.conntrack.stats.entries == 2 == dp.conntrack.count()
+    dp.conntrack.delete_many(k for k, _ in dp.conntrack.items())  # a purge
+    assert dp.conntrack.stats.entries == 0 == dp.conntrack.count()
 
     for slot, packets in ((3, 5), (300, 7)):
         dp.metrics.update(L.U32(slot), L.MetricsValue(packets=packets, bytes=packets * 100))

@@ -46,10 +46,12 @@ class MapStats:
             self.keys.update(keys)
             self.entries = len(self.keys)
 
-    def removed(self, key: bytes) -> None:
+    def removed(self, key: bytes, present: bool) -> None:
         if self.keys is not None:
             self.keys.discard(key)
             self.entries = len(self.keys)
+        elif present and self.entries:
+            self.entries -= 1  # a map the programs fill: one fewer till the next count
 
 
 class BpfMap(Generic[K, V]):
@@ -102,7 +104,7 @@ class BpfMap(Generic[K, V]):
             self.stats.count("delete", False)
             raise
         self.stats.count("delete", True)
-        self.stats.removed(bytes(key))
+        self.stats.removed(bytes(key), present)
         return present
 
     def update_batch(self, pairs: Sequence[tuple[K, V]]) -> int:

@@ -413,8 +413,9 @@ class Nat(BpfMap[L.CtKey, L.NatValue]):
                 doomed.append(k)
             else:
                 alive += 1
+        deleted = self.delete_many(doomed)
         self.stats.entries = alive
-        return self.delete_many(doomed)
+        return deleted
 
     def entries(self) -> list[tuple[Tuple, int, str, int]]:
         """(tuple, NAT_OUT/NAT_IN, translated address, translated port)."""
