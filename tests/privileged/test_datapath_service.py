@@ -102,6 +102,9 @@ def test_pods_talk_and_policy_changes_take_effect_at_runtime(cluster: Cluster, n
     [endpoints] = families["flagella_endpoint_count"].samples
     assert endpoints.value == 3
     check_map_figures(scraped)
+    for phase in ("maps", "restore"):  # start-up phases, once each
+        count = value(scraped, "flagella_bootstrap_seconds_count", phase=phase, outcome="success")
+        assert count == 1, phase
     delays = value(scraped, "flagella_policy_implementation_delay_count")
     assert delays >= 1  # the backend's policy, once the rule was put
 

@@ -67,7 +67,7 @@ class DatapathApp:
         cfg = self.runtime.config
         tasks = self.runtime.tasks
         try:
-            await self.service.start(tasks)
+            await self.service.start(tasks, self.runtime.phase)
         except FlagellaError as exc:
             raise FatalError(exc.details) from exc
         except OSError as exc:

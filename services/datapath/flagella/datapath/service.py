@@ -253,10 +253,16 @@ class DatapathService:
 
     # --- start-up and restore ---
 
-    async def start(self, tasks: TaskGroup) -> None:
+    async def start(
+        self,
+        tasks: TaskGroup,
+        phase: Callable[[str], contextlib.AbstractContextManager[None]],
+    ) -> None:
         """Load the programs and pinned maps, restore the endpoints this node
         had, reattach, then start the reconcilers in tasks (the runtime's,
-        which stops them). Before SERVING."""
+        which stops them). Before SERVING. phase times the start-up phases
+        `maps` (open or create and pin the maps, compile or take the cached
+        programs and load them) and `restore` (Runtime.phase)."""
         cfg = self.config
         if cfg.enable_ip_forward:
             await netdev.write_sysctls(
@@ -264,9 +270,10 @@ class DatapathService:
                 {"net.ipv4.ip_forward": "1", "net.ipv6.conf.all.forwarding": "1"},
                 cfg.proc_sys,
             )
-        self._bpf = await self.writer.run(
-            functools.partial(Datapath.load, cfg.bpf_root, program_cache=cfg.bpf_cache_dir)
-        )
+        with phase("maps"):
+            self._bpf = await self.writer.run(
+                functools.partial(Datapath.load, cfg.bpf_root, program_cache=cfg.bpf_cache_dir)
+            )
         log.info(
             "BPF datapath loaded",
             extra={"folder": str(self.bpf.folder), "restored": not self.bpf.created},
@@ -279,7 +286,8 @@ class DatapathService:
                 raise FailedPrecondition(f"uplink {cfg.uplink} not found", field="uplink")
             self.uplink_ifindex = links[cfg.uplink]
             await self.writer.run(self.bpf.attach_netdev, self.uplink_ifindex)
-        await self._restore()
+        with phase("restore"):
+            await self._restore()
         for rec in self.reconcilers():
             rec.start(tasks)
         if cfg.health_port:
