@@ -28,6 +28,7 @@ import pytest
 from harness import tls
 from harness.cluster import Cluster, Node, standalone_cluster
 from harness.cni import cni, netconf
+from harness.metrics import check_documented, value
 from harness.netns import Netns, wait_until
 from harness.underlay import Underlay
 
@@ -620,6 +621,16 @@ def test_every_node_probes_the_others(mn: MultiNode) -> None:
         capture_output=True, text=True, timeout=60, check=True,
     ).stdout  # fmt: skip
     assert table.splitlines()[0].split() == ["FROM", "\\", "TO", *sorted(names)]
+    # The same probes on each datapath's /metrics, per peer node.
+    for node in mn.nodes:
+        assert node.process is not None
+        scraped = node.process.scrape()
+        check_documented(scraped)
+        for peer in names - {node.name}:
+            status = "flagella_node_health_connectivity_status"
+            assert value(scraped, status, target_node_name=peer) == 1
+            latency = "flagella_node_health_connectivity_latency_seconds"
+            assert 0 < value(scraped, latency, target_node_name=peer) < 1
 
 
 # --- the cluster's shape changes: these run last ---
@@ -695,6 +706,11 @@ def test_a_node_stopped_for_good_is_gone_from_the_others_after_its_lease(mn: Mul
     # Its peers report it unreachable while it is still in their tables.
     assert wait_until(lambda: node_health(mn)[1][n1.name]["peers"][n3.name]["reachable"] is False)
     assert "error" in node_health(mn)[1][n3.name]
+    assert n1.process is not None
+    scraped = n1.process.scrape()
+    reachable = "flagella_node_health_connectivity_status"
+    assert value(scraped, reachable, target_node_name=n3.name) == 0
+    assert value(scraped, reachable, target_node_name=mn.nodes[1].name) == 1
 
     def gone() -> bool:
         dump = mn.cluster.datapath(n1).DumpMap(

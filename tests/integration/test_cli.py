@@ -112,6 +112,15 @@ def test_every_command_group(suite: tuple[Cluster, Node], tmp_path: Path) -> Non
     _, err = gone.communicate(timeout=60)
     assert (gone.returncode, err) == (141, "")
     assert any(m["name"] == "policy" and m["max_entries"] > 0 for m in data["maps"])
+    # Pressure as the datapath exports it: none for the arrays full by
+    # design, entries over max entries for the others.
+    pressure = {m["name"]: m["pressure"] for m in data["maps"]}
+    assert pressure["config"] is None
+    assert pressure["metrics"] is None
+    assert 0 < pressure["endpoints"] < 0.01
+    rows = {line.split()[-4]: line.split()[-1] for line in status.splitlines()[-len(pressure) :]}
+    assert rows["config"] == rows["metrics"] == "-"
+    assert rows["endpoints"].endswith("%")
 
     # endpoints
     table = run(cluster, node, "endpoint", "list").stdout

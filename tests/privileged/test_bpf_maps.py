@@ -25,7 +25,7 @@ from flagella.datapath.bpf import (
 )
 from flagella.datapath.bpf import layout as L
 from flagella.datapath.bpf import packets as P
-from flagella.datapath.bpf.tables import Tuple, monotonic_ns
+from flagella.datapath.bpf.tables import Tuple, ct_key, monotonic_ns
 
 pytestmark = pytest.mark.privileged
 
@@ -206,3 +206,42 @@ def test_entry_counts_of_hash_maps_across_batches_and_of_arrays(dp: Datapath) ->
     status = {m.name: m for m in dp.map_status()}
     assert status["backends"].entries == 4500
     assert status["metrics"].entries == 768
+
+
+def test_writers_keep_map_entries_ops_and_gc_families(dp: Datapath) -> None:
+    """Map pressure and operations come from counts the writers and the GC
+    keep (no walk at scrape time): they match a walk of the map; the
+    per-CPU metrics map read in one batch equals slot-by-slot lookups."""
+    dp.backends.upsert_many(Backend(i + 1, f"10.4.0.{i + 1}", 80) for i in range(10))
+    dp.backends.upsert(Backend(1, "10.4.0.1", 81))  # a replacement: no new entry
+    dp.backends.remove(2)
+    dp.backends.remove(2)  # absent: a success, no change
+    assert dp.backends.stats.entries == 9 == dp.backends.count()
+    assert dp.backends.stats.ops == {("update", "success"): 11, ("delete", "success"): 2}
+    assert dp.entries_in_use("backends") == 9
+    assert dp.entries_in_use("config") == 1
+    assert dp.entries_in_use("metrics") == 768
+
+    now = monotonic_ns()
+    for i, (src, dst) in enumerate([("10.0.0.1", "10.0.0.2"), ("fd00::1", "fd00::2")] * 2):
+        e = dp.conntrack.value_type()
+        e.expires = now - 1 if i < 2 else now + 10**12
+        dp.conntrack.update(ct_key(Tuple(src, dst, 1000 + i, 80, 6), 0), e)
+    stats = dp.gc(now)
+    assert stats.ct_deleted == {"ipv4": 1, "ipv6": 1}
+    assert stats.ct_alive == {"ipv4": 1, "ipv6": 1}
+    assert stats.conntrack == 2
+    assert dp.conntrack.stats.entries == 2 == dp.conntrack.count()
+    dp.conntrack.delete_many(k for k, _ in dp.conntrack.items())  # a purge
+    assert dp.conntrack.stats.entries == 0 == dp.conntrack.count()
+
+    for slot, packets in ((3, 5), (300, 7)):
+        dp.metrics.update(L.U32(slot), L.MetricsValue(packets=packets, bytes=packets * 100))
+    batch = {k.value: (v.packets, v.bytes) for k, v in dp.metrics.items()}
+    assert len(batch) == 768
+    for slot in (0, 3, 300, 767):
+        one = dp.metrics.get(L.U32(slot))
+        assert one is not None
+        assert batch[slot] == (one.packets, one.bytes)
+    assert batch[3] == (5, 500)
+    assert batch[300] == (7, 700)

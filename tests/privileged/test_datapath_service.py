@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from harness.cluster import Cluster, Node
-from harness.metrics import check_documented
+from harness.metrics import check_documented, samples, value
 from harness.netns import wait_until
 from harness.pods import Pod, add_pod
 from prometheus_client.parser import text_string_to_metric_families
@@ -25,7 +25,8 @@ pytestmark = [pytest.mark.privileged, pytest.mark.integration]
 @pytest.fixture
 def node(cluster: Cluster) -> Node:
     cluster.start(services=("policy", "lb"))
-    return cluster.add_node("n1")
+    # A GC pass every 2 s: closed connections' entries (10 s) go during a test.
+    return cluster.add_node("n1", extra=["--gc-interval-seconds", "2"])
 
 
 ALLOW_FRONTEND = """
@@ -100,6 +101,12 @@ def test_pods_talk_and_policy_changes_take_effect_at_runtime(cluster: Cluster, n
     assert forwards["INGRESS"] > 0
     [endpoints] = families["flagella_endpoint_count"].samples
     assert endpoints.value == 3
+    check_map_figures(scraped)
+    for phase in ("maps", "restore"):  # start-up phases, once each
+        count = value(scraped, "flagella_bootstrap_seconds_count", phase=phase, outcome="success")
+        assert count == 1, phase
+    delays = value(scraped, "flagella_policy_implementation_delay_count")
+    assert delays >= 1  # the backend's policy, once the rule was put
 
     # Changed at runtime, no reload.
     policy.PutRules(policy_pb2.PutRulesRequest(document=ALLOW_FRONTEND_AND_OTHER), timeout=10)
@@ -108,6 +115,68 @@ def test_pods_talk_and_policy_changes_take_effect_at_runtime(cluster: Cluster, n
     policy.DeleteRule(policy_pb2.DeleteRuleRequest(name="backend-ingress"), timeout=10)
     assert wait_until(lambda: fe.ns.request("udp", be.ip, 5353, timeout=1) is not None)
     assert fe.ns.ping(be.ip)
+
+    # Each policy change reached the backend's maps: two more delays, each
+    # the time from the policy service's commit to the maps (same clock).
+    scraped = node.process.scrape()
+    assert value(scraped, "flagella_policy_implementation_delay_count") >= delays + 2
+    assert 0 < value(scraped, "flagella_policy_implementation_delay_sum") < 10 * (delays + 2)
+    assert (
+        value(scraped, "flagella_endpoint_regeneration_time_stats_seconds_count", scope="policy")
+        >= 3
+    )
+
+    # The closed connections' conntrack entries expire (10 s) and a GC pass
+    # deletes them; the UDP ones (60 s) stay alive.
+    def gc_deleted() -> str | None:
+        text = node.process.scrape()  # type: ignore[union-attr]
+        gone = value(
+            text, "flagella_datapath_conntrack_gc_entries", family="ipv4", status="deleted"
+        )
+        return text if gone > 0 else None
+
+    assert wait_until(gc_deleted, timeout=30, interval=0.3)
+    scraped = gc_deleted() or node.process.scrape()
+    check_documented(scraped)
+    assert value(scraped, "flagella_datapath_conntrack_gc_runs_total", status="completed") >= 1
+    assert value(scraped, "flagella_datapath_conntrack_gc_duration_seconds_count") >= 1
+    alive = value(scraped, "flagella_datapath_conntrack_gc_entries", family="ipv4", status="alive")
+    assert alive >= 1
+    assert value(scraped, "flagella_bpf_map_ops_total", map_name="ct", operation="delete") >= 1
+
+
+def check_map_figures(scraped: str) -> None:
+    """Map pressure and operations after three endpoints and a policy:
+    every map that can fill up has a pressure, from the writers' counts;
+    the arrays (full by design) have none."""
+    pressure = {
+        dict(labels)["map_name"]: v
+        for (name, labels), v in samples(scraped).items()
+        if name == "flagella_bpf_map_pressure"
+    }
+    assert set(pressure) == {
+        "endpoints", "ipcache", "policy", "prefix_policy", "services", "backends", "revnat",
+        "maglev", "affinity", "srcrange", "ct", "snat", "frags", "host_safe",
+    }  # fmt: skip
+    assert pressure["endpoints"] == 3 / 4096  # one address each
+    assert 0 < pressure["policy"] < 1
+    assert 0 < pressure["ipcache"] < 1
+    assert value(scraped, "flagella_bpf_map_ops_total", map_name="endpoints", operation="update", outcome="success") >= 3  # fmt: skip
+    assert value(scraped, "flagella_bpf_map_ops_total", map_name="policy", operation="update", outcome="success") >= 1  # fmt: skip
+    assert value(scraped, "flagella_bpf_map_ops_total", outcome="fail") == 0
+    # Three ADDs, each timed whole and by scope; policies written.
+    for scope in ("lock", "veth", "maps", "attach", "total"):
+        count = value(
+            scraped, "flagella_endpoint_regeneration_time_stats_seconds_count", scope=scope
+        )
+        assert count == 3, scope
+    total = value(scraped, "flagella_endpoint_regeneration_time_stats_seconds_sum", scope="total")
+    veth = value(scraped, "flagella_endpoint_regeneration_time_stats_seconds_sum", scope="veth")
+    assert 0 < veth < total < 30
+    assert (
+        value(scraped, "flagella_endpoint_regeneration_time_stats_seconds_count", scope="policy")
+        >= 3
+    )
 
 
 def upsert_service(cluster: Cluster, backends: list[Pod], algorithm: int) -> lb_pb2.Service:

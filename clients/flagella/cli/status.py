@@ -15,6 +15,7 @@ from flagella.api.datapath.v1 import datapath_pb2
 from flagella.api.ipam.v1 import ipam_pb2
 from flagella.cli.base import Clients, CliError, emit
 from flagella.cli.targets import SERVICES, Datapath
+from flagella.common import mappressure
 
 STATUS_NAMES = {
     health_pb2.HealthCheckResponse.SERVING: "SERVING",
@@ -112,7 +113,14 @@ def map_pressure(clients: Clients, serving: list[Datapath]) -> list[dict[str, An
             maps.append({**node, "name": "?", "error": str(exc)})
             continue
         maps += [
-            {**node, "name": m.name, "entries": m.entries, "max_entries": m.max_entries}
+            {
+                **node,
+                "name": m.name,
+                "entries": m.entries,
+                "max_entries": m.max_entries,
+                # None: a map that cannot fill up (flagella.common.mappressure).
+                "pressure": mappressure.map_pressure(m.type, m.entries, m.max_entries),
+            }
             for m in status.maps
         ]
     return maps
@@ -155,9 +163,7 @@ def cmd_status(args: argparse.Namespace, clients: Clients) -> int:
                         m["name"],
                         m.get("entries", "?"),
                         m.get("max_entries", "?"),
-                        f"{100 * m['entries'] / m['max_entries']:.1f}%"
-                        if m.get("max_entries")
-                        else "-",
+                        f"{100 * m['pressure']:.1f}%" if m.get("pressure") is not None else "-",
                     ]
                     for m in maps
                 ],

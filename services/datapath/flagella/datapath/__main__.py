@@ -52,7 +52,7 @@ class DatapathApp:
 
     def __init__(self, runtime: Runtime[DatapathConfig]) -> None:
         self.runtime = runtime
-        self.service = DatapathService(runtime.config)
+        self.service = DatapathService(runtime.config, runtime.metrics.registry)
         runtime.metrics.registry.register(DatapathCollector(self.service))
         self.registration: NodeRegistration | None = None
         self.relay: CniRelay | None = None
@@ -67,7 +67,7 @@ class DatapathApp:
         cfg = self.runtime.config
         tasks = self.runtime.tasks
         try:
-            await self.service.start(tasks)
+            await self.service.start(tasks, self.runtime.phase)
         except FlagellaError as exc:
             raise FatalError(exc.details) from exc
         except OSError as exc:

@@ -138,6 +138,7 @@ def identity_policy(p: policy_pb2.ResolvedPolicy) -> IdentityPolicy:
             for e in p.prefix_entries
             if e.direction in DIRECTIONS
         ),
+        revision_time=p.revision_time.ToNanoseconds() / 1e9 if p.HasField("revision_time") else 0.0,
     )
 
 

@@ -1,7 +1,10 @@
-"""The datapath's Prometheus figures, read at each scrape: packets and bytes
+"""The datapath's Prometheus figures read at each scrape: packets and bytes
 dropped (by reason and direction) and forwarded (by direction) from the BPF
 metrics map, as Cilium's cilium_drop_count_total and friends; flow events
-lost; endpoints on the node."""
+lost; endpoints on the node; each map's pressure and operations by outcome
+(counted by the writers and the GC: no map is walked here); the reachability
+of the other nodes (the health probes' last answers). What is measured as
+work happens (regeneration, policy delay, conntrack GC) is in telemetry.py."""
 
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from flagella.common.mappressure import map_pressure
+from flagella.datapath.bpf import Datapath
 from flagella.datapath.bpf import layout as L
 from flagella.datapath.service import DatapathService
 
@@ -77,3 +82,45 @@ class DatapathCollector(Collector):
         )
         endpoints.add_metric((), len(self.service.endpoints))
         yield from (drops, drop_bytes, forwards, forward_bytes, safety, lost, endpoints)
+        if bpf is not None:
+            yield from map_figures(bpf)
+        yield from self.node_health()
+
+    def node_health(self) -> Iterator[Metric]:
+        status = GaugeMetricFamily(
+            "flagella_node_health_connectivity_status",
+            "Whether the last health probe reached the node (1) or not (0).",
+            labels=("target_node_name",),
+        )
+        latency = GaugeMetricFamily(
+            "flagella_node_health_connectivity_latency_seconds",
+            "The last successful health probe's TCP connect time to the node.",
+            labels=("target_node_name",),
+        )
+        for peer in self.service.health.peers.values():
+            status.add_metric((peer.node,), 1.0 if peer.reachable else 0.0)
+            if peer.reachable:
+                latency.add_metric((peer.node,), peer.latency_s)
+        yield from (status, latency)
+
+
+def map_figures(bpf: Datapath) -> Iterator[Metric]:
+    """Pressure and operations of every map, from the writers' and the
+    GC's counts."""
+    pressure = GaugeMetricFamily(
+        "flagella_bpf_map_pressure",
+        "Fill of a BPF map: entries in use over max entries (maps that cannot fill up have none).",
+        labels=("map_name",),
+    )
+    ops = CounterMetricFamily(
+        "flagella_bpf_map_ops_total",
+        "Updates and deletes of a BPF map by this process, by outcome.",
+        labels=("map_name", "operation", "outcome"),
+    )
+    for name, m in bpf.maps.items():
+        fill = map_pressure(m.spec.type_name, bpf.entries_in_use(name), m.max_entries)
+        if fill is not None:
+            pressure.add_metric((name,), fill)
+        for (operation, outcome), n in m.stats.ops.items():
+            ops.add_metric((name, operation, outcome), n)
+    yield from (pressure, ops)

@@ -20,9 +20,12 @@ import ipaddress
 import logging
 import os
 import shutil
-from collections.abc import Callable, Iterable, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
+
+from prometheus_client import CollectorRegistry
 
 from flagella.common.errors import (
     DeadlineExceeded,
@@ -49,6 +52,7 @@ from flagella.datapath.health import NodeHealth
 from flagella.datapath.ipcache import IPCacheOps, IPCacheView
 from flagella.datapath.routes import RouteOps
 from flagella.datapath.state import EndpointRecord, HostPolicyState, StateDir
+from flagella.datapath.telemetry import DatapathMetrics
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -83,6 +87,9 @@ class IdentityPolicy:
     named_egress: frozenset[int] = frozenset()
     # Kubernetes ipBlocks over peer addresses.
     prefixes: tuple[PrefixRule, ...] = ()
+    # When the policy service committed this revision (Unix time; 0: not
+    # a live change): the start of its implementation delay.
+    revision_time: float = dataclasses.field(default=0.0, compare=False)
 
 
 @dataclass(frozen=True)
@@ -109,20 +116,24 @@ class PolicyOps:
 
     async def update(self, key: int, value: IdentityPolicy) -> None:
         dp = self.svc.bpf
+        telemetry = self.svc.telemetry
         try:
-            await self.svc.writer.run(
-                dp.policy.apply,
-                key,
-                value.entries,
-                value.revision,
-                ingress_enforced=value.ingress_enforced,
-                egress_enforced=value.egress_enforced,
-                prefixes=value.prefixes,
-            )
+            with telemetry.regenerating("policy"):
+                await self.svc.writer.run(
+                    dp.policy.apply,
+                    key,
+                    value.entries,
+                    value.revision,
+                    ingress_enforced=value.ingress_enforced,
+                    egress_enforced=value.egress_enforced,
+                    prefixes=value.prefixes,
+                )
         except PolicyBudgetExceeded as exc:
             # Nothing was written: the endpoint keeps its previous policy or
             # stays not ready (never open). Retried as policy changes.
             raise ResourceExhausted(f"endpoint {key}: {exc}") from exc
+        if value.revision_time:
+            telemetry.policy_implemented(value.revision_time)
         await self.svc.policy_realized(key, value.revision)
 
     async def delete(self, key: int) -> None:
@@ -186,8 +197,9 @@ class ServiceOps:
 
 
 class DatapathService:
-    def __init__(self, config: DatapathConfig) -> None:
+    def __init__(self, config: DatapathConfig, registry: CollectorRegistry | None = None) -> None:
         self.config = config
+        self.telemetry = DatapathMetrics(registry or CollectorRegistry())
         self.writer = MapWriter()
         self.state = StateDir(config.state_dir)
         self.flows = FlowHub()
@@ -241,10 +253,16 @@ class DatapathService:
 
     # --- start-up and restore ---
 
-    async def start(self, tasks: TaskGroup) -> None:
+    async def start(
+        self,
+        tasks: TaskGroup,
+        phase: Callable[[str], contextlib.AbstractContextManager[None]],
+    ) -> None:
         """Load the programs and pinned maps, restore the endpoints this node
         had, reattach, then start the reconcilers in tasks (the runtime's,
-        which stops them). Before SERVING."""
+        which stops them). Before SERVING. phase times the start-up phases
+        `maps` (open or create and pin the maps, compile or take the cached
+        programs and load them) and `restore` (Runtime.phase)."""
         cfg = self.config
         if cfg.enable_ip_forward:
             await netdev.write_sysctls(
@@ -252,9 +270,10 @@ class DatapathService:
                 {"net.ipv4.ip_forward": "1", "net.ipv6.conf.all.forwarding": "1"},
                 cfg.proc_sys,
             )
-        self._bpf = await self.writer.run(
-            functools.partial(Datapath.load, cfg.bpf_root, program_cache=cfg.bpf_cache_dir)
-        )
+        with phase("maps"):
+            self._bpf = await self.writer.run(
+                functools.partial(Datapath.load, cfg.bpf_root, program_cache=cfg.bpf_cache_dir)
+            )
         log.info(
             "BPF datapath loaded",
             extra={"folder": str(self.bpf.folder), "restored": not self.bpf.created},
@@ -267,7 +286,8 @@ class DatapathService:
                 raise FailedPrecondition(f"uplink {cfg.uplink} not found", field="uplink")
             self.uplink_ifindex = links[cfg.uplink]
             await self.writer.run(self.bpf.attach_netdev, self.uplink_ifindex)
-        await self._restore()
+        with phase("restore"):
+            await self._restore()
         for rec in self.reconcilers():
             rec.start(tasks)
         if cfg.health_port:
@@ -445,7 +465,13 @@ class DatapathService:
         return [rec.endpoint_id for rec in gone]
 
     async def gc_once(self) -> tuple[int, int]:
-        stats = await self.writer.run(self.bpf.gc)
+        start = time.perf_counter()
+        try:
+            stats = await self.writer.run(self.bpf.gc)
+        except BaseException:
+            self.telemetry.gc_failed(time.perf_counter() - start)
+            raise
+        self.telemetry.gc_done(time.perf_counter() - start, stats.ct_alive, stats.ct_deleted)
         return stats.conntrack, stats.nat
 
     # --- endpoints ---
@@ -458,7 +484,7 @@ class DatapathService:
             req = dataclasses.replace(req, mtu=self.pod_mtu)
         if not os.path.exists(req.netns_path):
             raise NotFound(f"netns {req.netns_path} does not exist", field="netns_path")
-        async with self._lock(req.endpoint_id):
+        async with self._regenerating(req.endpoint_id):
             existing = self.endpoints.get(req.endpoint_id)
             if existing is not None and (
                 existing.container_id != req.container_id or existing.ifname != req.ifname
@@ -490,16 +516,17 @@ class DatapathService:
             # endpoints' calls are not held up meanwhile.
             await asyncio.to_thread(self.state.save, record)
             try:
-                result = await netdev.setup_veth(
-                    netdev.VethSpec(
-                        req.endpoint_id,
-                        req.netns_path,
-                        req.ifname,
-                        req.addresses,
-                        req.mtu,
-                        self.config.proc_sys,
+                with self.telemetry.regenerating("veth"):
+                    result = await netdev.setup_veth(
+                        netdev.VethSpec(
+                            req.endpoint_id,
+                            req.netns_path,
+                            req.ifname,
+                            req.addresses,
+                            req.mtu,
+                            self.config.proc_sys,
+                        )
                     )
-                )
             except netdev.NetdevError as exc:
                 if existing is None:
                     self.state.remove(req.endpoint_id)
@@ -508,19 +535,31 @@ class DatapathService:
             record.host_mac = result.host.mac
             record.mac = result.container.mac
             await asyncio.to_thread(self.state.save, record)
-            await self.writer.run(
-                self.bpf.endpoints.upsert,
-                req.endpoint_id,
-                list(result.addresses),
-                ifindex=result.host.ifindex,
-                identity=req.identity,
-                mac=result.container.mac,
-                node_mac=result.host.mac,
-            )
-            await self.writer.run(self.bpf.attach, result.host.ifindex)
+            with self.telemetry.regenerating("maps"):
+                await self.writer.run(
+                    self.bpf.endpoints.upsert,
+                    req.endpoint_id,
+                    list(result.addresses),
+                    ifindex=result.host.ifindex,
+                    identity=req.identity,
+                    mac=result.container.mac,
+                    node_mac=result.host.mac,
+                )
+            with self.telemetry.regenerating("attach"):
+                await self.writer.run(self.bpf.attach, result.host.ifindex)
             self.endpoints[req.endpoint_id] = record
             self._want_policy(record)
             return result, record
+
+    @contextlib.asynccontextmanager
+    async def _regenerating(self, endpoint_id: int) -> AsyncIterator[None]:
+        """The endpoint's lock, its wait and the whole ADD timed."""
+        telemetry = self.telemetry
+        with telemetry.regenerating("total"):
+            waiting = time.perf_counter()
+            async with self._lock(endpoint_id):
+                telemetry.regeneration.labels("lock").observe(time.perf_counter() - waiting)
+                yield
 
     def _want_policy(self, record: EndpointRecord) -> None:
         """Desire the policy of the endpoint's identity; until it arrives the
@@ -529,9 +568,15 @@ class DatapathService:
         if pol is not None:
             self.policy.upsert(record.endpoint_id, self._for_endpoint(record, pol))
 
-    def _for_endpoint(self, record: EndpointRecord, pol: IdentityPolicy) -> IdentityPolicy:
+    def _for_endpoint(
+        self, record: EndpointRecord, pol: IdentityPolicy, *, live: bool = False
+    ) -> IdentityPolicy:
         """The identity's policy as this endpoint's map holds it: named
-        ports resolved (flagella.datapath.namedports)."""
+        ports resolved (flagella.datapath.namedports). Its revision time
+        only when live (the stream's change reaching an endpoint that has
+        it; not a new endpoint, a resync or a port change)."""
+        if not live and pol.revision_time:
+            pol = dataclasses.replace(pol, revision_time=0.0)
         if not pol.named:
             return pol
         entries = namedports.resolve(pol.entries, record.named_ports, self.peer_ports)
@@ -681,7 +726,7 @@ class DatapathService:
             if pol is None:
                 self.policy.delete(record.endpoint_id)
             else:
-                self.policy.upsert(record.endpoint_id, self._for_endpoint(record, pol))
+                self.policy.upsert(record.endpoint_id, self._for_endpoint(record, pol, live=True))
 
     def resync_policies(self, policies: dict[int, IdentityPolicy]) -> None:
         """A full policy snapshot: exactly these, then prune."""

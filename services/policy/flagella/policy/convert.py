@@ -484,6 +484,8 @@ def policy_event_pb(ev: PolicyEvent, cache: ContentCache | None = None) -> pb.Po
         out.policy.MergeFromString(cache.get(c) if cache is not None else content_bytes(c))
         out.policy.identity = ev.policy.identity
         out.policy.revision = ev.policy.revision
+        if ev.revision_time:
+            out.policy.revision_time.FromNanoseconds(int(ev.revision_time * 1e9))
     return out
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 from flagella.common.backoff import retry
@@ -18,6 +20,9 @@ from flagella.policy.state import Change, PolicyState
 from flagella.policy.store import PolicyStore
 
 log = logging.getLogger(__name__)
+
+# Commit times remembered: far more revisions than a stream lags behind.
+COMMIT_TIMES = 1024
 
 
 class Subscription:
@@ -81,6 +86,9 @@ class Mirror:
         self._subscribers: set[Subscription] = set()
         self._changed = asyncio.Event()
         self.synced = asyncio.Event()
+        # When the newest revisions were committed (the start of their
+        # policy implementation delay on the datapaths).
+        self._commit_times: OrderedDict[int, float] = OrderedDict()
 
     # --- life cycle ---
 
@@ -123,13 +131,25 @@ class Mirror:
                 state.delete(key, rev)
             else:
                 state.put(kv)
+        self._committed(revision)
         self._notify(state.commit(revision))
         self._wake()
 
     def advance(self, revision: int) -> None:
         if revision > self.state.revision:
+            self._committed(revision)
             self._notify(self.state.commit(revision))
             self._wake()
+
+    def _committed(self, revision: int) -> None:
+        self._commit_times[revision] = time.time()
+        while len(self._commit_times) > COMMIT_TIMES:
+            self._commit_times.popitem(last=False)
+
+    def commit_time(self, revision: int) -> float:
+        """Unix time this mirror committed revision; 0 when it loaded it
+        whole or it is too old to remember."""
+        return self._commit_times.get(revision, 0.0)
 
     def set_live(self, live: bool, reason: str = "") -> None:
         """(Readiness follows etcd through the service's probe.)"""

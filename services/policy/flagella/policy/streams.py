@@ -53,6 +53,8 @@ class PolicyEvent:
     revision: int
     identity: int = 0
     policy: ResolvedPolicy | None = None
+    # Unix time the mirror committed the revision (0: unknown).
+    revision_time: float = 0.0
 
 
 class View(Protocol[K, V]):
@@ -246,13 +248,22 @@ class IPCacheMessages:
 
 
 class PolicyMessages:
+    def __init__(self, mirror: Mirror) -> None:
+        self.mirror = mirror
+
     def reset(self, revision: int) -> PolicyEvent:
         return PolicyEvent(EventKind.RESET, revision)
 
     async def upsert(self, change: Change[int, PolicyContent]) -> PolicyEvent:
         assert change.record is not None
         policy = ResolvedPolicy(change.key, change.revision, change.record)
-        return PolicyEvent(EventKind.UPSERT, change.revision, change.key, policy)
+        return PolicyEvent(
+            EventKind.UPSERT,
+            change.revision,
+            change.key,
+            policy,
+            self.mirror.commit_time(change.revision),
+        )
 
     async def delete(self, change: Change[int, PolicyContent]) -> PolicyEvent:
         return PolicyEvent(EventKind.DELETE, change.revision, change.key)
@@ -279,7 +290,7 @@ class Streams:
         # While the stream is open the node's leases stay alive.
         async with TaskGroup(f"watch-policy {node}") as tasks:
             tasks.spawn(f"keepalive-{node}", self.leases.keep_alive(node))
-            async for event in self._serve(feed, PolicyMessages(), since):
+            async for event in self._serve(feed, PolicyMessages(self.mirror), since):
                 yield event
 
     async def _serve(

@@ -7,7 +7,7 @@ import errno
 import os
 import shutil
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from flagella.datapath.bpf import layout as L
@@ -68,8 +68,30 @@ class Attachment:
 
 @dataclass(frozen=True)
 class GcStats:
+    """One GC pass: entries deleted (conntrack, nat) and, per family
+    ("ipv4"/"ipv6"), the conntrack entries deleted and alive."""
+
     conntrack: int
     nat: int
+    ct_deleted: Mapping[str, int] = field(default_factory=dict)
+    ct_alive: Mapping[str, int] = field(default_factory=dict)
+
+
+# Maps no BPF program writes: the process keeps their keys (exact entries).
+TRACKED_MAPS = (
+    "endpoints",
+    "ipcache",
+    "policy",
+    "prefix_policy",
+    "services",
+    "backends",
+    "revnat",
+    "maglev",
+    "srcrange",
+    "host_safe",
+)
+# Maps the BPF programs fill: counted at load and at each GC pass.
+COUNTED_MAPS = ("ct", "snat", "affinity", "frags")
 
 
 def _open_map(folder: Path, spec: L.MapSpec) -> tuple[int, bool]:
@@ -197,6 +219,9 @@ class Datapath:
             "metrics": self.metrics,
             "frags": self.frags,
         }
+        for name in TRACKED_MAPS:
+            self.maps[name].track()
+        self.count_filled()
 
     # --- lifecycle ---
 
@@ -343,11 +368,25 @@ class Datapath:
 
     # --- maps ---
 
+    def count_filled(self) -> None:
+        """Entries of the maps the BPF programs fill (a batch count each)."""
+        for name in COUNTED_MAPS:
+            self.maps[name].stats.entries = self.maps[name].count()
+
+    def entries_in_use(self, name: str) -> int:
+        """A map's entries as the writers and the last GC pass counted
+        them (arrays: every slot, as the kernel holds them). No walk."""
+        m = self.maps.get(name)
+        if m is None:
+            return 0
+        if m.spec.map_type in (syscall.MAP_TYPE_ARRAY, syscall.MAP_TYPE_PERCPU_ARRAY):
+            return m.max_entries
+        return m.stats.entries or 0
+
     def map_status(self, entries: bool = True) -> list[MapStatus]:
         out = []
         for spec in L.map_specs(self.sizes):
-            m = self.maps.get(spec.name)
-            n = m.count() if (m is not None and entries) else 0
+            n = self.entries_in_use(spec.name) if entries else 0
             out.append(
                 MapStatus(
                     spec.name,
@@ -512,5 +551,11 @@ class Datapath:
         return n
 
     def gc(self, now_ns: int | None = None) -> GcStats:
-        """Deletes expired conntrack and masquerade entries."""
-        return GcStats(self.conntrack.gc(now_ns), self.nat.gc(now_ns))
+        """Deletes expired conntrack and masquerade entries; counts what is
+        alive in the maps the programs fill (their pressure)."""
+        ct = self.conntrack.gc_pass(now_ns)
+        nat = self.nat.gc(now_ns)
+        self.conntrack.stats.entries = sum(ct.alive.values())
+        for m in (self.affinity, self.frags):
+            m.stats.entries = m.count()
+        return GcStats(sum(ct.deleted.values()), nat, ct.deleted, ct.alive)

@@ -242,6 +242,11 @@ def get_addr(source: V6Addr) -> str:
     return bytes_ip(bytes(source.u8))
 
 
+def addr_family(source: V6Addr) -> str:
+    """ "ipv4" (v4-mapped) or "ipv6", without decoding the address."""
+    return "ipv4" if bytes(source.u8)[:12] == _V4_MAPPED else "ipv6"
+
+
 def _set_bytes(target: ctypes.Array[ctypes.c_uint8], raw: bytes) -> None:
     ctypes.memmove(ctypes.addressof(target), raw, len(raw))
 

@@ -1,4 +1,5 @@
-"""Typed access to one pinned map: get/update/delete/items, batches, counts."""
+"""Typed access to one pinned map: get/update/delete/items, batches, counts,
+and what this process did to it (MapStats: operations by outcome, entries)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,38 @@ class MapFullError(OSError):
     """The map has no room for another entry (E2BIG / ENOSPC / ENOMEM)."""
 
 
+class MapStats:
+    """Kept by the writers, read at each scrape (no map walk): updates and
+    deletes by outcome, as Cilium's cilium_bpf_map_ops_total, and the
+    entries of the map when known (Cilium's map pressure): exactly for the
+    maps only this process writes (their keys are tracked), as of the last
+    GC pass for those the BPF programs fill (conntrack, NAT, ...)."""
+
+    __slots__ = ("entries", "keys", "ops")
+
+    def __init__(self) -> None:
+        self.ops: dict[tuple[str, str], int] = {}
+        self.entries: int | None = None
+        # The keys present, for a map only userspace writes (track()).
+        self.keys: set[bytes] | None = None
+
+    def count(self, operation: str, ok: bool, n: int = 1) -> None:
+        label = (operation, "success" if ok else "fail")
+        self.ops[label] = self.ops.get(label, 0) + n
+
+    def added(self, keys: Iterable[bytes]) -> None:
+        if self.keys is not None:
+            self.keys.update(keys)
+            self.entries = len(self.keys)
+
+    def removed(self, key: bytes, present: bool) -> None:
+        if self.keys is not None:
+            self.keys.discard(key)
+            self.entries = len(self.keys)
+        elif present and self.entries:
+            self.entries -= 1  # a map the programs fill: one fewer till the next count
+
+
 class BpfMap(Generic[K, V]):
     """One map, keys and values as the ctypes classes of its spec."""
 
@@ -32,6 +65,13 @@ class BpfMap(Generic[K, V]):
         self.pin_path = pin_path
         self.key_type: type[K] = spec.key  # type: ignore[assignment]
         self.value_type: type[V] = spec.value  # type: ignore[assignment]
+        self.stats = MapStats()
+
+    def track(self) -> None:
+        """Keep the set of keys from now on (one walk here; then the
+        writes keep it): for maps no BPF program writes."""
+        self.stats.keys = {bytes(k) for k in self.keys()}
+        self.stats.entries = len(self.stats.keys)
 
     @property
     def name(self) -> str:
@@ -49,13 +89,23 @@ class BpfMap(Generic[K, V]):
         try:
             syscall.map_update(self.fd, key, value, flags)
         except syscall.BpfError as e:
+            self.stats.count("update", False)
             if e.errno in (errno.E2BIG, errno.ENOSPC, errno.ENOMEM):
                 raise MapFullError(e.errno, f"map {self.name} is full ({self.max_entries})") from e
             raise
+        self.stats.count("update", True)
+        self.stats.added((bytes(key),))
 
     def delete(self, key: K) -> bool:
         """False when the key was absent (not an error)."""
-        return syscall.map_delete(self.fd, key)
+        try:
+            present = syscall.map_delete(self.fd, key)
+        except syscall.BpfError:
+            self.stats.count("delete", False)
+            raise
+        self.stats.count("delete", True)
+        self.stats.removed(bytes(key), present)
+        return present
 
     def update_batch(self, pairs: Sequence[tuple[K, V]]) -> int:
         """Writes every pair; one syscall per 4096 where the map type has
@@ -69,25 +119,30 @@ class BpfMap(Generic[K, V]):
         done = 0
         for start in range(0, len(pairs), _BATCH):
             chunk = pairs[start : start + _BATCH]
-            keys = (self.key_type * len(chunk)).from_buffer_copy(
-                b"".join([bytes(k) for k, _ in chunk])
-            )
+            key_bytes = [bytes(k) for k, _ in chunk]
+            keys = (self.key_type * len(chunk)).from_buffer_copy(b"".join(key_bytes))
             values = (self.value_type * len(chunk)).from_buffer_copy(
                 b"".join([bytes(v) for _, v in chunk])
             )
             try:
-                done += syscall.map_update_batch(self.fd, keys, values, len(chunk))
+                n = syscall.map_update_batch(self.fd, keys, values, len(chunk))
             except syscall.BpfError as e:
+                self.stats.count("update", False, len(chunk))
+                if self.stats.keys is not None:
+                    self.track()  # part of the batch may be in: read what is
                 if e.errno in (errno.E2BIG, errno.ENOSPC, errno.ENOMEM):
                     raise MapFullError(e.errno, f"map {self.name} is full") from e
                 raise
+            done += n
+            self.stats.count("update", True, n)
+            self.stats.added(key_bytes[:n])
         return done
 
     def delete_many(self, keys: Iterable[K]) -> int:
         """Deletes the keys present; returns how many were."""
         n = 0
         for k in keys:
-            if syscall.map_delete(self.fd, k):
+            if self.delete(k):
                 n += 1
         return n
 
@@ -214,9 +269,35 @@ class PerCpuArray(BpfMap[K, V]):
         syscall.map_update(self.fd, key, values, flags)
 
     def items(self) -> Iterator[tuple[K, V]]:
+        """Every slot, summed over CPUs: one batch lookup (a scrape reads
+        the whole metrics map), else a lookup per slot."""
+        try:
+            yield from self._items_batch_percpu()
+            return
+        except syscall.BpfError:
+            pass  # no batch operations on this kernel
         for i in range(self.max_entries):
             k = self.key_type()
             ctypes.memmove(ctypes.addressof(k), ctypes.byref(ctypes.c_uint32(i)), 4)
             v = self.get(k)
             if v is not None:
                 yield k, v
+
+    def _items_batch_percpu(self) -> list[tuple[K, V]]:
+        ncpu = syscall.possible_cpus()
+        n = self.max_entries
+        keys = (self.key_type * n)()
+        # The kernel writes each value once per possible CPU (values here
+        # are multiples of 8 bytes, the per-CPU stride).
+        values = (self.value_type * (n * ncpu))()
+        token = (ctypes.c_uint8 * 64)()
+        got, _ = syscall.map_lookup_batch(self.fd, None, token, keys, values, count=n)
+        out = []
+        names = [f[0] for f in self.value_type._fields_]
+        for i in range(got):
+            total = self.value_type()
+            per = values[i * ncpu : (i + 1) * ncpu]
+            for fname in names:
+                setattr(total, fname, sum(getattr(v, fname) for v in per))
+            out.append((keys[i], total))
+        return out

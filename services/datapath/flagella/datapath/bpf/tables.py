@@ -353,6 +353,12 @@ def key_tuple(k: L.CtKey) -> Tuple:
     )
 
 
+@dataclass(frozen=True)
+class CtGcResult:
+    deleted: dict[str, int]
+    alive: dict[str, int]
+
+
 class Conntrack(BpfMap[L.CtKey, L.CtEntry]):
     """cilium_ct: one LRU map for every scope (egress, ingress, service)."""
 
@@ -361,8 +367,23 @@ class Conntrack(BpfMap[L.CtKey, L.CtEntry]):
 
     def gc(self, now_ns: int | None = None) -> int:
         """Deletes expired entries; returns how many."""
+        return sum(self.gc_pass(now_ns).deleted.values())
+
+    def gc_pass(self, now_ns: int | None = None) -> CtGcResult:
+        """Deletes expired entries; what it deleted and left, per family."""
         now = monotonic_ns() if now_ns is None else now_ns
-        return self.delete_many([k for k, v in self.items() if v.expires <= now])
+        result = CtGcResult({"ipv4": 0, "ipv6": 0}, {"ipv4": 0, "ipv6": 0})
+        expired = []
+        for k, v in self.items():
+            family = L.addr_family(k.saddr)
+            if v.expires <= now:
+                expired.append((family, k))
+            else:
+                result.alive[family] += 1
+        for family, k in expired:
+            if self.delete(k):
+                result.deleted[family] += 1
+        return result
 
     def purge_backends(self, backend_ids: Iterable[int]) -> int:
         """Deletes the service (and NodePort) entries that chose these
@@ -385,7 +406,16 @@ class Nat(BpfMap[L.CtKey, L.NatValue]):
 
     def gc(self, now_ns: int | None = None) -> int:
         now = monotonic_ns() if now_ns is None else now_ns
-        return self.delete_many([k for k, v in self.items() if v.expires <= now])
+        doomed = []
+        alive = 0
+        for k, v in self.items():
+            if v.expires <= now:
+                doomed.append(k)
+            else:
+                alive += 1
+        deleted = self.delete_many(doomed)
+        self.stats.entries = alive
+        return deleted
 
     def entries(self) -> list[tuple[Tuple, int, str, int]]:
         """(tuple, NAT_OUT/NAT_IN, translated address, translated port)."""

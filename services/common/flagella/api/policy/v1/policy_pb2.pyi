@@ -1506,6 +1506,7 @@ class ResolvedPolicy(_message.Message):
     ENTRIES_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     PREFIX_ENTRIES_FIELD_NUMBER: _builtins.int
+    REVISION_TIME_FIELD_NUMBER: _builtins.int
     identity: _builtins.int
     revision: _builtins.int
     """Repository revision this policy was computed at."""
@@ -1528,6 +1529,14 @@ class ResolvedPolicy(_message.Message):
         them when the identity entries did not allow (nor deny) a packet.
         """
 
+    @_builtins.property
+    def revision_time(self) -> _timestamp_pb2.Timestamp:
+        """WatchPolicy: when the policy service's state reached this revision (it
+        committed the etcd change; unset for a revision it loaded whole). A
+        datapath measures its policy implementation delay from here (the
+        clocks of the nodes are assumed in sync).
+        """
+
     def __init__(
         self,
         *,
@@ -1538,10 +1547,11 @@ class ResolvedPolicy(_message.Message):
         entries: _abc.Iterable[Global___PolicyEntry] | None = ...,
         error: _builtins.str = ...,
         prefix_entries: _abc.Iterable[Global___PrefixEntry] | None = ...,
+        revision_time: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["revision_time", b"revision_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["egress_enforced", b"egress_enforced", "entries", b"entries", "error", b"error", "identity", b"identity", "ingress_enforced", b"ingress_enforced", "prefix_entries", b"prefix_entries", "revision", b"revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["egress_enforced", b"egress_enforced", "entries", b"entries", "error", b"error", "identity", b"identity", "ingress_enforced", b"ingress_enforced", "prefix_entries", b"prefix_entries", "revision", b"revision", "revision_time", b"revision_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
