@@ -201,11 +201,20 @@ class EtcdServer:
         (in a thread: a test may start etcd inside its event loop)."""
 
         async def apply() -> None:
-            etcd = self.client()
-            try:
-                await etcdauth.apply(etcd)
-            finally:
-                await etcd.close()
+            # Idempotent: tried again when etcd dropped the connection's
+            # handshake (as PatientEtcd does for a test's own calls).
+            deadline = time.monotonic() + PatientEtcd.CONNECT_RETRY_S
+            while True:
+                etcd = self.client()
+                try:
+                    await etcdauth.apply(etcd)
+                    return
+                except etcdauth.EtcdAuthError as exc:
+                    if "failed to connect" not in str(exc) or time.monotonic() > deadline:
+                        raise
+                finally:
+                    await etcd.close()
+                await asyncio.sleep(0.2)
 
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             pool.submit(asyncio.run, apply()).result()
