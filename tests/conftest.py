@@ -27,17 +27,18 @@ def pytest_configure(config: pytest.Config) -> None:
 KERNEL_FOLDERS = ("deploy", "e2e", "privileged")
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """For `pytest -n 2 --dist loadgroup` (scripts/test's full run): tests
-    that touch the kernel (namespaces, BPF, links, the Docker engine) run one
-    after the other in one worker, as without xdist; the others go to either
-    worker a file at a time (module-scoped fixtures set up once)."""
+    """Marks `kernel` the tests that touch the kernel (namespaces, BPF,
+    links, the Docker engine): scripts/test's full run runs them one after
+    the other in one pytest (`-m kernel`) and the others in a second one
+    beside it (`-m "not kernel"`)."""
     tests = Path(__file__).parent
     for item in items:
         path = Path(item.path)
         folder = path.relative_to(tests).parts[0] if path.is_relative_to(tests) else ""
-        kernel = folder in KERNEL_FOLDERS or item.get_closest_marker("privileged") is not None
-        item.add_marker(pytest.mark.xdist_group("kernel" if kernel else str(path)))
+        if folder in KERNEL_FOLDERS or item.get_closest_marker("privileged") is not None:
+            item.add_marker(pytest.mark.kernel)
 
 
 @pytest.hookimpl(hookwrapper=True)
