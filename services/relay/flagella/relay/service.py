@@ -121,7 +121,7 @@ class Relay:
         """Every node the registry has, as the relay last saw it."""
         return [self.view(n) for _, n in sorted(self.nodes.items())]
 
-    def _mark(self, node: NodeInfo, connected: bool, error: str = "") -> bool:
+    def mark(self, node: NodeInfo, connected: bool, error: str = "") -> bool:
         """Records the node's state; True when it changed."""
         v = self.view(node)
         changed = v.connected != connected
@@ -137,9 +137,9 @@ class Relay:
             for _, node in list(self.nodes.items()):
                 try:
                     await self.source.check(node, self.settings.node_timeout)
-                    self._mark(node, True)
+                    self.mark(node, True)
                 except FlagellaError as exc:
-                    self._mark(node, False, exc.details)
+                    self.mark(node, False, exc.details)
             await asyncio.sleep(interval)
 
     async def _matching(self, globs: tuple[str, ...]) -> list[NodeInfo]:
@@ -178,9 +178,9 @@ class Relay:
                     got = [(_ns(f), f) async for f in self.source.flows(node, request, None)]
             except (FlagellaError, TimeoutError) as exc:
                 error = getattr(exc, "details", "") or "no answer in time"
-                self._mark(node, False, error)
+                self.mark(node, False, error)
                 return NodeStatus(node.name, False, error)
-            self._mark(node, True)
+            self.mark(node, True)
             self.view(node).flows_seen += len(got)
             return got
 
@@ -244,7 +244,7 @@ class _Session:
             try:
                 await relay.source.check(node, s.node_timeout)
                 if reported is not True:
-                    relay._mark(node, True)
+                    relay.mark(node, True)
                     self._status(NodeStatus(node.name, True))
                     reported = True
                 async for f in relay.source.flows(node, request, None):
@@ -258,7 +258,7 @@ class _Session:
                 error = "the node's stream ended"
             except FlagellaError as exc:
                 error = exc.details
-            relay._mark(node, False, error)
+            relay.mark(node, False, error)
             if reported is not False:
                 self._status(NodeStatus(node.name, False, error))
                 reported = False
