@@ -420,7 +420,7 @@ def test_no_flags_inside_a_container_every_node_from_the_registry(
     relay = cluster.spawn(
         "relay",
         "--ipam-address", cluster.services["ipam"].address,
-        "--sort-buffer-drain-timeout", "1",
+        "--sort-buffer-drain-timeout", "2",
     )  # fmt: skip
     env = {
         "FLAGELLA_ENDPOINT_LISTEN": cluster.services["endpoint"].address,
