@@ -1,7 +1,8 @@
 """The relay's follow streams against fake datapaths (the logic alone; the
 real processes are in tests/integration/test_cli.py): both nodes' flows in
 time order with their node's CONNECTED first; a broken stream reported and
-resumed from just after its last flow (none twice); a full node buffer
+resumed from just after its last flow (none twice); a hung node reported;
+a full node buffer
 dropping its oldest, reported as lost; non-follow's last N overall."""
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ class FakeDatapaths:
             "n2": asyncio.Queue(),
         }
         self.down: set[str] = set()
+        # Cleared: the node's checks do not answer (it hangs).
+        self.answering = {"n1": asyncio.Event(), "n2": asyncio.Event()}
+        for event in self.answering.values():
+            event.set()
         self.requests: list[tuple[str, datapath_pb2.ObserveFlowsRequest]] = []
 
     def send(self, node: str, t: int) -> None:
@@ -42,6 +47,7 @@ class FakeDatapaths:
         self.live[node].put_nowait(f)
 
     async def check(self, node: NodeInfo, timeout: float) -> None:
+        await self.answering[node.name].wait()
         if node.name in self.down:
             raise Unavailable(f"{node.name} down")
 
@@ -80,6 +86,9 @@ async def test_follow_merges_reports_resumes_and_counts_lost() -> None:
         node_buffer_size=2,
         sort_buffer_max_len=100,
         sort_buffer_drain_timeout=0.05,
+        node_timeout=0.1,
+        liveness_interval=0.02,
+        liveness_timeout=0.05,
         backoff_initial=0.01,
         backoff_max=0.02,
     )
@@ -108,6 +117,14 @@ async def test_follow_merges_reports_resumes_and_counts_lost() -> None:
     assert got.time.ToNanoseconds() == 40  # 10 and 30 not again
     resumed = [r for n, r in dp.requests if n == "n1"][-1]
     assert resumed.since.ToNanoseconds() == 31
+
+    # n1 hangs (its stream open, no answer): reported, then back.
+    dp.answering["n1"].clear()
+    assert await next_event(events) == NodeStatus(
+        "n1", False, "no answer to a health check within 0.05s"
+    )
+    dp.answering["n1"].set()
+    assert await next_event(events) == NodeStatus("n1", True)
 
     # A reader that does not read: n2's buffer keeps its newest 2 of 5.
     for t in range(50, 55):

@@ -86,6 +86,11 @@ class Settings:
     sort_buffer_drain_timeout: float = 0.1
     # Seconds to wait for a node's answer (a check, a non-follow request).
     node_timeout: float = 5.0
+    # While a node's stream is open: how often its health is checked, and
+    # how long it gets to answer (a hung node is reported after at most
+    # their sum).
+    liveness_interval: float = 2.0
+    liveness_timeout: float = 2.0
     # Reconnecting a node's broken stream.
     backoff_initial: float = 0.2
     backoff_max: float = 5.0
@@ -241,28 +246,68 @@ class _Session:
         request.CopyFrom(self.request)
         reported: bool | None = None
         while True:
-            try:
-                await relay.source.check(node, s.node_timeout)
+            error = await self._answers(node, s.node_timeout)
+            if not error:
                 if reported is not True:
                     relay.mark(node, True)
                     self._status(NodeStatus(node.name, True))
                     reported = True
-                async for f in relay.source.flows(node, request, None):
-                    buf.put(f)
-                    relay.view(node).flows_seen += 1
-                    # A new stream resumes just after it, every flow buffered since.
-                    request.since.FromNanoseconds(_ns(f) + 1)
-                    request.last = ALL
-                    self.wake.set()
-                    backoff.reset()
-                error = "the node's stream ended"
-            except FlagellaError as exc:
-                error = exc.details
+                # The stream, and beside it a health check: a node that
+                # hangs (no reset, no keepalive answer for a while) is
+                # reported within seconds, not once TCP gives up.
+                async with TaskGroup(f"follow-{node.name}") as group:
+                    parts = {
+                        group.spawn("flows", self._consume(node, buf, request, backoff)),
+                        group.spawn("liveness", self._liveness(node)),
+                    }
+                    done, _ = await asyncio.wait(parts, return_when=asyncio.FIRST_COMPLETED)
+                error = done.pop().result()
             relay.mark(node, False, error)
             if reported is not False:
                 self._status(NodeStatus(node.name, False, error))
                 reported = False
             await backoff.wait()
+
+    async def _answers(self, node: NodeInfo, timeout: float) -> str:
+        """ "" when the node's datapath answers a health check in time, else why not."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self.relay.source.check(node, timeout)
+        except FlagellaError as exc:
+            return exc.details
+        except TimeoutError:
+            return f"no answer to a health check within {timeout}s"
+        return ""
+
+    async def _consume(
+        self,
+        node: NodeInfo,
+        buf: NodeBuffer[datapath_pb2.Flow],
+        request: datapath_pb2.ObserveFlowsRequest,
+        backoff: Backoff,
+    ) -> str:
+        """The node's flows into its buffer until the stream ends: why."""
+        try:
+            async for f in self.relay.source.flows(node, request, None):
+                buf.put(f)
+                self.relay.view(node).flows_seen += 1
+                # A new stream resumes just after it, every flow buffered since.
+                request.since.FromNanoseconds(_ns(f) + 1)
+                request.last = ALL
+                self.wake.set()
+                backoff.reset()
+        except FlagellaError as exc:
+            return exc.details
+        return "the node's stream ended"
+
+    async def _liveness(self, node: NodeInfo) -> str:
+        """Checks the node every liveness_interval; returns when it fails: why."""
+        s = self.relay.settings
+        while True:
+            await asyncio.sleep(s.liveness_interval)
+            error = await self._answers(node, s.liveness_timeout)
+            if error:
+                return error
 
     def _status(self, status: NodeStatus) -> None:
         self.statuses.append(status)
