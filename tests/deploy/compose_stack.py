@@ -25,12 +25,16 @@ from harness.net import free_port
 ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 SERVICES = ("ipam", "policy", "endpoint", "lb", "datapath")
+# Every gRPC server of the stack: the five (which `flagella status` and
+# Prometheus know) and the flow relay.
+SERVERS = (*SERVICES, "relay")
 GRPC_SERVICE = {
     "ipam": "flagella.ipam.v1.IpamService",
     "policy": "flagella.policy.v1.PolicyService",
     "endpoint": "flagella.endpoint.v1.EndpointService",
     "lb": "flagella.lb.v1.LoadBalancerService",
     "datapath": "flagella.datapath.v1.DatapathService",
+    "relay": "flagella.relay.v1.RelayService",
 }
 IMAGE_PREFIX = "flagella-test"
 # The compose datapath's node (its certificate names it).
@@ -359,6 +363,7 @@ def start_stack(docker: DockerDaemon) -> ComposeStack:
         "endpoint": free_port(),
         "lb": free_port(),
         "datapath": free_port(),
+        "relay": free_port(),
         "otlp": free_port(),
         "jaeger_ui": free_port(),
         "prometheus": free_port(),
@@ -383,6 +388,7 @@ def start_stack(docker: DockerDaemon) -> ComposeStack:
         "FLAGELLA_ENDPOINT_PORT": str(ports["endpoint"]),
         "FLAGELLA_LB_PORT": str(ports["lb"]),
         "FLAGELLA_DATAPATH_PORT": str(ports["datapath"]),
+        "FLAGELLA_RELAY_PORT": str(ports["relay"]),
         "FLAGELLA_OTLP_PORT": str(ports["otlp"]),
         "FLAGELLA_JAEGER_UI_PORT": str(ports["jaeger_ui"]),
         "FLAGELLA_PROMETHEUS_PORT": str(ports["prometheus"]),

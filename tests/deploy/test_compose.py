@@ -26,6 +26,7 @@ import pytest
 from compose_stack import (
     GRPC_SERVICE,
     NODE_NAME,
+    SERVERS,
     SERVICES,
     VENV_BIN,
     ComposeStack,
@@ -42,7 +43,7 @@ from harness.netns import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 
-UNPRIVILEGED = ("etcd", "jaeger", "prometheus", "ipam", "policy", "endpoint", "lb")
+UNPRIVILEGED = ("etcd", "jaeger", "prometheus", "ipam", "policy", "endpoint", "lb", "relay")
 DATAPATH_CAPS = {"CAP_NET_ADMIN", "CAP_SYS_ADMIN", "CAP_BPF", "CAP_PERFMON"}
 
 BCC_PROGRAM = r"""
@@ -95,7 +96,7 @@ def test_up_wait_brings_every_service_to_healthy(
     require_root: None, compose_stack: ComposeStack
 ) -> None:
     state = containers(compose_stack)
-    assert set(state) == {"etcd", "jaeger", "prometheus", *SERVICES}
+    assert set(state) == {"etcd", "jaeger", "prometheus", *SERVERS}
     for name, c in state.items():
         assert c["State"]["Status"] == "running", name
         assert c["State"]["Health"]["Status"] == "healthy", name
@@ -113,7 +114,7 @@ def test_up_wait_brings_every_service_to_healthy(
 
 
 @pytest.mark.privileged
-@pytest.mark.parametrize("svc", SERVICES)
+@pytest.mark.parametrize("svc", SERVERS)
 def test_grpcurl_health_is_serving(
     require_root: None, compose_stack: ComposeStack, svc: str
 ) -> None:
@@ -127,7 +128,7 @@ def test_grpcurl_health_is_serving(
 
 
 @pytest.mark.privileged
-@pytest.mark.parametrize("svc", SERVICES)
+@pytest.mark.parametrize("svc", SERVERS)
 def test_grpcurl_reflection_lists_and_describes(
     require_root: None, compose_stack: ComposeStack, svc: str
 ) -> None:
@@ -157,7 +158,7 @@ def test_the_stack_is_secure_by_default(require_root: None, compose_stack: Compo
     state = containers(compose_stack)
     tls_root = str(compose_stack.tls_dir)
     ca = (compose_stack.tls_dir / "ca" / "ca.crt").read_bytes()
-    for name in SERVICES:
+    for name in SERVERS:
         config = state[name]["Config"]
         assert not [e for e in config["Env"] if e.split("=")[0].endswith("_INSECURE")
                     and e.startswith("FLAGELLA_")], name  # fmt: skip
@@ -294,7 +295,7 @@ def test_only_the_datapath_has_privileges(require_root: None, compose_stack: Com
         assert host["PidMode"] == "", name
         for binding in (host["PortBindings"] or {}).values():
             assert all(b["HostIp"] == "127.0.0.1" for b in binding), name
-        if name in ("ipam", "policy", "endpoint", "lb"):
+        if name in ("ipam", "policy", "endpoint", "lb", "relay"):
             assert state[name]["Config"]["User"] == "65532:65532", name
             # Really not root inside: the process's uid.
             status = sh(["docker", "exec", state[name]["Id"], "cat", "/proc/1/status"]).stdout

@@ -90,6 +90,9 @@ RBAC = "rbac.authorization.k8s.io"
 FE_WRITES = ("create", "update", "delete")
 NODE_CERTS_ROLE = "flagella-datapath-node-certs"
 SERVICES = ("ipam", "policy", "endpoint", "lb")
+# Those with a certificate of their own: the four and the flow relay (which
+# has no etcd user).
+TLS_SERVICES = (*SERVICES, "relay")
 OTHER = {
     "flagella-ipam": set(),
     "flagella-endpoint": {
@@ -675,7 +678,7 @@ def test_every_flagella_workload_mounts_its_own_certificate_and_none_is_insecure
             for v in spec.get("volumes", []):
                 if "secret" in v and any(m["name"] == v["name"] for m in c.get("volumeMounts", [])):
                     mounted.setdefault(v["secret"]["secretName"], f"{name}/{c['name']}")
-        if name in SERVICES:
+        if name in TLS_SERVICES:
             seen.add(name)
             [main] = spec["containers"]
             volume = volume_of(spec, main, "/etc/flagella/tls")
@@ -707,11 +710,11 @@ def test_every_flagella_workload_mounts_its_own_certificate_and_none_is_insecure
                 if c not in fetchers:
                     paths = {m["mountPath"] for m in c.get("volumeMounts", [])}
                     assert token_path not in paths, c["name"]
-    assert seen == {*SERVICES, "datapath"}
+    assert seen == {*TLS_SERVICES, "datapath"}
     # Nobody mounts another's Secret, nor the CA's; etcd's Secrets: see
     # test_etcd_serves_tls_and_each_workload_mounts_its_own_etcd_secret.
     assert mounted == {
-        **{f"flagella-service-{s}": f"{s}/{s}" for s in SERVICES},
+        **{f"flagella-service-{s}": f"{s}/{s}" for s in TLS_SERVICES},
         # First mounted by the init container waiting for etcd's auth.
         **{f"flagella-{s}-etcd-tls": f"{s}/etcd-auth-wait" for s in SERVICES},
         ETCD_SERVER_SECRET: "etcd/etcd",
@@ -824,7 +827,7 @@ def test_certgen_issues_every_identity_and_the_datapath_role_starts_empty(
     for command in commands:
         assert command[:3] == ["/opt/flagella/bin/flagella", "certs", "k8s-sync"]
         services = {a.removeprefix("--service=") for a in command if a.startswith("--service=")}
-        assert services == (set() if with_cert_manager else set(SERVICES))
+        assert services == (set() if with_cert_manager else set(TLS_SERVICES))
         assert ("--external-ca" in command) == with_cert_manager
         assert "--nodes-from-api" in command
         assert f"--node-role={NODE_CERTS_ROLE}" in command
@@ -855,7 +858,7 @@ def test_the_cert_manager_overlay_issues_the_identities_certgen_would(
     assert ca["isCA"] is True
     assert ca["secretName"] == "flagella-ca"
     assert "selfSigned" in issuers[ca["issuerRef"]["name"]]
-    expected = {f"flagella-service-{s}": ("service", s) for s in SERVICES}
+    expected = {f"flagella-service-{s}": ("service", s) for s in TLS_SERVICES}
     expected["flagella-operator-admin"] = ("operator", "admin")
     assert set(certificates) == set(expected)
     for name, (kind, who) in expected.items():

@@ -104,7 +104,7 @@ class ServiceProcess:
         (before the test's own flags, which win: --etcd-insecure for a
         plaintext etcd)."""
         grpc_args = ["--insecure"] if self.insecure else self.pki.args(self.identity)
-        etcd_args = [] if self.svc == "datapath" else etcd_pki().service_args(self.svc)
+        etcd_args = [] if self.svc in ("datapath", "relay") else etcd_pki().service_args(self.svc)
         return [*grpc_args, *etcd_args]
 
     def credentials(self, identity: Identity = tls.OPERATOR) -> grpc.ChannelCredentials | None:

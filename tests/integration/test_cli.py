@@ -3,10 +3,13 @@ table and as JSON, and its one-line error when a service is down."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import queue
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -18,9 +21,11 @@ from harness.cluster import Cluster, Node
 from harness.cni import cni, netconf
 from harness.net import free_port
 from harness.netns import wait_until
+from harness.procs import ServiceProcess
 
 from flagella.api.lb.v1 import lb_pb2
 from flagella.api.policy.v1 import policy_pb2
+from flagella.api.relay.v1 import relay_pb2, relay_pb2_grpc
 
 pytestmark = [pytest.mark.privileged, pytest.mark.integration]
 
@@ -419,12 +424,20 @@ def test_no_flags_inside_a_container_every_node_from_the_registry(
     c_ip = add_pod(cluster, n1, "c", {"app": "c"})
     d_ip = add_pod(cluster, n2, "d", {"app": "d"})
     lb_host, _, lb_port = cluster.services["lb"].address.rpartition(":")
+    # The flow relay, which observe asks; a long sort window: the live
+    # flows of both nodes come out in time order even when polled apart.
+    relay = cluster.spawn(
+        "relay",
+        "--ipam-address", cluster.services["ipam"].address,
+        "--sort-buffer-drain-timeout", "2",
+    )  # fmt: skip
     env = {
         "FLAGELLA_ENDPOINT_LISTEN": cluster.services["endpoint"].address,
         "FLAGELLA_ENDPOINT_IPAM_ADDRESS": cluster.services["ipam"].address,
         "FLAGELLA_ENDPOINT_POLICY_ADDRESS": cluster.services["policy"].address,
         "LB_SERVICE_HOST": lb_host,
         "LB_SERVICE_PORT": lb_port,
+        "FLAGELLA_RELAY_ADDRESS": relay.address,
     }
     status = cli_in(env, "-o", "json", "status")
     assert status.returncode == 0, status.stdout + status.stderr
@@ -474,6 +487,104 @@ def test_no_flags_inside_a_container_every_node_from_the_registry(
     assert times == sorted(times)
     n2_only = cli_in(env, "observe", "-o", "json", "--node", "*2", "--last", "50").stdout
     assert {json.loads(line)["flow"]["node_name"] for line in n2_only.splitlines()} == {"n2"}
+    check_relay_follow(cluster, env, relay, (n1, "c", a_ip), (n2, "d", b_ip))
+
+
+def check_relay_follow(
+    cluster: Cluster,
+    env: dict[str, str],
+    relay: ServiceProcess,
+    *pairs: tuple[Node, str, str],
+) -> None:
+    """One `observe -o json -f` stream through the relay: new flows of both
+    nodes, in time order, each with its node; n2's datapath stopped
+    mid-stream is reported UNAVAILABLE within 5 s, CONNECTED once it is
+    back; the relay's GetNodes has both, with the flows it saw."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("FLAGELLA_")}
+    proc = subprocess.Popen(
+        [CLI, "observe", "-o", "json", "-f", "--verdict", "dropped", "--duration", "90"],
+        env={**base, "FLAGELLA_TLS_DIR": os.environ["FLAGELLA_TLS_DIR"], **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: queue.Queue[dict[str, Any]] = queue.Queue()
+    seen: list[dict[str, Any]] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for text in proc.stdout:
+            lines.put(json.loads(text))
+
+    threading.Thread(target=read, daemon=True).start()
+
+    def wait_for(wanted: Any, timeout: float, poke: Any = None) -> bool:
+        """Reads lines until one satisfies wanted (poke() each 0.5 s)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if poke is not None:
+                poke()
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    line = lines.get(timeout=0.5)
+                    HUBBLE_FLOW.validate(line)
+                    seen.append(line)
+                    if wanted(line):
+                        return True
+        return False
+
+    def status_of(node: str, state: str) -> Any:
+        return lambda line: (
+            line.get("node_status", {}).get("state_change") == state
+            and line["node_status"]["node_names"] == [node]
+        )
+
+    def traffic() -> None:
+        """Each node's denied connection (a drop, a flow) once more."""
+        for node, pod, dst in pairs:
+            node.pods[pod].request("tcp", dst, 5432, timeout=0.2)
+
+    try:
+        assert wait_for(status_of("n2", "NODE_CONNECTED"), 15)
+        nodes_seen: set[str] = set()
+
+        def both(line: dict[str, Any]) -> bool:
+            if "flow" in line:
+                nodes_seen.add(line["node_name"])
+            return nodes_seen == {"n1", "n2"}
+
+        assert wait_for(both, 30, poke=traffic), seen
+        flows = [line for line in seen if "flow" in line]
+        assert all(line["flow"]["node_name"] == line["node_name"] for line in flows)
+        times = [line["time"] for line in flows]
+        assert times == sorted(times, key=_rfc3339_ns), times
+
+        n2 = pairs[1][0]
+        assert n2.process is not None
+        n2.process.stop()
+        stopped = time.monotonic()
+        assert wait_for(status_of("n2", "NODE_UNAVAILABLE"), 5), seen[-5:]
+        assert time.monotonic() - stopped < 5
+        cluster.start_datapath(n2)
+        assert wait_for(status_of("n2", "NODE_CONNECTED"), 30), seen[-5:]
+        assert proc.poll() is None  # the stream goes on
+
+        got = relay_pb2_grpc.RelayServiceStub(relay.channel()).GetNodes(
+            relay_pb2.GetNodesRequest(), timeout=10
+        )
+        by_name = {n.name: n for n in got.nodes}
+        assert set(by_name) == {"n1", "n2"}
+        assert by_name["n1"].state == relay_pb2.NODE_STATE_CONNECTED
+        assert by_name["n2"].address == n2.address
+        assert by_name["n2"].last_error  # why it was unavailable
+        assert all(n.flows_seen > 0 for n in got.nodes)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _rfc3339_ns(text: str) -> tuple[str, float]:
+    return text[:19], float(f"0{text[19:-1]}")
 
 
 def test_endpoint_get_shows_named_ports(suite: tuple[Cluster, Node]) -> None:

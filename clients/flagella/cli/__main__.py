@@ -330,6 +330,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="one datapath's address (default FLAGELLA_DATAPATH_ADDRESS; without it every "
         "node's datapath is found through the node registry, --node to pick one)",
     )
+    relay = default_address("relay", os.environ)
+    parser.add_argument(
+        "--relay-address",
+        default=relay,
+        help=f"the flow relay, which observe asks (default {relay}: FLAGELLA_RELAY_ADDRESS, "
+        "else from a flagella container's environment, else the local port)",
+    )
     parser.add_argument("-o", "--output", choices=("table", "json"), default="table")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds per call")
     certs.add_tls_flags(parser)
@@ -429,7 +436,8 @@ def build_parser() -> argparse.ArgumentParser:
     observe = sub.add_parser(
         "observe",
         help="flows as hubble observe shows them (-o json: one Hubble flow per line)",
-        description="Flows of every node (or those --node names), each end named. "
+        description="Flows of every node through the relay (--node or --datapath-address: "
+        "from those datapaths directly), each end named. "
         "Without --last, --since or --follow: the last 20. Filters on pods, namespaces "
         "and labels match when the source or the destination matches all of them.",
     )

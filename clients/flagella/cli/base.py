@@ -19,6 +19,7 @@ from flagella.api.endpoint.v1 import endpoint_pb2_grpc
 from flagella.api.ipam.v1 import ipam_pb2, ipam_pb2_grpc
 from flagella.api.lb.v1 import lb_pb2_grpc
 from flagella.api.policy.v1 import policy_pb2_grpc
+from flagella.api.relay.v1 import relay_pb2_grpc
 from flagella.cli import certs
 from flagella.cli.targets import Datapath, default_node, pick_one
 from flagella.common.tls import target_options
@@ -122,6 +123,9 @@ class Clients:
 
     def lb(self) -> Any:
         return lb_pb2_grpc.LoadBalancerServiceStub(self.channel(self.args.lb_address))
+
+    def relay(self) -> Any:
+        return relay_pb2_grpc.RelayServiceStub(self.channel(self.args.relay_address))
 
     def datapath(self, dp: Datapath) -> Any:
         return datapath_pb2_grpc.DatapathServiceStub(self.channel(dp.address))

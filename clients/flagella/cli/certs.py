@@ -13,7 +13,7 @@ import grpc
 
 from flagella.common import etcdauth, pki
 
-SERVICES = ("ipam", "policy", "endpoint", "lb")
+SERVICES = ("ipam", "policy", "endpoint", "lb", "relay")
 NAMESPACE = "flagella"
 CA_KEY = "ca.key"
 

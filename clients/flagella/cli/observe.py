@@ -1,4 +1,5 @@
-"""`flagella observe`: flows from every node's datapath (or those named) as
+"""`flagella observe`: flows from every node (through the relay; from the
+datapaths named by --node or --datapath-address directly) as
 `hubble observe` shows them: a table, or with `-o json` one Hubble flow per
 line (flagella.common.flows), each end named (pod, namespace, labels) from
 the endpoint and policy services. `flagella monitor`, its predecessor, stays
@@ -20,7 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Generator, Iterable
-from datetime import datetime
+from datetime import UTC, datetime
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -28,6 +29,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from flagella.api.datapath.v1 import datapath_pb2
 from flagella.api.endpoint.v1 import endpoint_pb2
 from flagella.api.policy.v1 import policy_pb2
+from flagella.api.relay.v1 import relay_pb2
 from flagella.cli.base import PROTOCOL_NAMES, PROTOCOLS, Clients, CliError, enum_name, to_dict
 from flagella.cli.targets import Datapath
 from flagella.common import flows as hubble
@@ -332,7 +334,8 @@ def observed_nodes(clients: Clients, patterns: list[str]) -> list[Datapath]:
 def cmd_observe(args: argparse.Namespace, clients: Clients) -> int:
     base = observe_request(args, time.time())
     wanted = end_filter(args)
-    targets = observed_nodes(clients, args.node)
+    direct = bool(args.node or clients.args.datapath_address)
+    targets = observed_nodes(clients, args.node) if direct else []
     names = Names(clients)
     # How many buffered flows to show (None: all since --since), as hubble.
     keep: int | None = args.last or (
@@ -349,6 +352,9 @@ def cmd_observe(args: argparse.Namespace, clients: Clients) -> int:
         src, dst = (_name(shape["flow"].get(end, {})) for end in ("source", "destination"))
         line = flow_line(f, src, dst)
         return f"{f.node} {line}" if f.node else line
+
+    if not direct:
+        return _through_relay(args, clients, base, keep=keep, by_end=wanted.by_end, show=show)
 
     # The buffered flows first, all nodes' in time order, the filters here
     # applied before --last counts; then (--follow) each node's new ones
@@ -394,3 +400,83 @@ def _name(ep: dict[str, str]) -> str:
     if ep.get("pod_name"):
         return f"{ep.get('namespace', '')}/{ep['pod_name']}"
     return ""
+
+
+# --- through the relay ---
+
+
+def relay_event_line(event: relay_pb2.ObserveResponse, output: str) -> str:
+    """A node status or lost event as a line (JSON: as hubble prints them)."""
+    now = datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+    if event.HasField("node_status"):
+        st = event.node_status
+        connected = st.state == relay_pb2.NODE_STATE_CONNECTED
+        if output == "json":
+            return json.dumps(hubble.node_status(st.node, connected, st.message, now))
+        state = "CONNECTED" if connected else "UNAVAILABLE"
+        return f"{now} node {st.node} {state}" + (f": {st.message}" if st.message else "")
+    lost = event.lost
+    if output == "json":
+        return json.dumps(hubble.lost_events(lost.node, lost.count, now))
+    return f"{now} LOST {lost.count} flows of node {lost.node} (the relay's queue was full)"
+
+
+def relay_error(address: str, exc: grpc.RpcError) -> str:
+    """The relay's stream failing mid-way ("" : it ended as asked)."""
+    code = exc.code() if hasattr(exc, "code") else None
+    if code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+        return ""
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return f"relay service unreachable at {address}"
+    details = exc.details() if hasattr(exc, "details") else ""
+    return f"relay: {code.name if code else 'error'}: {details}"
+
+
+def _through_relay(
+    args: argparse.Namespace,
+    clients: Clients,
+    base: datapath_pb2.ObserveFlowsRequest,
+    *,
+    keep: int | None,
+    by_end: bool,
+    show: Callable[[datapath_pb2.Flow], str | None],
+) -> int:
+    """observe through the relay: one stream of every node's flows in time
+    order, with node status and lost events; the same two steps as the
+    datapaths' (the buffered flows, the filters here before --last counts;
+    then --follow from just after the newest)."""
+    stub = clients.relay()
+
+    def line(event: relay_pb2.ObserveResponse) -> str | None:
+        """A flow's line (None: filtered out here), or an event's."""
+        if event.HasField("flow"):
+            return show(event.flow)
+        return relay_event_line(event, args.output)
+
+    req = datapath_pb2.ObserveFlowsRequest()
+    req.CopyFrom(base)
+    if keep != 0:
+        req.last = keep if keep and not by_end else ALL
+        events = clients.call(
+            "relay",
+            lambda r, **kw: list(stub.ObserveFlows(r, **kw)),
+            relay_pb2.ObserveRequest(filter=req),
+        )
+        flows = [e.flow for e in events if e.HasField("flow")]
+        lines = [text for e in events if (text := line(e)) is not None and e.HasField("flow")]
+        marks = [text for e in events if not e.HasField("flow") and (text := line(e))]
+        if not printing([*marks, *(lines[-keep:] if keep else lines)]):
+            return 0
+        if flows:
+            req.since.FromNanoseconds(max(f.time.ToNanoseconds() for f in flows) + 1)
+    if not args.follow:
+        return 0
+    req.last, req.follow = (ALL if keep != 0 else 0), True
+    live = stub.ObserveFlows(relay_pb2.ObserveRequest(filter=req), timeout=args.duration or None)
+    try:
+        printing(text for e in live if (text := line(e)) is not None)
+    except grpc.RpcError as exc:
+        return report(e for e in [relay_error(args.relay_address, exc)] if e)
+    finally:
+        live.cancel()
+    return 0

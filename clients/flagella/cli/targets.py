@@ -13,7 +13,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 SERVICES = ("ipam", "policy", "endpoint", "lb")
-LOCAL_PORTS = {"ipam": 50051, "policy": 50052, "endpoint": 50053, "lb": 50054, "datapath": 50055}
+LOCAL_PORTS = {
+    "ipam": 50051, "policy": 50052, "endpoint": 50053, "lb": 50054, "datapath": 50055,
+    "relay": 50056,
+}  # fmt: skip
 WILDCARDS = {"0.0.0.0": "127.0.0.1", "[::]": "[::1]", "": "127.0.0.1"}
 
 

@@ -78,6 +78,7 @@ def node_of(resource: str) -> Grant:
 
 ENDPOINT = service("endpoint")
 POLICY = service("policy")
+RELAY = service("relay")
 OPERATOR = Grant("operator")
 NODES = Grant("node")
 ANYONE = (Grant("anyone"),)
@@ -101,10 +102,10 @@ TABLE: dict[str, tuple[Grant, ...]] = {
             "RenewNode": (own_node("name"),),
             # Operators decommission nodes.
             "DeregisterNode": (own_node("name"), OPERATOR),
-            # The endpoint service follows the registry to reach datapaths.
-            "GetNode": (ENDPOINT, NODES, OPERATOR),
-            "ListNodes": (ENDPOINT, NODES, OPERATOR),
-            "WatchNodes": (ENDPOINT, NODES, OPERATOR),
+            # The endpoint service and the relay follow the registry to reach datapaths.
+            "GetNode": (ENDPOINT, NODES, OPERATOR, RELAY),
+            "ListNodes": (ENDPOINT, NODES, OPERATOR, RELAY),
+            "WatchNodes": (ENDPOINT, NODES, OPERATOR, RELAY),
             # Addresses are handed out by the endpoint service only.
             "Allocate": (ENDPOINT,),
             "AllocateIP": (ENDPOINT,),
@@ -190,8 +191,13 @@ TABLE: dict[str, tuple[Grant, ...]] = {
             "ListMaps": (OPERATOR,),
             "DumpMap": (OPERATOR,),
             "GetStatus": (OPERATOR,),
-            "ObserveFlows": (OPERATOR,),
+            # The relay merges every node's flows for operators.
+            "ObserveFlows": (OPERATOR, RELAY),
         },
+    ),
+    **_methods(
+        "flagella.relay.v1.RelayService",
+        {"ObserveFlows": (OPERATOR,), "GetNodes": (OPERATOR,)},
     ),
 }
 

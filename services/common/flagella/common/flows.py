@@ -182,6 +182,26 @@ def to_hubble(f: dp.Flow, directory: Directory) -> dict[str, Any]:
     return {"flow": flow, "node_name": f.node, "time": time}
 
 
+def node_status(node: str, connected: bool, message: str, time: str) -> dict[str, Any]:
+    """A relay's node status line as `hubble observe -o json` prints it
+    (observer.proto's GetFlowsResponse holding relay.proto's NodeStatusEvent)."""
+    event: dict[str, Any] = {
+        "state_change": "NODE_CONNECTED" if connected else "NODE_UNAVAILABLE",
+        "node_names": [node],
+    }
+    if message:
+        event["message"] = message
+    return {"node_status": event, "time": time}
+
+
+def lost_events(node: str, count: int, time: str) -> dict[str, Any]:
+    """Flows a relay dropped from a node's full queue, as hubble prints a
+    LostEvent (source: the queue between a node and its reader; uint64 as
+    a string, protobuf's JSON mapping)."""
+    event = {"source": "OBSERVER_EVENTS_QUEUE", "num_events_lost": str(count)}
+    return {"lost_events": event, "node_name": node, "time": time}
+
+
 # --- filters on what only a consumer knows (names, namespaces, labels) ---
 
 

@@ -1,0 +1,1 @@
+"""flagella relay: every node's flows through one API (as Hubble Relay)."""

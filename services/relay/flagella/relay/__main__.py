@@ -1,0 +1,49 @@
+"""python -m flagella.relay: run the relay service."""
+
+from __future__ import annotations
+
+import sys
+
+import grpc
+
+from flagella.api.relay.v1 import relay_pb2, relay_pb2_grpc
+from flagella.common.server import Runtime
+from flagella.common.server import main as serve_main
+from flagella.common.sync import Table
+from flagella.relay.config import RelayConfig
+from flagella.relay.peers import Datapaths, node_source
+from flagella.relay.service import NodeInfo, Relay
+from flagella.relay.servicer import RelayServicer
+
+
+class RelayApp:
+    service_names = (relay_pb2.DESCRIPTOR.services_by_name["RelayService"].full_name,)
+
+    def __init__(self, runtime: Runtime[RelayConfig]) -> None:
+        self.runtime = runtime
+        self.config = runtime.config
+        self.nodes: Table[str, NodeInfo] = Table("ipam nodes")
+        self.relay = Relay(self.nodes, Datapaths(runtime.channel), self.config.settings)
+
+    def register(self, server: grpc.aio.Server) -> None:
+        relay_pb2_grpc.add_RelayServiceServicer_to_server(RelayServicer(self.relay), server)
+
+    async def start(self) -> None:
+        # Serving does not wait for the registry: a request does, briefly,
+        # and answers UNAVAILABLE naming ipam when it is away.
+        source = node_source(self.runtime.channel(self.config.ipam_address), self.nodes)
+        tasks = self.runtime.tasks
+        tasks.spawn("ipam-nodes", source.run())
+        tasks.spawn("probe-nodes", self.relay.probe(self.config.node_probe_interval))
+        self.runtime.phase_ends_with("first_sync", self.nodes.wait_initialized())
+
+    async def stop(self) -> None:
+        pass
+
+
+def main() -> int:
+    return serve_main("relay", RelayConfig, RelayApp)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
