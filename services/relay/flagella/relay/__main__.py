@@ -23,7 +23,8 @@ class RelayApp:
         self.runtime = runtime
         self.config = runtime.config
         self.nodes: Table[str, NodeInfo] = Table("ipam nodes")
-        self.relay = Relay(self.nodes, Datapaths(runtime.channel), self.config.settings)
+        self.datapaths = Datapaths(runtime.channel)
+        self.relay = Relay(self.nodes, self.datapaths, self.config.settings)
 
     def register(self, server: grpc.aio.Server) -> None:
         relay_pb2_grpc.add_RelayServiceServicer_to_server(RelayServicer(self.relay), server)
@@ -38,7 +39,9 @@ class RelayApp:
         self.runtime.phase_ends_with("first_sync", self.nodes.wait_initialized())
 
     async def stop(self) -> None:
-        pass
+        # The runtime's tasks have stopped; end the nodes' flow streams now
+        # rather than when the runtime closes every channel after this.
+        await self.datapaths.close()
 
 
 def main() -> int:

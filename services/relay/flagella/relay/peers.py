@@ -56,6 +56,12 @@ class Datapaths:
             ch = self._channels[node.address] = self._channel(node.address)
         return ch
 
+    async def close(self) -> None:
+        """Close every node's channel (the streams on them end)."""
+        channels, self._channels = self._channels, {}
+        for ch in channels.values():
+            await ch.close()
+
     async def check(self, node: NodeInfo, timeout: float) -> None:
         stub: Any = health_pb2_grpc.HealthStub(self._for(node))  # untyped stubs
         with calling(f"datapath of node {node.name} at {node.address}"):
