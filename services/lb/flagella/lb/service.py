@@ -55,6 +55,8 @@ from flagella.lb.validation import Limits, in_batch
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 16
+# How long a write waits to show in this replica's own table.
+VISIBLE_TIMEOUT = 2.0
 # Below this many slots a table is built inline rather than in a thread.
 _INLINE_SLOTS = 4096
 
@@ -269,6 +271,7 @@ class LbService:
             (result,) = await self.store.commit([plan])
             if isinstance(result, Committed):
                 self._known.add(spec.name)
+                await self._visible(result.revision)
                 return plan.record.with_revision(result.revision), current is None
             # Find out what was contested; reject or retry.
             log.debug(
@@ -365,6 +368,9 @@ class LbService:
                 results[i] = (plan.record.with_revision(outcome.revision), plan.previous is None)
             else:
                 racing.append(i)
+        await self._visible(
+            max((o.revision for o in outcomes if isinstance(o, Committed)), default=0)
+        )
         for i in sorted(racing):
             try:
                 results[i] = await self.upsert(specs[i])
@@ -432,10 +438,21 @@ class LbService:
                 raise FailedPrecondition(
                     f"service {name!r} is managed by {record.source.value}", field="name"
                 )
-            if await self.store.delete(record):
+            revision = await self.store.delete(record)
+            if revision is not None:
                 self._known.discard(name)
+                await self._visible(revision)
                 return True
         raise Aborted(f"service {name!r} kept changing concurrently; retry", field="name")
+
+    async def _visible(self, revision: int) -> None:
+        """Wait until this replica's table shows a write it made, so that
+        a Watch or List after the write's answer sees it (read your writes).
+        A mirror that lags longer is only logged: the write stands."""
+        try:
+            await self.store.services.wait_for(revision, VISIBLE_TIMEOUT)
+        except TimeoutError:
+            log.warning("lb table lags behind a write", extra={"revision": revision})
 
     # --- watch ---
 

@@ -458,9 +458,10 @@ class LbStore:
                     out[rec.id] = rec
         return out
 
-    async def delete(self, record: ServiceRecord) -> bool:
+    async def delete(self, record: ServiceRecord) -> int | None:
         """Delete the service and free its ids, if it is still at its
-        revision. Returns False when it changed meanwhile."""
+        revision. Returns the deletion's revision; None when it changed
+        meanwhile."""
         ops = [
             delete_op(service_key(record.id)),
             delete_op(name_key(record.name)),
@@ -474,7 +475,7 @@ class LbStore:
         result = await self.etcd.txn(
             [mod_revision_is(service_key(record.id), record.revision)], ops
         )
-        return result.succeeded
+        return result.revision if result.succeeded else None
 
     async def ensure_seed(self, seed: str) -> None:
         """Record the cluster's Maglev seed on first start; refuse a replica
