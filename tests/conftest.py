@@ -23,20 +23,26 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ.setdefault(f"FLAGELLA_{svc.upper()}_METRICS_LISTEN", "127.0.0.1:0")
 
 
-# Folders whose every test touches the kernel or the Docker engine.
-KERNEL_FOLDERS = ("deploy", "e2e", "privileged")
+# Folders whose every test touches the kernel.
+KERNEL_FOLDERS = ("e2e", "privileged")
+# The Docker engine's tests: their stack runs in the host's netns, apart
+# from the namespaces, pins and links the kernel tests make, so they run
+# beside them (in the second pytest).
+DOCKER_FOLDERS = ("deploy",)
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Marks `kernel` the tests that touch the kernel (namespaces, BPF,
-    links, the Docker engine): scripts/test's full run runs them one after
-    the other in one pytest (`-m kernel`) and the others in a second one
-    beside it (`-m "not kernel"`)."""
+    links): scripts/test's full run runs them one after the other in one
+    pytest (`-m kernel`) and the others (the Docker engine's included) in a
+    second one beside it (`-m "not kernel"`)."""
     tests = Path(__file__).parent
     for item in items:
         path = Path(item.path)
         folder = path.relative_to(tests).parts[0] if path.is_relative_to(tests) else ""
+        if folder in DOCKER_FOLDERS:
+            continue
         if folder in KERNEL_FOLDERS or item.get_closest_marker("privileged") is not None:
             item.add_marker(pytest.mark.kernel)
 
