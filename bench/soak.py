@@ -47,7 +47,7 @@ def main() -> None:
         node = cluster.add_node("soak")
         soak = Soak(cluster, node, pods=args.pods, kill_interval=args.kill_interval, log=log)
         result = soak.run(seconds)
-    figures = result.figures(warm_up=min(60.0, seconds / 4))
+    figures = result.figures(warm_up=min(30.0, seconds / 4))
     if args.json:
         print(json.dumps(figures))
         return

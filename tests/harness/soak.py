@@ -137,15 +137,15 @@ class SoakResult:
 
     def growth_per_minute(self, warm_up: float) -> dict[str, tuple[float, float]]:
         """Per process: the largest (RSS KiB, open files) growth per minute
-        over any one process lifetime sampled for at least 20 s after
-        warm_up seconds (least squares)."""
+        (least squares) over any one process lifetime, leaving out its first
+        warm_up seconds (a process fills its caches first); lifetimes with
+        less than 20 s of samples left count not."""
         runs: dict[tuple[str, int], list[Sample]] = {}
-        t0 = min((s.at for s in self.samples), default=0.0)
         for s in self.samples:
-            if s.at - t0 >= warm_up:
-                runs.setdefault((s.process, s.pid), []).append(s)
+            runs.setdefault((s.process, s.pid), []).append(s)
         out: dict[str, tuple[float, float]] = {}
-        for (process, _), run in runs.items():
+        for (process, _), lifetime in runs.items():
+            run = [s for s in lifetime if s.at - lifetime[0].at >= warm_up]
             if len(run) < 3 or run[-1].at - run[0].at < 20:
                 continue
             ts = [s.at for s in run]
