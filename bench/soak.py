@@ -48,6 +48,10 @@ def main() -> None:
         soak = Soak(cluster, node, pods=args.pods, kill_interval=args.kill_interval, log=log)
         result = soak.run(seconds)
     figures = result.figures(warm_up=min(30.0, seconds / 4))
+    # The same over each lifetime's second half only: a process that fills
+    # bounded caches grows early and then flattens; a leak keeps its slope.
+    for process, (rss, _) in sorted(result.growth_per_minute(seconds / 2).items()):
+        figures[f"rss_growth_kib_per_min_second_half_{process}"] = rss
     if args.json:
         print(json.dumps(figures))
         return

@@ -140,6 +140,18 @@ static __always_inline void addr_copy(union v6addr *dst, const union v6addr *src
 }
 
 /* Ports and ICMP of the L4 header at p->l4_off (direct packet access). */
+/* A pod reaching itself through a service (hairpin): after the DNAT to its
+ * own address, its source becomes this link-local address (Cilium's
+ * IPV4_LOOPBACK), so that its kernel takes the packet (a packet from one of
+ * its own addresses arriving on eth0 is a martian) and its reply leaves
+ * through eth0 again, to be translated back. IPv4 only. */
+#define HAIRPIN_V4 0xa9fe2a01 /* 169.254.42.1 */
+
+static __always_inline int is_hairpin_addr(const union v6addr *a)
+{
+	return addr_is_v4(a) && a->u32[3] == bpf_htonl(HAIRPIN_V4);
+}
+
 static __always_inline int parse_l4(struct __sk_buff *skb, struct pkt *p)
 {
 	void *data = (void *)(long)skb->data;
@@ -1111,6 +1123,10 @@ int from_container(struct __sk_buff *skb)
 		if (ret)
 			return drop(skb, &p, ret, DIR_EGRESS, ep_id, my_id, 0);
 	}
+	/* Hairpin: to itself through a service, or its reply to that. A pod
+	 * may always reach itself: no policy applies either way. */
+	int hairpin = rev_nat_id && p.family == 4 && addr_eq(&p.saddr, &p.daddr);
+	int hairpin_reply = is_hairpin_addr(&p.daddr);
 
 	struct endpoint_key dk = {};
 	addr_copy(&dk.addr, &p.daddr);
@@ -1122,7 +1138,7 @@ int from_container(struct __sk_buff *skb)
 	if (st == CT_ESTABLISHED && ce) {
 		if (ce->policy_gen != ep->policy_gen) {
 			__u32 peer = peer_identity(cfg, &p.daddr, p.family, dst);
-			if (ep->flags & EP_F_EGRESS_ENFORCED) {
+			if ((ep->flags & EP_F_EGRESS_ENFORCED) && !hairpin) {
 				ret = policy_check_addr(ep, peer, DIR_EGRESS, &p, &p.daddr);
 				if (ret)
 					return drop(skb, &p, ret, DIR_EGRESS, ep_id, my_id, peer);
@@ -1131,7 +1147,7 @@ int from_container(struct __sk_buff *skb)
 		}
 	} else if (st == CT_NEW) {
 		__u32 peer = peer_identity(cfg, &p.daddr, p.family, dst);
-		if (ep->flags & EP_F_EGRESS_ENFORCED) {
+		if ((ep->flags & EP_F_EGRESS_ENFORCED) && !hairpin) {
 			ret = policy_check_addr(ep, peer, DIR_EGRESS, &p, &p.daddr);
 			if (ret)
 				return drop(skb, &p, ret, DIR_EGRESS, ep_id, my_id, peer);
@@ -1149,6 +1165,20 @@ int from_container(struct __sk_buff *skb)
 	}
 
 	count(DIR_EGRESS, REASON_FORWARDED, p.len);
+	if (hairpin) {
+		union v6addr loop;
+		set_v4mapped(&loop, bpf_htonl(HAIRPIN_V4));
+		if (rewrite_addr(skb, &p, 1, &loop) < 0)
+			return drop(skb, &p, DROP_NAT_FAILED, DIR_EGRESS, ep_id, my_id, my_id);
+	} else if (hairpin_reply && st == CT_REPLY) {
+		/* Back to itself, from its own address: the reply's rev-NAT
+		 * (in to_container) then gives the service's address. */
+		union v6addr self;
+		addr_copy(&self, &p.saddr);
+		if (rewrite_addr(skb, &p, 0, &self) < 0)
+			return drop(skb, &p, DROP_NAT_FAILED, DIR_EGRESS, ep_id, my_id, my_id);
+		dst = ep;
+	}
 	if (dst) {
 		__u32 dst_id = dst->identity;
 		ret = redirect_local(skb, &p, dst);
@@ -1194,6 +1224,10 @@ int to_container(struct __sk_buff *skb)
 	struct ct_entry *ce = NULL;
 	int related = icmp_related(skb, &p, CT_SCOPE_EGRESS, CT_SCOPE_INGRESS, now);
 	int st = related ? CT_REPLY : ct_lookup(&p, CT_SCOPE_INGRESS, CT_SCOPE_EGRESS, &ce, now);
+	/* The pod itself through a service: from_container's hairpin, which
+	 * came in on this very veth (the address from anywhere else is not
+	 * trusted: it gets policy like any other). */
+	int hairpin = is_hairpin_addr(&p.saddr) && skb->ingress_ifindex == skb->ifindex;
 
 	if (related) {
 		/* passes; not translated (see docs: ICMP errors of services) */
@@ -1206,8 +1240,8 @@ int to_container(struct __sk_buff *skb)
 		}
 	} else if (st == CT_ESTABLISHED && ce) {
 		if (ce->policy_gen != ep->policy_gen) {
-			__u32 peer = ingress_peer(skb, cfg, &p);
-			if ((ep->flags & EP_F_INGRESS_ENFORCED) &&
+			__u32 peer = hairpin ? my_id : ingress_peer(skb, cfg, &p);
+			if ((ep->flags & EP_F_INGRESS_ENFORCED) && !hairpin &&
 			    !(peer == ID_HOST && cfg && (cfg->flags & CFG_ALLOW_HOST))) {
 				ret = policy_check_addr(ep, peer, DIR_INGRESS, &p, &p.saddr);
 				if (ret)
@@ -1216,14 +1250,14 @@ int to_container(struct __sk_buff *skb)
 			ce->policy_gen = ep->policy_gen;
 		}
 	} else {
-		__u32 peer = ingress_peer(skb, cfg, &p);
+		__u32 peer = hairpin ? my_id : ingress_peer(skb, cfg, &p);
 		/* From the host: the host's egress policy first. */
 		if (peer == ID_HOST) {
 			ret = host_policy_pod(cfg, my_id, DIR_EGRESS, &p);
 			if (ret)
 				return drop(skb, &p, ret, DIR_EGRESS, HOST_EP_ID, ID_HOST, my_id);
 		}
-		if ((ep->flags & EP_F_INGRESS_ENFORCED) &&
+		if ((ep->flags & EP_F_INGRESS_ENFORCED) && !hairpin &&
 		    !(peer == ID_HOST && cfg && (cfg->flags & CFG_ALLOW_HOST))) {
 			ret = policy_check_addr(ep, peer, DIR_INGRESS, &p, &p.saddr);
 			if (ret)

@@ -319,10 +319,8 @@ class Soak:
                 self.stop.wait(0.1)
                 continue
             src, dst = self.rng.sample(pods, 2)
-            # Through the ClusterIP only from a pod that is not a backend:
-            # a pod reaching itself through a service (hairpin) is not
-            # supported yet.
-            via_service = src not in self.anchors and self.rng.random() < 0.3
+            # Through the ClusterIP (an anchor may reach itself: hairpin).
+            via_service = self.rng.random() < 0.3
             kind, host = ("service", VIP) if via_service else ("pod", dst.ip)
             with self._using(src, dst):
                 start = time.monotonic()

@@ -5,6 +5,7 @@ id without interrupting traffic."""
 from __future__ import annotations
 
 import collections
+import sys
 import time
 
 import pytest
@@ -13,7 +14,9 @@ from harness.cluster import Cluster, Node
 from harness.netns import wait_until
 from harness.pods import Pod, add_pod
 
+from flagella.api.datapath.v1 import datapath_pb2
 from flagella.api.lb.v1 import lb_pb2
+from flagella.api.policy.v1 import policy_pb2
 
 pytestmark = [pytest.mark.privileged, pytest.mark.integration]
 
@@ -145,3 +148,59 @@ def test_lb_restart_keeps_ids_and_traffic(cluster: Cluster, node: Node) -> None:
     lines = hold.stdout.read().split("\n")
     assert [line for line in lines if line.startswith("fail")] == []
     assert sum(line.startswith("ok ") for line in lines) > 10
+
+
+ONLY_CLIENTS = """
+apiVersion: flagella.io/v1
+kind: FlagellaNetworkPolicy
+metadata: {name: web-from-clients}
+spec:
+  endpointSelector: {matchLabels: {app: web}}
+  ingress:
+  - fromEndpoints: [{matchLabels: {app: client}}]
+    toPorts: [{ports: [{port: "8080", protocol: TCP}]}]
+"""
+
+SPOOF = r"""
+import socket, sys
+s = socket.socket()
+s.bind(("169.254.42.1", 0))
+s.settimeout(1)
+try:
+    s.connect((sys.argv[1], 8080))
+except OSError:
+    sys.exit(1)
+"""
+
+
+def test_a_pod_reaches_itself_through_its_service_and_the_hairpin_address_is_not_a_pass(
+    cluster: Cluster, node: Node
+) -> None:
+    (web,) = backends_up(cluster, node, 1)
+    client = add_pod(cluster, node, "cl", 1, "10.200.2.5", {"app": "client"})
+    cluster.policy().PutRules(policy_pb2.PutRulesRequest(document=ONLY_CLIENTS), timeout=10)
+    lb = cluster.lb()
+    lb.UpsertService(lb_pb2.UpsertServiceRequest(service=service([web])), timeout=10)
+    assert wait_until(lambda: client.ns.request("tcp", VIP, 80, timeout=1) is not None)
+    # The only backend is the pod itself (Kubernetes' hairpin test): it
+    # answers, seeing the hairpin address as its client; no policy stops a
+    # pod reaching itself.
+    answers = web.ns.requests(VIP, 80, 5)
+    assert answers == ["b0 169.254.42.1 HELLO"] * 5, answers
+    # From anywhere else, the hairpin address is an address like any other:
+    # the outside host sending from it gets policy (world: dropped).
+    out = node.outside
+    out.ip("addr", "add", "169.254.42.1/32", "dev", "eth0")
+    out.ip("route", "add", "10.200.0.0/16", "via", node.ip)
+    assert out.run(sys.executable, "-c", SPOOF, web.ip, check=False).returncode == 1
+    flows = list(
+        cluster.datapath(node).ObserveFlows(
+            datapath_pb2.ObserveFlowsRequest(
+                verdicts=[datapath_pb2.FLOW_VERDICT_DROPPED], last=200, follow=False
+            ),
+            timeout=10,
+        )
+    )
+    spoofed = [f for f in flows if f.src_ip == "169.254.42.1" and f.dst_ip == web.ip]
+    assert spoofed, flows
+    assert spoofed[-1].drop_reason == datapath_pb2.DROP_REASON_POLICY_L3
