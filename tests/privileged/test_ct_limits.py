@@ -222,41 +222,35 @@ def ct_rows(cluster: Cluster, node: Node) -> list[datapath_pb2.MapEntry]:
     )
 
 
-def service_entries(
-    rows: list[datapath_pb2.MapEntry], bid: int, proto: str
-) -> list[datapath_pb2.MapEntry]:
+def ct_of(rows: list[datapath_pb2.MapEntry], scope: str, proto: str, **fields: str) -> list[Any]:
+    """Conntrack rows of a scope and protocol whose key and value hold fields."""
     return [
         r
         for r in rows
-        if r.key["scope"] == "service"
+        if r.key["scope"] == scope
         and r.key["protocol"] == proto
-        and r.value["backend_id"] == str(bid)
+        and all({**r.key, **r.value}.get(k) == v for k, v in fields.items())
     ]
 
 
-def translated_to(
-    rows: list[datapath_pb2.MapEntry], ip: str, proto: str
-) -> list[datapath_pb2.MapEntry]:
-    return [
-        r
-        for r in rows
-        if r.key["scope"] == "egress"
-        and r.key["dst"] == ip
-        and r.key["protocol"] == proto
-        and r.value["rev_nat_id"] != "0"
-    ]
+def service_entries(rows: list[datapath_pb2.MapEntry], bid: int, proto: str) -> list[Any]:
+    return ct_of(rows, "service", proto, backend_id=str(bid))
+
+
+def translated_to(rows: list[datapath_pb2.MapEntry], ip: str, proto: str) -> list[Any]:
+    """The client's entries of connections DNATed to ip (they carry a rev-NAT id)."""
+    return [r for r in ct_of(rows, "egress", proto, dst=ip) if r.value["rev_nat_id"] != "0"]
 
 
 @pytest.mark.integration
 def test_removed_backend_and_policy_over_budget(cluster: Cluster, node: Node) -> None:
     client = add_pod(cluster, node, "cl", 1, "10.200.4.2", {"app": "client"})
-    pods = [
-        add_pod(cluster, node, f"b{i}", 10 + i, f"10.200.4.{10 + i}", {"app": "web"})
-        for i in range(2)
-    ]
-    for i, p in enumerate(pods):
-        p.ns.serve("tcp", 8080, f"b{i}")
-        p.ns.serve("udp", 8080, f"b{i}")
+    pods: list[Pod] = []
+    for i in range(2):
+        pod = add_pod(cluster, node, f"b{i}", 10 + i, f"10.200.4.{10 + i}", {"app": "web"})
+        for proto in ("tcp", "udp"):
+            pod.ns.serve(proto, 8080, f"b{i}")
+        pods.append(pod)
     check_backend_removal(cluster, node, client, pods)
     check_policy_budget(cluster, node, client, pods)
 
