@@ -86,7 +86,8 @@ def datapath_policy_map(clients: Clients, ep: endpoint_pb2.Endpoint) -> dict[str
     if not ep.node:
         return {}
     try:
-        [dp] = clients.datapaths(ep.node)
+        # --datapath-address names the datapath itself (no --node with it).
+        [dp] = clients.datapaths("" if clients.args.datapath_address else ep.node)
         got = clients.call_datapath(
             dp, "GetEndpoint", datapath_pb2.GetEndpointRequest(endpoint_id=ep.id)
         )
