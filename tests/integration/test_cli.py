@@ -597,6 +597,9 @@ def test_endpoint_get_shows_named_ports(suite: tuple[Cluster, Node]) -> None:
     ep = next(e for e in as_json(cluster, node, "endpoint", "list") if e["pod_name"] == "named")
     got = as_json(cluster, node, "endpoint", "get", str(ep["id"]))
     assert got["named_ports"] == [{"name": "http", "port": 8080, "protocol": "TCP"}]
+    # From its node's datapath: its policy fits (no lockdown).
+    assert got["policy_overflow"] == "none"
+    assert got["policy_map_entries"] > 0
     table = run(cluster, node, "endpoint", "get", str(ep["id"])).stdout
     assert "named_ports" in table
     assert "http" in table

@@ -56,7 +56,8 @@ def cmd_endpoint(args: argparse.Namespace, clients: Clients) -> int:
         )
     elif args.action == "get":
         ep = clients.call("endpoint", stub.GetEndpoint, endpoint_pb2.GetEndpointRequest(id=args.id))
-        emit(args, to_dict(ep), ["FIELD", "VALUE"], sorted(to_dict(ep).items()))
+        fields = {**to_dict(ep), **datapath_policy_map(clients, ep)}
+        emit(args, fields, ["FIELD", "VALUE"], sorted(fields.items()))
     elif args.action == "log":
         resp = clients.call(
             "endpoint", stub.GetEndpointLog, endpoint_pb2.GetEndpointLogRequest(id=args.id)
@@ -76,6 +77,26 @@ def cmd_endpoint(args: argparse.Namespace, clients: Clients) -> int:
             ],
         )
     return 0
+
+
+def datapath_policy_map(clients: Clients, ep: endpoint_pb2.Endpoint) -> dict[str, object]:
+    """The endpoint's policy-map use on its node, and whether the datapath
+    locked it down (policy over budget); the datapath's error if it did not
+    answer."""
+    if not ep.node:
+        return {}
+    try:
+        # --datapath-address names the datapath itself (no --node with it).
+        [dp] = clients.datapaths("" if clients.args.datapath_address else ep.node)
+        got = clients.call_datapath(
+            dp, "GetEndpoint", datapath_pb2.GetEndpointRequest(endpoint_id=ep.id)
+        )
+    except CliError as exc:
+        return {"policy_map": f"unknown: {exc}"}
+    return {
+        "policy_map_entries": got.policy_map_entries,
+        "policy_overflow": got.policy_overflow or "none",
+    }
 
 
 # --- identities, ipcache, policy ---

@@ -103,7 +103,11 @@ def datapath_health(
     return rows, [dp for dp in targets if rows[dp.label][0] == "SERVING"]
 
 
-def map_pressure(clients: Clients, serving: list[Datapath]) -> list[dict[str, Any]]:
+def map_pressure(
+    clients: Clients, serving: list[Datapath], lockdowns: list[dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
+    """Every serving datapath's maps; lockdowns (when given) gets the
+    endpoints each one locked down for a policy over its budget."""
     maps: list[dict[str, Any]] = []
     for dp in serving:
         node = {"node": dp.node} if dp.node else {}
@@ -123,6 +127,14 @@ def map_pressure(clients: Clients, serving: list[Datapath]) -> list[dict[str, An
             }
             for m in status.maps
         ]
+        if lockdowns is not None and status.policy_overflow_endpoints:
+            lockdowns.append(
+                {
+                    **node,
+                    "endpoints": list(status.policy_overflow_endpoints),
+                    "policy_map_max_entries": status.policy_map_max_entries,
+                }
+            )
     return maps
 
 
@@ -141,10 +153,12 @@ def cmd_status(args: argparse.Namespace, clients: Clients) -> int:
         if healthy or time.monotonic() >= deadline:
             break
         time.sleep(0.2)
-    maps = [] if args.brief else map_pressure(clients, serving)
+    lockdowns: list[dict[str, Any]] = []
+    maps = [] if args.brief else map_pressure(clients, serving, lockdowns)
     data = {
         "services": {svc: {"status": s, "detail": d} for svc, (s, d) in rows.items()},
         "maps": maps,
+        "policy_lockdowns": lockdowns,
     }
     if args.output == "json":
         print(json.dumps(data, indent=2, sort_keys=True))
@@ -167,5 +181,12 @@ def cmd_status(args: argparse.Namespace, clients: Clients) -> int:
                     ]
                     for m in maps
                 ],
+            )
+        for lock in lockdowns:
+            where = f"node {lock['node']}" if lock.get("node") else "datapath"
+            print(
+                f"{where}: endpoints locked down (deny all), policy over the policy-map "
+                f"budget of {lock['policy_map_max_entries']}: "
+                + ", ".join(str(e) for e in lock["endpoints"])
             )
     return 0 if healthy else 1

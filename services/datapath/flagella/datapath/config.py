@@ -10,8 +10,11 @@ from dataclasses import dataclass
 from flagella.common.config import ServiceConfig, option, parse_host_port, parse_ip
 from flagella.common.errors import ConfigError
 from flagella.common.pki import Identity
+from flagella.datapath.bpf.layout import MapSizes
 
 ROUTING_MODES = ("tunnel", "native")
+# One endpoint may fill at most the whole policy map.
+MAX_POLICY_BUDGET = MapSizes().policy
 
 # A Kubernetes label: an optional DNS prefix and a name; a value of up to 63.
 _LABEL_NAME = re.compile(
@@ -87,6 +90,11 @@ class DatapathConfig(ServiceConfig):
         "where sysctls are written (in a container: a rw mount of the host's /proc/sys)",
     )
     gc_interval_seconds: float = option(30.0, "conntrack and NAT garbage collection period")
+    policy_map_max_entries: int = option(
+        16384,
+        "per-endpoint budget of policy-map keys (after port ranges are expanded); an "
+        "endpoint whose policy needs more is locked down (deny all) until it fits",
+    )
     node_labels: tuple[str, ...] = option(
         (),
         "this node's labels (key=value, comma-separated), registered with ipam: host "
@@ -117,6 +125,11 @@ class DatapathConfig(ServiceConfig):
             raise ConfigError("--node-name", str(exc)) from None
         if self.gc_interval_seconds <= 0:
             raise ConfigError("--gc-interval-seconds", "must be positive")
+        if not 1 <= self.policy_map_max_entries <= MAX_POLICY_BUDGET:
+            raise ConfigError(
+                "--policy-map-max-entries",
+                f"{self.policy_map_max_entries} is not in 1..{MAX_POLICY_BUDGET}",
+            )
         if self.routing_mode not in ROUTING_MODES:
             raise ConfigError(
                 "--routing-mode", f"{self.routing_mode!r} is not one of {', '.join(ROUTING_MODES)}"

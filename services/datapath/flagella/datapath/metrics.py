@@ -81,7 +81,12 @@ class DatapathCollector(Collector):
             "flagella_endpoint_count", "Endpoints (pods) the datapath serves on this node."
         )
         endpoints.add_metric((), len(self.service.endpoints))
-        yield from (drops, drop_bytes, forwards, forward_bytes, safety, lost, endpoints)
+        overflow = GaugeMetricFamily(
+            "flagella_policy_map_overflow_endpoints",
+            "Endpoints locked down (deny all) because their policy is over the policy-map budget.",
+        )
+        overflow.add_metric((), len(self.service.overflowing()))
+        yield from (drops, drop_bytes, forwards, forward_bytes, safety, lost, endpoints, overflow)
         if bpf is not None:
             yield from map_figures(bpf)
         yield from self.node_health()

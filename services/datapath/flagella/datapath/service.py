@@ -32,7 +32,6 @@ from flagella.common.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
-    ResourceExhausted,
     Unavailable,
 )
 from flagella.common.locks import KeyedLocks
@@ -40,7 +39,13 @@ from flagella.common.portnames import NamedPort
 from flagella.common.reconcile import Reconciler, ReconcilerStatus
 from flagella.common.tasks import TaskGroup
 from flagella.datapath import namedports, netdev, tunnel
-from flagella.datapath.bpf import Datapath, MapStatus, NodeConfig, PolicyBudgetExceeded
+from flagella.datapath.bpf import (
+    Datapath,
+    MapSizes,
+    MapStatus,
+    NodeConfig,
+    PolicyBudgetExceeded,
+)
 from flagella.datapath.bpf import Service as BpfService
 from flagella.datapath.bpf.layout import CT_SCOPE_SERVICE
 from flagella.datapath.bpf.policy import PolicyEntry
@@ -90,6 +95,18 @@ class IdentityPolicy:
     # When the policy service committed this revision (Unix time; 0: not
     # a live change): the start of its implementation delay.
     revision_time: float = dataclasses.field(default=0.0, compare=False)
+    # The policy service sent it fail-closed (over its own budget): why.
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class PolicyMapState:
+    """What an endpoint's policy occupies in the policy map, and why it is
+    locked down (overflow; empty: its full policy is enforced)."""
+
+    entries: int
+    desired: int
+    overflow: str = ""
 
 
 @dataclass(frozen=True)
@@ -119,7 +136,7 @@ class PolicyOps:
         telemetry = self.svc.telemetry
         try:
             with telemetry.regenerating("policy"):
-                await self.svc.writer.run(
+                entries = await self.svc.writer.run(
                     dp.policy.apply,
                     key,
                     value.entries,
@@ -128,16 +145,22 @@ class PolicyOps:
                     egress_enforced=value.egress_enforced,
                     prefixes=value.prefixes,
                 )
+            state = PolicyMapState(entries, entries, value.error)
         except PolicyBudgetExceeded as exc:
-            # Nothing was written: the endpoint keeps its previous policy or
-            # stays not ready (never open). Retried as policy changes.
-            raise ResourceExhausted(f"endpoint {key}: {exc}") from exc
-        if value.revision_time:
+            # Nothing of it was written. Neither a part of it nor the
+            # previous policy (which may allow what a new deny forbids):
+            # deny all until the policy fits again, as the policy service
+            # does at its own budget (docs/policy.md, policy-map budget).
+            await self.svc.writer.run(dp.policy.lockdown, key, value.revision)
+            state = PolicyMapState(0, exc.needed, f"{exc}: locked down (deny all)")
+        self.svc.policy_map_state(key, state)
+        if value.revision_time and not state.overflow:
             telemetry.policy_implemented(value.revision_time)
         await self.svc.policy_realized(key, value.revision)
 
     async def delete(self, key: int) -> None:
         await self.svc.writer.run(self.svc.bpf.policy.clear_endpoint, key)
+        self.svc.policy_maps.pop(key, None)
 
     async def list_actual(self) -> Iterable[int]:
         states = await self.svc.writer.run(self.svc.bpf.endpoints.all)
@@ -210,6 +233,8 @@ class DatapathService:
         # ipcache): what egress entries naming a port resolve against.
         self.peer_ports = namedports.PeerPorts(self._peer_ports_changed)
         self.realized: dict[int, int] = {}
+        # Per endpoint: its policy-map use and lockdown (PolicyOps).
+        self.policy_maps: dict[int, PolicyMapState] = {}
         # Revision of the last SYNCED of this node's policy stream.
         self.policy_synced_revision = 0
         self._realized_changed = asyncio.Condition()
@@ -272,7 +297,12 @@ class DatapathService:
             )
         with phase("maps"):
             self._bpf = await self.writer.run(
-                functools.partial(Datapath.load, cfg.bpf_root, program_cache=cfg.bpf_cache_dir)
+                functools.partial(
+                    Datapath.load,
+                    cfg.bpf_root,
+                    program_cache=cfg.bpf_cache_dir,
+                    sizes=MapSizes(policy_per_endpoint=cfg.policy_map_max_entries),
+                )
             )
         log.info(
             "BPF datapath loaded",
@@ -384,6 +414,7 @@ class DatapathService:
         await self.writer.run(self._purge_conntrack, rec.addresses)
         self.state.remove(rec.endpoint_id)
         self.realized.pop(rec.endpoint_id, None)
+        self.policy_maps.pop(rec.endpoint_id, None)
 
     def _purge_conntrack(self, addresses: Iterable[str]) -> int:
         """Conntrack entries to or from the endpoint's addresses (runs on
@@ -674,6 +705,23 @@ class DatapathService:
         async with self._realized_changed:
             self.realized[endpoint_id] = max(revision, self.policy_synced_revision)
             self._realized_changed.notify_all()
+
+    def policy_map_state(self, endpoint_id: int, state: PolicyMapState) -> None:
+        """Record (and log the change of) the endpoint's lockdown."""
+        before = self.policy_maps.get(endpoint_id)
+        self.policy_maps[endpoint_id] = state
+        was = before.overflow if before else ""
+        if state.overflow and state.overflow != was:
+            log.warning(
+                "endpoint locked down: its policy is over the policy-map budget",
+                extra={"endpoint": endpoint_id, "reason": state.overflow},
+            )
+        elif was and not state.overflow:
+            log.info("endpoint's full policy applied again", extra={"endpoint": endpoint_id})
+
+    def overflowing(self) -> list[int]:
+        """Endpoints locked down by an over-budget policy."""
+        return sorted(ep for ep, st in self.policy_maps.items() if st.overflow)
 
     async def policy_synced(self, revision: int) -> None:
         """The policy stream is complete up to revision: once the maps hold

@@ -13,7 +13,7 @@ from flagella.common.errors import InvalidArgument
 from flagella.common.portnames import NamedPort, check_named_ports, protocol_name
 from flagella.datapath.flows import FlowFilter, FlowRecord
 from flagella.datapath.health import PeerHealth
-from flagella.datapath.service import DatapathService, SetupRequest
+from flagella.datapath.service import DatapathService, PolicyMapState, SetupRequest
 from flagella.datapath.state import EndpointRecord, HostPolicyState
 
 MAX_WAIT_S = 300.0
@@ -35,8 +35,12 @@ def _map_info(m: Any, rec_by_map: dict[str, Any]) -> datapath_pb2.MapInfo:
 
 
 def endpoint_to_proto(
-    rec: EndpointRecord, realized: int | None, attached: bool
+    rec: EndpointRecord,
+    realized: int | None,
+    attached: bool,
+    policy_map: PolicyMapState | None = None,
 ) -> datapath_pb2.DatapathEndpoint:
+    pm = policy_map or PolicyMapState(0, 0)
     return datapath_pb2.DatapathEndpoint(
         endpoint_id=rec.endpoint_id,
         container_id=rec.container_id,
@@ -53,6 +57,9 @@ def endpoint_to_proto(
             datapath_pb2.NamedPort(name=p.name, port=p.port, protocol=p.protocol)
             for p in rec.named_ports
         ],
+        policy_overflow=pm.overflow,
+        policy_map_entries=pm.entries,
+        policy_map_desired=pm.desired,
     )
 
 
@@ -173,7 +180,9 @@ class DatapathServicer(datapath_pb2_grpc.DatapathServiceServicer):
 
     async def _describe(self, rec: EndpointRecord) -> datapath_pb2.DatapathEndpoint:
         attached = await self.service.attached(rec)
-        return endpoint_to_proto(rec, self.service.realized.get(rec.endpoint_id), attached)
+        svc = self.service
+        ep = rec.endpoint_id
+        return endpoint_to_proto(rec, svc.realized.get(ep), attached, svc.policy_maps.get(ep))
 
     async def UpdateEndpoint(
         self, request: datapath_pb2.UpdateEndpointRequest, context: Any
@@ -271,6 +280,8 @@ class DatapathServicer(datapath_pb2_grpc.DatapathServiceServicer):
             endpoints=len(svc.endpoints),
             peers=[_peer_health(p) for p in sorted(svc.health.peers.values(), key=_by_node)],
             host_policy=_host_policy_status(svc.host_policy),
+            policy_map_max_entries=svc.config.policy_map_max_entries,
+            policy_overflow_endpoints=svc.overflowing(),
         )
 
     async def ObserveFlows(

@@ -544,9 +544,13 @@ class Datapath:
         """Deletes backends, their service conntrack entries and affinity
         entries (lb.v1.ServiceEvent.removed_backend_ids)."""
         ids = list(backend_ids)
+        targets = []
         for bid in ids:
+            v = self.backends.get(L.U32(bid))
+            if v is not None:
+                targets.append((L.get_addr(v.addr), L.port_host(v.port), v.proto))
             self.backends.remove(bid)
-        n = self.conntrack.purge_backends(ids)
+        n = self.conntrack.purge_backends(ids, targets)
         self.affinity.purge(backend_ids=ids)
         return n
 

@@ -47,7 +47,12 @@ PolicyKeyTuple = tuple[int, int, int, int, int]
 
 
 class PolicyBudgetExceeded(MapFullError):
-    """An endpoint's policy needs more entries than its budget."""
+    """An endpoint's policy needs more entries than its budget (needed: the
+    keys it needs, 0 when unknown: too many port ranges at one prefix)."""
+
+    def __init__(self, message: str, *, needed: int = 0) -> None:
+        super().__init__(28, message)  # ENOSPC
+        self.needed = needed
 
 
 @dataclass(frozen=True)
@@ -210,11 +215,12 @@ class Policy(BpfMap[L.PolicyKey, L.PolicyValue]):
         try:
             desired_prefixes = expand_prefixes(prefixes)
         except PrefixPortsExceeded as exc:
-            raise PolicyBudgetExceeded(28, f"endpoint {endpoint_id}: {exc}") from None
+            raise PolicyBudgetExceeded(f"endpoint {endpoint_id}: {exc}") from None
         total = len(desired) + len(desired_prefixes)
         if total > self.budget:
             raise PolicyBudgetExceeded(
-                28, f"endpoint {endpoint_id}: {total} policy entries, budget {self.budget}"
+                f"endpoint {endpoint_id}: {total} policy entries, budget {self.budget}",
+                needed=total,
             )
         self._write(endpoint_id, desired)
         self.prefixes.write(endpoint_id, desired_prefixes)
@@ -239,6 +245,14 @@ class Policy(BpfMap[L.PolicyKey, L.PolicyValue]):
             self.delete(policy_key(endpoint_id, key))
             del current[key]
 
+    def lockdown(self, endpoint_id: int, revision: int) -> int:
+        """Deny all, both directions (an over-budget policy, as Cilium's
+        policy-map overflow lockdown): the endpoint's keys and prefix
+        entries go, it is marked ready, enforced both ways, with a new
+        generation (established connections are judged again, and cut).
+        Host -> pod stays allowed by the config (allow-localhost)."""
+        return self.apply(endpoint_id, (), revision, True, True)
+
     def apply_host(self, entries: Sequence[PolicyEntry]) -> int:
         """Replaces the host endpoint's entries (L.HOST_EP_ID; the host
         firewall's flags in the config say what is enforced). Same budget
@@ -246,7 +260,8 @@ class Policy(BpfMap[L.PolicyKey, L.PolicyValue]):
         desired = expand(entries)
         if len(desired) > self.budget:
             raise PolicyBudgetExceeded(
-                28, f"host policy: {len(desired)} policy entries, budget {self.budget}"
+                f"host policy: {len(desired)} policy entries, budget {self.budget}",
+                needed=len(desired),
             )
         self._write(L.HOST_EP_ID, desired)
         return len(desired)

@@ -385,14 +385,36 @@ class Conntrack(BpfMap[L.CtKey, L.CtEntry]):
                 result.deleted[family] += 1
         return result
 
-    def purge_backends(self, backend_ids: Iterable[int]) -> int:
+    def purge_backends(
+        self, backend_ids: Iterable[int], targets: Iterable[tuple[str, int, int]] = ()
+    ) -> int:
         """Deletes the service (and NodePort) entries that chose these
-        backends (their next packet selects a live backend)."""
+        backends (their next packet selects a live backend), and the
+        client-side entries of connections translated to one of targets
+        (address, port (0: any), protocol): a late answer of the removed
+        backend is then no reply of the service's connection (it meets the
+        client's ingress policy, untranslated) (Cilium #48288). Returns the
+        connections re-balanced: the service and NodePort entries deleted."""
         ids = set(backend_ids)
         scopes = (L.CT_SCOPE_SERVICE, L.CT_SCOPE_NODEPORT)
-        return self.delete_many(
-            [k for k, v in self.items() if k.scope in scopes and v.backend_id in ids]
-        )
+        addrs: dict[tuple[str, int], set[int]] = {}
+        for addr, port, proto in targets:
+            addrs.setdefault((addr, proto), set()).add(port)
+
+        def translated_to_target(k: L.CtKey, v: L.CtEntry) -> bool:
+            if k.scope != L.CT_SCOPE_EGRESS or not v.rev_nat_id:
+                return False
+            ports = addrs.get((L.get_addr(k.daddr), k.proto))
+            return ports is not None and (0 in ports or L.port_host(k.dport) in ports)
+
+        balanced, translated = [], []
+        for k, v in self.items():
+            if k.scope in scopes and v.backend_id in ids:
+                balanced.append(k)
+            elif translated_to_target(k, v):
+                translated.append(k)
+        self.delete_many(translated)
+        return self.delete_many(balanced)
 
     def entries(self, scope: int | None = None) -> list[tuple[Tuple, int, L.CtEntry]]:
         return [

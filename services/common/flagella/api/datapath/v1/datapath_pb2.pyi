@@ -470,6 +470,9 @@ class DatapathEndpoint(_message.Message):
     REALIZED_POLICY_REVISION_FIELD_NUMBER: _builtins.int
     PROGRAMS_ATTACHED_FIELD_NUMBER: _builtins.int
     NAMED_PORTS_FIELD_NUMBER: _builtins.int
+    POLICY_OVERFLOW_FIELD_NUMBER: _builtins.int
+    POLICY_MAP_ENTRIES_FIELD_NUMBER: _builtins.int
+    POLICY_MAP_DESIRED_FIELD_NUMBER: _builtins.int
     endpoint_id: _builtins.int
     container_id: _builtins.str
     netns_path: _builtins.str
@@ -481,6 +484,18 @@ class DatapathEndpoint(_message.Message):
     realized_policy_revision: _builtins.int
     programs_attached: _builtins.bool
     """Programs attached on the host veth."""
+    policy_overflow: _builtins.str
+    """Set while the endpoint is locked down (deny all, both directions):
+    its policy needs more policy-map entries than the node's budget
+    (--policy-map-max-entries), or the policy service sent it fail-closed
+    for its own budget. Empty: its full policy is enforced.
+    """
+    policy_map_entries: _builtins.int
+    """Policy-map keys (and ipBlock prefix entries) the endpoint holds now."""
+    policy_map_desired: _builtins.int
+    """Keys its desired policy needs (over policy_map_entries' budget when
+    policy_overflow is set).
+    """
     @_builtins.property
     def addresses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -500,10 +515,13 @@ class DatapathEndpoint(_message.Message):
         realized_policy_revision: _builtins.int = ...,
         programs_attached: _builtins.bool = ...,
         named_ports: _abc.Iterable[Global___NamedPort] | None = ...,
+        policy_overflow: _builtins.str = ...,
+        policy_map_entries: _builtins.int = ...,
+        policy_map_desired: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["addresses", b"addresses", "container_id", b"container_id", "endpoint_id", b"endpoint_id", "host_ifindex", b"host_ifindex", "host_ifname", b"host_ifname", "identity", b"identity", "ifname", b"ifname", "mac", b"mac", "named_ports", b"named_ports", "netns_path", b"netns_path", "programs_attached", b"programs_attached", "realized_policy_revision", b"realized_policy_revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["addresses", b"addresses", "container_id", b"container_id", "endpoint_id", b"endpoint_id", "host_ifindex", b"host_ifindex", "host_ifname", b"host_ifname", "identity", b"identity", "ifname", b"ifname", "mac", b"mac", "named_ports", b"named_ports", "netns_path", b"netns_path", "policy_map_desired", b"policy_map_desired", "policy_map_entries", b"policy_map_entries", "policy_overflow", b"policy_overflow", "programs_attached", b"programs_attached", "realized_policy_revision", b"realized_policy_revision"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -913,9 +931,13 @@ class DatapathStatus(_message.Message):
     ENDPOINTS_FIELD_NUMBER: _builtins.int
     PEERS_FIELD_NUMBER: _builtins.int
     HOST_POLICY_FIELD_NUMBER: _builtins.int
+    POLICY_MAP_MAX_ENTRIES_FIELD_NUMBER: _builtins.int
+    POLICY_OVERFLOW_ENDPOINTS_FIELD_NUMBER: _builtins.int
     node: _builtins.str
     programs_loaded: _builtins.bool
     endpoints: _builtins.int
+    policy_map_max_entries: _builtins.int
+    """The per-endpoint policy-map budget (--policy-map-max-entries)."""
     @_builtins.property
     def programs(self) -> _containers.RepeatedCompositeFieldContainer[Global___ProgramStatus]: ...
     @_builtins.property
@@ -936,6 +958,10 @@ class DatapathStatus(_message.Message):
     def host_policy(self) -> Global___HostPolicyStatus:
         """The host firewall: this node's host policy as enforced."""
 
+    @_builtins.property
+    def policy_overflow_endpoints(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Endpoints locked down because their policy is over budget."""
+
     def __init__(
         self,
         *,
@@ -948,10 +974,12 @@ class DatapathStatus(_message.Message):
         endpoints: _builtins.int = ...,
         peers: _abc.Iterable[Global___NodeHealth] | None = ...,
         host_policy: Global___HostPolicyStatus | None = ...,
+        policy_map_max_entries: _builtins.int = ...,
+        policy_overflow_endpoints: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["host_policy", b"host_policy"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoints", b"endpoints", "host_policy", b"host_policy", "maps", b"maps", "node", b"node", "peers", b"peers", "programs", b"programs", "programs_loaded", b"programs_loaded", "reconcilers", b"reconcilers", "streams_synced", b"streams_synced"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoints", b"endpoints", "host_policy", b"host_policy", "maps", b"maps", "node", b"node", "peers", b"peers", "policy_map_max_entries", b"policy_map_max_entries", "policy_overflow_endpoints", b"policy_overflow_endpoints", "programs", b"programs", "programs_loaded", b"programs_loaded", "reconcilers", b"reconcilers", "streams_synced", b"streams_synced"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
