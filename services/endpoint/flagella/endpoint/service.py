@@ -477,7 +477,13 @@ class EndpointService:
                     extra={"container": container_id, "node": caller, "owner": found[0].node},
                 )
                 return False
-            await self._remove(found[0], "CNI DEL")
+            ep, revision = found
+            if ep.state is not State.DISCONNECTING:
+                # Recorded before any undo, so that another replica's restore
+                # sees a removal under way, not a ready endpoint to redo.
+                ep.transition(State.DISCONNECTING, "CNI DEL")
+                await self.store.update(ep, revision)
+            await self._remove(ep, "CNI DEL")
             return True
 
     async def delete_by_id(self, endpoint_id: int) -> bool:
@@ -821,26 +827,51 @@ class EndpointService:
                     extra={"node": node_name, "reason": exc.details},
                 )
 
+    async def _now(self, ep: Endpoint) -> Endpoint | None:
+        """The attachment's endpoint in etcd now: another replica may be
+        removing ep (DISCONNECTING), have removed it, or added a new one."""
+        found = await self.store.get(ep.container_id, ep.ifname)
+        return None if found is None else found[0]
+
     async def _reconcile_node(self, node_name: str, eps: list[Endpoint]) -> None:
         held = await self.ipam.held(node_name)
-        for ep in eps:
-            for address in ep.addresses:
-                ip = address.split("/")[0]
-                if held.get(ip) != (ep.container_id, ep.ifname):
-                    log.warning("restore: reclaiming an IP ipam lost", extra={"ip": ip})
-                    await self.ipam.claim(ep.node, ip, ep.container_id, ep.ifname, pod_of(ep))
         node = await self.ipam.node(node_name)
         realized = {
             r.endpoint_id for r in await self.datapath.list_endpoints(node.datapath_address)
         }
         for ep in eps:
-            if ep.id in realized:
-                continue
-            try:
-                await self.datapath.setup(node.datapath_address, ep, node.pod_cidrs)
-                log.info("restore: endpoint set up again on its node", extra={"endpoint": ep.id})
-            except NotFound:
-                log.info(
-                    "restore: endpoint's netns is gone; the sweep removes it",
-                    extra={"endpoint": ep.id},
-                )
+            async with self._lock(*ep.key):
+                lost = [
+                    a.split("/")[0]
+                    for a in ep.addresses
+                    if held.get(a.split("/")[0]) != (ep.container_id, ep.ifname)
+                ]
+                if not lost and ep.id in realized:
+                    continue
+                now = await self._now(ep)
+                if now is None or now.id != ep.id or now.state is not State.READY:
+                    continue
+                for ip in lost:
+                    log.warning("restore: reclaiming an IP ipam lost", extra={"ip": ip})
+                    await self.ipam.claim(ep.node, ip, ep.container_id, ep.ifname, pod_of(ep))
+                if ep.id not in realized:
+                    try:
+                        await self.datapath.setup(node.datapath_address, ep, node.pod_cidrs)
+                        log.info(
+                            "restore: endpoint set up again on its node", extra={"endpoint": ep.id}
+                        )
+                    except NotFound:
+                        log.info(
+                            "restore: endpoint's netns is gone; the sweep removes it",
+                            extra={"endpoint": ep.id},
+                        )
+                now = await self._now(ep)
+                if now is None or (now.id == ep.id and now.state is not State.READY):
+                    # Another replica's DEL began meanwhile and may have undone
+                    # its steps before ours: undo what was just redone (by
+                    # owner: only while no new endpoint holds the attachment).
+                    log.info("restore: endpoint removed meanwhile", extra={"endpoint": ep.id})
+                    if ep.id not in realized:
+                        await self.datapath.teardown(node.datapath_address, ep)
+                    if lost:
+                        await self.ipam.release(ep.node, ep.container_id, ep.ifname)
