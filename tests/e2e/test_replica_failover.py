@@ -17,12 +17,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
+from harness import tls
 from harness.cluster import Cluster, Node
 from harness.cni import cni, netconf
 from harness.cnipods import cni_pod
@@ -37,6 +42,7 @@ from flagella.api.lb.v1 import lb_pb2
 pytestmark = [pytest.mark.privileged, pytest.mark.integration]
 
 VIP = "10.96.0.30"
+CLI = str(Path(sys.executable).parent / "flagella")
 NODE_LEASES = "flagella/state/identities/v1/nodes/n1/"
 SERVICES = ("ipam", "policy", "lb", "endpoint")
 # After a kill, until the loop has gone on this many ADD/DEL cycles.
@@ -199,3 +205,21 @@ def test_kill9_one_replica_of_each_service_under_cni_churn_and_traffic(cluster: 
     # Each stream failed over to the other replica and resumed from its
     # last revision: no snapshot beyond the first.
     assert stream_snapshots(node.process) == snapshots_before
+
+    # The CLI, given both replicas' TCP addresses of each (one of them dead
+    # now), fails over too, verifying each replica by its service's name.
+    lists = [a for svc in SERVICES for a in (f"--{svc}-address", cluster.addresses(svc))]
+    env = {**os.environ, "FLAGELLA_TLS_DIR": str(tls.session().bundle(tls.OPERATOR))}
+    outputs = {}
+    for command in ("endpoint", "ipam", "service"):
+        out = subprocess.run(
+            [CLI, *lists, "-o", "json", command, "list"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+            check=False,
+        )
+        assert out.returncode == 0, (command, out.stderr)
+        outputs[command] = json.loads(out.stdout)
+    assert {e["pod_name"] for e in outputs["endpoint"]} == {"srv", "cli"}
