@@ -111,13 +111,16 @@ class Cluster:
                     "--ipam-address", self.addresses("ipam"),
                     "--policy-address", self.addresses("policy"),
                 ]  # fmt: skip
+            more = self.replicas.setdefault(svc, [])
+            for i in range(1, replicas):  # started beside the first, waited on after it
+                port = {"port": lb_ports[i]} if svc == "lb" else {}
+                listen = ["--extra-listen", self.socket(svc, i)]
+                more.append(self.spawn(svc, *args, *listen, wait=False, **port))
             self.service_args[svc] = [*args, "--extra-listen", self.socket(svc)]
             port = {"port": lb_ports[0]} if svc == "lb" else {}
             self.services[svc] = self.spawn(svc, *self.service_args[svc], **port)
-            for i in range(1, replicas):
-                port = {"port": lb_ports[i]} if svc == "lb" else {}
-                listen = ["--extra-listen", self.socket(svc, i)]
-                self.replicas.setdefault(svc, []).append(self.spawn(svc, *args, *listen, **port))
+            for proc in more:
+                proc.wait_serving()
         return self
 
     def kill9(self, svc: str) -> None:

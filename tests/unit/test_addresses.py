@@ -49,6 +49,7 @@ def test_address_options_take_lists_and_name_the_option_when_bad() -> None:
         ("--policy-address", "a.example:1,b.example:1"),
         ("--ipam-address", "127.0.0.1:99999"),
         ("--policy-address", "127.0.0.1"),
+        ("--ipam-address", "unix:,unix:/a.sock"),
     ):
         with pytest.raises(ConfigError) as err:
             endpoint(flag, value)

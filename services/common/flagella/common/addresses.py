@@ -20,6 +20,7 @@ the service's name; a unix socket's server answers as `localhost`.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import json
 import re
@@ -113,6 +114,8 @@ def parse_addresses(value: str) -> str:
         return value.strip()
     for part in split(value):
         if part.startswith("unix:"):
+            if part == "unix:":
+                raise ValueError("unix: needs a socket path")
             continue
         host, sep, port = part.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
@@ -140,6 +143,7 @@ def _read_methods() -> list[dict[str, str]]:
     return names
 
 
+@functools.cache
 def service_config() -> str:
     """The channels' service config: pick_first over the shuffled list,
     reads retried on UNAVAILABLE (gRPC jitters each backoff)."""
