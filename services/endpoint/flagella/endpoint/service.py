@@ -407,11 +407,16 @@ class EndpointService:
             took("ready")
         except BaseException as exc:
             reason = exc.details if isinstance(exc, FlagellaError) else repr(exc)
+            # Another replica's restore rolled this ADD back under it (its
+            # steps undone: the datapath's NotFound ...): a retry succeeds.
+            overtaken = isinstance(exc, FlagellaError) and await self._overtaken(ep, revision)
             log.warning(
                 "endpoint create failed, rolling back",
                 extra={"endpoint": ep.id, "container": ep.container_id, "reason": reason},
             )
             await asyncio.shield(self._remove(ep, f"create failed: {reason}"))
+            if overtaken and not isinstance(exc, Aborted):
+                raise Aborted(f"rolled back by another replica meanwhile ({reason})") from exc
             raise
         log.info(
             "endpoint ready",
@@ -424,6 +429,15 @@ class EndpointService:
             },
         )
         return ep
+
+    async def _overtaken(self, ep: Endpoint, revision: int) -> bool:
+        """Whether someone else changed or removed ep's record since this
+        replica wrote it at revision."""
+        try:
+            found = await self.store.get(ep.container_id, ep.ifname)
+        except FlagellaError:
+            return False  # unknown: the original error stands
+        return found is None or found[1] != revision
 
     async def _upsert_ipcache(self, ep: Endpoint, node: NodeInfo) -> None:
         for address in ep.addresses:
