@@ -6,12 +6,14 @@ that was already running still works."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
 from harness.cluster import Cluster, Node
 from harness.cni import cni, netconf
-from harness.leaks import expect_only
+from harness.leaks import held, holds_only
+from harness.netns import wait_until
 
 pytestmark = [pytest.mark.privileged, pytest.mark.integration]
 
@@ -44,6 +46,17 @@ def gc(cluster: Cluster, node: Node, valid: list[str]) -> None:
     ]
     rc, out = cni("GC", conf)
     assert rc == 0, out
+
+
+def expect_only(cluster: Cluster, node: Node, alive: dict[str, str]) -> None:
+    """alive: pod name -> its IP. Polls briefly: GC and the datapath's
+    stream catch up asynchronously."""
+
+    def ok() -> bool:
+        by_ctr = {f"ctr-{p}": ip for p, ip in alive.items()}
+        return holds_only(held(cluster, node), by_ctr, {f"ctr-{p}": p for p in alive})
+
+    assert wait_until(ok, timeout=20), json.dumps(held(cluster, node))
 
 
 def test_endpoint_service_killed_at_each_step(cluster: Cluster, node: Node) -> None:

@@ -31,7 +31,7 @@ from harness import tls
 from harness.cluster import Cluster, Node
 from harness.cni import cni, netconf
 from harness.etcd import EtcdServer
-from harness.leaks import expect_only
+from harness.leaks import held, holds_only
 from harness.netns import Netns, wait_until
 from harness.probe import Pod, Probe, probing
 from harness.procs import ServiceProcess
@@ -198,7 +198,10 @@ def test_kill9_one_replica_of_each_service_under_cni_churn_and_traffic(cluster: 
 
     # Nothing leaked: what the live pods hold and nothing else, in the
     # services, the datapath, the kernel and etcd.
-    expect_only(cluster, node, {"srv": srv.ip, "cli": cli.ip})
+    alive, labels = {"ctr-srv": srv.ip, "ctr-cli": cli.ip}, {"ctr-srv": "srv", "ctr-cli": "cli"}
+    assert wait_until(lambda: holds_only(held(cluster, node), alive, labels), timeout=20), (
+        json.dumps(held(cluster, node))
+    )
 
     # Beside what was there: at most the live policy replica's own current
     # lease record for the node (where its next reference goes; the dead
