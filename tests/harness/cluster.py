@@ -66,39 +66,61 @@ class Cluster:
         self.sock = Path(f"/tmp/fl-{self.tag}")  # short: unix socket paths max 107 bytes
         self.sock.mkdir()
         self.services: dict[str, ServiceProcess] = {}
+        # The second and further replicas of a service (start(replicas=N)).
+        self.replicas: dict[str, list[ServiceProcess]] = {}
         self.service_args: dict[str, list[str]] = {}
         self.nodes: dict[str, Node] = {}
         self._channels: list[grpc.Channel] = []
 
-    def socket(self, svc: str) -> str:
-        return f"unix:{self.sock}/{svc}.sock"
+    def socket(self, svc: str, replica: int = 0) -> str:
+        return f"unix:{self.sock}/{svc}{f'-{replica}' if replica else ''}.sock"
+
+    def sockets(self, svc: str) -> str:
+        """Every replica's socket, as a datapath's address option lists them."""
+        return ",".join(self.socket(svc, i) for i in range(1 + len(self.replicas.get(svc, []))))
+
+    def addresses(self, svc: str) -> str:
+        """Every replica's TCP address (host:port,host:port)."""
+        procs = [self.services[svc], *self.replicas.get(svc, [])]
+        return ",".join(p.address for p in procs)
 
     def start(
         self,
         services: Sequence[str] = ("ipam", "policy", "lb"),
         extra: dict[str, list[str]] | None = None,
+        replicas: int = 1,
     ) -> Cluster:
-        """The control plane, in dependency order."""
+        """The control plane, in dependency order; replicas processes of
+        each service (same etcd), each on its own port and socket, its
+        clients given every replica's address."""
         extra = extra or {}
         common = ["--etcd-endpoints", self.etcd.endpoint]
-        # lb starts after policy, which follows it (toServices): its port now.
-        lb_port = free_port()
+        # lb starts after policy, which follows it (toServices): its ports now.
+        lb_ports = [free_port() for _ in range(replicas)]
         for svc in ("ipam", "policy", "lb", "endpoint"):
             if svc not in services:
                 continue
-            args = [*common, "--extra-listen", self.socket(svc), *extra.get(svc, [])]
+            args = [*common, *extra.get(svc, [])]
             if svc == "ipam":
                 args += ["--cluster-cidr", "10.200.0.0/16"]
             if svc == "policy":
-                args += ["--lb-address", f"127.0.0.1:{lb_port}" if "lb" in services else ""]
+                lbs = ",".join(f"127.0.0.1:{p}" for p in lb_ports)
+                args += ["--lb-address", lbs if "lb" in services else ""]
             if svc == "endpoint":
                 args += [
-                    "--ipam-address", self.services["ipam"].address,
-                    "--policy-address", self.services["policy"].address,
+                    "--ipam-address", self.addresses("ipam"),
+                    "--policy-address", self.addresses("policy"),
                 ]  # fmt: skip
-            self.service_args[svc] = args
-            port = {"port": lb_port} if svc == "lb" else {}
-            self.services[svc] = self.spawn(svc, *args, **port)
+            more = self.replicas.setdefault(svc, [])
+            for i in range(1, replicas):  # started beside the first, waited on after it
+                port = {"port": lb_ports[i]} if svc == "lb" else {}
+                listen = ["--extra-listen", self.socket(svc, i)]
+                more.append(self.spawn(svc, *args, *listen, wait=False, **port))
+            self.service_args[svc] = [*args, "--extra-listen", self.socket(svc)]
+            port = {"port": lb_ports[0]} if svc == "lb" else {}
+            self.services[svc] = self.spawn(svc, *self.service_args[svc], **port)
+            for proc in more:
+                proc.wait_serving()
         return self
 
     def kill9(self, svc: str) -> None:
@@ -170,7 +192,7 @@ class Cluster:
         ]  # fmt: skip
         for svc in ("ipam", "policy", "lb", "endpoint"):
             if svc in self.services:
-                args += [f"--{svc}-address", self.socket(svc)]
+                args += [f"--{svc}-address", self.sockets(svc)]
         if "endpoint" in self.services:
             args += ["--cni-socket", node.cni_socket]
         node.args = [*args, *extra]

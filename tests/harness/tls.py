@@ -42,8 +42,11 @@ class TestPki:
         return self._bundles[identity]
 
     def issue(self, identity: Identity, lifetime: dt.timedelta = pki.LEAF_LIFETIME) -> pki.Issued:
-        """A fresh certificate for identity, valid as a local server too."""
-        return self.ca.issue(identity, dns=LOCAL_DNS, ips=LOCAL_IPS, lifetime=lifetime)
+        """A fresh certificate for identity, valid as a local server too (a
+        service's also under its name, as certgen's: how a client checks
+        any of its replicas reached by IP)."""
+        dns = (*LOCAL_DNS, identity.name) if identity.kind == "service" else LOCAL_DNS
+        return self.ca.issue(identity, dns=dns, ips=LOCAL_IPS, lifetime=lifetime)
 
     def args(self, identity: Identity, flag: str = "--tls") -> list[str]:
         """The service flags pointing at identity's files (--tls-cert ...;

@@ -39,6 +39,16 @@ def test_kubernetes_service_variables() -> None:
     )
 
 
+def test_a_headless_service_in_a_pod_is_found_by_its_name() -> None:
+    # The kubelet gives a headless Service no variables; its name resolves
+    # to every replica.
+    pod = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "RELAY_SERVICE_HOST": "10.96.0.20",
+           "RELAY_SERVICE_PORT": "50056"}  # fmt: skip
+    assert default_address("ipam", pod) == "ipam:50051"
+    assert default_address("relay", pod) == "10.96.0.20:50056"
+    assert default_address("ipam", {}) == "127.0.0.1:50051"  # not in a pod
+
+
 def test_the_datapath_comes_from_the_registry_unless_named() -> None:
     assert default_address("datapath", {"FLAGELLA_DATAPATH_LISTEN": "0.0.0.0:50055"}) is None
     assert default_address("datapath", {"FLAGELLA_DATAPATH_ADDRESS": "n1:50055"}) == "n1:50055"

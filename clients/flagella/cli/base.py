@@ -22,7 +22,7 @@ from flagella.api.policy.v1 import policy_pb2_grpc
 from flagella.api.relay.v1 import relay_pb2_grpc
 from flagella.cli import certs
 from flagella.cli.targets import Datapath, default_node, pick_one
-from flagella.common.tls import target_options
+from flagella.common import addresses
 
 PROTOCOLS = {"tcp": 6, "udp": 17, "sctp": 132, "icmp": 1, "icmpv6": 58, "any": 0}
 PROTOCOL_NAMES = {v: k.upper() for k, v in PROTOCOLS.items()}
@@ -68,20 +68,27 @@ class Clients:
         self._channels: dict[str, grpc.Channel] = {}
         self._credentials: grpc.ChannelCredentials | None = None
 
-    def open(self, address: str) -> grpc.Channel:
-        """A channel presenting the operator certificate (plaintext with --insecure)."""
+    def open(self, address: str, service: str = "") -> grpc.Channel:
+        """A channel presenting the operator certificate (plaintext with
+        --insecure), to one address or a service's replicas (a list or a
+        name resolving to each: flagella.common.addresses)."""
+        try:
+            peer = addresses.target(address, service)
+        except ValueError as exc:
+            raise CliError(f"--{service or 'datapath'}-address: {exc}") from None
+        options = addresses.channel_options(peer)
         if self.args.insecure:
-            return grpc.insecure_channel(address)
+            return grpc.insecure_channel(peer.target, options=options)
         if self._credentials is None:
             try:
                 self._credentials = certs.channel_credentials(self.args)
             except certs.CertsError as exc:
                 raise CliError(str(exc)) from None
-        return grpc.secure_channel(address, self._credentials, options=target_options(address))
+        return grpc.secure_channel(peer.target, self._credentials, options=options)
 
-    def channel(self, address: str) -> grpc.Channel:
+    def channel(self, address: str, service: str = "") -> grpc.Channel:
         if address not in self._channels:
-            self._channels[address] = self.open(address)
+            self._channels[address] = self.open(address, service)
         return self._channels[address]
 
     def call(self, svc: str, fn: Callable[..., Any], request: Message, **kwargs: Any) -> Any:
@@ -113,19 +120,21 @@ class Clients:
         return self.call_at(what, dp.label, dp.address, fn, request)
 
     def ipam(self) -> Any:
-        return ipam_pb2_grpc.IpamServiceStub(self.channel(self.args.ipam_address))
+        return ipam_pb2_grpc.IpamServiceStub(self.channel(self.args.ipam_address, "ipam"))
 
     def policy(self) -> Any:
-        return policy_pb2_grpc.PolicyServiceStub(self.channel(self.args.policy_address))
+        return policy_pb2_grpc.PolicyServiceStub(self.channel(self.args.policy_address, "policy"))
 
     def endpoint(self) -> Any:
-        return endpoint_pb2_grpc.EndpointServiceStub(self.channel(self.args.endpoint_address))
+        return endpoint_pb2_grpc.EndpointServiceStub(
+            self.channel(self.args.endpoint_address, "endpoint")
+        )
 
     def lb(self) -> Any:
-        return lb_pb2_grpc.LoadBalancerServiceStub(self.channel(self.args.lb_address))
+        return lb_pb2_grpc.LoadBalancerServiceStub(self.channel(self.args.lb_address, "lb"))
 
     def relay(self) -> Any:
-        return relay_pb2_grpc.RelayServiceStub(self.channel(self.args.relay_address))
+        return relay_pb2_grpc.RelayServiceStub(self.channel(self.args.relay_address, "relay"))
 
     def datapath(self, dp: Datapath) -> Any:
         return datapath_pb2_grpc.DatapathServiceStub(self.channel(dp.address))

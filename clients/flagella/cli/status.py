@@ -25,9 +25,12 @@ STATUS_NAMES = {
 }
 
 
-def check_health(clients: Clients, address: str, timeout: float) -> tuple[str, str]:
-    """(status, detail) of one service's gRPC health."""
-    with clients.open(address) as channel:
+def check_health(
+    clients: Clients, address: str, timeout: float, service: str = ""
+) -> tuple[str, str]:
+    """(status, detail) of one service's gRPC health (of one of its
+    replicas when address lists several)."""
+    with clients.open(address, service) as channel:
         # The health stub's type stubs lack its methods.
         stub: Any = health_pb2_grpc.HealthStub(channel)
         try:
@@ -144,7 +147,7 @@ def cmd_status(args: argparse.Namespace, clients: Clients) -> int:
     deadline = time.monotonic() + args.wait
     while True:
         rows = {
-            svc: check_health(clients, getattr(args, f"{svc}_address"), args.timeout)
+            svc: check_health(clients, getattr(args, f"{svc}_address"), args.timeout, svc)
             for svc in SERVICES
         }
         datapaths, serving = datapath_health(clients, args.node or "", args.timeout)

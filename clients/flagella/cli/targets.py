@@ -33,11 +33,15 @@ def local_address(listen: str) -> str:
 
 def kubernetes_address(svc: str, environ: Mapping[str, str]) -> str | None:
     """The address of the Service named svc in the pod's namespace, from the
-    variables the kubelet gives every pod (<SVC>_SERVICE_HOST/_PORT)."""
+    variables the kubelet gives every pod (<SVC>_SERVICE_HOST/_PORT), else
+    its name (in a pod)."""
     host = environ.get(f"{svc.upper()}_SERVICE_HOST", "")
     port = environ.get(f"{svc.upper()}_SERVICE_PORT", "")
     if not host or not port:
-        return None
+        # A headless Service (the control plane's: every replica's address
+        # by DNS) gets no variables; in a pod, its name resolves.
+        in_pod = bool(environ.get("KUBERNETES_SERVICE_HOST"))
+        return f"{svc}:{LOCAL_PORTS[svc]}" if in_pod and svc in LOCAL_PORTS else None
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 

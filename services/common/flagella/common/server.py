@@ -26,7 +26,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from flagella.common import tls
+from flagella.common import addresses, tls
 from flagella.common.authz import AuthInterceptor, Authorizer
 from flagella.common.config import ServiceConfig, load_config
 from flagella.common.errors import ConfigError, FlagellaError
@@ -310,14 +310,17 @@ class Runtime(Generic[C]):
         with self.phase("etcd_connect"):
             await client.wait_connected()
 
-    def channel(self, target: str) -> grpc.aio.Channel:
-        """A client channel to a peer service, traced, presenting this
-        service's certificate (the latest files) and checking the peer's
-        against the CA; closed on shutdown."""
+    def channel(self, address: str, service: str = "") -> grpc.aio.Channel:
+        """A client channel to a peer service (one address or its replicas':
+        flagella.common.addresses; service: its name, which the replicas'
+        certificates carry), traced, presenting this service's certificate
+        (the latest files) and checking the peer's against the CA; closed
+        on shutdown."""
+        peer = addresses.target(address, service)
         options = [
+            *addresses.channel_options(peer),
             ("grpc.keepalive_time_ms", 20_000),
             ("grpc.keepalive_timeout_ms", 10_000),
-            ("grpc.enable_retries", 1),
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 2_000),
@@ -325,9 +328,11 @@ class Runtime(Generic[C]):
         interceptors = [*self.metrics.client_interceptors(), *self.tracing.client_interceptors()]
         ch: grpc.aio.Channel
         if self.tls is None:
-            ch = grpc.aio.insecure_channel(target, interceptors=interceptors, options=options)
+            ch = grpc.aio.insecure_channel(peer.target, interceptors=interceptors, options=options)
         else:
-            ch = tls.secure_channel(target, self.tls, options=options, interceptors=interceptors)
+            ch = tls.secure_channel(
+                peer.target, self.tls, options=options, interceptors=interceptors
+            )
         self._channels.append(ch)
         return ch
 

@@ -75,7 +75,7 @@ class DatapathApp:
         tasks.supervise("bpf-gc", lambda: self._gc(cfg.gc_interval_seconds))
         tracer = self.runtime.tracing.tracer("flagella.datapath")
         if cfg.ipam_address:
-            ipam = ipam_pb2_grpc.IpamServiceStub(self.runtime.channel(cfg.ipam_address))
+            ipam = ipam_pb2_grpc.IpamServiceStub(self.runtime.channel(cfg.ipam_address, "ipam"))
             request = ipam_pb2.RegisterNodeRequest(
                 name=cfg.node_name,
                 addresses=[
@@ -98,7 +98,9 @@ class DatapathApp:
             self._reconcile(nodes, NodeRoutes(cfg.node_name, self.service.routes, device=device))
             self._reconcile(nodes, node_entries(self.service.ipcache_view), what="node-ipcache")
         if cfg.policy_address:
-            policy = policy_pb2_grpc.PolicyServiceStub(self.runtime.channel(cfg.policy_address))
+            policy = policy_pb2_grpc.PolicyServiceStub(
+                self.runtime.channel(cfg.policy_address, "policy")
+            )
             ipcache, _ = self._stream(
                 "ipcache",
                 lambda since: policy.WatchIPCache(
@@ -127,7 +129,7 @@ class DatapathApp:
                 "host-policy", lambda: hostfw.follow(policy, cfg.node_name, self._node_labels)
             )
         if cfg.lb_address:
-            lb = lb_pb2_grpc.LoadBalancerServiceStub(self.runtime.channel(cfg.lb_address))
+            lb = lb_pb2_grpc.LoadBalancerServiceStub(self.runtime.channel(cfg.lb_address, "lb"))
             services, _ = self._stream(
                 "services",
                 lambda since: lb.WatchServices(
@@ -145,7 +147,7 @@ class DatapathApp:
                 cfg.cni_socket,
                 cfg.node_name,
                 cfg.endpoint_address,
-                self.runtime.channel(cfg.endpoint_address),
+                self.runtime.channel(cfg.endpoint_address, "endpoint"),
             )
             try:
                 await relay.open()

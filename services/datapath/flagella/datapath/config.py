@@ -7,6 +7,7 @@ import re
 import socket
 from dataclasses import dataclass
 
+from flagella.common.addresses import address_option
 from flagella.common.config import ServiceConfig, option, parse_host_port, parse_ip
 from flagella.common.errors import ConfigError
 from flagella.common.pki import Identity
@@ -56,11 +57,11 @@ class DatapathConfig(ServiceConfig):
         "host:port other services reach this datapath at (default: --listen)",
         parse=parse_host_port,
     )
-    ipam_address: str = option("", "ipam service (host:port); empty: do not register the node")
-    policy_address: str = option("", "policy service (host:port); empty: no policy stream")
-    lb_address: str = option("", "load-balancer service (host:port); empty: no services")
-    endpoint_address: str = option(
-        "", "endpoint service, where flagella-cni's calls are relayed; empty: no CNI socket"
+    ipam_address: str = address_option("", "ipam service (empty: do not register the node)")
+    policy_address: str = address_option("", "policy service (empty: no policy stream)")
+    lb_address: str = address_option("", "load-balancer service (empty: no services)")
+    endpoint_address: str = address_option(
+        "", "endpoint service, where flagella-cni's calls are relayed (empty: no CNI socket)"
     )
     cni_socket: str = option(
         "/run/flagella/cni.sock", "unix socket flagella-cni talks to (root only, mode 0600)"

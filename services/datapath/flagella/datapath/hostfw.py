@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from flagella.api.policy.v1 import policy_pb2, policy_pb2_grpc
+from flagella.common.addresses import host_ports
 from flagella.common.backoff import Backoff
 from flagella.datapath import namedports
 from flagella.datapath.bpf import PolicyBudgetExceeded
@@ -68,11 +69,8 @@ def safety_entries(cfg: DatapathConfig, resolve: Resolve = resolve_host) -> set[
         cfg.lb_address,
         cfg.endpoint_address,
     ]
-    for address in remotes:
-        split = _split(address) if address else None
-        if split is None:
-            continue
-        host, port = split
+    # Every replica of each (a list, or a name resolving to each).
+    for address, (host, port) in ((a, hp) for a in remotes for hp in host_ports(a)):
         try:
             addrs = resolve(host)
         except OSError as exc:

@@ -61,8 +61,8 @@ class EndpointApp:
         self.tasks: TaskGroup = runtime.tasks
         self.etcd = runtime.etcd()
         self.probes = Probes(runtime.readiness, runtime.tasks)
-        ipam_channel = runtime.channel(cfg.ipam_address)
-        policy_channel = runtime.channel(cfg.policy_address)
+        ipam_channel = runtime.channel(cfg.ipam_address, "ipam")
+        policy_channel = runtime.channel(cfg.policy_address, "policy")
         self.ipam = IpamPeer(ipam_channel)
         # Its reader answers once start() made the API client.
         self.kube_reader = KubeReader() if cfg.kubeconfig else None

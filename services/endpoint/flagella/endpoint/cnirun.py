@@ -77,6 +77,10 @@ def error_of(exc: Exception, inv: cni.Invocation) -> CniError:
         log.error("CNI operation failed", exc_info=exc, extra={"command": inv.command})
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return CniError(TRY_AGAIN_LATER, "flagella is unavailable, try again later", details)
+    if code == grpc.StatusCode.ABORTED:
+        # A concurrent change (another replica's restore or DEL): rolled
+        # back, and a retry is what resolves it.
+        return CniError(TRY_AGAIN_LATER, "a concurrent change, try again later", details)
     if code == grpc.StatusCode.NOT_FOUND and inv.command == "CHECK":
         return CniError(UNKNOWN_CONTAINER, f"container {inv.container_id} is unknown", details)
     if code == grpc.StatusCode.INVALID_ARGUMENT:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from flagella.common.addresses import address_option
 from flagella.common.config import option, parse_host_port, parse_ip
 from flagella.common.errors import ConfigError
 from flagella.common.kubeapi import KubeConfig
@@ -21,8 +22,8 @@ class EndpointConfig(KubeConfig):
         "serve Prometheus metrics (GET /metrics, HTTP) here; empty: off",
         parse=parse_host_port,
     )
-    ipam_address: str = option("127.0.0.1:50051", "ipam service", parse=parse_host_port)
-    policy_address: str = option("127.0.0.1:50052", "policy service", parse=parse_host_port)
+    ipam_address: str = address_option("127.0.0.1:50051", "ipam service")
+    policy_address: str = address_option("127.0.0.1:50052", "policy service")
     reservation_seconds: float = option(
         120.0, "an IP reserved for an ADD that never completes is freed after this"
     )

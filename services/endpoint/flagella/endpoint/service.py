@@ -407,11 +407,16 @@ class EndpointService:
             took("ready")
         except BaseException as exc:
             reason = exc.details if isinstance(exc, FlagellaError) else repr(exc)
+            # Another replica's restore rolled this ADD back under it (its
+            # steps undone: the datapath's NotFound ...): a retry succeeds.
+            overtaken = isinstance(exc, FlagellaError) and await self._overtaken(ep, revision)
             log.warning(
                 "endpoint create failed, rolling back",
                 extra={"endpoint": ep.id, "container": ep.container_id, "reason": reason},
             )
             await asyncio.shield(self._remove(ep, f"create failed: {reason}"))
+            if overtaken and not isinstance(exc, Aborted):
+                raise Aborted(f"rolled back by another replica meanwhile ({reason})") from exc
             raise
         log.info(
             "endpoint ready",
@@ -424,6 +429,15 @@ class EndpointService:
             },
         )
         return ep
+
+    async def _overtaken(self, ep: Endpoint, revision: int) -> bool:
+        """Whether someone else changed or removed ep's record since this
+        replica wrote it at revision."""
+        try:
+            found = await self.store.get(ep.container_id, ep.ifname)
+        except FlagellaError:
+            return False  # unknown: the original error stands
+        return found is None or found[1] != revision
 
     async def _upsert_ipcache(self, ep: Endpoint, node: NodeInfo) -> None:
         for address in ep.addresses:
@@ -477,7 +491,13 @@ class EndpointService:
                     extra={"container": container_id, "node": caller, "owner": found[0].node},
                 )
                 return False
-            await self._remove(found[0], "CNI DEL")
+            ep, revision = found
+            if ep.state is not State.DISCONNECTING:
+                # Recorded before any undo, so that another replica's restore
+                # sees a removal under way, not a ready endpoint to redo.
+                ep.transition(State.DISCONNECTING, "CNI DEL")
+                await self.store.update(ep, revision)
+            await self._remove(ep, "CNI DEL")
             return True
 
     async def delete_by_id(self, endpoint_id: int) -> bool:
@@ -821,26 +841,51 @@ class EndpointService:
                     extra={"node": node_name, "reason": exc.details},
                 )
 
+    async def _now(self, ep: Endpoint) -> Endpoint | None:
+        """The attachment's endpoint in etcd now: another replica may be
+        removing ep (DISCONNECTING), have removed it, or added a new one."""
+        found = await self.store.get(ep.container_id, ep.ifname)
+        return None if found is None else found[0]
+
     async def _reconcile_node(self, node_name: str, eps: list[Endpoint]) -> None:
         held = await self.ipam.held(node_name)
-        for ep in eps:
-            for address in ep.addresses:
-                ip = address.split("/")[0]
-                if held.get(ip) != (ep.container_id, ep.ifname):
-                    log.warning("restore: reclaiming an IP ipam lost", extra={"ip": ip})
-                    await self.ipam.claim(ep.node, ip, ep.container_id, ep.ifname, pod_of(ep))
         node = await self.ipam.node(node_name)
         realized = {
             r.endpoint_id for r in await self.datapath.list_endpoints(node.datapath_address)
         }
         for ep in eps:
-            if ep.id in realized:
-                continue
-            try:
-                await self.datapath.setup(node.datapath_address, ep, node.pod_cidrs)
-                log.info("restore: endpoint set up again on its node", extra={"endpoint": ep.id})
-            except NotFound:
-                log.info(
-                    "restore: endpoint's netns is gone; the sweep removes it",
-                    extra={"endpoint": ep.id},
-                )
+            async with self._lock(*ep.key):
+                lost = [
+                    a.split("/")[0]
+                    for a in ep.addresses
+                    if held.get(a.split("/")[0]) != (ep.container_id, ep.ifname)
+                ]
+                if not lost and ep.id in realized:
+                    continue
+                now = await self._now(ep)
+                if now is None or now.id != ep.id or now.state is not State.READY:
+                    continue
+                for ip in lost:
+                    log.warning("restore: reclaiming an IP ipam lost", extra={"ip": ip})
+                    await self.ipam.claim(ep.node, ip, ep.container_id, ep.ifname, pod_of(ep))
+                if ep.id not in realized:
+                    try:
+                        await self.datapath.setup(node.datapath_address, ep, node.pod_cidrs)
+                        log.info(
+                            "restore: endpoint set up again on its node", extra={"endpoint": ep.id}
+                        )
+                    except NotFound:
+                        log.info(
+                            "restore: endpoint's netns is gone; the sweep removes it",
+                            extra={"endpoint": ep.id},
+                        )
+                now = await self._now(ep)
+                if now is None or (now.id == ep.id and now.state is not State.READY):
+                    # Another replica's DEL began meanwhile and may have undone
+                    # its steps before ours: undo what was just redone (by
+                    # owner: only while no new endpoint holds the attachment).
+                    log.info("restore: endpoint removed meanwhile", extra={"endpoint": ep.id})
+                    if ep.id not in realized:
+                        await self.datapath.teardown(node.datapath_address, ep)
+                    if lost:
+                        await self.ipam.release(ep.node, ep.container_id, ep.ifname)

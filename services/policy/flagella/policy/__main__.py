@@ -45,7 +45,7 @@ class PolicyApp:
         self.probes = Probes(runtime.readiness)
         # toServices follows lb's services; policy starts (and is ready)
         # without lb.
-        lb = LbServices(runtime.channel(cfg.lb_address)) if cfg.lb_address else None
+        lb = LbServices(runtime.channel(cfg.lb_address, "lb")) if cfg.lb_address else None
         self.service = PolicyService(
             PolicyStore(self.etcd), settings_of(cfg), tasks=runtime.tasks, lb=lb
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from flagella.common.addresses import address_option
 from flagella.common.config import option, parse_host_port
 from flagella.common.errors import ConfigError
 from flagella.common.kubeapi import KubeConfig
@@ -32,10 +33,10 @@ class PolicyConfig(KubeConfig):
         "serve Prometheus metrics (GET /metrics, HTTP) here; empty: off",
         parse=parse_host_port,
     )
-    lb_address: str = option(
+    lb_address: str = address_option(
         "127.0.0.1:50054",
-        "lb service (host:port), whose services toServices rules follow; empty: none "
-        "(toServices then selects nothing)",
+        "lb service, whose services toServices rules follow (empty: none; toServices then "
+        "selects nothing)",
     )
     node_lease_ttl: int = option(
         900,

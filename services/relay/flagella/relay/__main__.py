@@ -32,7 +32,7 @@ class RelayApp:
     async def start(self) -> None:
         # Serving does not wait for the registry: a request does, briefly,
         # and answers UNAVAILABLE naming ipam when it is away.
-        source = node_source(self.runtime.channel(self.config.ipam_address), self.nodes)
+        source = node_source(self.runtime.channel(self.config.ipam_address, "ipam"), self.nodes)
         tasks = self.runtime.tasks
         tasks.spawn("ipam-nodes", source.run())
         tasks.spawn("probe-nodes", self.relay.probe(self.config.node_probe_interval))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from flagella.common.addresses import address_option
 from flagella.common.config import ServiceConfig, option, parse_host_port
 from flagella.common.errors import ConfigError
 from flagella.relay.service import Settings
@@ -22,9 +23,7 @@ class RelayConfig(ServiceConfig):
         "serve Prometheus metrics (GET /metrics, HTTP) here; empty: off",
         parse=parse_host_port,
     )
-    ipam_address: str = option(
-        "127.0.0.1:50051", "ipam service (its node registry)", parse=parse_host_port
-    )
+    ipam_address: str = address_option("127.0.0.1:50051", "ipam service (its node registry)")
     node_buffer_size: int = option(
         2048, "flows buffered per node for a slow reader (then the oldest are dropped)"
     )

@@ -125,6 +125,12 @@ class StreamSource(Generic[K, R]):
             elif kind == RESET:
                 snapshot = {}
                 self.snapshots += 1
+                # A resume the server could not take (or a first open):
+                # how a failover to another replica shows a full resync.
+                log.info(
+                    "watch stream snapshot",
+                    extra={"stream": self.name, "resume_from": self.revision},
+                )
             elif kind == UPSERT and snapshot is not None:
                 key, record = self.codec.key(event), self.codec.decode(event)
                 if record is not None:
@@ -136,6 +142,7 @@ class StreamSource(Generic[K, R]):
             elif kind == SYNCED:
                 if resuming and revision == self.revision and snapshot is None:
                     resuming = False  # the server takes the resume: deltas follow
+                    log.info("watch stream resumed", extra={"stream": self.name, "at": revision})
                     continue
                 if snapshot is not None:
                     self.sink.replace(((k, r, rev) for k, (r, rev) in snapshot.items()), revision)
