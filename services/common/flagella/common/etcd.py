@@ -27,6 +27,7 @@ import grpc
 from flagella.common import tls
 from flagella.common.backoff import Backoff, retry
 from flagella.common.errors import Unavailable
+from flagella.common.keepalive import ETCD_CLIENT_TIME, Keepalive
 from flagella.common.tasks import TaskGroup
 
 log = logging.getLogger(__name__)
@@ -286,13 +287,13 @@ class Etcd:
             "port": int(port),
             "timeout": self.timeout,
             "options": {
-                "grpc.keepalive_time_ms": 10_000,
-                "grpc.keepalive_timeout_ms": 5_000,
-                # Reconnect quickly when etcd comes back (gRPC's default
-                # backoff grows to two minutes).
-                "grpc.initial_reconnect_backoff_ms": 100,
-                "grpc.min_reconnect_backoff_ms": 100,
-                "grpc.max_reconnect_backoff_ms": 2_000,
+                # Reconnect promptly when etcd comes back; pings as etcd
+                # permits them (flagella.common.keepalive).
+                **dict(
+                    Keepalive(ETCD_CLIENT_TIME, ETCD_CLIENT_TIME / 2).client_options(
+                        without_calls=False
+                    )
+                ),
                 # A watch catching up sends up to 1,000 revisions in one
                 # response, and a range of many keys can be large: gRPC's
                 # default 4 MiB limit breaks both.
