@@ -38,6 +38,11 @@ log = logging.getLogger(__name__)
 REVISION_KEY = "flagella/revision"
 
 
+#: gRPC codes of a call that failed for want of its etcd member (down, cut
+#: off, or without a leader): the next call tries the next endpoint.
+FAILOVER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
 class Compacted(Exception):
     """A watch asked for a revision etcd has compacted away."""
 
@@ -329,6 +334,22 @@ class Etcd:
             backoff=Backoff(0.1, max_delay),
         )
 
+    async def _fail_over(self, client: aetcd.Client | None, exc: BaseException) -> None:
+        """After a call on `client` failed for want of its member (down, cut
+        off, or without a leader): the next call goes to the next endpoint
+        (the caller retries, as after any Unavailable). Once per failed
+        client: the calls in flight when its member died fail together."""
+        cause = exc.__cause__ if isinstance(exc, aetcd.exceptions.ClientError) else exc
+        lost = isinstance(
+            cause,
+            aetcd.exceptions.ConnectionFailedError
+            | aetcd.exceptions.ConnectionTimeoutError
+            | TimeoutError,
+        ) or (isinstance(cause, grpc.aio.AioRpcError) and cause.code() in FAILOVER_CODES)
+        if lost and client is not None and client is self._client:
+            log.info("etcd endpoint failed, trying the next", extra={"endpoint": self.endpoint})
+            await self._rotate()
+
     async def _rotate(self) -> None:
         if len(self.endpoints) > 1:
             await self.close()
@@ -343,25 +364,34 @@ class Etcd:
     # --- key-value ---
 
     async def _call(self, fn: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> Any:
+        client = self._client
         try:
             return await fn(*args, **kwargs)
-        except (
-            aetcd.exceptions.ConnectionFailedError,
-            aetcd.exceptions.ConnectionTimeoutError,
-        ) as exc:
-            raise Unavailable(f"etcd unavailable at {self.endpoint}: {exc}") from exc
-        except grpc.aio.AioRpcError as exc:
-            raise Unavailable(
-                f"etcd error at {self.endpoint}: {exc.code().name} {exc.details()}"
-            ) from exc
-        except (TimeoutError, aetcd.exceptions.InternalError) as exc:
-            raise Unavailable(f"etcd unavailable at {self.endpoint}: {exc!r}") from exc
-        except aetcd.exceptions.ClientError as exc:
+        except Exception as exc:
+            error = self._error(exc)
+            if error is exc:
+                raise
+            await self._fail_over(client, exc)
+            raise error from exc
+
+    def _error(self, exc: Exception) -> Exception:
+        """What a failed call raises: Unavailable for any etcd failure
+        (anything else as it is)."""
+        if isinstance(
+            exc, aetcd.exceptions.ConnectionFailedError | aetcd.exceptions.ConnectionTimeoutError
+        ):
+            return Unavailable(f"etcd unavailable at {self.endpoint}: {exc}")
+        if isinstance(exc, grpc.aio.AioRpcError):
+            return Unavailable(f"etcd error at {self.endpoint}: {exc.code().name} {exc.details()}")
+        if isinstance(exc, TimeoutError | aetcd.exceptions.InternalError):
+            return Unavailable(f"etcd unavailable at {self.endpoint}: {exc!r}")
+        if isinstance(exc, aetcd.exceptions.ClientError):
             # aetcd's own methods (get, lease ...) wrap the gRPC error, e.g.
             # PERMISSION_DENIED from etcd's auth: name its code all the same.
             cause = exc.__cause__
             code = cause.code().name if isinstance(cause, grpc.aio.AioRpcError) else "error"
-            raise Unavailable(f"etcd error at {self.endpoint}: {code} {exc}") from exc
+            return Unavailable(f"etcd error at {self.endpoint}: {code} {exc}")
+        return exc
 
     async def current_revision(self) -> int:
         client = self.client
@@ -419,6 +449,7 @@ class Etcd:
         try:
             resp = await client.kvstub.Txn(req, timeout=self.timeout, metadata=client.metadata)
         except (grpc.aio.AioRpcError, TimeoutError, aetcd.exceptions.ClientError) as exc:
+            await self._fail_over(client, exc)
             raise self._read_error(exc, revision) from exc
         lists = [[KeyValue.from_proto(kv) for kv in r.response_range.kvs] for r in resp.responses]
         return lists, int(revision or resp.header.revision)
@@ -573,6 +604,7 @@ class Etcd:
         try:
             resp = await client.kvstub.Txn(req, timeout=self.timeout, metadata=client.metadata)
         except (grpc.aio.AioRpcError, TimeoutError, aetcd.exceptions.ClientError) as exc:
+            await self._fail_over(client, exc)
             error = self._read_error(exc, since)
             if isinstance(error, Compacted | FutureRevision):
                 return False
@@ -597,6 +629,7 @@ class Etcd:
         try:
             resp = await client.kvstub.Range(req, timeout=self.timeout, metadata=client.metadata)
         except (grpc.aio.AioRpcError, TimeoutError, aetcd.exceptions.ClientError) as exc:
+            await self._fail_over(client, exc)
             raise self._read_error(exc, revision) from exc
         return [KeyValue.from_proto(kv) for kv in resp.kvs], int(revision or resp.header.revision)
 
@@ -652,6 +685,7 @@ class RangeWatch:
         )
         self._requests: asyncio.Queue[Any] = asyncio.Queue()
         self._call: Any = None
+        self._client: aetcd.Client | None = None
 
     async def _request_stream(self) -> AsyncIterator[Any]:
         yield self._create
@@ -662,10 +696,13 @@ class RangeWatch:
             yield request
 
     async def __aenter__(self) -> RangeWatch:
-        client = self.etcd.client
+        client = self._client = self.etcd.client
         await self.etcd._call(client.connect)
         stub = etcd_rpc.WatchStub(client.channel)
-        self._call = stub.Watch(self._request_stream(), metadata=client.metadata)
+        # As etcd's clientv3.WithRequireLeader: a member cut off from its
+        # leader ends the watch (it would otherwise stay silent).
+        metadata = (*(client.metadata or ()), ("hasleader", "true"))
+        self._call = stub.Watch(self._request_stream(), metadata=metadata)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -697,8 +734,10 @@ class RangeWatch:
                 # catches up: the events speak for themselves.
                 yield WatchBatch(events[-1].revision, events)
         except grpc.aio.AioRpcError as exc:
+            endpoint = self.etcd.endpoint
+            await self.etcd._fail_over(self._client, exc)
             raise Unavailable(
-                f"etcd watch broke at {self.etcd.endpoint}: {exc.code().name} {exc.details()}"
+                f"etcd watch broke at {endpoint}: {exc.code().name} {exc.details()}"
             ) from exc
         raise Unavailable(f"etcd watch stream ended at {self.etcd.endpoint}")
 
