@@ -334,6 +334,28 @@ class Etcd:
             backoff=Backoff(0.1, max_delay),
         )
 
+    async def backoff_sleep(self, delay: float) -> bool:
+        """A retry loop's sleep of delay seconds, ended early when the
+        channel to etcd was down and connects again (gRPC retries it every
+        100-500 ms): after an outage a loop resumes when etcd is back, not
+        when its backoff runs out. A channel that is up (the failure was
+        etcd's answer) sleeps the whole delay. Whether it ended early."""
+        client = self.client
+        try:
+            await self._call(client.connect)  # makes the channel; no request
+        except Unavailable:
+            await asyncio.sleep(delay)
+            return False
+        channel = client.channel
+        if channel.get_state() == grpc.ChannelConnectivity.READY:
+            await asyncio.sleep(delay)
+            return False
+        try:
+            await asyncio.wait_for(channel.channel_ready(), delay)
+        except TimeoutError:
+            return False
+        return True
+
     async def _fail_over(self, client: aetcd.Client | None, exc: BaseException) -> None:
         """After a call on `client` failed for want of its member (down, cut
         off, or without a leader): the next call goes to the next endpoint
