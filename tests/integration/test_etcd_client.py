@@ -228,3 +228,23 @@ async def test_backoff_sleep_ends_when_etcd_returns_not_before(tmp_path: Path) -
         with contextlib.suppress(Exception):
             await c.close()
         server.cleanup()
+
+
+async def test_watch_rides_out_its_client_closed_under_it(client: e.Etcd) -> None:
+    """A failover closes the client a watch runs on; gRPC then cancels the
+    watch's call, which must read as a broken stream (resumed), not as the
+    watching task being cancelled (its table would be dead for good)."""
+    stream = client.snapshot_then_watch("f/", max_delay=0.2)
+    await collect(stream, e.StreamKind.SYNCED)
+    await client.put("f/a", b"1")
+    assert (await asyncio.wait_for(anext(stream), 10)).kind is e.StreamKind.UPSERT
+    following = asyncio.ensure_future(anext(stream))
+    for _ in range(5):  # back inside the watch's read
+        await asyncio.sleep(0)
+    await client.close()  # as _fail_over does
+    await client.put("f/b", b"2")
+    event = await asyncio.wait_for(following, 10)
+    assert event.kind is e.StreamKind.UPSERT
+    assert event.kv is not None
+    assert event.kv.key == "f/b"
+    await stream.aclose()

@@ -12,16 +12,15 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from harness.etcd import EtcdServer
-from harness.lb import LbClient, service
+from harness.lb import service
 from harness.procs import ServiceProcess
+from harness.tls import OPERATOR, session
 
 from flagella.api.lb.v1 import lb_pb2 as pb
 from flagella.api.lb.v1 import lb_pb2_grpc
 from flagella.common.keepalive import Keepalive
 
-# The test's client dials with its own channel options (plaintext keeps
-# that to one line): the keepalive, not authentication, is under test.
-pytestmark = [pytest.mark.integration, pytest.mark.insecure]
+pytestmark = pytest.mark.integration
 
 # Short periods, set by configuration: 20 pings in the idle window.
 KEEPALIVE = Keepalive(0.2, 1.0)
@@ -55,7 +54,8 @@ async def broken_by_default_server() -> tuple[float, grpc.aio.AioRpcError]:
 async def idle_watch_then_change(lb: ServiceProcess) -> tuple[list[int], pb.ServiceEvent]:
     """An idle WatchServices stream held IDLE_S (no heartbeat in between),
     then a change: it must arrive on the same stream."""
-    async with grpc.aio.insecure_channel(lb.address, options=KEEPALIVE.client_options()) as ch:
+    creds = session().credentials(OPERATOR)
+    async with grpc.aio.secure_channel(lb.address, creds, options=KEEPALIVE.client_options()) as ch:
         call = lb_pb2_grpc.LoadBalancerServiceStub(ch).WatchServices(pb.WatchServicesRequest())
         stream = call.__aiter__()
         kinds = []
@@ -65,11 +65,10 @@ async def idle_watch_then_change(lb: ServiceProcess) -> tuple[list[int], pb.Serv
         next_event = asyncio.ensure_future(stream.__anext__())
         done, _ = await asyncio.wait({next_event}, timeout=IDLE_S)
         assert not done, next_event.exception() or next_event.result()
-        client = LbClient(lb.address)
-        try:
-            await asyncio.to_thread(client.upsert, service("ka/a", "10.100.7.1", 80))
-        finally:
-            client.close()
+        with lb.channel() as operator:
+            upsert = lb_pb2_grpc.LoadBalancerServiceStub(operator).UpsertService
+            request = pb.UpsertServiceRequest(service=service("ka/a", "10.100.7.1", 80))
+            await asyncio.to_thread(upsert, request, timeout=20)
         event = await asyncio.wait_for(next_event, 10)
         call.cancel()
         return kinds, event

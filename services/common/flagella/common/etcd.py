@@ -43,6 +43,17 @@ REVISION_KEY = "flagella/revision"
 FAILOVER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
+def cut_off(endpoint: str) -> Unavailable | None:
+    """Inside `except asyncio.CancelledError`: the Unavailable to raise when
+    the call was cut off by its channel closing (a failover closed the
+    client it ran on: gRPC then cancels its calls), None when the task
+    itself is being cancelled (re-raise then)."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        return None
+    return Unavailable(f"etcd call to {endpoint} cut off: the client moved to another member")
+
+
 class Compacted(Exception):
     """A watch asked for a revision etcd has compacted away."""
 
@@ -389,6 +400,10 @@ class Etcd:
         client = self._client
         try:
             return await fn(*args, **kwargs)
+        except asyncio.CancelledError:
+            if (cut := cut_off(self.endpoint)) is None:
+                raise
+            raise cut from None
         except Exception as exc:
             error = self._error(exc)
             if error is exc:
@@ -470,6 +485,10 @@ class Etcd:
         req = etcd_rpc.TxnRequest(success=ops)
         try:
             resp = await client.kvstub.Txn(req, timeout=self.timeout, metadata=client.metadata)
+        except asyncio.CancelledError:
+            if (cut := cut_off(self.endpoint)) is None:
+                raise
+            raise cut from None
         except (grpc.aio.AioRpcError, TimeoutError, aetcd.exceptions.ClientError) as exc:
             await self._fail_over(client, exc)
             raise self._read_error(exc, revision) from exc
@@ -625,6 +644,10 @@ class Etcd:
         req = etcd_rpc.TxnRequest(success=[written, count(revision), count(since)])
         try:
             resp = await client.kvstub.Txn(req, timeout=self.timeout, metadata=client.metadata)
+        except asyncio.CancelledError:
+            if (cut := cut_off(self.endpoint)) is None:
+                raise
+            raise cut from None
         except (grpc.aio.AioRpcError, TimeoutError, aetcd.exceptions.ClientError) as exc:
             await self._fail_over(client, exc)
             error = self._read_error(exc, since)
@@ -650,6 +673,10 @@ class Etcd:
         )
         try:
             resp = await client.kvstub.Range(req, timeout=self.timeout, metadata=client.metadata)
+        except asyncio.CancelledError:
+            if (cut := cut_off(self.endpoint)) is None:
+                raise
+            raise cut from None
         except (grpc.aio.AioRpcError, TimeoutError, aetcd.exceptions.ClientError) as exc:
             await self._fail_over(client, exc)
             raise self._read_error(exc, revision) from exc
@@ -755,6 +782,10 @@ class RangeWatch:
                 # The header may be ahead of the events while a watch
                 # catches up: the events speak for themselves.
                 yield WatchBatch(events[-1].revision, events)
+        except asyncio.CancelledError:
+            if (cut := cut_off(self.etcd.endpoint)) is None:
+                raise
+            raise cut from None
         except grpc.aio.AioRpcError as exc:
             endpoint = self.etcd.endpoint
             await self.etcd._fail_over(self._client, exc)
