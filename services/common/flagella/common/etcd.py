@@ -325,15 +325,18 @@ class Etcd:
         return self._client
 
     async def connect(self) -> int:
-        """Check that etcd answers, trying each endpoint once. Returns the
-        current revision. Raises Unavailable."""
+        """Check that etcd answers, trying each endpoint once (a readiness
+        probe: one member lost is not the cluster lost). Returns the current
+        revision. Raises Unavailable."""
         errors = []
         for _ in self.endpoints:
+            index = self._endpoint_index
             try:
                 return await self.current_revision()
             except Unavailable as exc:
-                errors.append(f"{self.endpoint}: {exc.message}")
-                await self._rotate()
+                errors.append(exc.message)
+                if self._endpoint_index == index:  # not moved on by _fail_over
+                    await self._rotate()
         raise Unavailable("etcd unreachable: " + "; ".join(errors))
 
     async def wait_connected(self, *, max_delay: float = 5.0) -> int:
