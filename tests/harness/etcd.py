@@ -122,6 +122,10 @@ class EtcdServer:
         self.secure = secure
         self.pki = session_pki()
         self._auth_applied = not apply_auth
+        # A member of an EtcdCluster: its name and the cluster's peers.
+        self.name = "test"
+        self.initial_cluster = ""
+        self.timing = ("10", "50")  # heartbeat, election timeout (ms)
 
     @property
     def endpoint(self) -> str:
@@ -154,31 +158,43 @@ class EtcdServer:
             "--client-cert-auth",
         ]  # fmt: skip
 
+    @property
+    def peer_url(self) -> str:
+        return f"http://127.0.0.1:{self.peer_port}"
+
     def start(self, timeout: float = 10.0) -> EtcdServer:
+        self.launch()
+        return self.wait_ready(timeout)
+
+    def launch(self) -> None:
+        """Start the process (wait_ready waits for it to answer)."""
         scheme = "https" if self.secure else "http"
         client = f"{scheme}://127.0.0.1:{self.client_port}"
-        peer = f"http://127.0.0.1:{self.peer_port}"
+        peer = self.peer_url
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
                 [
                     ETCD,
                     *self._tls_flags(),
                     "--listen-metrics-urls", f"http://127.0.0.1:{self.metrics_port}",
-                    "--name", "test",
+                    "--name", self.name,
                     "--data-dir", str(self.data_dir / "data"),
                     "--listen-client-urls", client,
                     "--advertise-client-urls", client,
                     "--listen-peer-urls", peer,
                     "--initial-advertise-peer-urls", peer,
-                    "--initial-cluster", f"test={peer}",
-                    "--heartbeat-interval", "10",
-                    "--election-timeout", "50",
+                    "--initial-cluster", self.initial_cluster or f"{self.name}={peer}",
+                    "--heartbeat-interval", self.timing[0],
+                    "--election-timeout", self.timing[1],
                     "--logger", "zap",
                     "--log-level", "warn",
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )  # fmt: skip
+
+    def wait_ready(self, timeout: float = 10.0) -> EtcdServer:
+        assert self.proc is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -256,3 +272,43 @@ class EtcdServer:
         if self._own_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
             self.log_path.unlink(missing_ok=True)
+
+
+class EtcdCluster:
+    """Several etcd members (real processes) as one cluster, secure as
+    EtcdServer (users and roles applied once through the first member).
+    A member is killed and restarted by itself: `members[i].stop(kill=True)`,
+    `members[i].start()` (its data folder stays)."""
+
+    def __init__(self, root: Path, size: int = 3) -> None:
+        self.members = [EtcdServer(root / f"etcd-m{i}", apply_auth=False) for i in range(size)]
+        peers = ",".join(f"m{i}={m.peer_url}" for i, m in enumerate(self.members))
+        for i, member in enumerate(self.members):
+            member.name = f"m{i}"
+            member.initial_cluster = peers
+            # Elections in a quarter second, not in 50 ms: three members
+            # share two loaded cores with the services.
+            member.timing = ("25", "250")
+        self.pki = session_pki()
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [m.endpoint for m in self.members]
+
+    def start(self, timeout: float = 20.0) -> EtcdCluster:
+        for member in self.members:  # together: none is ready before a quorum
+            member.launch()
+        for member in self.members:
+            member.wait_ready(timeout)
+        self.members[0]._apply_auth()
+        for member in self.members:
+            member._auth_applied = True
+        return self
+
+    def client(self, user: str = etcdauth.ROOT, *, timeout: float = 5.0) -> Etcd:
+        files = TlsFiles(TlsPaths.in_dir(self.pki.user_bundle(user)))
+        return PatientEtcd(self.endpoints, timeout=timeout, tls_files=files)
+
+    def cleanup(self) -> None:
+        for member in self.members:
+            member.cleanup()

@@ -202,3 +202,49 @@ async def test_watch_rides_out_an_etcd_restart(tmp_path: Path) -> None:
         with contextlib.suppress(Exception):
             await c.close()
         server.cleanup()
+
+
+async def test_backoff_sleep_ends_when_etcd_returns_not_before(tmp_path: Path) -> None:
+    """A retry loop's sleep: the whole delay while etcd answers (an error
+    from etcd itself must not turn into a busy loop); cut short when etcd
+    was down and comes back."""
+    server = EtcdServer(tmp_path / "back").start()
+    c = server.client(timeout=1.0)
+    loop = asyncio.get_running_loop()
+    try:
+        await c.connect()
+        started = loop.time()
+        assert not await c.backoff_sleep(0.5)
+        assert loop.time() - started >= 0.5
+
+        server.stop()
+        started = loop.time()
+        sleeping = asyncio.ensure_future(c.backoff_sleep(30))
+        await asyncio.to_thread(server.start)
+        assert await asyncio.wait_for(sleeping, 10)
+        assert loop.time() - started < 10
+        assert await c.put("back/a", b"1")
+    finally:
+        with contextlib.suppress(Exception):
+            await c.close()
+        server.cleanup()
+
+
+async def test_watch_rides_out_its_client_closed_under_it(client: e.Etcd) -> None:
+    """A failover closes the client a watch runs on; gRPC then cancels the
+    watch's call, which must read as a broken stream (resumed), not as the
+    watching task being cancelled (its table would be dead for good)."""
+    stream = client.snapshot_then_watch("f/", max_delay=0.2)
+    await collect(stream, e.StreamKind.SYNCED)
+    await client.put("f/a", b"1")
+    assert (await asyncio.wait_for(anext(stream), 10)).kind is e.StreamKind.UPSERT
+    following = asyncio.ensure_future(anext(stream))
+    for _ in range(5):  # back inside the watch's read
+        await asyncio.sleep(0)
+    await client.close()  # as _fail_over does
+    await client.put("f/b", b"2")
+    event = await asyncio.wait_for(following, 10)
+    assert event.kind is e.StreamKind.UPSERT
+    assert event.kv is not None
+    assert event.kv.key == "f/b"
+    await stream.aclose()

@@ -102,6 +102,11 @@ class ServiceConfig:
     etcd_insecure: bool = option(
         False, "DEVELOPMENT ONLY: plaintext etcd with no client certificate (etcd auth off)"
     )
+    grpc_keepalive_time: float = option(
+        20.0,
+        "seconds a gRPC connection to a peer may be silent before a ping; servers accept "
+        "pings at half this: set it cluster-wide (FLAGELLA_GRPC_KEEPALIVE_TIME)",
+    )
     log_level: str = option("info", "log level", choices=("debug", "info", "warning", "error"))
     shutdown_grace: float = option(5.0, "seconds in-flight calls get to finish on SIGTERM")
     tls_cert: str = option(
@@ -134,6 +139,8 @@ class ServiceConfig:
         """Cross-field checks; raise ConfigError."""
         if self.etcd_timeout <= 0:
             raise ConfigError("--etcd-timeout", "must be positive")
+        if self.grpc_keepalive_time <= 0:
+            raise ConfigError("--grpc-keepalive-time", "must be positive")
         if self.shutdown_grace < 0:
             raise ConfigError("--shutdown-grace", "must not be negative")
         if self.metrics_listen.startswith("unix:"):

@@ -27,6 +27,7 @@ import grpc
 from flagella.common import tls
 from flagella.common.backoff import Backoff, retry
 from flagella.common.errors import Unavailable
+from flagella.common.keepalive import ETCD_CLIENT_TIME, Keepalive
 from flagella.common.tasks import TaskGroup
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,22 @@ log = logging.getLogger(__name__)
 #: read needs a key, and with etcd auth on every service may read this one
 #: (flagella.common.etcdauth).
 REVISION_KEY = "flagella/revision"
+
+
+#: gRPC codes of a call that failed for want of its etcd member (down, cut
+#: off, or without a leader): the next call tries the next endpoint.
+FAILOVER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+def cut_off(endpoint: str) -> Unavailable | None:
+    """Inside `except asyncio.CancelledError`: the Unavailable to raise when
+    the call was cut off by its channel closing (a failover closed the
+    client it ran on: gRPC then cancels its calls), None when the task
+    itself is being cancelled (re-raise then)."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        return None
+    return Unavailable(f"etcd call to {endpoint} cut off: the client moved to another member")
 
 
 class Compacted(Exception):
@@ -286,13 +303,13 @@ class Etcd:
             "port": int(port),
             "timeout": self.timeout,
             "options": {
-                "grpc.keepalive_time_ms": 10_000,
-                "grpc.keepalive_timeout_ms": 5_000,
-                # Reconnect quickly when etcd comes back (gRPC's default
-                # backoff grows to two minutes).
-                "grpc.initial_reconnect_backoff_ms": 100,
-                "grpc.min_reconnect_backoff_ms": 100,
-                "grpc.max_reconnect_backoff_ms": 2_000,
+                # Reconnect promptly when etcd comes back; pings as etcd
+                # permits them (flagella.common.keepalive).
+                **dict(
+                    Keepalive(ETCD_CLIENT_TIME, ETCD_CLIENT_TIME / 2).client_options(
+                        without_calls=False
+                    )
+                ),
                 # A watch catching up sends up to 1,000 revisions in one
                 # response, and a range of many keys can be large: gRPC's
                 # default 4 MiB limit breaks both.
@@ -308,15 +325,18 @@ class Etcd:
         return self._client
 
     async def connect(self) -> int:
-        """Check that etcd answers, trying each endpoint once. Returns the
-        current revision. Raises Unavailable."""
+        """Check that etcd answers, trying each endpoint once (a readiness
+        probe: one member lost is not the cluster lost). Returns the current
+        revision. Raises Unavailable."""
         errors = []
         for _ in self.endpoints:
+            index = self._endpoint_index
             try:
                 return await self.current_revision()
             except Unavailable as exc:
-                errors.append(f"{self.endpoint}: {exc.message}")
-                await self._rotate()
+                errors.append(exc.message)
+                if self._endpoint_index == index:  # not moved on by _fail_over
+                    await self._rotate()
         raise Unavailable("etcd unreachable: " + "; ".join(errors))
 
     async def wait_connected(self, *, max_delay: float = 5.0) -> int:
@@ -327,6 +347,44 @@ class Etcd:
             retry_on=(Unavailable,),
             backoff=Backoff(0.1, max_delay),
         )
+
+    async def backoff_sleep(self, delay: float) -> bool:
+        """A retry loop's sleep of delay seconds, ended early when the
+        channel to etcd was down and connects again (gRPC retries it every
+        100-500 ms): after an outage a loop resumes when etcd is back, not
+        when its backoff runs out. A channel that is up (the failure was
+        etcd's answer) sleeps the whole delay. Whether it ended early."""
+        client = self.client
+        try:
+            await self._call(client.connect)  # makes the channel; no request
+        except Unavailable:
+            await asyncio.sleep(delay)
+            return False
+        channel = client.channel
+        if channel.get_state() == grpc.ChannelConnectivity.READY:
+            await asyncio.sleep(delay)
+            return False
+        try:
+            await asyncio.wait_for(channel.channel_ready(), delay)
+        except TimeoutError:
+            return False
+        return True
+
+    async def _fail_over(self, client: aetcd.Client | None, exc: BaseException) -> None:
+        """After a call on `client` failed for want of its member (down, cut
+        off, or without a leader): the next call goes to the next endpoint
+        (the caller retries, as after any Unavailable). Once per failed
+        client: the calls in flight when its member died fail together."""
+        cause = exc.__cause__ if isinstance(exc, aetcd.exceptions.ClientError) else exc
+        lost = isinstance(
+            cause,
+            aetcd.exceptions.ConnectionFailedError
+            | aetcd.exceptions.ConnectionTimeoutError
+            | TimeoutError,
+        ) or (isinstance(cause, grpc.aio.AioRpcError) and cause.code() in FAILOVER_CODES)
+        if lost and client is not None and client is self._client:
+            log.info("etcd endpoint failed, trying the next", extra={"endpoint": self.endpoint})
+            await self._rotate()
 
     async def _rotate(self) -> None:
         if len(self.endpoints) > 1:
@@ -342,25 +400,38 @@ class Etcd:
     # --- key-value ---
 
     async def _call(self, fn: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> Any:
+        client = self._client
         try:
             return await fn(*args, **kwargs)
-        except (
-            aetcd.exceptions.ConnectionFailedError,
-            aetcd.exceptions.ConnectionTimeoutError,
-        ) as exc:
-            raise Unavailable(f"etcd unavailable at {self.endpoint}: {exc}") from exc
-        except grpc.aio.AioRpcError as exc:
-            raise Unavailable(
-                f"etcd error at {self.endpoint}: {exc.code().name} {exc.details()}"
-            ) from exc
-        except (TimeoutError, aetcd.exceptions.InternalError) as exc:
-            raise Unavailable(f"etcd unavailable at {self.endpoint}: {exc!r}") from exc
-        except aetcd.exceptions.ClientError as exc:
+        except asyncio.CancelledError:
+            if (cut := cut_off(self.endpoint)) is None:
+                raise
+            raise cut from None
+        except Exception as exc:
+            error = self._error(exc)
+            if error is exc:
+                raise
+            await self._fail_over(client, exc)
+            raise error from exc
+
+    def _error(self, exc: Exception) -> Exception:
+        """What a failed call raises: Unavailable for any etcd failure
+        (anything else as it is)."""
+        if isinstance(
+            exc, aetcd.exceptions.ConnectionFailedError | aetcd.exceptions.ConnectionTimeoutError
+        ):
+            return Unavailable(f"etcd unavailable at {self.endpoint}: {exc}")
+        if isinstance(exc, grpc.aio.AioRpcError):
+            return Unavailable(f"etcd error at {self.endpoint}: {exc.code().name} {exc.details()}")
+        if isinstance(exc, TimeoutError | aetcd.exceptions.InternalError):
+            return Unavailable(f"etcd unavailable at {self.endpoint}: {exc!r}")
+        if isinstance(exc, aetcd.exceptions.ClientError):
             # aetcd's own methods (get, lease ...) wrap the gRPC error, e.g.
             # PERMISSION_DENIED from etcd's auth: name its code all the same.
             cause = exc.__cause__
             code = cause.code().name if isinstance(cause, grpc.aio.AioRpcError) else "error"
-            raise Unavailable(f"etcd error at {self.endpoint}: {code} {exc}") from exc
+            return Unavailable(f"etcd error at {self.endpoint}: {code} {exc}")
+        return exc
 
     async def current_revision(self) -> int:
         client = self.client
@@ -417,7 +488,12 @@ class Etcd:
         req = etcd_rpc.TxnRequest(success=ops)
         try:
             resp = await client.kvstub.Txn(req, timeout=self.timeout, metadata=client.metadata)
+        except asyncio.CancelledError:
+            if (cut := cut_off(self.endpoint)) is None:
+                raise
+            raise cut from None
         except (grpc.aio.AioRpcError, TimeoutError, aetcd.exceptions.ClientError) as exc:
+            await self._fail_over(client, exc)
             raise self._read_error(exc, revision) from exc
         lists = [[KeyValue.from_proto(kv) for kv in r.response_range.kvs] for r in resp.responses]
         return lists, int(revision or resp.header.revision)
@@ -571,7 +647,12 @@ class Etcd:
         req = etcd_rpc.TxnRequest(success=[written, count(revision), count(since)])
         try:
             resp = await client.kvstub.Txn(req, timeout=self.timeout, metadata=client.metadata)
+        except asyncio.CancelledError:
+            if (cut := cut_off(self.endpoint)) is None:
+                raise
+            raise cut from None
         except (grpc.aio.AioRpcError, TimeoutError, aetcd.exceptions.ClientError) as exc:
+            await self._fail_over(client, exc)
             error = self._read_error(exc, since)
             if isinstance(error, Compacted | FutureRevision):
                 return False
@@ -595,7 +676,12 @@ class Etcd:
         )
         try:
             resp = await client.kvstub.Range(req, timeout=self.timeout, metadata=client.metadata)
+        except asyncio.CancelledError:
+            if (cut := cut_off(self.endpoint)) is None:
+                raise
+            raise cut from None
         except (grpc.aio.AioRpcError, TimeoutError, aetcd.exceptions.ClientError) as exc:
+            await self._fail_over(client, exc)
             raise self._read_error(exc, revision) from exc
         return [KeyValue.from_proto(kv) for kv in resp.kvs], int(revision or resp.header.revision)
 
@@ -651,6 +737,7 @@ class RangeWatch:
         )
         self._requests: asyncio.Queue[Any] = asyncio.Queue()
         self._call: Any = None
+        self._client: aetcd.Client | None = None
 
     async def _request_stream(self) -> AsyncIterator[Any]:
         yield self._create
@@ -661,10 +748,13 @@ class RangeWatch:
             yield request
 
     async def __aenter__(self) -> RangeWatch:
-        client = self.etcd.client
+        client = self._client = self.etcd.client
         await self.etcd._call(client.connect)
         stub = etcd_rpc.WatchStub(client.channel)
-        self._call = stub.Watch(self._request_stream(), metadata=client.metadata)
+        # As etcd's clientv3.WithRequireLeader: a member cut off from its
+        # leader ends the watch (it would otherwise stay silent).
+        metadata = (*(client.metadata or ()), ("hasleader", "true"))
+        self._call = stub.Watch(self._request_stream(), metadata=metadata)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -695,9 +785,15 @@ class RangeWatch:
                 # The header may be ahead of the events while a watch
                 # catches up: the events speak for themselves.
                 yield WatchBatch(events[-1].revision, events)
+        except asyncio.CancelledError:
+            if (cut := cut_off(self.etcd.endpoint)) is None:
+                raise
+            raise cut from None
         except grpc.aio.AioRpcError as exc:
+            endpoint = self.etcd.endpoint
+            await self.etcd._fail_over(self._client, exc)
             raise Unavailable(
-                f"etcd watch broke at {self.etcd.endpoint}: {exc.code().name} {exc.details()}"
+                f"etcd watch broke at {endpoint}: {exc.code().name} {exc.details()}"
             ) from exc
         raise Unavailable(f"etcd watch stream ended at {self.etcd.endpoint}")
 

@@ -32,6 +32,7 @@ from flagella.common.config import ServiceConfig, load_config
 from flagella.common.errors import ConfigError, FlagellaError
 from flagella.common.etcd import Etcd
 from flagella.common.handlers import WrappingInterceptor, relay, rewrap
+from flagella.common.keepalive import Keepalive
 from flagella.common.logs import setup_logging
 from flagella.common.metrics import Metrics, MetricsServer
 from flagella.common.pki import TlsFileError
@@ -310,6 +311,11 @@ class Runtime(Generic[C]):
         with self.phase("etcd_connect"):
             await client.wait_connected()
 
+    @property
+    def keepalive(self) -> Keepalive:
+        """This cluster's keepalive agreement (flagella.common.keepalive)."""
+        return Keepalive(self.config.grpc_keepalive_time)
+
     def channel(self, address: str, service: str = "") -> grpc.aio.Channel:
         """A client channel to a peer service (one address or its replicas':
         flagella.common.addresses; service: its name, which the replicas'
@@ -319,11 +325,7 @@ class Runtime(Generic[C]):
         peer = addresses.target(address, service)
         options = [
             *addresses.channel_options(peer),
-            ("grpc.keepalive_time_ms", 20_000),
-            ("grpc.keepalive_timeout_ms", 10_000),
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 2_000),
+            *self.keepalive.client_options(),
         ]
         interceptors = [*self.metrics.client_interceptors(), *self.tracing.client_interceptors()]
         ch: grpc.aio.Channel
@@ -387,11 +389,13 @@ def add_port(server: grpc.aio.Server, address: str, files: tls.TlsFiles | None) 
         raise FatalError(f"cannot listen on {address}: {exc}") from exc
 
 
-async def health_server(address: str, servicer: health.aio.HealthServicer) -> grpc.aio.Server:
+async def health_server(
+    address: str, servicer: health.aio.HealthServicer, keepalive: Keepalive
+) -> grpc.aio.Server:
     """grpc.health.v1.Health alone, in plaintext: for Kubernetes probes,
     which cannot present a certificate. It tells SERVING or NOT_SERVING and
     nothing else, so it needs no authentication."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *keepalive.server_options()])
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     add_port(server, address, None)
     await server.start()
@@ -408,7 +412,7 @@ async def serve(runtime: Runtime[C], service: App) -> None:
             *auth,
             ErrorInterceptor(runtime.readiness),
         ],
-        options=[("grpc.so_reuseport", 0)],
+        options=[("grpc.so_reuseport", 0), *runtime.keepalive.server_options()],
     )
     runtime.readiness.add_services(service.service_names)
     health_pb2_grpc.add_HealthServicer_to_server(runtime.readiness.servicer, server)
@@ -422,7 +426,7 @@ async def serve(runtime: Runtime[C], service: App) -> None:
             add_port(server, address, runtime.tls)
         await server.start()
         probes = (
-            await health_server(cfg.health_listen, runtime.readiness.servicer)
+            await health_server(cfg.health_listen, runtime.readiness.servicer, runtime.keepalive)
             if cfg.health_listen
             else None
         )

@@ -103,7 +103,7 @@ class EndpointApp:
         # lookups go to ipam.
         self.tasks.supervise("node-watch", self.ipam.follow_nodes)
         await self.runtime.etcd_connected(self.etcd)
-        self.probes.add("etcd", self.etcd.current_revision)
+        self.probes.add("etcd", self.etcd.connect)
         source = EtcdSource(
             self.etcd, self.endpoints, EndpointCodec(), prefix=ENDPOINTS, name="endpoints"
         )

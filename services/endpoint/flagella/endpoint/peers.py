@@ -68,14 +68,37 @@ class IpamPeer:
     async def node(self, name: str) -> NodeInfo:
         info = self.mirror.get(name)
         if info is None:
-            with calling("ipam"):
-                node = await self.stub.GetNode(
-                    ipam_pb2.GetNodeRequest(name=name), timeout=CALL_TIMEOUT
-                )
+            try:
+                with calling("ipam"):
+                    node = await self.stub.GetNode(
+                        ipam_pb2.GetNodeRequest(name=name), timeout=CALL_TIMEOUT
+                    )
+            except NotFound as exc:
+                if await self._has_cidrs(name):
+                    # Its lease lapsed: its datapath is restarting (and
+                    # registers again when up). Try again later, not never.
+                    raise Unavailable(
+                        f"node {name}'s registration lapsed (its datapath is restarting?): "
+                        "try again"
+                    ) from exc
+                raise exc from None
             info = node_info(node)
         if not info.datapath_address:
             raise Unavailable(f"node {name} has no datapath registered")
         return info
+
+    async def _has_cidrs(self, name: str) -> bool:
+        """Whether ipam knows the node: it keeps a node's pod CIDRs (and
+        allocations) when its lease lapses; a node that never registered
+        has none (NOT_FOUND)."""
+        try:
+            with calling("ipam"):
+                await self.stub.ListAllocations(
+                    ipam_pb2.ListAllocationsRequest(node=name), timeout=CALL_TIMEOUT
+                )
+        except NotFound:
+            return False
+        return True
 
     async def follow_nodes(self, max_backoff: float = 5.0) -> None:
         """Keep the node mirror in step with ipam's registry, until

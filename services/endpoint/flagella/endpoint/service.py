@@ -533,7 +533,9 @@ class EndpointService:
             if identity:
                 await self.policy.release_identity(identity, ep.node, owner_of(ep))
         if STEP_IPAM in steps:
-            await self.ipam.release(ep.node, ep.container_id, ep.ifname)
+            # A node without pod CIDRs (NotFound) holds no address to release.
+            with contextlib.suppress(NotFound):
+                await self.ipam.release(ep.node, ep.container_id, ep.ifname)
         ep.transition(State.DISCONNECTED, reason)
         await self.store.delete(ep)
 

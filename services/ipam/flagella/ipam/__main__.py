@@ -56,7 +56,7 @@ class IpamApp:
             except ValueError as exc:
                 raise FatalError(f"--kubeconfig: {exc}") from exc
         await self.runtime.etcd_connected(self.etcd)
-        self.probes.add("etcd", self.etcd.current_revision)
+        self.probes.add("etcd", self.etcd.connect)
         with self.runtime.phase("first_sync"):
             await self.service.start()
 

@@ -53,7 +53,7 @@ class LbApp:
             )
         except SeedMismatch as exc:
             raise FatalError(str(exc)) from exc
-        self.probes.add("etcd", self.etcd.current_revision)
+        self.probes.add("etcd", self.etcd.connect)
         self.tasks.spawn("services-table", self.store.run())
         self.runtime.phase_ends_with("first_sync", self.store.services.wait_initialized())
         if self.config.kubeconfig:

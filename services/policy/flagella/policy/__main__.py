@@ -59,7 +59,7 @@ class PolicyApp:
         await self.runtime.etcd_connected(self.etcd)
         with self.runtime.phase("first_sync"):
             await self.service.start()
-        self.probes.add("etcd", self.etcd.current_revision)
+        self.probes.add("etcd", self.etcd.connect)
         cfg = self.runtime.config
         if cfg.kubeconfig:
             self.kube = PolicyWatchers(self.service.rules, cfg.kubeconfig)

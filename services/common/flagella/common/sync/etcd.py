@@ -152,7 +152,13 @@ class EtcdSource(Generic[K, R]):
                     f"{self.name} watch interrupted",
                     extra={"range": self.start, "reason": exc.message, "retry_in_s": delay},
                 )
-                await asyncio.sleep(delay)
+                # The backoff's delay, or less when etcd answers again (then
+                # a jitter of up to the initial delay, so the watches of a
+                # service, and of every service, do not all resume at once):
+                # after an outage the first write must not wait for its
+                # table's watch to come back (issue 18: a 2.4 s ADD).
+                if await self.etcd.backoff_sleep(delay):
+                    await asyncio.sleep(self.backoff.initial * self.backoff.rng.random())
 
     async def _watch(self) -> None:
         async with self.etcd.watch_keys(self.start, self.range_end, self.revision + 1) as watch:
