@@ -37,6 +37,7 @@ from harness.probe import Pod, Probe, probing
 from harness.procs import ServiceProcess
 
 from flagella.api.lb.v1 import lb_pb2
+from flagella.common.backoff import Backoff
 
 pytestmark = [pytest.mark.privileged, pytest.mark.integration]
 
@@ -48,13 +49,15 @@ SERVICES = ("ipam", "policy", "lb", "endpoint")
 CYCLES_PER_KILL = 2
 # A kill window ends this long after those cycles.
 GRACE_S = 2.0
+ADD_TRIES = 4
 
 
 @dataclass
 class Runtime:
-    """flagella-cni run as containerd runs it: an ADD answered "try again
-    later" (11) is retried after a DEL; a DEL is retried until it succeeds.
-    What still failed is in errors."""
+    """flagella-cni run as containerd and the kubelet run it: an ADD
+    answered "try again later" (11) is retried after a DEL (the kubelet
+    keeps retrying a sandbox with a backoff; here up to ADD_TRIES times); a
+    DEL is retried until it succeeds. What still failed is in errors."""
 
     node: Node
     retried_adds: int = 0
@@ -63,9 +66,13 @@ class Runtime:
     def add(self, name: str, ns: Netns, labels: dict[str, str]) -> Pod:
         conf = netconf(self.node.cni_socket, labels, timeout=30)
         rc, out = cni("ADD", conf, container_id=f"ctr-{name}", netns=ns.path, pod=("ha", name))
-        if rc != 0 and out.get("code") == 11:
+        backoff = Backoff(0.2, 1.0)
+        for _ in range(ADD_TRIES - 1):
+            if rc == 0 or out.get("code") != 11:
+                break
             self.retried_adds += 1
             self.delete(name, ns)
+            time.sleep(backoff.next())
             rc, out = cni("ADD", conf, container_id=f"ctr-{name}", netns=ns.path, pod=("ha", name))
         if rc != 0:
             self.errors.append(f"ADD {name}: {out}")
