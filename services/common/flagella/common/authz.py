@@ -123,7 +123,8 @@ TABLE: dict[str, tuple[Grant, ...]] = {
             "AllocateIdentity": (ENDPOINT,),
             "ReleaseIdentity": (ENDPOINT,),
             "GetIdentity": (ENDPOINT, OPERATOR),
-            "ListIdentities": (OPERATOR,),
+            # The relay names the ends of its web page's flows (labels).
+            "ListIdentities": (OPERATOR, RELAY),
             # The ipcache maps pod IPs to identities: written for endpoints only.
             "UpsertIPCache": (ENDPOINT,),
             "DeleteIPCache": (ENDPOINT,),
@@ -172,7 +173,8 @@ TABLE: dict[str, tuple[Grant, ...]] = {
             "GarbageCollect": (own_node("node"),),
             "GetStatus": (NODES, OPERATOR),
             "GetEndpoint": (node_of("endpoint"), OPERATOR),
-            "ListEndpoints": (own_node("node"), OPERATOR),
+            # The relay names the ends of its web page's flows (pods).
+            "ListEndpoints": (own_node("node"), OPERATOR, RELAY),
             "PatchEndpointLabels": (OPERATOR,),
             "GetEndpointLog": (OPERATOR,),
             "GetEndpointHealth": (OPERATOR,),
