@@ -114,7 +114,7 @@ EXPECTED: dict[str, set[str]] = {
     "lb/UpsertServices": OP,
     "lb/GetService": NODES | OP,
     "lb/DeleteService": OP,
-    "lb/ListServices": NODES | OP | {"policy"},
+    "lb/ListServices": NODES | OP | {"policy"} | RELAY,
     "lb/WatchServices": NODES | OP | {"policy"},
     "lb/GetMaglevTable": NODES | OP,
     # A node's datapath relays its CNI plugin's invocations, for itself.

@@ -26,6 +26,7 @@ from harness.metrics import check_documented, value
 from harness.net import free_port
 from harness.netns import wait_until
 from harness.procs import ServiceProcess
+from selenium.webdriver.common.actions.action_builder import ActionBuilder
 from selenium.webdriver.common.by import By
 
 from flagella.api.lb.v1 import lb_pb2
@@ -436,6 +437,7 @@ def test_no_flags_inside_a_container_every_node_from_the_registry(
         "--ipam-address", cluster.services["ipam"].address,
         "--endpoint-address", cluster.services["endpoint"].address,
         "--policy-address", cluster.services["policy"].address,
+        "--lb-address", cluster.services["lb"].address,
         "--sort-buffer-drain-timeout", "2",
         "--node-probe-interval", "0.5",
     )  # fmt: skip
@@ -496,7 +498,7 @@ def test_no_flags_inside_a_container_every_node_from_the_registry(
     n2_only = cli_in(env, "observe", "-o", "json", "--node", "*2", "--last", "50").stdout
     assert {json.loads(line)["flow"]["node_name"] for line in n2_only.splitlines()} == {"n2"}
     check_relay_follow(cluster, env, relay, (n1, "c", a_ip), (n2, "d", b_ip))
-    check_flows_page(env, relay, tmp_path, (n1, "c", a_ip), (n2, "d", b_ip))
+    check_flows_page(cluster, env, relay, tmp_path, (n1, "c", a_ip), (n2, "d", b_ip))
 
 
 def check_relay_follow(
@@ -593,11 +595,15 @@ def check_relay_follow(
 
 
 def check_flows_page(
-    env: dict[str, str], relay: ServiceProcess, tmp_path: Path, *pairs: tuple[Node, str, str]
+    cluster: Cluster,
+    env: dict[str, str],
+    relay: ServiceProcess,
+    tmp_path: Path,
+    *pairs: tuple[Node, str, str],
 ) -> None:
     """The relay's web page in Debian's headless Chromium: live flows of
     both nodes make the service map (the two app=db pods one workload node,
-    c and d each theirs), edges marked dropped with Cilium's reason on
+    c and d each theirs, a service without backends c calls), edges marked dropped with Cilium's reason on
     hover, the table's rows, a filter narrowing them; a screenshot kept.
     Beside it: the page's API refuses bad input by field and a foreign
     Host; the relay's own metrics; `flagella status` names the relay and
@@ -605,9 +611,17 @@ def check_flows_page(
     base = f"http://{relay.ui_listen}"
     check_page_api(base)
 
+    # A service without a backend: c's connections to it are dropped there
+    # (SERVICE_BACKEND_NOT_FOUND), addressed to its frontend.
+    web = lb_pb2.Service(name="shop/web", type=lb_pb2.SERVICE_TYPE_CLUSTER_IP)
+    web.frontend.address, web.frontend.port = "10.96.7.7", 80
+    web.frontend.protocol = lb_pb2.PROTOCOL_TCP
+    cluster.lb().UpsertService(lb_pb2.UpsertServiceRequest(service=web), timeout=10)
+
     def traffic() -> None:
         for node, pod, dst in pairs:
             node.pods[pod].request("tcp", dst, 5432, timeout=0.2)
+        pairs[0][0].pods["c"].request("tcp", "10.96.7.7", 80, timeout=0.2)
 
     with chromium() as page:
 
@@ -623,11 +637,11 @@ def check_flows_page(
         rows_js = """return [...document.querySelectorAll('#flows tbody tr')]
             .map(tr => [...tr.cells].map(td => td.textContent))"""
 
-        def dropped(src: str) -> str:
-            """The hover text of the dropped edge src -> db ("" : none yet)."""
+        def dropped(src: str, dst: str = "pod:shop/db") -> str:
+            """The hover text of the dropped edge src -> dst ("" : none yet)."""
             return next(
                 (e["title"] for e in dom(edges_js)
-                 if (e["src"], e["dst"], e["verdict"]) == (src, "pod:shop/db", "dropped")),
+                 if (e["src"], e["dst"], e["verdict"]) == (src, dst, "dropped")),
                 "",
             )  # fmt: skip
 
@@ -638,6 +652,7 @@ def check_flows_page(
                 traffic() is None
                 and nodes.items() <= dom(nodes_js).items()
                 and all("POLICY_DENIED" in dropped(f"pod:shop/{p}") for p in ("c", "d"))
+                and "SERVICE_BACKEND_NOT_FOUND" in dropped("pod:shop/c", "svc:shop/web")
             ),
             timeout=15,
         ), (dom(nodes_js), dom(edges_js))
@@ -651,16 +666,28 @@ def check_flows_page(
         every = dom(rows_js)
         assert [r[0] for r in every] == sorted((r[0] for r in every), reverse=True)
         drops = {("DROPPED", f"shop/{p}", "5432", "TCP", "POLICY_DENIED") for p in "ab"}
-        assert (
-            drops
-            <= {(r[1], r[3], r[4], r[5], r[6]) for r in every}
-            <= drops | {("FORWARDED", f"shop/{p}", "5432", "TCP", "") for p in "ab"}
-        )
+        drops.add(("DROPPED", "shop/web (service)", "80", "TCP", "SERVICE_BACKEND_NOT_FOUND"))
+        assert drops <= {(r[1], r[3], r[4], r[5], r[6]) for r in every}, every
+        assert {r[4] for r in every} == {"5432", "80"}
         page.find_element(By.NAME, "pod").send_keys("shop/d")
         only_d = dom(rows_js)
         assert only_d
         assert len(only_d) < len(every)
         assert {(r[2], r[3], r[7]) for r in only_d} == {("shop/d", "shop/b", "n2")}
+        page.find_element(By.NAME, "pod").clear()
+        # The pointer on the middle of c's dropped edge: its reasons in the tooltip.
+        x, y = dom(
+            """const e = document.querySelector(
+                 'path.edge.dropped[data-src="pod:shop/c"][data-dst="pod:shop/db"]');
+               const p = e.getPointAtLength(e.getTotalLength() / 2), m = e.getScreenCTM();
+               return [Math.round(p.x * m.a + m.e), Math.round(p.y * m.d + m.f)];"""
+        )
+        pointer = ActionBuilder(page)
+        pointer.pointer_action.move_to_location(x, y)
+        pointer.perform()
+        tooltip = page.find_element(By.ID, "tooltip")
+        assert tooltip.is_displayed()
+        assert "POLICY_DENIED \u00d7 " in tooltip.text, tooltip.text
         page.save_screenshot(str(artifacts(tmp_path) / "flows-page.png"))
 
         scrape = relay.scrape()

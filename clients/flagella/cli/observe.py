@@ -28,6 +28,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from flagella.api.datapath.v1 import datapath_pb2
 from flagella.api.endpoint.v1 import endpoint_pb2
+from flagella.api.lb.v1 import lb_pb2
 from flagella.api.policy.v1 import policy_pb2
 from flagella.api.relay.v1 import relay_pb2
 from flagella.cli.base import PROTOCOL_NAMES, PROTOCOLS, Clients, CliError, enum_name, to_dict
@@ -80,7 +81,8 @@ def flow_line(f: datapath_pb2.Flow, src: str = "", dst: str = "") -> str:
 
 
 class Names:
-    """The endpoint and policy services' view of pods and identities, loaded
+    """The endpoint, policy and lb services' view of pods, identities and
+    services, loaded
     once and again when a flow names an end it does not know (a pod created
     since), at most every hubble.REFRESH_SECONDS."""
 
@@ -94,7 +96,8 @@ class Names:
         c = self.clients
         eps = c.call("endpoint", c.endpoint().ListEndpoints, endpoint_pb2.ListEndpointsRequest())
         idents = c.call("policy", c.policy().ListIdentities, policy_pb2.ListIdentitiesRequest())
-        self.directory = hubble.directory(eps.endpoints, idents.identities)
+        svcs = c.call("lb", c.lb().ListServices, lb_pb2.ListServicesRequest())
+        self.directory = hubble.directory(eps.endpoints, idents.identities, svcs.services)
         self._loaded = time.monotonic()
 
     def of(self, f: datapath_pb2.Flow) -> hubble.Directory:

@@ -154,8 +154,9 @@ TABLE: dict[str, tuple[Grant, ...]] = {
             "UpsertServices": (OPERATOR,),
             "DeleteService": (OPERATOR,),
             "GetService": READERS,
-            # The policy service follows the services for toServices rules.
-            "ListServices": (*READERS, POLICY),
+            # The policy service follows the services for toServices rules;
+            # the relay names the services its web page's flows are sent to.
+            "ListServices": (*READERS, POLICY, RELAY),
             "WatchServices": (*READERS, POLICY),
             "GetMaglevTable": READERS,
         },

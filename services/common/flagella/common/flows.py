@@ -18,6 +18,7 @@ from typing import Any
 
 from flagella.api.datapath.v1 import datapath_pb2 as dp
 from flagella.api.endpoint.v1 import endpoint_pb2
+from flagella.api.lb.v1 import lb_pb2
 from flagella.api.policy.v1 import policy_pb2
 
 # Cilium's DropReason names (flow.proto) for flagella's reasons. Most share
@@ -88,10 +89,12 @@ class Pod:
 @dataclass
 class Directory:
     """What the consumer knows of the cluster: pods by IP, labels by
-    identity (each as Cilium writes it, `k8s:app=db`, `reserved:world`)."""
+    identity (each as Cilium writes it, `k8s:app=db`, `reserved:world`),
+    services (namespace, name) by frontend (IP, port)."""
 
     pods: dict[str, Pod] = field(default_factory=dict)
     labels: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    services: dict[tuple[str, int], tuple[str, str]] = field(default_factory=dict)
 
     def knows(self, f: dp.Flow) -> bool:
         """Whether both ends are known: their identity, and the pod of an
@@ -124,10 +127,12 @@ def label_text(label: policy_pb2.Label) -> str:
 
 
 def directory(
-    endpoints: Iterable[endpoint_pb2.Endpoint], identities: Iterable[policy_pb2.Identity]
+    endpoints: Iterable[endpoint_pb2.Endpoint],
+    identities: Iterable[policy_pb2.Identity],
+    services: Iterable[lb_pb2.Service] = (),
 ) -> Directory:
-    """The Directory of the endpoint service's ListEndpoints and the policy
-    service's ListIdentities."""
+    """The Directory of the endpoint service's ListEndpoints, the policy
+    service's ListIdentities and the lb service's ListServices."""
     pods = {
         address.split("/")[0]: Pod(e.pod_name, e.pod_namespace, e.id, e.node)
         for e in endpoints
@@ -135,7 +140,12 @@ def directory(
         for address in e.addresses
     }
     labels = {i.id: tuple(label_text(lb) for lb in i.labels) for i in identities}
-    return Directory(pods, labels)
+    frontends = {}
+    for svc in services:
+        prefix, _, name = svc.name.rpartition("/")
+        key = (svc.frontend.address, svc.frontend.port)
+        frontends[key] = (svc.namespace or prefix, name)
+    return Directory(pods, labels, frontends)
 
 
 def stale(known: Directory, f: dp.Flow, loaded_at: float, now: float) -> bool:
@@ -209,6 +219,13 @@ def to_hubble(f: dp.Flow, directory: Directory) -> dict[str, Any]:
         "interface": {"index": f.ifindex} if f.ifindex else {},
         "Summary": summary,
     }
+    # A flow still addressed to a service's frontend (seen before its
+    # translation, e.g. dropped for want of a backend), as hubble names it.
+    service = directory.services.get((f.dst_ip, f.dst_port))
+    if service:
+        flow["destination_service"] = {
+            k: v for k, v in (("namespace", service[0]), ("name", service[1])) if v
+        }
     # protobuf's JSON mapping leaves out what is unset, as hubble's output does.
     flow = {k: v for k, v in flow.items() if v}
     flow["event_type"] = {k: v for k, v in flow["event_type"].items() if v}

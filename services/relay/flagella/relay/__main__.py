@@ -32,6 +32,7 @@ class RelayApp:
             names = Names(
                 runtime.channel(self.config.endpoint_address),
                 runtime.channel(self.config.policy_address),
+                runtime.channel(self.config.lb_address),
             )
             self.page = FlowsPage(
                 self.relay, names, self.config.ui_listen, self.config.ui_allowed_hosts

@@ -49,6 +49,11 @@ class RelayConfig(ServiceConfig):
         "policy service (identity labels of the page's flows)",
         parse=parse_host_port,
     )
+    lb_address: str = option(
+        "127.0.0.1:50054",
+        "lb service (the services the page's flows are addressed to)",
+        parse=parse_host_port,
+    )
     node_buffer_size: int = option(
         2048, "flows buffered per node for a slow reader (then the oldest are dropped)"
     )

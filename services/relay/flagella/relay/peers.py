@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from flagella.api.datapath.v1 import datapath_pb2, datapath_pb2_grpc
 from flagella.api.endpoint.v1 import endpoint_pb2, endpoint_pb2_grpc
 from flagella.api.ipam.v1 import ipam_pb2, ipam_pb2_grpc
+from flagella.api.lb.v1 import lb_pb2, lb_pb2_grpc
 from flagella.api.policy.v1 import policy_pb2, policy_pb2_grpc
 from flagella.common import flows as hubble
 from flagella.common.backoff import Backoff
@@ -88,10 +89,11 @@ class Datapaths:
 
 
 class Names:
-    """Pods (endpoint service) and identity labels (policy service) that
-    name the ends of the page's flows, as `flagella observe` names them
-    (flagella.common.flows), loaded with the relay's own rights when a flow
-    names an end it does not know, at most once a second. A failed load
+    """Pods (endpoint service), identity labels (policy service) and
+    services by frontend (lb service) that name the ends of the page's
+    flows, as `flagella observe` names them (flagella.common.flows),
+    loaded with the relay's own rights when a flow names an end it does
+    not know, at most once a second. A failed load
     keeps the last directory (its flows show identities) and says why in
     `error`."""
 
@@ -99,10 +101,12 @@ class Names:
         self,
         endpoint: grpc.aio.Channel,
         policy: grpc.aio.Channel,
+        lb: grpc.aio.Channel,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._endpoint = endpoint_pb2_grpc.EndpointServiceStub(endpoint)
         self._policy = policy_pb2_grpc.PolicyServiceStub(policy)
+        self._lb = lb_pb2_grpc.LoadBalancerServiceStub(lb)
         self._clock = clock
         self._lock = asyncio.Lock()
         self._loaded = -hubble.REFRESH_SECONDS
@@ -133,10 +137,14 @@ class Names:
                 ids = await self._policy.ListIdentities(
                     policy_pb2.ListIdentitiesRequest(), timeout=CALL_TIMEOUT
                 )
+            with calling("lb service"):
+                svcs = await self._lb.ListServices(
+                    lb_pb2.ListServicesRequest(), timeout=CALL_TIMEOUT
+                )
         except FlagellaError as exc:
             if exc.details != self.error:
                 log.warning("cannot name the flows' ends", extra={"reason": exc.details})
             self.error = exc.details
             return
         self.error = ""
-        self.directory = hubble.directory(eps.endpoints, ids.identities)
+        self.directory = hubble.directory(eps.endpoints, ids.identities, svcs.services)

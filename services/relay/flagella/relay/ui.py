@@ -27,6 +27,7 @@ from aiohttp import web
 from flagella.api.datapath.v1 import datapath_pb2
 from flagella.common import flows as hubble
 from flagella.common.errors import FlagellaError
+from flagella.common.metrics import HttpSite
 from flagella.relay.service import Event, Lost, NodeStatus, Relay
 
 log = logging.getLogger(__name__)
@@ -113,8 +114,8 @@ class FlowsPage:
         self.address = address
         self.allowed_hosts = tuple(h.lower() for h in allowed_hosts)
         self.clients = 0
-        self.port = 0
-        self._runner: web.AppRunner | None = None
+        # handler_cancellation: a browser that leaves ends its flow stream.
+        self._site = HttpSite("flows page", address, handler_cancellation=True)
         ui = resources.files("flagella.relay") / "ui"
         self._files = {path: (ui / name).read_bytes() for path, (name, _) in FILES.items()}
 
@@ -127,21 +128,15 @@ class FlowsPage:
         app.router.add_get("/api/nodes", self._nodes)
         return app
 
+    @property
+    def port(self) -> int:
+        return self._site.port
+
     async def start(self) -> None:
-        # handler_cancellation: a browser that leaves ends its flow stream.
-        self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
-        await self._runner.setup()
-        host, _, port = self.address.rpartition(":")
-        site = web.TCPSite(self._runner, host.strip("[]") or None, int(port))
-        await site.start()
-        sockets = getattr(site._server, "sockets", None) or ()
-        self.port = sockets[0].getsockname()[1] if sockets else int(port)
-        log.info("flows page listening", extra={"address": f"{host}:{self.port}"})
+        await self._site.start(self.app())
 
     async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        await self._site.stop()
 
     @web.middleware
     async def _guard(

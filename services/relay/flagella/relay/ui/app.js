@@ -52,6 +52,14 @@ function endName(ep) {
   return ep.identity ? `identity ${ep.identity}` : "";
 }
 
+function destinationName(flow) {
+  const svc = flow.destination_service;
+  if (svc && svc.name && !(flow.destination || {}).pod_name) {
+    return `${svc.namespace ? `${svc.namespace}/` : ""}${svc.name} (service)`;
+  }
+  return endName(flow.destination);
+}
+
 // A map node: the pod's workload (its app label) or the pod; a reserved
 // identity (world, host, remote-node ...); else the bare identity.
 function mapNode(ep) {
@@ -102,15 +110,18 @@ function addEdge(src, dst, flow) {
 
 function addToMap(flow) {
   const src = addNode(mapNode(flow.source));
-  const dst = addNode(mapNode(flow.destination));
   const svc = flow.destination_service;
-  if (svc && svc.name) {
-    const s = addNode({ id: `svc:${svc.namespace || ""}/${svc.name}`, label: svc.name,
-      sub: `service ${svc.namespace || ""}`, kind: "service" });
-    addEdge(src, s, flow);
-    addEdge(s, dst, flow);
-  } else {
-    addEdge(src, dst, flow);
+  if (!svc || !svc.name) {
+    addEdge(src, addNode(mapNode(flow.destination)), flow);
+    return;
+  }
+  // Sent to a service: the service is the destination (its address is the
+  // frontend's), unless the flow names the pod behind it too.
+  const s = addNode({ id: `svc:${svc.namespace || ""}/${svc.name}`, label: svc.name,
+    sub: `service ${svc.namespace || ""}`.trim(), kind: "service" });
+  addEdge(src, s, flow);
+  if (flow.destination && flow.destination.pod_name) {
+    addEdge(s, addNode(mapNode(flow.destination)), flow);
   }
 }
 
@@ -158,7 +169,7 @@ function drawMap() {
   defs.append(marker);
   svg.append(defs);
   const pos = layout(width, height);
-  const bend = { forwarded: 0, dropped: 28, other: -28 };
+  const bend = { forwarded: 0, dropped: 45, other: -45 };
   const tooltip = $("tooltip");
   for (const e of state.edges.values()) {
     const a = pos.get(e.src), b = pos.get(e.dst);
@@ -269,7 +280,7 @@ function drawTable() {
     cell(row, (flow.time || "").replace("T", " ").replace(/(\.\d{3})\d*Z$/, "$1"), "time");
     cell(row, v, "verdict");
     cell(row, endName(flow.source), "source");
-    cell(row, endName(flow.destination), "destination");
+    cell(row, destinationName(flow), "destination");
     cell(row, l4.destination_port ? String(l4.destination_port) : "", "port");
     cell(row, protocolOf(flow), "protocol");
     cell(row, flow.drop_reason_desc || "", "reason");
