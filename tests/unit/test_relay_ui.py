@@ -10,6 +10,9 @@ import pytest
 
 from flagella.api.datapath.v1 import datapath_pb2
 from flagella.common import flows as hubble
+from flagella.common.config import load_config
+from flagella.common.errors import ConfigError
+from flagella.relay.config import RelayConfig
 from flagella.relay.ui import MAX_LAST, BadQuery, host_allowed, parse_query, sse
 
 
@@ -54,3 +57,20 @@ def test_an_unknown_end_reloads_the_directory_at_most_once_a_second() -> None:
     assert not hubble.stale(known, f, loaded_at=0.0, now=100.0)
     assert hubble.stale(hubble.Directory(), f, loaded_at=0.0, now=1.0)
     assert not hubble.stale(hubble.Directory(), f, loaded_at=0.5, now=1.0)
+
+
+def test_the_page_is_on_loopback_by_default_and_an_empty_address_turns_it_off() -> None:
+    def load(*argv: str) -> RelayConfig:
+        return load_config(RelayConfig, prog="relay", env_prefix="FLAGELLA_RELAY_",
+                           argv=argv, environ={})  # fmt: skip
+
+    assert load().ui_listen == "127.0.0.1:12000"
+    assert load("--ui-listen", "").ui_listen == ""
+    assert load("--ui-allowed-hosts", "a.example,b.example").ui_allowed_hosts == (
+        "a.example",
+        "b.example",
+    )
+    for bad in ("nope", "unix:/run/ui.sock"):
+        with pytest.raises(ConfigError) as exc:
+            load("--ui-listen", bad)
+        assert exc.value.option == "--ui-listen", exc.value
