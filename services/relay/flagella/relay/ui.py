@@ -149,7 +149,8 @@ class FlowsPage:
                 {"error": f"host: {request.host[:80]!r} is not this page's address"}, status=421
             )
         response = await handler(request)
-        response.headers.update(HEADERS)
+        if not response.prepared:  # a stream sent its own already
+            response.headers.update(HEADERS)
         return response
 
     async def _file(self, request: web.Request) -> web.Response:
@@ -175,7 +176,7 @@ class FlowsPage:
         except BadQuery as exc:
             return web.json_response({"error": str(exc), "field": exc.field}, status=400)
         wanted = hubble.EndFilter(namespaces=(namespace,) if namespace else ())
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        response = web.StreamResponse(headers={**HEADERS, "Content-Type": "text/event-stream"})
         await response.prepare(request)
         self.clients += 1
         try:
