@@ -100,7 +100,7 @@ def test_up_wait_brings_every_service_to_healthy(
     for name, c in state.items():
         assert c["State"]["Status"] == "running", name
         assert c["State"]["Health"]["Status"] == "healthy", name
-    # Prometheus scrapes all five (its first scrape of each: within 15 s).
+    # Prometheus scrapes all five and the relay (its first scrape of each: within 15 s).
     url = f"http://127.0.0.1:{compose_stack.ports['prometheus']}/api/v1/targets"
 
     def health() -> dict[str, str]:
@@ -108,9 +108,9 @@ def test_up_wait_brings_every_service_to_healthy(
             targets = json.loads(resp.read())["data"]["activeTargets"]
         return {t["labels"]["job"]: t["health"] for t in targets}
 
-    assert wait_until(
-        lambda: health() == dict.fromkeys(SERVICES, "up"), timeout=60, interval=0.5
-    ), health()
+    assert wait_until(lambda: health() == dict.fromkeys(SERVERS, "up"), timeout=60, interval=0.5), (
+        health()
+    )
 
 
 @pytest.mark.privileged

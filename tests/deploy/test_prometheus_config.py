@@ -20,7 +20,7 @@ from harness.prometheus import dashboard_queries, documented_ports, metric_names
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "deploy" / "prometheus"
 RENDER = ROOT / "scripts" / "prometheus_config.py"
-SERVICES = ["ipam", "policy", "endpoint", "lb", "datapath"]
+SERVICES = ["ipam", "policy", "endpoint", "lb", "relay", "datapath"]
 HISTOGRAM_SUFFIXES = ("_bucket", "_count", "_sum")
 
 

@@ -1,5 +1,5 @@
 """End to end: a real Prometheus (Debian's binary) scraping the five services
-as processes, configured from the shipped deploy/prometheus/prometheus.yml
+and the flow relay as processes, configured from the shipped deploy/prometheus/prometheus.yml
 (its jobs; this test's addresses; 1 s scrapes). Pods come from `flagella-cni
 ADD` on a node netns, a policy drops one's traffic, and Prometheus's HTTP API
 shows every target up, the gRPC calls just made, the drop counter rising,
@@ -21,7 +21,7 @@ from flagella.api.policy.v1 import policy_pb2
 
 pytestmark = [pytest.mark.privileged, pytest.mark.integration]
 
-JOBS = ("ipam", "policy", "endpoint", "lb", "datapath")
+JOBS = ("ipam", "policy", "endpoint", "lb", "relay", "datapath")
 
 # Only app=frontend may reach the backend: `other` is dropped (POLICY_L3).
 POLICY = """
@@ -43,6 +43,7 @@ QUERIES = {
         'outcome="success"}'
     ),
     "IPAM capacity of node n1": 'flagella_ipam_capacity{job="ipam",node="n1"}',
+    "the relay's node n1 connected": 'flagella_relay_nodes{job="relay",state="connected"}',
 }
 # Maps without a pressure series (docs/metrics.md): arrays with a slot per
 # thing cannot fill up; the flow events' ring buffer is not a map of entries
@@ -69,7 +70,11 @@ def node(cluster: Cluster) -> Iterator[tuple[Node, MetricsLink]]:
 def prometheus(
     tmp_path: Path, cluster: Cluster, node: tuple[Node, MetricsLink]
 ) -> Iterator[PrometheusServer]:
-    targets = {svc: cluster.services[svc].metrics_listen for svc in JOBS if svc != "datapath"}
+    relay = cluster.spawn(
+        "relay", "--ipam-address", cluster.services["ipam"].address, "--node-probe-interval", "1"
+    )
+    targets = {svc: cluster.services[svc].metrics_listen for svc in JOBS[:4]}
+    targets["relay"] = relay.metrics_listen
     targets["datapath"] = f"{node[1].node_ip}:9965"
     server = PrometheusServer(tmp_path, targets).start()
     try:

@@ -95,6 +95,8 @@ class ServiceProcess:
         # datapath) the default port, which nothing else there holds.
         self.metrics_port = 9965 if self.prefix else free_port()
         self.metrics_listen = f"127.0.0.1:{self.metrics_port}"
+        # The relay's flows page, on a free port too (the test's flags win).
+        self.ui_listen = f"127.0.0.1:{free_port()}" if svc == "relay" else ""
         self.insecure = insecure or "--insecure" in self.args
         self.pki = test_pki or tls.session()
         self.identity = identity or default_identity(svc, self.args)
@@ -141,6 +143,7 @@ class ServiceProcess:
             self.address,
             "--metrics-listen",
             self.metrics_listen,
+            *(["--ui-listen", self.ui_listen] if self.ui_listen else []),
             *self.tls_args(),
             *self.args,
         ]

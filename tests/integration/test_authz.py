@@ -50,6 +50,7 @@ IDENTITIES = {
     "policy": pki.service("policy"),
     "endpoint": pki.service("endpoint"),
     "lb": pki.service("lb"),
+    "relay": pki.service("relay"),
     "node-a": pki.node("node-a"),
     "node-b": pki.node("node-b"),
     "operator": pki.operator("alice"),
@@ -58,6 +59,7 @@ EVERYONE = set(IDENTITIES)
 NODES = {"node-a", "node-b"}
 EP = {"endpoint"}
 OP = {"operator"}
+RELAY = {"relay"}
 
 # Requests that name node-a where a method is scoped to a node: node-a
 # asks for itself, node-b for someone else.
@@ -78,9 +80,9 @@ EXPECTED: dict[str, set[str]] = {
     "ipam/RegisterNode": {"node-a"},
     "ipam/RenewNode": {"node-a"},
     "ipam/DeregisterNode": {"node-a", "operator"},
-    "ipam/GetNode": EP | NODES | OP,
-    "ipam/ListNodes": EP | NODES | OP,
-    "ipam/WatchNodes": EP | NODES | OP,
+    "ipam/GetNode": EP | NODES | OP | RELAY,
+    "ipam/ListNodes": EP | NODES | OP | RELAY,
+    "ipam/WatchNodes": EP | NODES | OP | RELAY,
     "ipam/Allocate": EP,
     "ipam/AllocateIP": EP,
     "ipam/CommitAllocation": EP,
@@ -91,7 +93,8 @@ EXPECTED: dict[str, set[str]] = {
     "policy/AllocateIdentity": EP,
     "policy/ReleaseIdentity": EP,
     "policy/GetIdentity": EP | OP,
-    "policy/ListIdentities": OP,
+    # The relay names the ends of its web page's flows.
+    "policy/ListIdentities": OP | RELAY,
     "policy/UpsertIPCache": EP,
     "policy/DeleteIPCache": EP,
     "policy/ListIPCache": NODES | OP,
@@ -111,7 +114,7 @@ EXPECTED: dict[str, set[str]] = {
     "lb/UpsertServices": OP,
     "lb/GetService": NODES | OP,
     "lb/DeleteService": OP,
-    "lb/ListServices": NODES | OP | {"policy"},
+    "lb/ListServices": NODES | OP | {"policy"} | RELAY,
     "lb/WatchServices": NODES | OP | {"policy"},
     "lb/GetMaglevTable": NODES | OP,
     # A node's datapath relays its CNI plugin's invocations, for itself.
@@ -119,7 +122,7 @@ EXPECTED: dict[str, set[str]] = {
     "endpoint/CreateEndpoint": {"node-a"},
     # No such endpoint: it is on no node, any node may look (and find nothing).
     "endpoint/GetEndpoint": NODES | OP,
-    "endpoint/ListEndpoints": {"node-a", "operator"},
+    "endpoint/ListEndpoints": {"node-a", "operator", "relay"},
     "endpoint/DeleteEndpoint": NODES,
     "endpoint/PatchEndpointLabels": OP,
     "endpoint/GetEndpointLog": OP,
@@ -136,7 +139,7 @@ EXPECTED: dict[str, set[str]] = {
     "datapath/ListMaps": OP,
     "datapath/DumpMap": OP,
     "datapath/GetStatus": OP,
-    "datapath/ObserveFlows": OP,
+    "datapath/ObserveFlows": OP | RELAY,
 }
 
 

@@ -11,17 +11,23 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
 from harness import tls
+from harness.browser import artifacts, chromium
 from harness.cluster import Cluster, Node
 from harness.cni import cni, netconf
+from harness.metrics import check_documented, value
 from harness.net import free_port
 from harness.netns import wait_until
 from harness.procs import ServiceProcess
+from selenium.webdriver.common.actions.action_builder import ActionBuilder
+from selenium.webdriver.common.by import By
 
 from flagella.api.lb.v1 import lb_pb2
 from flagella.api.policy.v1 import policy_pb2
@@ -411,7 +417,7 @@ def check_observe(cluster: Cluster, node: Node, other_ip: str, db_ip: str) -> No
 
 
 def test_no_flags_inside_a_container_every_node_from_the_registry(
-    suite: tuple[Cluster, Node],
+    suite: tuple[Cluster, Node], tmp_path: Path
 ) -> None:
     """Inside a flagella container the CLI needs no flags: the endpoint
     container's own listener and the peers it was given, the lb Service's
@@ -429,7 +435,11 @@ def test_no_flags_inside_a_container_every_node_from_the_registry(
     relay = cluster.spawn(
         "relay",
         "--ipam-address", cluster.services["ipam"].address,
+        "--endpoint-address", cluster.services["endpoint"].address,
+        "--policy-address", cluster.services["policy"].address,
+        "--lb-address", cluster.services["lb"].address,
         "--sort-buffer-drain-timeout", "2",
+        "--node-probe-interval", "0.5",
     )  # fmt: skip
     env = {
         "FLAGELLA_ENDPOINT_LISTEN": cluster.services["endpoint"].address,
@@ -488,6 +498,7 @@ def test_no_flags_inside_a_container_every_node_from_the_registry(
     n2_only = cli_in(env, "observe", "-o", "json", "--node", "*2", "--last", "50").stdout
     assert {json.loads(line)["flow"]["node_name"] for line in n2_only.splitlines()} == {"n2"}
     check_relay_follow(cluster, env, relay, (n1, "c", a_ip), (n2, "d", b_ip))
+    check_flows_page(cluster, env, relay, tmp_path, (n1, "c", a_ip), (n2, "d", b_ip))
 
 
 def check_relay_follow(
@@ -581,6 +592,146 @@ def check_relay_follow(
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def check_flows_page(
+    cluster: Cluster,
+    env: dict[str, str],
+    relay: ServiceProcess,
+    tmp_path: Path,
+    *pairs: tuple[Node, str, str],
+) -> None:
+    """The relay's web page in Debian's headless Chromium: live flows of
+    both nodes make the service map (the two app=db pods one workload node,
+    c and d each theirs, a service without backends c calls), edges marked dropped with Cilium's reason on
+    hover, the table's rows, a filter narrowing them; a screenshot kept.
+    Beside it: the page's API refuses bad input by field and a foreign
+    Host; the relay's own metrics; `flagella status` names the relay and
+    the nodes it follows."""
+    base = f"http://{relay.ui_listen}"
+    check_page_api(base)
+
+    # A service without a backend: c's connections to it are dropped there
+    # (SERVICE_BACKEND_NOT_FOUND), addressed to its frontend.
+    web = lb_pb2.Service(name="shop/web", type=lb_pb2.SERVICE_TYPE_CLUSTER_IP)
+    web.frontend.address, web.frontend.port = "10.96.7.7", 80
+    web.frontend.protocol = lb_pb2.PROTOCOL_TCP
+    cluster.lb().UpsertService(lb_pb2.UpsertServiceRequest(service=web), timeout=10)
+
+    def traffic() -> None:
+        for node, pod, dst in pairs:
+            node.pods[pod].request("tcp", dst, 5432, timeout=0.2)
+        pairs[0][0].pods["c"].request("tcp", "10.96.7.7", 80, timeout=0.2)
+
+    with chromium() as page:
+
+        def dom(script: str) -> Any:
+            return page.execute_script(script)
+
+        edges_js = """return [...document.querySelectorAll('#map path.edge')].map(e => ({
+            src: e.dataset.src, dst: e.dataset.dst, verdict: e.dataset.verdict,
+            title: e.querySelector('title').textContent}))"""
+        nodes_js = """return Object.fromEntries([...document.querySelectorAll('#map g.node')]
+            .map(g => [g.dataset.id, g.dataset.pods]))"""
+        # One read of the whole table: it is redrawn as flows come.
+        rows_js = """return [...document.querySelectorAll('#flows tbody tr')]
+            .map(tr => [...tr.cells].map(td => td.textContent))"""
+
+        def dropped(src: str, dst: str = "pod:shop/db") -> str:
+            """The hover text of the dropped edge src -> dst ("" : none yet)."""
+            return next(
+                (e["title"] for e in dom(edges_js)
+                 if (e["src"], e["dst"], e["verdict"]) == (src, dst, "dropped")),
+                "",
+            )  # fmt: skip
+
+        page.get(f"{base}/")
+        nodes = {"pod:shop/db": "a,b", "pod:shop/c": "c", "pod:shop/d": "d"}
+        assert wait_until(
+            lambda: (
+                traffic() is None
+                and nodes.items() <= dom(nodes_js).items()
+                and all("POLICY_DENIED" in dropped(f"pod:shop/{p}") for p in ("c", "d"))
+                and "SERVICE_BACKEND_NOT_FOUND" in dropped("pod:shop/c", "svc:shop/web")
+            ),
+            timeout=15,
+        ), (dom(nodes_js), dom(edges_js))
+        hover = dropped("pod:shop/c")
+        assert hover.startswith("c \u2192 db: "), hover
+        assert "dropped\nPOLICY_DENIED \u00d7 " in hover, hover
+        assert "shop" in dom("return [...document.querySelectorAll('#namespace option')]"
+                             ".map(o => o.value)")  # fmt: skip
+
+        # Newest first; the forwarded ones from before the policy, buffered.
+        every = dom(rows_js)
+        assert [r[0] for r in every] == sorted((r[0] for r in every), reverse=True)
+        drops = {("DROPPED", f"shop/{p}", "5432", "TCP", "POLICY_DENIED") for p in "ab"}
+        drops.add(("DROPPED", "shop/web (service)", "80", "TCP", "SERVICE_BACKEND_NOT_FOUND"))
+        assert drops <= {(r[1], r[3], r[4], r[5], r[6]) for r in every}, every
+        assert {r[4] for r in every} == {"5432", "80"}
+        page.find_element(By.NAME, "pod").send_keys("shop/d")
+        only_d = dom(rows_js)
+        assert only_d
+        assert len(only_d) < len(every)
+        assert {(r[2], r[3], r[7]) for r in only_d} == {("shop/d", "shop/b", "n2")}
+        page.find_element(By.NAME, "pod").clear()
+        # The pointer on the middle of c's dropped edge: its reasons in the tooltip.
+        x, y = dom(
+            """const e = document.querySelector(
+                 'path.edge.dropped[data-src="pod:shop/c"][data-dst="pod:shop/db"]');
+               const p = e.getPointAtLength(e.getTotalLength() / 2), m = e.getScreenCTM();
+               return [Math.round(p.x * m.a + m.e), Math.round(p.y * m.d + m.f)];"""
+        )
+        pointer = ActionBuilder(page)
+        pointer.pointer_action.move_to_location(x, y)
+        pointer.perform()
+        tooltip = page.find_element(By.ID, "tooltip")
+        assert tooltip.is_displayed()
+        assert "POLICY_DENIED \u00d7 " in tooltip.text, tooltip.text
+        page.save_screenshot(str(artifacts(tmp_path) / "flows-page.png"))
+
+        scrape = relay.scrape()
+        check_documented(scrape)
+        assert value(scrape, "flagella_relay_ui_clients") == 1
+        assert value(scrape, "flagella_relay_flows_received_total", node="n2") > 0
+        assert value(scrape, "flagella_relay_flows_forwarded_total") > 0
+        page.get("about:blank")
+        assert wait_until(lambda: value(relay.scrape(), "flagella_relay_ui_clients") == 0)
+
+    def relay_in_status() -> Any:
+        return json.loads(cli_in(env, "-o", "json", "status", "--brief").stdout)["relay"]
+
+    want = {
+        "status": "SERVING",
+        "detail": relay.address,
+        "nodes": {"n1": "CONNECTED", "n2": "CONNECTED"},
+    }
+    assert wait_until(lambda: relay_in_status() == want), relay_in_status()
+    assert value(relay.scrape(), "flagella_relay_nodes", state="connected") == 2
+
+
+def check_page_api(base: str) -> None:
+    """Bad input is refused naming the field; a request naming the page by
+    another host is refused (DNS rebinding); the page allows no other origin."""
+
+    def get(url: str, host: str = "") -> tuple[int, dict[str, Any], Any]:
+        request = urllib.request.Request(url, headers={"Host": host} if host else {})
+        try:
+            with urllib.request.urlopen(request, timeout=5) as resp:
+                return resp.status, json.loads(resp.read()), resp.headers
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read()), exc.headers
+
+    status, body, _ = get(f"{base}/api/flows?namespace=Not_A_Name")
+    assert (status, body["field"]) == (400, "namespace"), body
+    status, body, _ = get(f"{base}/api/flows?last=-1")
+    assert (status, body["field"]) == (400, "last"), body
+    status, body, _ = get(f"{base}/api/nodes", host="evil.example")
+    assert status == 421, body
+    status, body, headers = get(f"{base}/api/nodes")
+    assert status == 200
+    assert sorted(n["name"] for n in body["nodes"]) == ["n1", "n2"]
+    assert "default-src 'none'" in headers["Content-Security-Policy"]
 
 
 def _rfc3339_ns(text: str) -> tuple[str, float]:

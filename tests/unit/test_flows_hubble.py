@@ -14,6 +14,9 @@ import jsonschema
 import pytest
 
 from flagella.api.datapath.v1 import datapath_pb2 as dp
+from flagella.api.endpoint.v1 import endpoint_pb2
+from flagella.api.lb.v1 import lb_pb2
+from flagella.api.policy.v1 import policy_pb2
 from flagella.cli.base import CliError
 from flagella.cli.observe import observe_request, parse_since
 from flagella.common import flows
@@ -204,3 +207,41 @@ def test_the_nodes_part_of_the_filters() -> None:
     ):
         with pytest.raises(CliError, match=re.escape(message)):
             observe_request(argparse.Namespace(**{**vars(args), field: value}), 0)
+
+
+def test_the_directory_of_the_services_answers_names_pods_labels_and_a_frontend() -> None:
+    """directory() of ListEndpoints, ListIdentities and ListServices; a flow
+    still addressed to a service's frontend names it, as hubble's
+    destination_service (valid against the schema); any other does not."""
+    eps = [
+        endpoint_pb2.Endpoint(
+            id=7, pod_name="db-0", pod_namespace="shop", node="n2", addresses=["10.0.0.6/32"]
+        ),
+        endpoint_pb2.Endpoint(id=8, addresses=["10.0.0.9/32"]),  # no pod: left out
+    ]
+    ids = [
+        policy_pb2.Identity(
+            id=301,
+            labels=[
+                policy_pb2.Label(source="k8s", key="app", value="db"),
+                policy_pb2.Label(source="reserved", key="world"),
+            ],
+        )
+    ]
+    svcs = [
+        lb_pb2.Service(name="shop/web", frontend=lb_pb2.Frontend(address="10.96.7.7", port=80)),
+        lb_pb2.Service(
+            name="api", namespace="prod", frontend=lb_pb2.Frontend(address="10.96.7.8", port=443)
+        ),
+    ]
+    d = flows.directory(eps, ids, svcs)
+    assert d.pods == {"10.0.0.6": flows.Pod("db-0", "shop", 7, "n2")}
+    assert d.labels == {301: ("k8s:app=db", "reserved:world")}
+    assert d.services == {("10.96.7.7", 80): ("shop", "web"), ("10.96.7.8", 443): ("prod", "api")}
+    to_web = flows.to_hubble(
+        flow(dst_ip="10.96.7.7", dst_port=80, drop_reason=dp.DROP_REASON_NO_BACKEND), d
+    )
+    VALIDATOR.validate(to_web)
+    assert to_web["flow"]["destination_service"] == {"namespace": "shop", "name": "web"}
+    assert to_web["flow"]["drop_reason_desc"] == "SERVICE_BACKEND_NOT_FOUND"
+    assert "destination_service" not in flows.to_hubble(flow(dst_port=80), d)["flow"]

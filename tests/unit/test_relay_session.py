@@ -136,6 +136,8 @@ async def test_follow_merges_reports_resumes_and_counts_lost() -> None:
     assert isinstance(events, AsyncGenerator)
     await events.aclose()
     assert relay.views["n2"].flows_seen == 6
+    # What its metrics read: the flows passed on, those lost per node.
+    assert (relay.forwarded, relay.lost) == (6, {"n2": 3})
 
     # Without follow: each node's last 2, merged, the last 2 overall; a
     # node that does not answer is a status event.

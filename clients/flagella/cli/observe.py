@@ -28,6 +28,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from flagella.api.datapath.v1 import datapath_pb2
 from flagella.api.endpoint.v1 import endpoint_pb2
+from flagella.api.lb.v1 import lb_pb2
 from flagella.api.policy.v1 import policy_pb2
 from flagella.api.relay.v1 import relay_pb2
 from flagella.cli.base import PROTOCOL_NAMES, PROTOCOLS, Clients, CliError, enum_name, to_dict
@@ -36,7 +37,6 @@ from flagella.common import flows as hubble
 
 ALL = 2**32 - 1  # `last`: every buffered flow
 HUBBLE_DEFAULT_LAST = 20  # what `hubble observe` shows without --last/--since/--follow
-REFRESH_SECONDS = 1.0  # an unknown end reloads the directory at most this often
 
 
 def drop_reason_words(code: int) -> str:
@@ -80,16 +80,11 @@ def flow_line(f: datapath_pb2.Flow, src: str = "", dst: str = "") -> str:
 # --- the directory: names of the ends ---
 
 
-def label_text(label: policy_pb2.Label) -> str:
-    """As Cilium writes a label: source:key=value, source:key without a value."""
-    text = f"{label.source}:{label.key}"
-    return f"{text}={label.value}" if label.value else text
-
-
 class Names:
-    """The endpoint and policy services' view of pods and identities, loaded
-    once and again (at most every REFRESH_SECONDS) when a flow names an end
-    it does not know (a pod created since)."""
+    """The endpoint, policy and lb services' view of pods, identities and
+    services, loaded
+    once and again when a flow names an end it does not know (a pod created
+    since), at most every hubble.REFRESH_SECONDS."""
 
     def __init__(self, clients: Clients) -> None:
         self.clients = clients
@@ -100,21 +95,13 @@ class Names:
     def load(self) -> None:
         c = self.clients
         eps = c.call("endpoint", c.endpoint().ListEndpoints, endpoint_pb2.ListEndpointsRequest())
-        idents = c.call(
-            "policy", c.policy().ListIdentities, policy_pb2.ListIdentitiesRequest()
-        ).identities
-        pods = {
-            address.split("/")[0]: hubble.Pod(e.pod_name, e.pod_namespace, e.id, e.node)
-            for e in eps.endpoints
-            if e.pod_name
-            for address in e.addresses
-        }
-        labels = {i.id: tuple(label_text(lb) for lb in i.labels) for i in idents}
-        self.directory = hubble.Directory(pods, labels)
+        idents = c.call("policy", c.policy().ListIdentities, policy_pb2.ListIdentitiesRequest())
+        svcs = c.call("lb", c.lb().ListServices, lb_pb2.ListServicesRequest())
+        self.directory = hubble.directory(eps.endpoints, idents.identities, svcs.services)
         self._loaded = time.monotonic()
 
     def of(self, f: datapath_pb2.Flow) -> hubble.Directory:
-        if not self.directory.knows(f) and time.monotonic() - self._loaded >= REFRESH_SECONDS:
+        if hubble.stale(self.directory, f, self._loaded, time.monotonic()):
             self.load()
         return self.directory
 

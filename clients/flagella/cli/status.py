@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from flagella.api.datapath.v1 import datapath_pb2
 from flagella.api.ipam.v1 import ipam_pb2
+from flagella.api.relay.v1 import relay_pb2
 from flagella.cli.base import Clients, CliError, emit
 from flagella.cli.targets import SERVICES, Datapath
 from flagella.common import mappressure
@@ -141,6 +142,30 @@ def map_pressure(
     return maps
 
 
+RELAY_STATES = {
+    relay_pb2.NODE_STATE_CONNECTED: "CONNECTED",
+    relay_pb2.NODE_STATE_UNAVAILABLE: "UNAVAILABLE",
+    relay_pb2.NODE_STATE_UNSPECIFIED: "UNKNOWN",
+}
+
+
+def relay_status(clients: Clients, timeout: float) -> dict[str, Any]:
+    """The flow relay: its health and the nodes it follows, with its view
+    of each. Optional, as Hubble Relay is: `observe --node` works without
+    it, so it does not make `status` fail."""
+    address = clients.args.relay_address
+    status, detail = check_health(clients, address, timeout)
+    out: dict[str, Any] = {"status": status, "detail": detail, "nodes": {}}
+    if status == "SERVING":
+        try:
+            got = clients.call("relay", clients.relay().GetNodes, relay_pb2.GetNodesRequest())
+        except CliError as exc:
+            out["detail"] = str(exc)
+        else:
+            out["nodes"] = {n.name: RELAY_STATES.get(n.state, str(n.state)) for n in got.nodes}
+    return out
+
+
 def cmd_status(args: argparse.Namespace, clients: Clients) -> int:
     if args.nodes:
         return node_health(args, clients)
@@ -158,15 +183,24 @@ def cmd_status(args: argparse.Namespace, clients: Clients) -> int:
         time.sleep(0.2)
     lockdowns: list[dict[str, Any]] = []
     maps = [] if args.brief else map_pressure(clients, serving, lockdowns)
+    relay = relay_status(clients, args.timeout)
     data = {
         "services": {svc: {"status": s, "detail": d} for svc, (s, d) in rows.items()},
         "maps": maps,
         "policy_lockdowns": lockdowns,
+        "relay": relay,
     }
     if args.output == "json":
         print(json.dumps(data, indent=2, sort_keys=True))
     else:
-        emit(args, data, ["SERVICE", "STATUS", "DETAIL"], [[k, s, d] for k, (s, d) in rows.items()])
+        follows = ", ".join(f"{n} {state}" for n, state in sorted(relay["nodes"].items()))
+        relay_row = [
+            "relay",
+            relay["status"],
+            relay["detail"] + (f"; nodes: {follows}" if follows else ""),
+        ]
+        table = [[k, s, d] for k, (s, d) in rows.items()]
+        emit(args, data, ["SERVICE", "STATUS", "DETAIL"], [*table, relay_row])
         if maps:
             print()
             by_node = any("node" in m for m in maps)

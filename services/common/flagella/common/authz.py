@@ -123,7 +123,8 @@ TABLE: dict[str, tuple[Grant, ...]] = {
             "AllocateIdentity": (ENDPOINT,),
             "ReleaseIdentity": (ENDPOINT,),
             "GetIdentity": (ENDPOINT, OPERATOR),
-            "ListIdentities": (OPERATOR,),
+            # The relay names the ends of its web page's flows (labels).
+            "ListIdentities": (OPERATOR, RELAY),
             # The ipcache maps pod IPs to identities: written for endpoints only.
             "UpsertIPCache": (ENDPOINT,),
             "DeleteIPCache": (ENDPOINT,),
@@ -153,8 +154,9 @@ TABLE: dict[str, tuple[Grant, ...]] = {
             "UpsertServices": (OPERATOR,),
             "DeleteService": (OPERATOR,),
             "GetService": READERS,
-            # The policy service follows the services for toServices rules.
-            "ListServices": (*READERS, POLICY),
+            # The policy service follows the services for toServices rules;
+            # the relay names the services its web page's flows are sent to.
+            "ListServices": (*READERS, POLICY, RELAY),
             "WatchServices": (*READERS, POLICY),
             "GetMaglevTable": READERS,
         },
@@ -172,7 +174,8 @@ TABLE: dict[str, tuple[Grant, ...]] = {
             "GarbageCollect": (own_node("node"),),
             "GetStatus": (NODES, OPERATOR),
             "GetEndpoint": (node_of("endpoint"), OPERATOR),
-            "ListEndpoints": (own_node("node"), OPERATOR),
+            # The relay names the ends of its web page's flows (pods).
+            "ListEndpoints": (own_node("node"), OPERATOR, RELAY),
             "PatchEndpointLabels": (OPERATOR,),
             "GetEndpointLog": (OPERATOR,),
             "GetEndpointHealth": (OPERATOR,),

@@ -3,9 +3,10 @@ ends, as one line of `hubble observe -o json` (observer.proto's
 GetFlowsResponse with flow.proto's Flow, in protobuf's JSON mapping), and
 the filters hubble applies to ends it knows by name.
 
-One place for every consumer (`flagella observe`, and later the flow relay
-and its web page), so all of them print the same flow the same way. Pure:
-the callers fetch the endpoints and identities (a `Directory`).
+One place for every consumer (`flagella observe`, and the flow relay's web
+page), so all of them print the same flow the same way. Pure: the callers
+fetch the endpoints and identities (`directory()` makes the `Directory`
+from their answers) and reload them when `stale()` says so.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flagella.api.datapath.v1 import datapath_pb2 as dp
+from flagella.api.endpoint.v1 import endpoint_pb2
+from flagella.api.lb.v1 import lb_pb2
+from flagella.api.policy.v1 import policy_pb2
 
 # Cilium's DropReason names (flow.proto) for flagella's reasons. Most share
 # Cilium's number; POLICY_L4 (230) is what Cilium reports as POLICY_DENIED;
@@ -55,6 +59,9 @@ _ICMP4_NAMES = {0: "EchoReply", 3: _UNREACH, 8: "EchoRequest", 11: _TIME}
 _ICMP6_NAMES = {1: _UNREACH, 3: _TIME, 128: "EchoRequest", 129: "EchoReply"}
 _L4_PORTS = {6: "TCP", 17: "UDP", 132: "SCTP"}
 _U32 = 1 << 32
+# A flow naming an end the directory does not know reloads it at most this
+# often (a pod created since; not on every flow of a pod deleted since).
+REFRESH_SECONDS = 1.0
 
 
 def drop_reasons(spec: str) -> list[dp.DropReason.ValueType]:
@@ -82,10 +89,12 @@ class Pod:
 @dataclass
 class Directory:
     """What the consumer knows of the cluster: pods by IP, labels by
-    identity (each as Cilium writes it, `k8s:app=db`, `reserved:world`)."""
+    identity (each as Cilium writes it, `k8s:app=db`, `reserved:world`),
+    services (namespace, name) by frontend (IP, port)."""
 
     pods: dict[str, Pod] = field(default_factory=dict)
     labels: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    services: dict[tuple[str, int], tuple[str, str]] = field(default_factory=dict)
 
     def knows(self, f: dp.Flow) -> bool:
         """Whether both ends are known: their identity, and the pod of an
@@ -109,6 +118,40 @@ class Directory:
             "pod_name": pod.name if pod else "",
         }
         return {k: v for k, v in out.items() if v}
+
+
+def label_text(label: policy_pb2.Label) -> str:
+    """As Cilium writes a label: source:key=value, source:key without a value."""
+    text = f"{label.source}:{label.key}"
+    return f"{text}={label.value}" if label.value else text
+
+
+def directory(
+    endpoints: Iterable[endpoint_pb2.Endpoint],
+    identities: Iterable[policy_pb2.Identity],
+    services: Iterable[lb_pb2.Service] = (),
+) -> Directory:
+    """The Directory of the endpoint service's ListEndpoints, the policy
+    service's ListIdentities and the lb service's ListServices."""
+    pods = {
+        address.split("/")[0]: Pod(e.pod_name, e.pod_namespace, e.id, e.node)
+        for e in endpoints
+        if e.pod_name
+        for address in e.addresses
+    }
+    labels = {i.id: tuple(label_text(lb) for lb in i.labels) for i in identities}
+    frontends = {}
+    for svc in services:
+        prefix, _, name = svc.name.rpartition("/")
+        key = (svc.frontend.address, svc.frontend.port)
+        frontends[key] = (svc.namespace or prefix, name)
+    return Directory(pods, labels, frontends)
+
+
+def stale(known: Directory, f: dp.Flow, loaded_at: float, now: float) -> bool:
+    """Whether to reload the directory before showing f: an end it does
+    not know, and the last load at least REFRESH_SECONDS ago."""
+    return not known.knows(f) and now - loaded_at >= REFRESH_SECONDS
 
 
 def _label_value(labels: Iterable[str], key: str) -> str:
@@ -176,6 +219,13 @@ def to_hubble(f: dp.Flow, directory: Directory) -> dict[str, Any]:
         "interface": {"index": f.ifindex} if f.ifindex else {},
         "Summary": summary,
     }
+    # A flow still addressed to a service's frontend (seen before its
+    # translation, e.g. dropped for want of a backend), as hubble names it.
+    service = directory.services.get((f.dst_ip, f.dst_port))
+    if service:
+        flow["destination_service"] = {
+            k: v for k, v in (("namespace", service[0]), ("name", service[1])) if v
+        }
     # protobuf's JSON mapping leaves out what is unset, as hubble's output does.
     flow = {k: v for k, v in flow.items() if v}
     flow["event_type"] = {k: v for k, v in flow["event_type"].items() if v}

@@ -469,6 +469,41 @@ class _KvstoreInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
 # --- the endpoint ---
 
 
+class HttpSite:
+    """An aiohttp Application served on host:port (port 0: any) in this
+    event loop: the metrics endpoint's, and the relay's flows page
+    (handler_cancellation: a client that leaves cancels its handler)."""
+
+    def __init__(self, what: str, address: str, *, handler_cancellation: bool = False) -> None:
+        self.what = what
+        self.address = address
+        self.handler_cancellation = handler_cancellation
+        self._runner: Any = None
+        self.port = 0
+
+    async def start(self, app: Any) -> None:
+        from aiohttp import web
+
+        runner = web.AppRunner(app, access_log=None, handler_cancellation=self.handler_cancellation)
+        await runner.setup()
+        host, _, port = self.address.rpartition(":")
+        site = web.TCPSite(runner, host.strip("[]") or None, int(port))
+        try:
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        sockets = getattr(site._server, "sockets", None) or ()
+        self.port = sockets[0].getsockname()[1] if sockets else int(port)
+        log.info(f"{self.what} listening", extra={"address": f"{host}:{self.port}"})
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+
 class MetricsServer:
     """GET /metrics over HTTP on its own address (aiohttp, in the event
     loop: collectors read the service's state without locks)."""
@@ -476,8 +511,11 @@ class MetricsServer:
     def __init__(self, metrics: Metrics, address: str) -> None:
         self.metrics = metrics
         self.address = address
-        self._runner: Any = None
-        self.port = 0
+        self._site = HttpSite("metrics", address)
+
+    @property
+    def port(self) -> int:
+        return self._site.port
 
     async def start(self) -> None:
         from aiohttp import web
@@ -488,16 +526,7 @@ class MetricsServer:
 
         app = web.Application()
         app.router.add_get("/metrics", handle)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        host, _, port = self.address.rpartition(":")
-        site = web.TCPSite(self._runner, host.strip("[]") or None, int(port))
-        await site.start()
-        sockets = getattr(site._server, "sockets", None) or ()
-        self.port = sockets[0].getsockname()[1] if sockets else int(port)
-        log.info("metrics listening", extra={"address": f"{host}:{self.port}"})
+        await self._site.start(app)
 
     async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        await self._site.stop()

@@ -10,6 +10,11 @@ from flagella.common.errors import ConfigError
 from flagella.relay.service import Settings
 
 
+def parse_listen_or_off(value: str) -> str:
+    """host:port, or empty: off."""
+    return parse_host_port(value) if value else ""
+
+
 @dataclass(frozen=True)
 class RelayConfig(ServiceConfig):
     """flagella relay service: every node's flows through one API, merged in
@@ -24,6 +29,26 @@ class RelayConfig(ServiceConfig):
         parse=parse_host_port,
     )
     ipam_address: str = address_option("127.0.0.1:50051", "ipam service (its node registry)")
+    ui_listen: str = option(
+        "127.0.0.1:12000",
+        "serve the flows web page (HTTP, no authentication: anyone who reaches it sees "
+        "every flow) here; loopback by default, reach it by port-forward; empty: off",
+        parse=parse_listen_or_off,
+    )
+    ui_allowed_hosts: tuple[str, ...] = option(
+        (),
+        "host names the page may be asked for besides IP addresses and localhost "
+        "(comma-separated; a request naming another is refused: DNS rebinding)",
+    )
+    endpoint_address: str = address_option(
+        "127.0.0.1:50053", "endpoint service (pod names of the page's flows)"
+    )
+    policy_address: str = address_option(
+        "127.0.0.1:50052", "policy service (identity labels of the page's flows)"
+    )
+    lb_address: str = address_option(
+        "127.0.0.1:50054", "lb service (the services the page's flows are addressed to)"
+    )
     node_buffer_size: int = option(
         2048, "flows buffered per node for a slow reader (then the oldest are dropped)"
     )
@@ -51,6 +76,8 @@ class RelayConfig(ServiceConfig):
         ):
             if seconds <= 0:
                 raise ConfigError(flag, "must be positive")
+        if self.ui_listen.startswith("unix:"):
+            raise ConfigError("--ui-listen", "the page is served over TCP (host:port)")
 
     @property
     def settings(self) -> Settings:

@@ -1,8 +1,12 @@
 """The relay's peers over gRPC: ipam's node registry (a table fed by its
-WatchNodes stream) and each node's datapath (ObserveFlows, health)."""
+WatchNodes stream), each node's datapath (ObserveFlows, health), and, for
+the web page's flows, the endpoint and policy services' pods and labels."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -10,11 +14,19 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from flagella.api.datapath.v1 import datapath_pb2, datapath_pb2_grpc
+from flagella.api.endpoint.v1 import endpoint_pb2, endpoint_pb2_grpc
 from flagella.api.ipam.v1 import ipam_pb2, ipam_pb2_grpc
+from flagella.api.lb.v1 import lb_pb2, lb_pb2_grpc
+from flagella.api.policy.v1 import policy_pb2, policy_pb2_grpc
+from flagella.common import flows as hubble
 from flagella.common.backoff import Backoff
+from flagella.common.errors import FlagellaError
 from flagella.common.peers import calling
 from flagella.common.sync import StreamSource, Table
 from flagella.relay.service import NodeInfo
+
+log = logging.getLogger(__name__)
+CALL_TIMEOUT = 5.0
 
 
 class NodeCodec:
@@ -74,3 +86,65 @@ class Datapaths:
         with calling(f"datapath of node {node.name} at {node.address}"):
             async for f in stub.ObserveFlows(request, timeout=timeout):
                 yield f
+
+
+class Names:
+    """Pods (endpoint service), identity labels (policy service) and
+    services by frontend (lb service) that name the ends of the page's
+    flows, as `flagella observe` names them (flagella.common.flows),
+    loaded with the relay's own rights when a flow names an end it does
+    not know, at most once a second. A failed load
+    keeps the last directory (its flows show identities) and says why in
+    `error`."""
+
+    def __init__(
+        self,
+        endpoint: grpc.aio.Channel,
+        policy: grpc.aio.Channel,
+        lb: grpc.aio.Channel,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._endpoint = endpoint_pb2_grpc.EndpointServiceStub(endpoint)
+        self._policy = policy_pb2_grpc.PolicyServiceStub(policy)
+        self._lb = lb_pb2_grpc.LoadBalancerServiceStub(lb)
+        self._clock = clock
+        self._lock = asyncio.Lock()
+        self._loaded = -hubble.REFRESH_SECONDS
+        self.directory = hubble.Directory()
+        self.error = ""
+
+    def _stale(self, f: datapath_pb2.Flow | None) -> bool:
+        if f is None:
+            return self._clock() - self._loaded >= hubble.REFRESH_SECONDS
+        return hubble.stale(self.directory, f, self._loaded, self._clock())
+
+    async def of(self, f: datapath_pb2.Flow | None = None) -> hubble.Directory:
+        """The directory to name f's ends with (None: a fresh one)."""
+        if self._stale(f):
+            async with self._lock:
+                if self._stale(f):  # not when another reader just loaded it
+                    await self._load()
+        return self.directory
+
+    async def _load(self) -> None:
+        self._loaded = self._clock()
+        try:
+            with calling("endpoint service"):
+                eps = await self._endpoint.ListEndpoints(
+                    endpoint_pb2.ListEndpointsRequest(), timeout=CALL_TIMEOUT
+                )
+            with calling("policy service"):
+                ids = await self._policy.ListIdentities(
+                    policy_pb2.ListIdentitiesRequest(), timeout=CALL_TIMEOUT
+                )
+            with calling("lb service"):
+                svcs = await self._lb.ListServices(
+                    lb_pb2.ListServicesRequest(), timeout=CALL_TIMEOUT
+                )
+        except FlagellaError as exc:
+            if exc.details != self.error:
+                log.warning("cannot name the flows' ends", extra={"reason": exc.details})
+            self.error = exc.details
+            return
+        self.error = ""
+        self.directory = hubble.directory(eps.endpoints, ids.identities, svcs.services)

@@ -15,7 +15,7 @@ import contextlib
 import fnmatch
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -113,6 +113,10 @@ class Relay:
         self.settings = settings
         self.clock = clock
         self.views: dict[str, NodeView] = {}
+        # What the relay passed on (its metrics): flows to every reader,
+        # flows dropped from each node's full buffer.
+        self.forwarded = 0
+        self.lost: dict[str, int] = {}
 
     # --- the nodes ---
 
@@ -162,6 +166,20 @@ class Relay:
     async def observe(
         self, request: datapath_pb2.ObserveFlowsRequest, globs: tuple[str, ...]
     ) -> AsyncIterator[Event]:
+        """Every matching node's flows, merged, with node status and lost
+        events: the one stream the gRPC API and the web page both read."""
+        # aclosing: a reader that leaves ends the node streams at once.
+        async with contextlib.aclosing(self._observe(request, globs)) as events:
+            async for event in events:
+                if isinstance(event, Lost):
+                    self.lost[event.node] = self.lost.get(event.node, 0) + event.count
+                elif not isinstance(event, NodeStatus):
+                    self.forwarded += 1
+                yield event
+
+    async def _observe(
+        self, request: datapath_pb2.ObserveFlowsRequest, globs: tuple[str, ...]
+    ) -> AsyncGenerator[Event]:
         nodes = await self._matching(globs)
         if not request.follow:
             async for event in self._buffered(request, nodes):
