@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 
+from flagella.common.errors import bounded
 from flagella.common.handlers import WrappingInterceptor, relay, rewrap
 from flagella.common.pki import Identity
 from flagella.common.tls import Unauthenticated, parse_peer, peer_identity
@@ -294,7 +295,7 @@ class AuthInterceptor(WrappingInterceptor):
         try:
             await self.authorizer.check(method, identity, request)
         except Denied as exc:
-            message = f"{identity.uri} may not call {method}: {exc}"
+            message = bounded(f"{identity.uri} may not call {method}: {exc}")
             log.warning(
                 "permission denied",
                 extra={"method": method, "identity": identity.uri, "reason": str(exc)},

@@ -4,6 +4,18 @@ interceptor turns them into statuses (table in ARCHITECTURE.md)."""
 
 from __future__ import annotations
 
+#: The longest status message, in characters: it quotes what it refuses, and
+#: gRPC carries it in a trailer, which a client drops past 16 KiB (percent-
+#: encoded: up to 12 bytes a character) for RESOURCE_EXHAUSTED, not the error.
+MAX_DETAILS = 1000
+
+
+def bounded(text: str) -> str:
+    """text, cut to MAX_DETAILS characters, saying how much was cut."""
+    if len(text) <= MAX_DETAILS:
+        return text
+    return f"{text[:MAX_DETAILS]}... ({len(text) - MAX_DETAILS} more characters)"
+
 
 class FlagellaError(Exception):
     """Base of every error a caller should see as-is."""
@@ -19,7 +31,7 @@ class FlagellaError(Exception):
     @property
     def details(self) -> str:
         """The status message: the field path first, when there is one."""
-        return f"{self.field}: {self.message}" if self.field else self.message
+        return bounded(f"{self.field}: {self.message}" if self.field else self.message)
 
 
 class InvalidArgument(FlagellaError):

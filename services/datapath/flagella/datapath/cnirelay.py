@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 # A request is the CNI environment and a network configuration (a few KiB).
 MAX_REQUEST = 1 << 20
 DEFAULT_TIMEOUT_S = 30.0
+# The longest a network config may ask for (flagella.cni.MAX_TIMEOUT_S).
+MAX_TIMEOUT_S = 3600.0
 # How long an invocation waits for the channel to the endpoint service to
 # (re)connect before it is "try again later": longer than the channel's
 # reconnect backoff (2 s at most), so a restarted service is found again.
@@ -147,7 +149,9 @@ class CniRelay:
         if not isinstance(req, dict) or not all(isinstance(req.get(f, ""), str) for f in FIELDS):
             return failure("the datapath cannot read the request", "bad fields", retry=False)
         timeout = req.get("timeout", DEFAULT_TIMEOUT_S)
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+        # Not `timeout <= 0`: NaN and infinity pass that, and no deadline is either.
+        bad = not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
+        if bad or not 0 < timeout <= MAX_TIMEOUT_S:
             timeout = DEFAULT_TIMEOUT_S
         netns = req.get("netns", "")
         request = endpoint_pb2.CniRequest(

@@ -800,20 +800,29 @@ class DatapathService:
         statuses = {m.name: m for m in await self.map_status()}
         if name not in statuses:
             raise NotFound(f"no map {name!r}; maps: {', '.join(sorted(statuses))}", field="name")
+        if name not in self.bpf.maps:  # the events ring: ObserveFlows reads it
+            raise FailedPrecondition(
+                f"{name!r} is a {statuses[name].type}: nothing to dump", field="name"
+            )
         entries = await self.writer.run(self.bpf.dump, name, limit)
         return statuses[name], entries
 
     def reconciler_status(self) -> list[ReconcilerStatus]:
         return [rec.status() for rec in self.reconcilers()]
 
-    def check_endpoint_spec(self, req: SetupRequest) -> None:
-        """Validation of a SetupEndpoint request (field paths as the proto)."""
-        if req.endpoint_id <= 0:
+    @staticmethod
+    def check_endpoint_id(endpoint_id: int) -> None:
+        """An id an endpoint can have: positive, short enough to name its veth."""
+        if endpoint_id <= 0:
             raise InvalidArgument("must be positive", field="endpoint_id")
         try:
-            netdev.host_ifname(req.endpoint_id)
+            netdev.host_ifname(endpoint_id)
         except ValueError as exc:
             raise InvalidArgument(str(exc), field="endpoint_id") from None
+
+    def check_endpoint_spec(self, req: SetupRequest) -> None:
+        """Validation of a SetupEndpoint request (field paths as the proto)."""
+        self.check_endpoint_id(req.endpoint_id)
         if not req.container_id:
             raise InvalidArgument("is required", field="container_id")
         if not req.netns_path.startswith("/"):

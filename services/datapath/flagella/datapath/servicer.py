@@ -19,6 +19,15 @@ from flagella.datapath.state import EndpointRecord, HostPolicyState
 MAX_WAIT_S = 300.0
 
 
+def _seconds(value: Timestamp | Duration, field: str) -> float:
+    """A timestamp's or duration's seconds; one outside the well-known
+    type's range (nanos -1, seconds 2**63 - 1) is a bad argument."""
+    try:
+        return value.ToNanoseconds() / 1e9
+    except ValueError as exc:
+        raise InvalidArgument(str(exc), field=field) from None
+
+
 def _map_info(m: Any, rec_by_map: dict[str, Any]) -> datapath_pb2.MapInfo:
     rec = rec_by_map.get(m.name)
     return datapath_pb2.MapInfo(
@@ -171,8 +180,7 @@ class DatapathServicer(datapath_pb2_grpc.DatapathServiceServicer):
     async def TeardownEndpoint(
         self, request: datapath_pb2.TeardownEndpointRequest, context: Any
     ) -> datapath_pb2.TeardownEndpointResponse:
-        if request.endpoint_id <= 0:
-            raise InvalidArgument("must be positive", field="endpoint_id")
+        self.service.check_endpoint_id(request.endpoint_id)
         removed = await self.service.teardown_endpoint(
             request.endpoint_id, request.netns_path, request.ifname
         )
@@ -214,7 +222,7 @@ class DatapathServicer(datapath_pb2_grpc.DatapathServiceServicer):
     async def WaitForPolicy(
         self, request: datapath_pb2.WaitForPolicyRequest, context: Any
     ) -> datapath_pb2.WaitForPolicyResponse:
-        timeout = request.timeout.ToNanoseconds() / 1e9 if request.HasField("timeout") else 0.0
+        timeout = _seconds(request.timeout, "timeout") if request.HasField("timeout") else 0.0
         remaining = context.time_remaining()
         if timeout <= 0:
             timeout = remaining if remaining is not None else MAX_WAIT_S
@@ -296,7 +304,7 @@ class DatapathServicer(datapath_pb2_grpc.DatapathServiceServicer):
             port=request.port,
             protocol=request.protocol,
             directions=frozenset(int(d) for d in request.directions),
-            since=request.since.ToNanoseconds() / 1e9 if request.HasField("since") else 0.0,
+            since=_seconds(request.since, "since") if request.HasField("since") else 0.0,
         )
         node = self.service.config.node_name
         recent, live = self.service.observe(flt, request.last, request.follow)

@@ -32,8 +32,19 @@ ENDPOINT_FAILED = 100
 DEFAULT_SOCKET = "/run/flagella/cni.sock"
 
 
+# The longest msg or details of an error, in characters: they quote what
+# they refuse, which may be megabytes (the error travels in a gRPC message).
+MAX_MESSAGE = 1000
+
+
+def _bounded(text: str) -> str:
+    cut = len(text) - MAX_MESSAGE
+    return text if cut <= 0 else f"{text[:MAX_MESSAGE]}... ({cut} more characters)"
+
+
 class CniError(Exception):
     def __init__(self, code: int, msg: str, details: str = "") -> None:
+        msg, details = _bounded(msg), _bounded(details)
         super().__init__(msg)
         self.code = code
         self.msg = msg
@@ -64,6 +75,19 @@ def socket_of(raw: Mapping[str, Any]) -> str:
     if not isinstance(path, str) or not path.startswith("/"):
         raise CniError(INVALID_NETWORK_CONFIG, "network config: socket must be an absolute path")
     return path
+
+
+#: The longest timeout a network configuration may give, in seconds.
+MAX_TIMEOUT_S = 3600
+
+
+def timeout_of(value: object) -> float | None:
+    """The network config's timeout in seconds, if it is one: a number
+    (not a bool) in (0, MAX_TIMEOUT_S]; NaN, infinity and 1e400 are not."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    # Compared before float(): an int of 400 digits does not fit one.
+    return float(value) if 0 < value <= MAX_TIMEOUT_S else None
 
 
 def version_tuple(version: str) -> tuple[int, ...]:

@@ -32,6 +32,7 @@ from flagella.cni import (
     config_object,
     requested_version,
     socket_of,
+    timeout_of,
     version_result,
 )
 
@@ -112,13 +113,12 @@ def run(environ: Mapping[str, str], stdin: bytes) -> tuple[str, int]:
     if command == "VERSION":
         return cnijson.dumps(version_result(check_version(raw, command))), 0
     path = socket_of(raw)
-    timeout = raw.get("timeout", DEFAULT_TIMEOUT)
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
-        timeout = DEFAULT_TIMEOUT  # the endpoint service names the bad value
+    # A bad timeout: the endpoint service names it; the plugin waits the default.
+    timeout = timeout_of(raw.get("timeout", DEFAULT_TIMEOUT)) or DEFAULT_TIMEOUT
     request: dict[str, Any] = {key: environ.get(name, "") for key, name in ENVIRONMENT}
     request["config"] = stdin.decode("utf-8-sig")
     request["timeout"] = timeout
-    answer = exchange(path, (cnijson.dumps(request) + "\n").encode(), float(timeout), command)
+    answer = exchange(path, (cnijson.dumps(request) + "\n").encode(), timeout, command)
     stdout, status = answer.get("stdout"), answer.get("exit")
     if isinstance(stdout, str) and isinstance(status, int):
         return stdout, status

@@ -15,11 +15,13 @@ from flagella.cni import (
     DECODING_FAILURE,
     INVALID_ENVIRONMENT,
     INVALID_NETWORK_CONFIG,
+    MAX_TIMEOUT_S,
     SPEC_VERSION,
     CniError,
     check_version,
     config_object,
     socket_of,
+    timeout_of,
     version_tuple,
 )
 from flagella.cni import requested_version as _requested_version
@@ -144,9 +146,12 @@ def parse_netconf(stdin: bytes, command: str) -> NetConf:
     mtu = raw.get("mtu", 1500)
     if not isinstance(mtu, int) or isinstance(mtu, bool) or not 576 <= mtu <= 65535:
         raise CniError(INVALID_NETWORK_CONFIG, f"network config: mtu {mtu!r} is not in 576..65535")
-    timeout = raw.get("timeout", 30)
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
-        raise CniError(INVALID_NETWORK_CONFIG, "network config: timeout must be a positive number")
+    timeout = timeout_of(raw.get("timeout", 30))
+    if timeout is None:
+        raise CniError(
+            INVALID_NETWORK_CONFIG,
+            f"network config: timeout must be a number of seconds in (0, {MAX_TIMEOUT_S}]",
+        )
     k8s = raw.get("kubernetes", False)
     if not isinstance(k8s, bool):
         raise CniError(INVALID_NETWORK_CONFIG, "network config: kubernetes must be true or false")
@@ -194,7 +199,7 @@ def parse_netconf(stdin: bytes, command: str) -> NetConf:
         name=name,
         type=plugin_type,
         mtu=mtu,
-        timeout=float(timeout),
+        timeout=timeout,
         resolve_labels_from_kubernetes=k8s,
         labels=labels,
         named_ports=named_ports,

@@ -51,10 +51,13 @@ def validate_labels(labels: dict[str, str], field: str) -> dict[str, str]:
 
 
 def attachment_of(msg: endpoint_pb2.Attachment, field: str = "attachment") -> tuple[str, str]:
+    """(container id, ifname) of an attachment; field: where it is in the
+    request ("": its fields are the request's own)."""
+    at = f"{field}." if field else ""
     if not msg.container_id:
-        raise InvalidArgument("container_id is required", field=f"{field}.container_id")
+        raise InvalidArgument("container_id is required", field=f"{at}container_id")
     if not IFNAME.match(msg.ifname):
-        raise InvalidArgument(f"{msg.ifname!r} is not an interface name", field=f"{field}.ifname")
+        raise InvalidArgument(f"{msg.ifname!r} is not an interface name", field=f"{at}ifname")
     return msg.container_id, msg.ifname
 
 

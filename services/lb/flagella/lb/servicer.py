@@ -28,6 +28,7 @@ from flagella.lb.validation import (
     build_spec,
     check_batch,
     in_batch,
+    lookup_name,
     validate_frontend,
 )
 
@@ -244,7 +245,7 @@ class LbServicer(lb_pb2_grpc.LoadBalancerServiceServicer):
     ) -> lb_pb2.Service:
         by = request.WhichOneof("by")
         if by == "name":
-            record = await self.service.get_by_name(request.name)
+            record = await self.service.get_by_name(lookup_name(request.name))
         elif by == "id":
             record = await self.service.get_by_id(request.id)
         elif by == "frontend":
@@ -258,8 +259,7 @@ class LbServicer(lb_pb2_grpc.LoadBalancerServiceServicer):
     async def DeleteService(
         self, request: lb_pb2.DeleteServiceRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> lb_pb2.DeleteServiceResponse:
-        if not request.name:
-            raise InvalidArgument("a name is required", field="name")
+        lookup_name(request.name)
         return pb.DeleteServiceResponse(deleted=await self.service.delete(request.name))
 
     async def ListServices(
@@ -285,7 +285,6 @@ class LbServicer(lb_pb2_grpc.LoadBalancerServiceServicer):
     async def GetMaglevTable(
         self, request: lb_pb2.GetMaglevTableRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> lb_pb2.MaglevTable:
-        if not request.name:
-            raise InvalidArgument("a name is required", field="name")
+        lookup_name(request.name)
         record, table = await self.service.maglev_table(request.name)
         return table_to_proto(record.id, record.maglev_table_size, table)

@@ -109,6 +109,16 @@ def validate_frontend(
     return Frontend(str(ip), _port(port, f"{field}.port"), protocol or Protocol.TCP)
 
 
+def lookup_name(name: str, field: str = "name") -> str:
+    """A service's name to look it up by: one a service could have (a
+    megabyte one is no key: etcd refuses the read)."""
+    try:
+        validate_name(name, "")
+    except InvalidArgument as exc:
+        raise InvalidArgument(exc.message, field=field) from None
+    return name
+
+
 def validate_name(name: str, namespace: str) -> tuple[str, str]:
     """The key ("namespace/name" or "name") and namespace of a service."""
     if not name:

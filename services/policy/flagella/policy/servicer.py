@@ -34,6 +34,7 @@ from flagella.policy.state import IPEntry
 from flagella.policy.validation import (
     check_allocatable,
     check_ip_entry,
+    check_key,
     check_node,
     check_owner,
     check_prefix,
@@ -157,15 +158,13 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         return pb.PutRulesResponse(names=names, revision=revision, warnings=warnings)
 
     async def GetRule(self, request: pb.GetRuleRequest, context: Ctx) -> pb.Rule:
-        if not request.name:
-            raise InvalidArgument("required", field="name")
+        check_key(request.name)
         return rule_pb(self.service.get_rule(request.name))
 
     async def DeleteRule(
         self, request: pb.DeleteRuleRequest, context: Ctx
     ) -> pb.DeleteRuleResponse:
-        if not request.name:
-            raise InvalidArgument("required", field="name")
+        check_key(request.name)
         with self.service.rules.changes.counting():
             deleted, revision = await self.service.delete_rule(request.name)
         return pb.DeleteRuleResponse(deleted=deleted, revision=revision)
@@ -189,8 +188,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
     async def DeleteCIDRGroup(
         self, request: pb.DeleteCIDRGroupRequest, context: Ctx
     ) -> pb.DeleteCIDRGroupResponse:
-        if not request.name:
-            raise InvalidArgument("required", field="name")
+        check_key(request.name)
         deleted, revision = await self.service.delete_cidr_group(request.name)
         return pb.DeleteCIDRGroupResponse(deleted=deleted, revision=revision)
 

@@ -49,6 +49,21 @@ def check_owner(owner: str, field: str = "owner") -> str:
     return owner
 
 
+# The longest name a rule or CIDR group is kept under: a Kubernetes kind,
+# a namespace (a DNS label) and a name (a DNS subdomain).
+MAX_KEY = 64 + 1 + 63 + 1 + 253
+
+
+def check_key(name: str, field: str = "name") -> str:
+    """A rule's or CIDR group's name to look up or delete: required and no
+    longer than any kept (a megabyte one is no key: etcd refuses the read)."""
+    if not name:
+        raise InvalidArgument("required", field=field)
+    if len(name) > MAX_KEY:
+        raise InvalidArgument(f"longer than {MAX_KEY} characters", field=field)
+    return name
+
+
 def check_prefix(text: str, field: str) -> str:
     if not text:
         raise InvalidArgument("required", field=field)

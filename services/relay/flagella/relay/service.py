@@ -158,7 +158,7 @@ class Relay:
             raise Unavailable("the node registry (ipam) has not answered yet") from None
         nodes = [n for _, n in sorted(self.nodes.items()) if _matches(n.name, globs)]
         if globs and not nodes:
-            raise NotFound(f"no node matches {', '.join(globs)}")
+            raise NotFound(f"no node matches {', '.join(globs)}", field="nodes")
         return nodes
 
     # --- observing ---
