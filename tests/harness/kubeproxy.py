@@ -306,14 +306,17 @@ class IptablesProxy:
         self.node.load(self.RESTORE, iptables_restore(self.services, changed=[svc]))
 
     def reset(self) -> None:
-        """Every chain of ours flushed and deleted; the built-in chains' jumps
-        to them stay (kube-proxy's own clean-up is `kube-proxy --cleanup`)."""
-        for table in ("nat", "filter"):
-            for chain in self.chains(table):
-                self.node.ns.run("iptables", "-w", "-t", table, "-F", chain)
-            for chain in self.chains(table):
-                if chain not in ("KUBE-SERVICES", "KUBE-POSTROUTING", "KUBE-FORWARD"):
-                    self.node.ns.run("iptables", "-w", "-t", table, "-X", chain)
+        """Every chain of ours flushed and deleted in one restore, as
+        kube-proxy deletes stale chains (-X lines); the built-in chains'
+        jumps to the top-level ones stay."""
+        keep = ("KUBE-SERVICES", "KUBE-POSTROUTING", "KUBE-FORWARD")
+        text = []
+        for table in ("filter", "nat"):
+            chains = self.chains(table)
+            text += [f"*{table}", *(f":{c} - [0:0]" for c in chains)]
+            text += [f"-X {c}" for c in chains if c not in keep]
+            text.append("COMMIT")
+        self.node.load(self.RESTORE, "\n".join([*text, ""]))
 
     def chains(self, table: str) -> list[str]:
         out = self.node.ns.run("iptables-save", "-t", table).stdout
