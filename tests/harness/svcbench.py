@@ -202,8 +202,8 @@ def measure(
         wrong_backend_answers=lat["wrong"] + sum(r["wrong"] for r in rates),
     )
     out["change_ms"] = one_change(mode, pods, services[(n // 2) // 3 * 3])
-    mode.reset()
     listing.unlink()
+    log(f"{mode.name} at {n}: {json.dumps(out)}")  # kept should the run be cut short
     return out
 
 
@@ -367,6 +367,8 @@ def run_all(
                     log(f"{which}: {n} services")
                     for k, v in measure(proxy, pods, n, samples, seconds, tmp).items():
                         out[f"{which}_{n}_{k}"] = v
+                    if n != counts[-1]:  # the last goes with the node
+                        proxy.reset()
             out[f"{which}_rules_left_after_cleanup"] = left[0]
         if "flagella" in modes:
             log("flagella: starting etcd, policy, lb, the datapath, the pods")
@@ -377,6 +379,8 @@ def run_all(
                         out[f"flagella_{n}_{k}"] = v
                     for who, ms in fl.cpu_ms_per_service.items():
                         out[f"flagella_{n}_program_cpu_{who}_ms_per_service"] = ms
+                    if n != counts[-1]:  # the last goes with the cluster
+                        fl.reset()
             out["bpf_pins_left"] = int(fl.bpf_root.exists())
     finally:
         nss.cleanup()
