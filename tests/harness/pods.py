@@ -28,10 +28,17 @@ class Pod:
 
 
 def add_pod(
-    cluster: Cluster, node: Node, name: str, endpoint_id: int, ip: str, labels: dict[str, str]
+    cluster: Cluster,
+    node: Node,
+    name: str,
+    endpoint_id: int,
+    ip: str,
+    labels: dict[str, str],
+    ns: Netns | None = None,
 ) -> Pod:
-    """What the endpoint service does for an ADD, step by step."""
-    ns = cluster.pod(node, name)
+    """What the endpoint service does for an ADD, step by step (in a netns
+    of its own, or in ns when given: a pod made before the node)."""
+    ns = ns or cluster.pod(node, name)
     policy = cluster.policy(as_=ENDPOINT)
     alloc = policy.AllocateIdentity(
         policy_pb2.AllocateIdentityRequest(
