@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -42,11 +43,14 @@ def main() -> None:
     seconds = 20.0 if args.quick else args.minutes * 60
     tmp = Path(tempfile.mkdtemp(prefix="flbench-soak-"))
     log = (lambda _: None) if args.json else (lambda m: print(m, file=sys.stderr, flush=True))
-    with standalone_cluster(tmp) as cluster:
-        cluster.start(services=("ipam", "policy", "lb", "endpoint"), extra=SOAK_EXTRA)
-        node = cluster.add_node("soak")
-        soak = Soak(cluster, node, pods=args.pods, kill_interval=args.kill_interval, log=log)
-        result = soak.run(seconds)
+    try:
+        with standalone_cluster(tmp) as cluster:
+            cluster.start(services=("ipam", "policy", "lb", "endpoint"), extra=SOAK_EXTRA)
+            node = cluster.add_node("soak")
+            soak = Soak(cluster, node, pods=args.pods, kill_interval=args.kill_interval, log=log)
+            result = soak.run(seconds)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     figures = result.figures(warm_up=min(30.0, seconds / 4))
     # The same over each lifetime's second half only: a process that fills
     # bounded caches grows early and then flattens; a leak keeps its slope.
