@@ -41,7 +41,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         path = Path(item.path)
         folder = path.relative_to(tests).parts[0] if path.is_relative_to(tests) else ""
-        if folder in DOCKER_FOLDERS:
+        if folder in DOCKER_FOLDERS or item.get_closest_marker("beside_kernel") is not None:
             continue
         if folder in KERNEL_FOLDERS or item.get_closest_marker("privileged") is not None:
             item.add_marker(pytest.mark.kernel)

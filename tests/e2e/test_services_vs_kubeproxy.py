@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 from harness.svcbench import run_all
 
-pytestmark = [pytest.mark.privileged, pytest.mark.integration]
+# Its own namespaces, rules and pins; only sane figures asserted: it runs
+# beside the kernel tests.
+pytestmark = [pytest.mark.privileged, pytest.mark.integration, pytest.mark.beside_kernel]
 
 MODES = ("iptables", "nftables", "flagella")
 

@@ -12,7 +12,9 @@ import pytest
 from harness.cluster import Cluster
 from harness.soak import SOAK_EXTRA, VICTIMS, Soak
 
-pytestmark = [pytest.mark.privileged, pytest.mark.integration]
+# Correctness under kills, with retries and no timing asserted: it runs beside
+# the kernel tests.
+pytestmark = [pytest.mark.privileged, pytest.mark.integration, pytest.mark.beside_kernel]
 
 SECONDS = float(os.environ.get("FLAGELLA_SOAK_SECONDS", "60"))
 
