@@ -12,11 +12,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import grpc
 import pytest
 from harness import tls
 from harness.etcd import EtcdServer
+from harness.lb import LbClient
 from harness.net import free_port
 from harness.procs import SERVING, ServiceProcess
+
+from flagella.api.lb.v1 import lb_pb2
 
 pytestmark = pytest.mark.integration
 
@@ -208,6 +212,27 @@ def test_sigterm_reports_not_serving_then_exits_cleanly(
     messages = [entry["msg"] for entry in logs]
     assert messages.index("stopping") < messages.index("stopped")
     assert all(entry["service"] == "flagella-lb" for entry in logs)
+
+
+@pytest.mark.insecure
+def test_sigterm_ends_open_streams_at_once_with_unavailable(
+    etcd: EtcdServer, spawn: Callable[..., ServiceProcess]
+) -> None:
+    # A watch never ends by itself: it must not hold the whole shutdown
+    # grace (30 s here), and its client is told to go elsewhere.
+    proc = spawn("lb", "--etcd-endpoints", etcd.endpoint, "--shutdown-grace", "30")
+    client = LbClient(proc.address)
+    stream = client.watch(timeout=60)
+    assert next(stream).kind == lb_pb2.ServiceEvent.KIND_RESET
+    started = time.monotonic()
+    proc.signal(15)
+    with pytest.raises(grpc.RpcError) as err:
+        list(stream)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+    assert proc.proc is not None
+    assert proc.proc.wait(15) == 0
+    assert time.monotonic() - started < 5
+    client.close()
 
 
 def test_listen_on_a_port_in_use_fails_with_reason(

@@ -17,7 +17,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
@@ -107,15 +107,23 @@ class ErrorInterceptor(WrappingInterceptor):
 
             return call
 
+        readiness = self.readiness
+
         def stream(inner: Callable[..., Any]) -> Callable[..., Any]:
             async def call(request: Any, context: Any) -> AsyncIterator[Any]:
                 if starting:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "service is starting")
+                tracked = readiness.streaming() if readiness else contextlib.nullcontext()
                 try:
-                    async for item in relay(inner(request, context)):
-                        yield item
+                    with tracked:
+                        async for item in relay(inner(request, context)):
+                            yield item
                 except grpc.aio.AbortError:
                     raise
+                except asyncio.CancelledError:
+                    if readiness is None or not readiness.stopping:
+                        raise
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "server stopping")
                 except Exception as exc:
                     await fail(exc, context)
 
@@ -143,6 +151,25 @@ class Readiness:
         self._stopping = False
         self._failing: dict[str, str] = {}
         self._lock = asyncio.Lock()
+        # The tasks answering a stream now: a stream never ends by itself,
+        # so stopping ends them (UNAVAILABLE: the client resumes elsewhere)
+        # instead of letting each hold the whole shutdown grace.
+        self._streams: set[asyncio.Task[Any]] = set()
+
+    @contextlib.contextmanager
+    def streaming(self) -> Iterator[None]:
+        """Around a streaming call's answer (in its own task)."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._streams.add(task)
+        try:
+            yield
+        finally:
+            self._streams.discard(task)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
 
     def add_services(self, service_names: Sequence[str]) -> None:
         self._names.extend(service_names)
@@ -200,6 +227,8 @@ class Readiness:
         async with self._lock:
             self._stopping = True
             await self.servicer.enter_graceful_shutdown()
+        for task in list(self._streams):
+            task.cancel("server stopping")
 
 
 class Probes:
