@@ -227,8 +227,19 @@ class Readiness:
         async with self._lock:
             self._stopping = True
             await self.servicer.enter_graceful_shutdown()
-        for task in list(self._streams):
-            task.cancel("server stopping")
+
+    async def end_streams(self, timeout: float) -> None:
+        """Ends the streams being answered (each client gets UNAVAILABLE),
+        waiting up to timeout seconds. A cancellation can be lost inside
+        asyncio.wait_for (Python 3.11) when its timeout fires at the same
+        moment: what still runs is cancelled again."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self._streams and (left := deadline - loop.time()) > 0:
+            streams = list(self._streams)
+            for task in streams:
+                task.cancel("server stopping")
+            await asyncio.wait(streams, timeout=min(0.1, left))
 
 
 class Probes:
@@ -474,6 +485,7 @@ async def serve(runtime: Runtime[C], service: App) -> None:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         await runtime.readiness.set_stopping()
+        await runtime.readiness.end_streams(cfg.shutdown_grace)
         if probes is not None:
             await probes.stop(0)
         await server.stop(cfg.shutdown_grace)
