@@ -113,19 +113,34 @@ class ErrorInterceptor(WrappingInterceptor):
             async def call(request: Any, context: Any) -> AsyncIterator[Any]:
                 if starting:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "service is starting")
-                tracked = readiness.streaming() if readiness else contextlib.nullcontext()
-                try:
-                    with tracked:
+                if readiness is None:
+                    try:
                         async for item in relay(inner(request, context)):
                             yield item
-                except grpc.aio.AbortError:
-                    raise
-                except asyncio.CancelledError:
-                    if readiness is None or not readiness.stopping:
+                    except grpc.aio.AbortError:
                         raise
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "server stopping")
-                except Exception as exc:
-                    await fail(exc, context)
+                    except Exception as exc:
+                        await fail(exc, context)
+                    return
+                items = relay(inner(request, context))
+                with readiness.stream() as answer:
+                    while True:
+                        if readiness.stopping:
+                            await context.abort(grpc.StatusCode.UNAVAILABLE, "server stopping")
+                        try:
+                            with answer.waiting():
+                                item = await anext(items)
+                        except StopAsyncIteration:
+                            return
+                        except grpc.aio.AbortError:
+                            raise
+                        except asyncio.CancelledError:
+                            if not readiness.stopping:
+                                raise
+                            await context.abort(grpc.StatusCode.UNAVAILABLE, "server stopping")
+                        except Exception as exc:
+                            await fail(exc, context)
+                        yield item
 
             return call
 
@@ -151,21 +166,22 @@ class Readiness:
         self._stopping = False
         self._failing: dict[str, str] = {}
         self._lock = asyncio.Lock()
-        # The tasks answering a stream now: a stream never ends by itself,
+        # The streams being answered now: a stream never ends by itself,
         # so stopping ends them (UNAVAILABLE: the client resumes elsewhere)
         # instead of letting each hold the whole shutdown grace.
-        self._streams: set[asyncio.Task[Any]] = set()
+        self._streams: set[StreamAnswer] = set()
 
     @contextlib.contextmanager
-    def streaming(self) -> Iterator[None]:
-        """Around a streaming call's answer (in its own task)."""
+    def stream(self) -> Iterator[StreamAnswer]:
+        """Around a streaming call's answer (in the call's own task)."""
         task = asyncio.current_task()
         assert task is not None
-        self._streams.add(task)
+        answer = StreamAnswer(task)
+        self._streams.add(answer)
         try:
-            yield
+            yield answer
         finally:
-            self._streams.discard(task)
+            self._streams.discard(answer)
 
     @property
     def stopping(self) -> bool:
@@ -230,16 +246,39 @@ class Readiness:
 
     async def end_streams(self, timeout: float) -> None:
         """Ends the streams being answered (each client gets UNAVAILABLE),
-        waiting up to timeout seconds. A cancellation can be lost inside
-        asyncio.wait_for (Python 3.11) when its timeout fires at the same
-        moment: what still runs is cancelled again."""
+        waiting up to timeout seconds. A stream is cancelled only while it
+        waits for its next message in our code (gRPC drops a call whose
+        task is cancelled inside its own write, sending no status); one
+        that is writing sees `stopping` before it waits again. Cancelled
+        again until it ends: a cancellation can be lost inside
+        asyncio.wait_for (Python 3.11) when its timeout fires at once."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while self._streams and (left := deadline - loop.time()) > 0:
-            streams = list(self._streams)
-            for task in streams:
-                task.cancel("server stopping")
-            await asyncio.wait(streams, timeout=min(0.1, left))
+            for answer in list(self._streams):
+                answer.cancel_if_waiting()
+            await asyncio.wait([a.task for a in self._streams], timeout=min(0.1, left))
+
+
+class StreamAnswer:
+    """One streaming call being answered: its task, and whether it is
+    waiting for its next message (the only moment it may be cancelled)."""
+
+    def __init__(self, task: asyncio.Task[Any]) -> None:
+        self.task = task
+        self._waiting = False
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        self._waiting = True
+        try:
+            yield
+        finally:
+            self._waiting = False
+
+    def cancel_if_waiting(self) -> None:
+        if self._waiting:
+            self.task.cancel("server stopping")
 
 
 class Probes:
