@@ -410,7 +410,7 @@ async def test_the_invalid_object_counter_with_the_stand_in_api_server_in_proces
         await until(lambda: bool(kube_api.events_about("CiliumNetworkPolicy", "shop", "bad")), 10)
         events = kube_api.events_about("CiliumNetworkPolicy", "shop", "bad")
         assert [e["message"] for e in events] == [
-            "not enforced: spec.ingress[0].toFQDNs: unknown field: FQDN rules are not supported"
+            "not enforced: spec.ingress[0].toFQDNs: unknown field: toFQDNs is an egress field"
         ]
         # Looked at again (a relist), the same version: no second report.
         kube_api.expire_watches()

@@ -109,6 +109,16 @@ class World:
         self._delete(keys.cidr_group_key(name))
         self.commit()
 
+    def fqdn(self, node: str, endpoint: str, name: str, *ips: str, ttl: int = 30) -> None:
+        """The FQDN cache entry a node's DNS proxy writes (on a lease)."""
+        key = keys.fqdn_key(node, endpoint, name)
+        if not ips:
+            self._delete(key)
+        else:
+            value = {"ips": list(ips), "ttl": ttl, "expires": 1e9 + ttl, "lookup": 1e9}
+            self._put(key, keys.dumps(value), lease=7)
+        self.commit()
+
     def cidr(self, prefix: str) -> int:
         """The CIDR identity the rules gave prefix."""
         entry = self.state.ipcache_entry(prefix)

@@ -336,11 +336,11 @@ ERRORS = [
         _doc(
             """  endpointSelector: {}
   egress:
-  - toFQDNs: [{matchName: example.com}]
+  - toGroups: [{aws: {securityGroupsIds: [sg-1]}}]
 """
         ),
-        "spec.egress[0].toFQDNs",
-        "FQDN rules are not supported",
+        "spec.egress[0].toGroups",
+        "groups are not supported",
     ),
     (
         "l7-rules",

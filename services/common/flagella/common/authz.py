@@ -145,6 +145,12 @@ TABLE: dict[str, tuple[Grant, ...]] = {
             # A node reads the policy of its own endpoints.
             "WatchPolicy": (own_node("node"), OPERATOR),
             "WatchHostPolicy": (own_node("node"), OPERATOR),
+            # A node's DNS proxy writes what its endpoints' names resolved
+            # to, for itself only; operators list and flush the cache.
+            "UpsertFQDNCache": (own_node("node"),),
+            "DeleteFQDNCache": (own_node("node"), OPERATOR),
+            "ListFQDNCache": READERS,
+            "ListFQDNSelectors": READERS,
         },
     ),
     **_methods(

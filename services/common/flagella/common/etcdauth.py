@@ -74,7 +74,7 @@ def user_of(service: str) -> str:
 _POLICY_SPAN = Grant(
     "flagella/policy/v1/cidrgroups/",
     Perm.READ,
-    "the mirror watches CIDR groups, rules, identities and ipcache as one range",
+    "the mirror watches CIDR groups, rules, the FQDN cache, identities and ipcache as one range",
     end=prefix_end("flagella/state/ip/v1/").decode(),
 )
 # Every user reads this one never-written key: a linearizable "what is the
@@ -90,6 +90,7 @@ ROLES: dict[str, tuple[Grant, ...]] = {
         Grant("flagella/policy/v1/", Perm.READWRITE, "CIDR groups, rules"),
         Grant("flagella/state/identities/v1/", Perm.READWRITE, "identities, references"),
         Grant("flagella/state/ip/v1/", Perm.READWRITE, "ipcache"),
+        Grant("flagella/state/fqdn/v1/", Perm.READWRITE, "the FQDN cache"),
         _POLICY_SPAN,
         _REVISION,
     ),

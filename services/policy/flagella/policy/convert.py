@@ -11,6 +11,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from flagella.api.policy.v1 import policy_pb2 as pb
 from flagella.common.errors import InvalidArgument
 from flagella.policy.allocator import IdentityView
+from flagella.policy.fqdncache import Selection
 from flagella.policy.hostpolicy import HOST_IDENTITY, HostPolicy
 from flagella.policy.labels import Label, LabelError, split_label
 from flagella.policy.prefixes import PrefixEntry
@@ -38,6 +39,8 @@ from flagella.policy.rules import (
     icmp_type_of,
 )
 from flagella.policy.rules.admin import check_admin_rule
+from flagella.policy.rules.fqdn import check_name as check_fqdn_name
+from flagella.policy.rules.fqdn import check_selector as check_fqdn_selector
 from flagella.policy.rules.groups import make_cidr_group
 from flagella.policy.rules.model import (
     ACTION_ALLOW,
@@ -47,8 +50,9 @@ from flagella.policy.rules.model import (
     TIER_BASELINE,
 )
 from flagella.policy.selector import Entity
-from flagella.policy.state import IPEntry
+from flagella.policy.state import FqdnEntry, IPEntry
 from flagella.policy.streams import EventKind, IPCacheEvent, PolicyEvent
+from flagella.policy.validation import check_fqdn_endpoint, check_fqdn_ips, check_fqdn_ttl
 
 _EVENT_KINDS = {
     EventKind.RESET: pb.EVENT_KIND_RESET,
@@ -178,6 +182,12 @@ def _peer_from_pb(peer: pb.PeerRule, path: str, warnings: list[str] | None) -> P
     services = tuple(
         _service_from_pb(s, f"{path}.services[{i}]") for i, s in enumerate(peer.services)
     )
+    fqdns = tuple(
+        dict.fromkeys(
+            check_fqdn_selector(f.match_name, f.match_pattern, f"{path}.fqdns[{i}]")
+            for i, f in enumerate(peer.fqdns)
+        )
+    )
     return PeerSpec(
         endpoints,
         tuple(cidrs),
@@ -187,6 +197,7 @@ def _peer_from_pb(peer: pb.PeerRule, path: str, warnings: list[str] | None) -> P
         services,
         action=_ACTIONS.get(peer.action, ""),
         name=peer.name,
+        fqdns=fqdns,
     )
 
 
@@ -247,6 +258,13 @@ def rule_from_pb(rule: pb.Rule, path: str, warnings: list[str] | None = None) ->
                 raise InvalidArgument(
                     "toServices only allows egress (not ingress, not a deny)",
                     field=f"{path}.{fld}[{i}].services",
+                )
+            # A name's addresses are learned from answers the proxy lets
+            # through: they can only be allowed (as Cilium).
+            if p.fqdns and fld != "egress":
+                raise InvalidArgument(
+                    "toFQDNs only allows egress (not ingress, not a deny)",
+                    field=f"{path}.{fld}[{i}].fqdns",
                 )
         return out
 
@@ -335,6 +353,10 @@ def _peer_pb(peer: PeerSpec) -> pb.PeerRule:
         services=[_service_pb(s) for s in peer.services],
         action=_ACTION_PB.get(peer.action, pb.ADMIN_ACTION_UNSPECIFIED),
         name=peer.name,
+        fqdns=[
+            pb.FQDNSelector(match_name=f.match_name, match_pattern=f.match_pattern)
+            for f in peer.fqdns
+        ],
     )
 
 
@@ -515,4 +537,57 @@ def cidr_group_pb(group: CIDRGroup) -> pb.CIDRGroup:
         labels=dict(group.labels),
         revision=group.revision,
         source=rule_source_pb(group.source),
+    )
+
+
+# --- FQDN cache ---
+
+
+def _timestamp(seconds: float) -> Timestamp:
+    out = Timestamp()
+    out.FromNanoseconds(int(seconds * 1e9))
+    return out
+
+
+def fqdn_entry_from_pb(e: pb.FQDNCacheEntry, node: str, path: str, now: float) -> FqdnEntry:
+    """A cache entry of node's (validated; InvalidArgument naming the field)."""
+    if e.node and e.node != node:
+        raise InvalidArgument(f"must be empty or the request's node {node!r}", field=f"{path}.node")
+    lookup = e.lookup.ToNanoseconds() / 1e9 if e.HasField("lookup") else now
+    if lookup <= 0:
+        raise InvalidArgument("must be after the epoch", field=f"{path}.lookup")
+    ttl = check_fqdn_ttl(e.ttl, f"{path}.ttl")
+    return FqdnEntry(
+        node=node,
+        endpoint=check_fqdn_endpoint(e.endpoint, f"{path}.endpoint"),
+        name=check_fqdn_name(e.name, f"{path}.name"),
+        ips=check_fqdn_ips(e.ips, f"{path}.ips"),
+        ttl=ttl,
+        expires=lookup + ttl,
+        lookup=lookup,
+    )
+
+
+def fqdn_entry_pb(e: FqdnEntry) -> pb.FQDNCacheEntry:
+    return pb.FQDNCacheEntry(
+        node=e.node,
+        endpoint=e.endpoint,
+        name=e.name,
+        ips=list(e.ips),
+        ttl=e.ttl,
+        lookup=_timestamp(e.lookup),
+        expires=_timestamp(e.expires),
+        revision=e.revision,
+    )
+
+
+def fqdn_selection_pb(s: Selection) -> pb.FQDNSelection:
+    selector = (
+        pb.FQDNSelector(match_pattern=s.key) if "*" in s.key else pb.FQDNSelector(match_name=s.key)
+    )
+    return pb.FQDNSelection(
+        selector=selector,
+        names=[pb.FQDNName(name=n, ips=list(ips)) for n, ips in s.names.items()],
+        identities=list(s.identities),
+        rules=list(s.rules),
     )

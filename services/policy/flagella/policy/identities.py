@@ -10,7 +10,7 @@ import ipaddress
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from flagella.policy.labels import SOURCE_CIDR, SOURCE_RESERVED, Label, LabelSet
+from flagella.policy.labels import SOURCE_CIDR, SOURCE_FQDN, SOURCE_RESERVED, Label, LabelSet
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -126,13 +126,15 @@ def is_local(ident: int) -> bool:
 # --- CIDR identities ---
 
 
-def cidr_labels(prefix: IPNetwork) -> LabelSet:
-    """A CIDR identity's labels, as Cilium: the prefix and reserved:world."""
+def cidr_labels(prefix: IPNetwork, fqdn_selectors: Iterable[str] = ()) -> LabelSet:
+    """A CIDR identity's labels, as Cilium: the prefix and reserved:world,
+    and fqdn:<selector> for each toFQDNs selector that selects it."""
     return tuple(
         sorted(
             (
                 Label(key=str(prefix), source=SOURCE_CIDR),
                 Label(key=RESERVED_NAMES[WORLD], source=SOURCE_RESERVED),
+                *(Label(key=key, source=SOURCE_FQDN) for key in fqdn_selectors),
             )
         )
     )

@@ -13,6 +13,12 @@ flagella/state/identities/v1/
   nodes/<node>/<lease hex>        {"ttl": T, "by": replica}  that lease
 flagella/state/ip/v1/<ip or cidr> {"identity", "node", "hostIP", "source"}
                                   node's lease when it names a node
+flagella/state/fqdn/v1/<node>/<endpoint>/<name>
+                                  {"ips": [...], "ttl": T, "expires": unix s,
+                                  "lookup": unix s}   node's lease
+                                  (the FQDN cache: what a name resolved to
+                                  for an endpoint, as its node's DNS proxy
+                                  saw the answer)
 flagella/policy/v1/cidrgroups/<name>   {"cidrs": [...], "labels": {...}}
                                   (a CIDR group, as CiliumCIDRGroup)
 flagella/policy/v1/rules/<namespace>/<name> or .../rules/<name>   rule JSON
@@ -35,13 +41,14 @@ LABELS_PREFIX = IDENT_PREFIX + "labels/"
 VALUE_PREFIX = IDENT_PREFIX + "value/"
 NODES_PREFIX = IDENT_PREFIX + "nodes/"
 IP_PREFIX = "flagella/state/ip/v1/"
+FQDN_PREFIX = "flagella/state/fqdn/v1/"
 POLICY_PREFIX = "flagella/policy/v1/"
 CIDR_GROUPS_PREFIX = POLICY_PREFIX + "cidrgroups/"
 RULES_PREFIX = POLICY_PREFIX + "rules/"
 # Everything a replica mirrors, read in one transaction and watched as one
 # key range [CIDR_GROUPS_PREFIX, end of IP_PREFIX) (keys of others in between are
 # ignored).
-MIRRORED_PREFIXES = (CIDR_GROUPS_PREFIX, RULES_PREFIX, IDENT_PREFIX, IP_PREFIX)
+MIRRORED_PREFIXES = (CIDR_GROUPS_PREFIX, RULES_PREFIX, FQDN_PREFIX, IDENT_PREFIX, IP_PREFIX)
 
 NODE_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,251}[A-Za-z0-9])?$")
 
@@ -92,6 +99,18 @@ def ip_key(prefix: str) -> str:
     return IP_PREFIX + prefix
 
 
+def fqdn_node_prefix(node: str) -> str:
+    return f"{FQDN_PREFIX}{node}/"
+
+
+def fqdn_endpoint_prefix(node: str, endpoint: str) -> str:
+    return f"{fqdn_node_prefix(node)}{enc(endpoint)}/"
+
+
+def fqdn_key(node: str, endpoint: str, name: str) -> str:
+    return fqdn_endpoint_prefix(node, endpoint) + name
+
+
 def rule_key(name: str) -> str:
     return RULES_PREFIX + name
 
@@ -102,7 +121,7 @@ def cidr_group_key(name: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Parsed:
-    kind: str  # id, labels, ref, node, ip, rule, or "" when not ours
+    kind: str  # id, labels, ref, node, ip, fqdn, rule, or "" when not ours
     a: str = ""
     b: str = ""
     c: str = ""  # a ref's owner ("": the node's anonymous count)
@@ -128,6 +147,11 @@ def parse_key(key: str) -> Parsed:
         return Parsed("")
     if key.startswith(IP_PREFIX):
         return Parsed("ip", key[len(IP_PREFIX) :])
+    if key.startswith(FQDN_PREFIX):
+        parts = key[len(FQDN_PREFIX) :].split("/")
+        if len(parts) == 3 and all(parts):
+            return Parsed("fqdn", parts[0], dec(parts[1]), parts[2])
+        return Parsed("")
     if key.startswith(RULES_PREFIX):
         return Parsed("rule", key[len(RULES_PREFIX) :])
     if key.startswith(CIDR_GROUPS_PREFIX):

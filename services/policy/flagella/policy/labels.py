@@ -16,6 +16,8 @@ from dataclasses import dataclass
 SOURCE_K8S = "k8s"
 SOURCE_RESERVED = "reserved"
 SOURCE_CIDR = "cidr"
+# fqdn:<name or pattern>: an address a toFQDNs selector selects (as Cilium).
+SOURCE_FQDN = "fqdn"
 SOURCE_CONTAINER = "container"
 SOURCE_UNSPEC = "unspec"
 SOURCE_ANY = "any"

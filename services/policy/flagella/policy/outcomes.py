@@ -122,3 +122,18 @@ DropOutcome: TypeAlias = ReferenceDropped | ReferenceMoved
 @dataclass(frozen=True, slots=True)
 class IPEntryStored:
     revision: int
+
+
+@dataclass(frozen=True, slots=True)
+class FqdnStored:
+    revision: int
+
+
+@dataclass(frozen=True, slots=True)
+class FqdnDeleted:
+    revision: int
+
+
+@dataclass(frozen=True, slots=True)
+class FqdnMoved:
+    """An entry to delete changed since it was read (the node wrote it again)."""

@@ -75,7 +75,7 @@ class Requirement:
     def __str__(self) -> str:
         name = f"{self.source}:{self.key}"
         if self.op is Op.IN and len(self.values) == 1:
-            return f"{name}={self.values[0]}"
+            return f"{name}={self.values[0]}" if self.values[0] else name
         if self.op in (Op.IN, Op.NOT_IN):
             return f"{name} {self.op.value} ({','.join(self.values)})"
         return f"{name} {self.op.value}"

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from flagella.common.tasks import TaskGroup
 from flagella.policy.allocator import Allocation, IdentityAllocator, IdentityView
+from flagella.policy.fqdncache import CacheFilter, FqdnCache, Selection
 from flagella.policy.gc import GarbageCollector
 from flagella.policy.hostpolicy import HostPolicy, Labels, watch_host_policy
 from flagella.policy.ipcache import IPCache
@@ -20,7 +21,7 @@ from flagella.policy.repository import RuleRepository
 from flagella.policy.resolve import ResolvedPolicy
 from flagella.policy.rules import CIDRGroup, Protocol, Rule
 from flagella.policy.settings import Settings
-from flagella.policy.state import IPEntry, PolicyState
+from flagella.policy.state import FqdnEntry, IPEntry, PolicyState
 from flagella.policy.store import PolicyStore
 from flagella.policy.streams import IPCacheEvent, PolicyEvent, Streams
 from flagella.policy.trace import Trace, resolved_policy, trace_packet
@@ -72,6 +73,7 @@ class PolicyService:
         )
         self.identities = IdentityAllocator(store, self.mirror, self.leases)
         self.ipcache = IPCache(store, self.mirror, self.leases)
+        self.fqdn = FqdnCache(store, self.mirror, self.leases)
         self.rules = RuleRepository(store, self.mirror)
         self.streams = Streams(self.mirror, self.leases, s)
         self.gc = GarbageCollector(store, self.mirror, self.leases, interval=s.gc_interval)
@@ -117,6 +119,20 @@ class PolicyService:
 
     def list_ipcache(self) -> tuple[list[IPEntry], int]:
         return self.ipcache.list_ipcache()
+
+    # --- FQDN cache ---
+
+    async def upsert_fqdn(self, node: str, entries: Sequence[FqdnEntry]) -> int:
+        return await self.fqdn.upsert(node, entries)
+
+    def list_fqdn(self, which: CacheFilter) -> tuple[list[FqdnEntry], int]:
+        return self.fqdn.entries(which)
+
+    async def delete_fqdn(self, which: CacheFilter) -> tuple[int, int]:
+        return await self.fqdn.delete(which)
+
+    def fqdn_selections(self) -> tuple[list[Selection], int]:
+        return self.fqdn.selections()
 
     # --- rules ---
 

@@ -4,6 +4,8 @@ flagella.policy.service."""
 
 from __future__ import annotations
 
+import ipaddress
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -16,6 +18,9 @@ from flagella.policy.convert import (
     ContentCache,
     cidr_group_from_pb,
     cidr_group_pb,
+    fqdn_entry_from_pb,
+    fqdn_entry_pb,
+    fqdn_selection_pb,
     host_policy_event_pb,
     identity_pb,
     ip_entry_pb,
@@ -26,13 +31,17 @@ from flagella.policy.convert import (
     rule_from_pb,
     rule_pb,
 )
+from flagella.policy.fqdncache import CacheFilter
 from flagella.policy.hostpolicy import host_info
 from flagella.policy.labels import LabelError, LabelSet, label_set
 from flagella.policy.rules import ICMP_PROTOCOLS, icmp_port, parse_document
+from flagella.policy.rules.fqdn import check_pattern
 from flagella.policy.service import PolicyService
-from flagella.policy.state import IPEntry
+from flagella.policy.state import FqdnEntry, IPEntry
 from flagella.policy.validation import (
+    MAX_FQDN_ENTRIES,
     check_allocatable,
+    check_fqdn_endpoint,
     check_ip_entry,
     check_key,
     check_node,
@@ -44,6 +53,26 @@ from flagella.policy.validation import (
 )
 
 Ctx = Any
+
+
+def _cache_filter(node: str, endpoint: str, pattern: str, cidr: str) -> CacheFilter:
+    """A list's or delete's filter (validated; empty fields match all)."""
+    if node:
+        check_node(node)
+    if endpoint:
+        check_fqdn_endpoint(endpoint, "endpoint")
+    net = None
+    if cidr:
+        try:
+            net = ipaddress.ip_network(cidr, strict=False)
+        except ValueError:
+            raise InvalidArgument(f"{cidr!r} is not a CIDR", field="cidr") from None
+    return CacheFilter(
+        node=node,
+        endpoint=endpoint,
+        pattern=check_pattern(pattern, "match_pattern") if pattern else "",
+        cidr=net,
+    )
 
 
 class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
@@ -135,6 +164,59 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
             raise InvalidArgument("must not be negative", field="since_revision")
         async for event in self.service.watch_ipcache(request.since_revision):
             yield ip_event_pb(event)
+
+    # --- FQDN cache ---
+
+    async def UpsertFQDNCache(
+        self, request: pb.UpsertFQDNCacheRequest, context: Ctx
+    ) -> pb.UpsertFQDNCacheResponse:
+        node = check_node(request.node)
+        if not request.entries:
+            raise InvalidArgument("required", field="entries")
+        if len(request.entries) > MAX_FQDN_ENTRIES:
+            raise InvalidArgument(
+                f"{len(request.entries)} entries; at most {MAX_FQDN_ENTRIES}", field="entries"
+            )
+        now = time.time()
+        entries: dict[tuple[str, str, str], FqdnEntry] = {}
+        for i, e in enumerate(request.entries):
+            entry = fqdn_entry_from_pb(e, node, f"entries[{i}]", now)
+            if entry.where in entries:
+                raise InvalidArgument(
+                    f"endpoint {entry.endpoint!r} and name {entry.name!r} given twice",
+                    field=f"entries[{i}]",
+                )
+            entries[entry.where] = entry
+        revision = await self.service.upsert_fqdn(node, list(entries.values()))
+        return pb.UpsertFQDNCacheResponse(revision=revision)
+
+    async def ListFQDNCache(
+        self, request: pb.ListFQDNCacheRequest, context: Ctx
+    ) -> pb.ListFQDNCacheResponse:
+        which = _cache_filter(request.node, request.endpoint, request.match_pattern, request.cidr)
+        entries, revision = self.service.list_fqdn(which)
+        return pb.ListFQDNCacheResponse(
+            entries=[fqdn_entry_pb(e) for e in entries], revision=revision
+        )
+
+    async def DeleteFQDNCache(
+        self, request: pb.DeleteFQDNCacheRequest, context: Ctx
+    ) -> pb.DeleteFQDNCacheResponse:
+        if not (request.node or request.match_pattern):
+            raise InvalidArgument(
+                'give a node or a pattern ("*" for every name)', field="match_pattern"
+            )
+        which = _cache_filter(request.node, request.endpoint, request.match_pattern, "")
+        deleted, revision = await self.service.delete_fqdn(which)
+        return pb.DeleteFQDNCacheResponse(deleted=deleted, revision=revision)
+
+    async def ListFQDNSelectors(
+        self, request: pb.ListFQDNSelectorsRequest, context: Ctx
+    ) -> pb.ListFQDNSelectorsResponse:
+        selections, revision = self.service.fqdn_selections()
+        return pb.ListFQDNSelectorsResponse(
+            selections=[fqdn_selection_pb(s) for s in selections], revision=revision
+        )
 
     # --- rules ---
 

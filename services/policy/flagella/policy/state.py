@@ -29,7 +29,7 @@ from flagella.policy.identities import (
     parse_prefix,
     reserved_identity_of,
 )
-from flagella.policy.labels import LabelError, LabelSet, format_labels, parse_labels
+from flagella.policy.labels import SOURCE_FQDN, LabelError, LabelSet, format_labels, parse_labels
 from flagella.policy.resolve import DEFAULT_BUDGET, PolicyContent, ResolvedPolicy, Resolver
 from flagella.policy.rules import (
     CIDRGroup,
@@ -40,10 +40,13 @@ from flagella.policy.rules import (
     compile_rule,
     rule_from_json,
 )
+from flagella.policy.rules.fqdn import matcher as fqdn_matcher
 
 log = logging.getLogger(__name__)
 
 CIDR_POLICY_SOURCE = "cidr-policy"
+# An address only toFQDNs selects (learned from a DNS answer).
+FQDN_SOURCE = "fqdn"
 
 
 class KV(Protocol):
@@ -84,6 +87,37 @@ def named_ports_json(ports: tuple[NamedPort, ...]) -> dict[str, Any]:
 
 def named_ports_from_json(value: dict[str, Any]) -> tuple[NamedPort, ...]:
     return tuple(NamedPort(str(n), int(p), int(pr)) for n, p, pr in value.get("namedPorts", ()))
+
+
+@dataclass(frozen=True, slots=True)
+class FqdnEntry:
+    """What one name resolved to for one endpoint, as its node's DNS proxy
+    saw the answer (the FQDN cache). It stays until that node removes it
+    (after its TTL, once no connection uses the addresses) or the node's
+    lease ends."""
+
+    node: str
+    endpoint: str
+    name: str
+    ips: tuple[str, ...]
+    ttl: int
+    expires: float
+    lookup: float
+    revision: int = 0
+    create_revision: int = 0
+
+    @property
+    def where(self) -> tuple[str, str, str]:
+        return (self.node, self.endpoint, self.name)
+
+
+def fqdn_entry_json(entry: FqdnEntry) -> dict[str, Any]:
+    return {
+        "ips": list(entry.ips),
+        "ttl": entry.ttl,
+        "expires": entry.expires,
+        "lookup": entry.lookup,
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,11 +216,19 @@ class PolicyState:
         # each group's CIDRs, parsed: what rules naming the group compile to
         self._group_nets: dict[str, tuple[IPNetwork, ...]] = {}
         self.cidr: dict[IPNetwork, int] = {}
+        # the labels of each CIDR identity (cidr:, reserved:world, and an
+        # fqdn:<selector> per toFQDNs selector selecting its address)
+        self._cidr_labels: dict[IPNetwork, LabelSet] = {}
         self._cidr_by_prefix: dict[str, tuple[IPNetwork, int]] = {}
+        # prefixes that are CIDR identities only because toFQDNs selects them
+        self._fqdn_only: set[str] = set()
+        # the FQDN cache: (node, endpoint, name) -> entry
+        self.fqdn: dict[tuple[str, str, str], FqdnEntry] = {}
         self.ip: dict[str, IPEntry] = {}
         self._kv_lease: dict[str, int] = {}
         self._pending = Change()
         self._rules_changed = False
+        self._fqdn_changed = False
 
     # --- building ---
 
@@ -337,6 +379,57 @@ class PolicyState:
             )
         self._pending.ipcache.add(prefix)
 
+    def _on_fqdn(self, p: keys.Parsed, kv: KV | None) -> None:
+        where = (p.a, p.b, p.c)
+        if kv is None:
+            if self.fqdn.pop(where, None) is not None:
+                self._fqdn_changed = True
+            return
+        v = keys.loads(kv.value)
+        entry = FqdnEntry(
+            node=p.a,
+            endpoint=p.b,
+            name=p.c,
+            ips=tuple(format_prefix(parse_prefix(str(ip))) for ip in v["ips"]),
+            ttl=int(v["ttl"]),
+            expires=float(v["expires"]),
+            lookup=float(v.get("lookup", 0.0)),
+            revision=kv.mod_revision,
+            create_revision=kv.create_revision,
+        )
+        old = self.fqdn.get(where)
+        self.fqdn[where] = entry
+        if old is None or old.ips != entry.ips:
+            self._fqdn_changed = True
+
+    def fqdn_selections(self) -> dict[str, dict[str, set[str]]]:
+        """Every toFQDNs selector in use (its key) -> the names of the FQDN
+        cache it matches -> their addresses."""
+        selectors = {k for r in self.resolver.rules.values() for k in r.fqdns}
+        by_name: dict[str, set[str]] = {}
+        for entry in self.fqdn.values():
+            by_name.setdefault(entry.name, set()).update(entry.ips)
+        out: dict[str, dict[str, set[str]]] = {}
+        for key in selectors:
+            match = fqdn_matcher(key)
+            out[key] = {name: ips for name, ips in by_name.items() if match(name)}
+        return out
+
+    def _fqdn_prefixes(self) -> dict[IPNetwork, tuple[set[str], int]]:
+        """Each address a toFQDNs selector selects -> (the selectors' keys,
+        the revision its oldest cache entry was created at)."""
+        created: dict[str, int] = {}
+        for entry in self.fqdn.values():
+            for ip in entry.ips:
+                created[ip] = min(created.get(ip, entry.create_revision), entry.create_revision)
+        out: dict[IPNetwork, tuple[set[str], int]] = {}
+        for key, names in self.fqdn_selections().items():
+            for ips in names.values():
+                for ip in ips:
+                    net = parse_prefix(ip)
+                    out.setdefault(net, (set(), created[ip]))[0].add(key)
+        return out
+
     def _on_rule(self, p: keys.Parsed, kv: KV | None) -> None:
         name = p.a
         self._rules_changed = True
@@ -392,27 +485,34 @@ class PolicyState:
             created = self.rules[name].create_revision
             for prefix in compiled.prefixes:
                 priority[prefix] = min(priority.get(prefix, created), created)
+        from_rules = set(priority)
+        fqdn = self._fqdn_prefixes()
+        for prefix, (_, created) in fqdn.items():
+            priority[prefix] = min(priority.get(prefix, created), created)
         wanted = assign_cidr_identities({p: (r,) for p, r in priority.items()})
-        if wanted == self.cidr:
+        labels = {p: cidr_labels(p, fqdn[p][0] if p in fqdn else ()) for p in wanted}
+        if wanted == self.cidr and labels == self._cidr_labels:
             return
         for prefix, ident in self.cidr.items():
             if wanted.get(prefix) != ident:
                 self.resolver.remove_identity(ident)
                 self._pending.ipcache.add(format_prefix(prefix))
         for prefix, ident in wanted.items():
-            if self.cidr.get(prefix) != ident:
+            if self.cidr.get(prefix) != ident or self._cidr_labels.get(prefix) != labels[prefix]:
                 self.resolver.add_identity(
-                    IdentityInfo.make(ident, cidr_labels(prefix), Kind.CIDR, prefix)
+                    IdentityInfo.make(ident, labels[prefix], Kind.CIDR, prefix)
                 )
                 self._pending.ipcache.add(format_prefix(prefix))
         self.cidr = wanted
+        self._cidr_labels = labels
         self._cidr_by_prefix = {format_prefix(p): (p, priority[p]) for p in wanted}
+        self._fqdn_only = {format_prefix(p) for p in wanted if p not in from_rules}
 
     def commit(self, revision: int) -> Change:
         """Ends a batch of events at revision; returns what changed."""
         rules = self._rules_changed
-        if self._rules_changed:
-            self._rules_changed = False
+        if self._rules_changed or self._fqdn_changed:
+            self._rules_changed = self._fqdn_changed = False
             self._recompute_cidr()
         change, self._pending = self._pending, Change()
         change.rules = rules
@@ -430,14 +530,20 @@ class PolicyState:
         found = self.labels_index.get(format_labels(labels))
         if found is not None and found[0] in self.identities:
             return found[0]
-        # A CIDR identity: its cidr: label, with or without reserved:world.
+        # A CIDR identity: its cidr: label, with or without reserved:world
+        # (and fqdn: labels, which depend on the FQDN cache).
         cidr = [lb for lb in labels if lb.source == "cidr"]
-        rest = [lb for lb in labels if lb.source != "cidr"]
+        rest = [lb for lb in labels if lb.source not in ("cidr", SOURCE_FQDN)]
         if len(cidr) == 1 and all(lb.source == "reserved" and lb.key == "world" for lb in rest):
             entry = self._cidr_by_prefix.get(_norm_prefix(cidr[0].key))
             if entry is not None:
                 return self.cidr[entry[0]]
         return None
+
+    def cidr_identity_of(self, prefix: str) -> int | None:
+        """The CIDR identity of exactly prefix (a bare address for a host)."""
+        found = self._cidr_by_prefix.get(prefix)
+        return None if found is None else self.cidr[found[0]]
 
     def info(self, ident: int) -> IdentityInfo | None:
         return self.resolver.identities.get(ident)
@@ -465,7 +571,7 @@ class PolicyState:
         return IPEntry(
             prefix=prefix,
             identity=self.cidr[net],
-            source=CIDR_POLICY_SOURCE,
+            source=FQDN_SOURCE if prefix in self._fqdn_only else CIDR_POLICY_SOURCE,
             revision=created,
         )
 

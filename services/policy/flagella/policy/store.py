@@ -30,6 +30,9 @@ from flagella.policy.labels import Label, label_set
 from flagella.policy.outcomes import (
     CreateOutcome,
     DropOutcome,
+    FqdnDeleted,
+    FqdnMoved,
+    FqdnStored,
     IdentityCreated,
     IdTaken,
     IPEntryStored,
@@ -46,7 +49,13 @@ from flagella.policy.outcomes import (
     TakeOutcome,
 )
 from flagella.policy.rules import CIDRGroup, Rule, cidr_group_to_json, rule_to_json
-from flagella.policy.state import IPEntry, named_ports_from_json, named_ports_json
+from flagella.policy.state import (
+    FqdnEntry,
+    IPEntry,
+    fqdn_entry_json,
+    named_ports_from_json,
+    named_ports_json,
+)
 
 # How many times an operation tries a transaction that lost a race before it
 # answers Unavailable (the caller may retry).
@@ -372,6 +381,34 @@ class PolicyStore:
         key = keys.ip_key(prefix)
         result = await self.etcd.txn([mod_revision_is(key, revision)], [delete_op(key)])
         return result.revision if result.succeeded else None
+
+    # --- FQDN cache ---
+
+    async def put_fqdn(
+        self, entries: Sequence[FqdnEntry], lease: NodeLease
+    ) -> FqdnStored | LeaseLost:
+        """Puts entries (all of lease's node) on its lease, if it is alive,
+        in one transaction; its revision."""
+        ops = [
+            put_op(
+                keys.fqdn_key(e.node, e.endpoint, e.name),
+                keys.dumps(fqdn_entry_json(e)),
+                lease.lease,
+            )
+            for e in entries
+        ]
+        result = await self.etcd.txn(_node_guard(lease), ops)
+        return FqdnStored(result.revision) if result.succeeded else LeaseLost()
+
+    async def delete_fqdn(self, entries: Sequence[FqdnEntry]) -> FqdnDeleted | FqdnMoved:
+        """Deletes entries in one transaction if none changed since read
+        (revision)."""
+        where = [keys.fqdn_key(e.node, e.endpoint, e.name) for e in entries]
+        result = await self.etcd.txn(
+            [mod_revision_is(k, e.revision) for k, e in zip(where, entries, strict=True)],
+            [delete_op(k) for k in where],
+        )
+        return FqdnDeleted(result.revision) if result.succeeded else FqdnMoved()
 
     # --- rules ---
 

@@ -3,6 +3,7 @@ the service, which trusts its typed inputs."""
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
@@ -141,3 +142,38 @@ def check_rules(rules: Sequence[Rule]) -> Sequence[Rule]:
         raise InvalidArgument("no rules given", field="rules")
     check_unique([("", r) for r in rules])
     return rules
+
+
+# --- FQDN cache ---
+
+MAX_FQDN_ENTRIES = 100
+# Cilium's tofqdns-endpoint-max-ip-per-hostname.
+MAX_FQDN_IPS = 1000
+MAX_FQDN_TTL = 7 * 24 * 3600
+
+
+def check_fqdn_endpoint(endpoint: str, field: str) -> str:
+    if not endpoint:
+        raise InvalidArgument("required", field=field)
+    return check_owner(endpoint, field)
+
+
+def check_fqdn_ips(ips: Sequence[str], field: str) -> tuple[str, ...]:
+    """The addresses of an answer: bare IPs, at most MAX_FQDN_IPS, each once."""
+    if not ips:
+        raise InvalidArgument("required (an answer without addresses is not cached)", field=field)
+    if len(ips) > MAX_FQDN_IPS:
+        raise InvalidArgument(f"{len(ips)} addresses; at most {MAX_FQDN_IPS}", field=field)
+    out: dict[str, None] = {}
+    for i, text in enumerate(ips):
+        try:
+            out[str(ipaddress.ip_address(text))] = None
+        except ValueError:
+            raise InvalidArgument(f"{text!r} is not an IP address", field=f"{field}[{i}]") from None
+    return tuple(out)
+
+
+def check_fqdn_ttl(ttl: int, field: str) -> int:
+    if ttl > MAX_FQDN_TTL:
+        raise InvalidArgument(f"{ttl} s; at most {MAX_FQDN_TTL}", field=field)
+    return ttl

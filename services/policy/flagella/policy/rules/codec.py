@@ -11,6 +11,7 @@ from flagella.policy.rules.model import (
     CIDRGroup,
     CIDRSpec,
     Expression,
+    FQDNSelector,
     PeerSpec,
     PortSpec,
     Protocol,
@@ -62,6 +63,11 @@ def _peer_json(p: PeerSpec) -> dict[str, Any]:
         out["action"] = p.action
     if p.name:
         out["name"] = p.name
+    if p.fqdns:
+        out["fqdns"] = [
+            {"matchName": f.match_name} if f.match_name else {"matchPattern": f.match_pattern}
+            for f in p.fqdns
+        ]
     return out
 
 
@@ -145,6 +151,10 @@ def _peer_from(d: Mapping[str, Any]) -> PeerSpec:
         tuple(_service_from(s) for s in d.get("services", ())),
         d.get("action", ""),
         d.get("name", ""),
+        tuple(
+            FQDNSelector(f.get("matchName", ""), f.get("matchPattern", ""))
+            for f in d.get("fqdns", ())
+        ),
     )
 
 

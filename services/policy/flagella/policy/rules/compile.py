@@ -7,7 +7,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from flagella.policy.identities import IPNetwork
-from flagella.policy.labels import DEFAULT_SOURCE, NAMESPACE_KEY, SOURCE_ANY, SOURCE_RESERVED
+from flagella.policy.labels import (
+    DEFAULT_SOURCE,
+    NAMESPACE_KEY,
+    SOURCE_ANY,
+    SOURCE_FQDN,
+    SOURCE_RESERVED,
+)
 from flagella.policy.rules.model import (
     ACTION_DENY,
     K8S_DERIVED_LABEL,
@@ -93,6 +99,9 @@ class CompiledRule:
     # entries (tiers.py evaluates them).
     tier: str = ""
     priority: int = 0
+    # toFQDNs selectors (FQDNSelector.key): the addresses learned for
+    # matching names get CIDR identities carrying fqdn:<key> labels.
+    fqdns: frozenset[str] = field(default_factory=frozenset)
 
     def requirements(self, direction: Direction) -> tuple[LabelSelector, ...]:
         return tuple(sel for d, sel in self.requires if d is direction)
@@ -138,6 +147,12 @@ def peer_selector(spec: SelectorSpec, namespace: str) -> LabelSelector:
     if sel.is_empty:
         return LabelSelector.of([Requirement(DEFAULT_SOURCE, NAMESPACE_KEY, Op.EXISTS)])
     return sel
+
+
+def fqdn_selector(key: str) -> LabelSelector:
+    """A toFQDNs selector: the identities labelled fqdn:<key> (the learned
+    addresses of the names it matches)."""
+    return LabelSelector.of([Requirement(SOURCE_FQDN, key, Op.IN, ("",))])
 
 
 def _expand_ports(to_ports: tuple[tuple[PortSpec, ...], ...]) -> tuple[PortKey, ...]:
@@ -230,6 +245,9 @@ def compile_rule(
                 blocks.append((net, excepts))
             for entity in peer.entities:
                 sels.append(WILDCARD if entity is Entity.ALL else EntitySelector(entity))
+            # toFQDNs: parsing allows it in egress allow clauses only.
+            if verdict is Verdict.ALLOW:
+                sels += [fqdn_selector(f.key) for f in peer.fqdns]
             # toServices: each backend by address (parsing allows it in
             # egress allow clauses only).
             if peer.services and verdict is Verdict.ALLOW:
@@ -238,7 +256,7 @@ def compile_rule(
             # are empty or missing, or whose services have no backends (or
             # do not exist), selects nothing (never any peer).
             if (
-                not (peer.endpoints or peer.cidrs or peer.entities or peer.services)
+                not (peer.endpoints or peer.cidrs or peer.entities or peer.services or peer.fqdns)
                 and peer.to_ports
             ):
                 sels.append(WILDCARD)
@@ -283,4 +301,5 @@ def compile_rule(
         host=rule.host,
         tier=rule.tier,
         priority=rule.priority,
+        fqdns=frozenset(f.key for p in rule.egress for f in p.fqdns),
     )

@@ -13,6 +13,7 @@ from flagella.policy.rules.fields import (
     parse_ports,
     parse_selector,
 )
+from flagella.policy.rules.fqdn import parse_selectors as parse_fqdn_selectors
 from flagella.policy.rules.icmp import parse_icmps
 from flagella.policy.rules.model import (
     CIDRSpec,
@@ -82,7 +83,7 @@ def _entities(value: Any, path: str) -> tuple[Entity, ...]:
 
 
 _UNSUPPORTED_PEER = {
-    "toFQDNs": "FQDN rules are not supported",
+    "toFQDNs": "toFQDNs is an egress field",
     "toServices": "toServices is an egress field",
     "fromGroups": "groups are not supported",
     "toGroups": "groups are not supported",
@@ -100,6 +101,11 @@ _DENY_SERVICES = (
 )
 
 
+# As Cilium: a name's addresses are learned from the answers the proxy lets
+# through, so they can only be allowed.
+_DENY_FQDNS = "toFQDNs cannot deny; deny the addresses by toCIDR or the lookups by DNS rules"
+
+
 def _peer_doc(
     value: Any, path: str, direction: Direction, warnings: list[str] | None, *, deny: bool = False
 ) -> PeerSpec:
@@ -115,10 +121,11 @@ def _peer_doc(
         "icmps",
     )
     if direction is Direction.EGRESS and not deny:
-        fields += ("toServices",)
+        fields += ("toServices", "toFQDNs")
     hints = dict(_UNSUPPORTED_PEER)
     if deny:
         hints["toServices"] = _DENY_SERVICES
+        hints["toFQDNs"] = _DENY_FQDNS
     Doc.only(obj, path, fields, **hints)
     endpoints = tuple(
         parse_selector(raw, f"{path}.{pre}Endpoints[{i}]")
@@ -150,7 +157,10 @@ def _peer_doc(
         for i, raw in enumerate(Doc.seq(obj.get(f"{pre}Requires"), f"{path}.{pre}Requires"))
     )
     services = parse_to_services(obj.get("toServices"), f"{path}.toServices")
-    return PeerSpec(endpoints, tuple(cidrs), entities, tuple(to_ports), requires, services)
+    fqdns = parse_fqdn_selectors(obj.get("toFQDNs"), f"{path}.toFQDNs")
+    return PeerSpec(
+        endpoints, tuple(cidrs), entities, tuple(to_ports), requires, services, fqdns=fqdns
+    )
 
 
 def parse_flagella_policy(

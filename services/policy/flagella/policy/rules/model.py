@@ -139,6 +139,22 @@ class ServicePeer:
 
 
 @dataclass(frozen=True, slots=True)
+class FQDNSelector:
+    """A toFQDNs entry: one name, or a pattern (rules/fqdn.py), canonical
+    (lowercase, no trailing dot)."""
+
+    match_name: str = ""
+    match_pattern: str = ""
+
+    @property
+    def key(self) -> str:
+        """What it matches, as one string: the name, or the pattern (a name
+        is a pattern without `*`). The fqdn: label of the identities of the
+        addresses it selects."""
+        return self.match_name or self.match_pattern
+
+
+@dataclass(frozen=True, slots=True)
 class PeerSpec:
     """One peer clause: who (endpoints, CIDRs, entities) on which ports. With
     ports only it means any peer on those ports; entirely empty it selects
@@ -158,6 +174,9 @@ class PeerSpec:
     # (ACTION_*) and name; empty for every other rule.
     action: str = ""
     name: str = ""
+    # toFQDNs (egress allow only): the addresses the names resolved to, as
+    # the nodes' DNS proxies learned them.
+    fqdns: tuple[FQDNSelector, ...] = ()
 
 
 # Rule.tier: "" for NetworkPolicies and flagella/Cilium rules (the

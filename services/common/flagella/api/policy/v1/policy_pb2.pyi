@@ -866,6 +866,7 @@ class PeerRule(_message.Message):
     SERVICES_FIELD_NUMBER: _builtins.int
     ACTION_FIELD_NUMBER: _builtins.int
     NAME_FIELD_NUMBER: _builtins.int
+    FQDNS_FIELD_NUMBER: _builtins.int
     action: Global___AdminAction.ValueType
     """(Baseline)AdminNetworkPolicy gress rules (Rule.tier set): the rule's
     action (required there, unset elsewhere) and its name.
@@ -892,6 +893,12 @@ class PeerRule(_message.Message):
         followed as they change.
         """
 
+    @_builtins.property
+    def fqdns(self) -> _containers.RepeatedCompositeFieldContainer[Global___FQDNSelector]:
+        """toFQDNs (egress allow only): the addresses these names resolved to, as
+        the nodes' DNS proxies learned them (the FQDN cache).
+        """
+
     def __init__(
         self,
         *,
@@ -903,14 +910,42 @@ class PeerRule(_message.Message):
         services: _abc.Iterable[Global___ServiceSelector] | None = ...,
         action: Global___AdminAction.ValueType = ...,
         name: _builtins.str = ...,
+        fqdns: _abc.Iterable[Global___FQDNSelector] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "cidrs", b"cidrs", "endpoints", b"endpoints", "entities", b"entities", "name", b"name", "requires", b"requires", "services", b"services", "to_ports", b"to_ports"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "cidrs", b"cidrs", "endpoints", b"endpoints", "entities", b"entities", "fqdns", b"fqdns", "name", b"name", "requires", b"requires", "services", b"services", "to_ports", b"to_ports"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PeerRule: _TypeAlias = PeerRule  # noqa: Y015
+
+@_typing.final
+class FQDNSelector(_message.Message):
+    """A toFQDNs entry: exactly one of a name and a pattern. Compared lowercase
+    without the trailing dot; in a pattern `*` is any run of the characters of
+    one DNS label, and `*` alone is every name (as Cilium).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MATCH_NAME_FIELD_NUMBER: _builtins.int
+    MATCH_PATTERN_FIELD_NUMBER: _builtins.int
+    match_name: _builtins.str
+    match_pattern: _builtins.str
+    def __init__(
+        self,
+        *,
+        match_name: _builtins.str = ...,
+        match_pattern: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["match_name", b"match_name", "match_pattern", b"match_pattern"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FQDNSelector: _TypeAlias = FQDNSelector  # noqa: Y015
 
 @_typing.final
 class ServiceSelector(_message.Message):
@@ -1840,3 +1875,319 @@ class HostPolicyEvent(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HostPolicyEvent: _TypeAlias = HostPolicyEvent  # noqa: Y015
+
+@_typing.final
+class FQDNCacheEntry(_message.Message):
+    """--- FQDN cache ---
+
+    What one name resolved to for one endpoint.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_FIELD_NUMBER: _builtins.int
+    ENDPOINT_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    IPS_FIELD_NUMBER: _builtins.int
+    TTL_FIELD_NUMBER: _builtins.int
+    LOOKUP_FIELD_NUMBER: _builtins.int
+    EXPIRES_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    node: _builtins.str
+    """The node whose DNS proxy saw the answer (output only in an upsert: the
+    request's node).
+    """
+    endpoint: _builtins.str
+    """The endpoint that asked (its node's name for it, e.g. the endpoint id)."""
+    name: _builtins.str
+    """Compared lowercase without the trailing dot."""
+    ttl: _builtins.int
+    """Seconds the answer is valid (after the node's minimum TTL)."""
+    revision: _builtins.int
+    """Output only: the revision of its last write."""
+    @_builtins.property
+    def ips(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The A/AAAA records of the answer (at most 1,000, as Cilium's
+        tofqdns-endpoint-max-ip-per-hostname).
+        """
+
+    @_builtins.property
+    def lookup(self) -> _timestamp_pb2.Timestamp:
+        """When the answer was seen (unset in an upsert: now); expires is lookup
+        + ttl. An entry stays after it expires while a connection uses one of
+        its addresses: the node deletes it once none does.
+        """
+
+    @_builtins.property
+    def expires(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        node: _builtins.str = ...,
+        endpoint: _builtins.str = ...,
+        name: _builtins.str = ...,
+        ips: _abc.Iterable[_builtins.str] | None = ...,
+        ttl: _builtins.int = ...,
+        lookup: _timestamp_pb2.Timestamp | None = ...,
+        expires: _timestamp_pb2.Timestamp | None = ...,
+        revision: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["expires", b"expires", "lookup", b"lookup"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "expires", b"expires", "ips", b"ips", "lookup", b"lookup", "name", b"name", "node", b"node", "revision", b"revision", "ttl", b"ttl"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FQDNCacheEntry: _TypeAlias = FQDNCacheEntry  # noqa: Y015
+
+@_typing.final
+class UpsertFQDNCacheRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_FIELD_NUMBER: _builtins.int
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    node: _builtins.str
+    @_builtins.property
+    def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___FQDNCacheEntry]:
+        """At most 100 per call, each (endpoint, name) once."""
+
+    def __init__(
+        self,
+        *,
+        node: _builtins.str = ...,
+        entries: _abc.Iterable[Global___FQDNCacheEntry] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "node", b"node"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpsertFQDNCacheRequest: _TypeAlias = UpsertFQDNCacheRequest  # noqa: Y015
+
+@_typing.final
+class UpsertFQDNCacheResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REVISION_FIELD_NUMBER: _builtins.int
+    revision: _builtins.int
+    def __init__(
+        self,
+        *,
+        revision: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["revision", b"revision"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpsertFQDNCacheResponse: _TypeAlias = UpsertFQDNCacheResponse  # noqa: Y015
+
+@_typing.final
+class ListFQDNCacheRequest(_message.Message):
+    """Filters: empty fields match everything."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_FIELD_NUMBER: _builtins.int
+    ENDPOINT_FIELD_NUMBER: _builtins.int
+    MATCH_PATTERN_FIELD_NUMBER: _builtins.int
+    CIDR_FIELD_NUMBER: _builtins.int
+    node: _builtins.str
+    endpoint: _builtins.str
+    match_pattern: _builtins.str
+    """A name or a pattern as in toFQDNs matchPattern ("*.example.com")."""
+    cidr: _builtins.str
+    """Entries with an address inside this CIDR."""
+    def __init__(
+        self,
+        *,
+        node: _builtins.str = ...,
+        endpoint: _builtins.str = ...,
+        match_pattern: _builtins.str = ...,
+        cidr: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cidr", b"cidr", "endpoint", b"endpoint", "match_pattern", b"match_pattern", "node", b"node"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListFQDNCacheRequest: _TypeAlias = ListFQDNCacheRequest  # noqa: Y015
+
+@_typing.final
+class ListFQDNCacheResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    revision: _builtins.int
+    @_builtins.property
+    def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___FQDNCacheEntry]: ...
+    def __init__(
+        self,
+        *,
+        entries: _abc.Iterable[Global___FQDNCacheEntry] | None = ...,
+        revision: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "revision", b"revision"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListFQDNCacheResponse: _TypeAlias = ListFQDNCacheResponse  # noqa: Y015
+
+@_typing.final
+class DeleteFQDNCacheRequest(_message.Message):
+    """Deletes the matching entries (the policies follow: their addresses lose
+    their fqdn: identities unless another entry still holds them). Give at
+    least one of node and match_pattern ("*" for every name).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_FIELD_NUMBER: _builtins.int
+    ENDPOINT_FIELD_NUMBER: _builtins.int
+    MATCH_PATTERN_FIELD_NUMBER: _builtins.int
+    node: _builtins.str
+    endpoint: _builtins.str
+    match_pattern: _builtins.str
+    def __init__(
+        self,
+        *,
+        node: _builtins.str = ...,
+        endpoint: _builtins.str = ...,
+        match_pattern: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "match_pattern", b"match_pattern", "node", b"node"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteFQDNCacheRequest: _TypeAlias = DeleteFQDNCacheRequest  # noqa: Y015
+
+@_typing.final
+class DeleteFQDNCacheResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DELETED_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    deleted: _builtins.int
+    revision: _builtins.int
+    def __init__(
+        self,
+        *,
+        deleted: _builtins.int = ...,
+        revision: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deleted", b"deleted", "revision", b"revision"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteFQDNCacheResponse: _TypeAlias = DeleteFQDNCacheResponse  # noqa: Y015
+
+@_typing.final
+class ListFQDNSelectorsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListFQDNSelectorsRequest: _TypeAlias = ListFQDNSelectorsRequest  # noqa: Y015
+
+@_typing.final
+class FQDNName(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    IPS_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    @_builtins.property
+    def ips(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        ips: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ips", b"ips", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FQDNName: _TypeAlias = FQDNName  # noqa: Y015
+
+@_typing.final
+class FQDNSelection(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SELECTOR_FIELD_NUMBER: _builtins.int
+    NAMES_FIELD_NUMBER: _builtins.int
+    IDENTITIES_FIELD_NUMBER: _builtins.int
+    RULES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def selector(self) -> Global___FQDNSelector:
+        """The selector as written (a name as match_name, else match_pattern)."""
+
+    @_builtins.property
+    def names(self) -> _containers.RepeatedCompositeFieldContainer[Global___FQDNName]:
+        """The names in the FQDN cache it matches, with their addresses."""
+
+    @_builtins.property
+    def identities(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The CIDR identities of those addresses (labelled fqdn:<selector>)."""
+
+    @_builtins.property
+    def rules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The rules using it."""
+
+    def __init__(
+        self,
+        *,
+        selector: Global___FQDNSelector | None = ...,
+        names: _abc.Iterable[Global___FQDNName] | None = ...,
+        identities: _abc.Iterable[_builtins.int] | None = ...,
+        rules: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["selector", b"selector"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["identities", b"identities", "names", b"names", "rules", b"rules", "selector", b"selector"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FQDNSelection: _TypeAlias = FQDNSelection  # noqa: Y015
+
+@_typing.final
+class ListFQDNSelectorsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SELECTIONS_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    revision: _builtins.int
+    @_builtins.property
+    def selections(self) -> _containers.RepeatedCompositeFieldContainer[Global___FQDNSelection]: ...
+    def __init__(
+        self,
+        *,
+        selections: _abc.Iterable[Global___FQDNSelection] | None = ...,
+        revision: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["revision", b"revision", "selections", b"selections"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListFQDNSelectorsResponse: _TypeAlias = ListFQDNSelectorsResponse  # noqa: Y015

@@ -130,6 +130,26 @@ class PolicyServiceStub:
                 request_serializer=flagella_dot_policy_dot_v1_dot_policy__pb2.WatchHostPolicyRequest.SerializeToString,
                 response_deserializer=flagella_dot_policy_dot_v1_dot_policy__pb2.HostPolicyEvent.FromString,
                 _registered_method=True)
+        self.UpsertFQDNCache = channel.unary_unary(
+                '/flagella.policy.v1.PolicyService/UpsertFQDNCache',
+                request_serializer=flagella_dot_policy_dot_v1_dot_policy__pb2.UpsertFQDNCacheRequest.SerializeToString,
+                response_deserializer=flagella_dot_policy_dot_v1_dot_policy__pb2.UpsertFQDNCacheResponse.FromString,
+                _registered_method=True)
+        self.ListFQDNCache = channel.unary_unary(
+                '/flagella.policy.v1.PolicyService/ListFQDNCache',
+                request_serializer=flagella_dot_policy_dot_v1_dot_policy__pb2.ListFQDNCacheRequest.SerializeToString,
+                response_deserializer=flagella_dot_policy_dot_v1_dot_policy__pb2.ListFQDNCacheResponse.FromString,
+                _registered_method=True)
+        self.DeleteFQDNCache = channel.unary_unary(
+                '/flagella.policy.v1.PolicyService/DeleteFQDNCache',
+                request_serializer=flagella_dot_policy_dot_v1_dot_policy__pb2.DeleteFQDNCacheRequest.SerializeToString,
+                response_deserializer=flagella_dot_policy_dot_v1_dot_policy__pb2.DeleteFQDNCacheResponse.FromString,
+                _registered_method=True)
+        self.ListFQDNSelectors = channel.unary_unary(
+                '/flagella.policy.v1.PolicyService/ListFQDNSelectors',
+                request_serializer=flagella_dot_policy_dot_v1_dot_policy__pb2.ListFQDNSelectorsRequest.SerializeToString,
+                response_deserializer=flagella_dot_policy_dot_v1_dot_policy__pb2.ListFQDNSelectorsResponse.FromString,
+                _registered_method=True)
 
 
 class PolicyServiceServicer:
@@ -265,6 +285,37 @@ class PolicyServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpsertFQDNCache(self, request, context):
+        """The FQDN cache (toFQDNs): what names resolved to for each endpoint, as
+        its node's DNS proxy saw the answers. A node writes its own entries (on
+        its lease); the answer comes once this replica's ipcache and policies
+        include them (revision: wait for it on the node's streams before
+        releasing the DNS answer).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListFQDNCache(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteFQDNCache(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListFQDNSelectors(self, request, context):
+        """Every toFQDNs selector in use: the names it matches now, their
+        addresses and identities, and the rules using it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PolicyServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -362,6 +413,26 @@ def add_PolicyServiceServicer_to_server(servicer, server):
                     servicer.WatchHostPolicy,
                     request_deserializer=flagella_dot_policy_dot_v1_dot_policy__pb2.WatchHostPolicyRequest.FromString,
                     response_serializer=flagella_dot_policy_dot_v1_dot_policy__pb2.HostPolicyEvent.SerializeToString,
+            ),
+            'UpsertFQDNCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpsertFQDNCache,
+                    request_deserializer=flagella_dot_policy_dot_v1_dot_policy__pb2.UpsertFQDNCacheRequest.FromString,
+                    response_serializer=flagella_dot_policy_dot_v1_dot_policy__pb2.UpsertFQDNCacheResponse.SerializeToString,
+            ),
+            'ListFQDNCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListFQDNCache,
+                    request_deserializer=flagella_dot_policy_dot_v1_dot_policy__pb2.ListFQDNCacheRequest.FromString,
+                    response_serializer=flagella_dot_policy_dot_v1_dot_policy__pb2.ListFQDNCacheResponse.SerializeToString,
+            ),
+            'DeleteFQDNCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteFQDNCache,
+                    request_deserializer=flagella_dot_policy_dot_v1_dot_policy__pb2.DeleteFQDNCacheRequest.FromString,
+                    response_serializer=flagella_dot_policy_dot_v1_dot_policy__pb2.DeleteFQDNCacheResponse.SerializeToString,
+            ),
+            'ListFQDNSelectors': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListFQDNSelectors,
+                    request_deserializer=flagella_dot_policy_dot_v1_dot_policy__pb2.ListFQDNSelectorsRequest.FromString,
+                    response_serializer=flagella_dot_policy_dot_v1_dot_policy__pb2.ListFQDNSelectorsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -877,6 +948,114 @@ class PolicyService:
             '/flagella.policy.v1.PolicyService/WatchHostPolicy',
             flagella_dot_policy_dot_v1_dot_policy__pb2.WatchHostPolicyRequest.SerializeToString,
             flagella_dot_policy_dot_v1_dot_policy__pb2.HostPolicyEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpsertFQDNCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagella.policy.v1.PolicyService/UpsertFQDNCache',
+            flagella_dot_policy_dot_v1_dot_policy__pb2.UpsertFQDNCacheRequest.SerializeToString,
+            flagella_dot_policy_dot_v1_dot_policy__pb2.UpsertFQDNCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListFQDNCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagella.policy.v1.PolicyService/ListFQDNCache',
+            flagella_dot_policy_dot_v1_dot_policy__pb2.ListFQDNCacheRequest.SerializeToString,
+            flagella_dot_policy_dot_v1_dot_policy__pb2.ListFQDNCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteFQDNCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagella.policy.v1.PolicyService/DeleteFQDNCache',
+            flagella_dot_policy_dot_v1_dot_policy__pb2.DeleteFQDNCacheRequest.SerializeToString,
+            flagella_dot_policy_dot_v1_dot_policy__pb2.DeleteFQDNCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListFQDNSelectors(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagella.policy.v1.PolicyService/ListFQDNSelectors',
+            flagella_dot_policy_dot_v1_dot_policy__pb2.ListFQDNSelectorsRequest.SerializeToString,
+            flagella_dot_policy_dot_v1_dot_policy__pb2.ListFQDNSelectorsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -73,6 +73,19 @@ class PolicyServiceStub:
     node's labels, as its registration in the ipam node registry has
     them): the whole policy at once, again whenever it changes.
     """
+    UpsertFQDNCache: _grpc.UnaryUnaryMultiCallable[_policy_pb2.UpsertFQDNCacheRequest, _policy_pb2.UpsertFQDNCacheResponse]
+    """The FQDN cache (toFQDNs): what names resolved to for each endpoint, as
+    its node's DNS proxy saw the answers. A node writes its own entries (on
+    its lease); the answer comes once this replica's ipcache and policies
+    include them (revision: wait for it on the node's streams before
+    releasing the DNS answer).
+    """
+    ListFQDNCache: _grpc.UnaryUnaryMultiCallable[_policy_pb2.ListFQDNCacheRequest, _policy_pb2.ListFQDNCacheResponse]
+    DeleteFQDNCache: _grpc.UnaryUnaryMultiCallable[_policy_pb2.DeleteFQDNCacheRequest, _policy_pb2.DeleteFQDNCacheResponse]
+    ListFQDNSelectors: _grpc.UnaryUnaryMultiCallable[_policy_pb2.ListFQDNSelectorsRequest, _policy_pb2.ListFQDNSelectorsResponse]
+    """Every toFQDNs selector in use: the names it matches now, their
+    addresses and identities, and the rules using it.
+    """
 
 @_typing.type_check_only
 class PolicyServiceAsyncStub(PolicyServiceStub):
@@ -116,6 +129,19 @@ class PolicyServiceAsyncStub(PolicyServiceStub):
     """The host policy of one node (rules with a node_selector matching the
     node's labels, as its registration in the ipam node registry has
     them): the whole policy at once, again whenever it changes.
+    """
+    UpsertFQDNCache: _aio.UnaryUnaryMultiCallable[_policy_pb2.UpsertFQDNCacheRequest, _policy_pb2.UpsertFQDNCacheResponse]  # type: ignore[assignment]
+    """The FQDN cache (toFQDNs): what names resolved to for each endpoint, as
+    its node's DNS proxy saw the answers. A node writes its own entries (on
+    its lease); the answer comes once this replica's ipcache and policies
+    include them (revision: wait for it on the node's streams before
+    releasing the DNS answer).
+    """
+    ListFQDNCache: _aio.UnaryUnaryMultiCallable[_policy_pb2.ListFQDNCacheRequest, _policy_pb2.ListFQDNCacheResponse]  # type: ignore[assignment]
+    DeleteFQDNCache: _aio.UnaryUnaryMultiCallable[_policy_pb2.DeleteFQDNCacheRequest, _policy_pb2.DeleteFQDNCacheResponse]  # type: ignore[assignment]
+    ListFQDNSelectors: _aio.UnaryUnaryMultiCallable[_policy_pb2.ListFQDNSelectorsRequest, _policy_pb2.ListFQDNSelectorsResponse]  # type: ignore[assignment]
+    """Every toFQDNs selector in use: the names it matches now, their
+    addresses and identities, and the rules using it.
     """
 
 class PolicyServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -271,6 +297,43 @@ class PolicyServiceServicer(metaclass=_abc_1.ABCMeta):
         """The host policy of one node (rules with a node_selector matching the
         node's labels, as its registration in the ipam node registry has
         them): the whole policy at once, again whenever it changes.
+        """
+
+    @_abc_1.abstractmethod
+    def UpsertFQDNCache(
+        self,
+        request: _policy_pb2.UpsertFQDNCacheRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_policy_pb2.UpsertFQDNCacheResponse, _abc.Awaitable[_policy_pb2.UpsertFQDNCacheResponse]]:
+        """The FQDN cache (toFQDNs): what names resolved to for each endpoint, as
+        its node's DNS proxy saw the answers. A node writes its own entries (on
+        its lease); the answer comes once this replica's ipcache and policies
+        include them (revision: wait for it on the node's streams before
+        releasing the DNS answer).
+        """
+
+    @_abc_1.abstractmethod
+    def ListFQDNCache(
+        self,
+        request: _policy_pb2.ListFQDNCacheRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_policy_pb2.ListFQDNCacheResponse, _abc.Awaitable[_policy_pb2.ListFQDNCacheResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def DeleteFQDNCache(
+        self,
+        request: _policy_pb2.DeleteFQDNCacheRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_policy_pb2.DeleteFQDNCacheResponse, _abc.Awaitable[_policy_pb2.DeleteFQDNCacheResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ListFQDNSelectors(
+        self,
+        request: _policy_pb2.ListFQDNSelectorsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_policy_pb2.ListFQDNSelectorsResponse, _abc.Awaitable[_policy_pb2.ListFQDNSelectorsResponse]]:
+        """Every toFQDNs selector in use: the names it matches now, their
+        addresses and identities, and the rules using it.
         """
 
 def add_PolicyServiceServicer_to_server(servicer: PolicyServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
