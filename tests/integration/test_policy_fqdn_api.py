@@ -8,11 +8,17 @@ cannot write for another."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 import pytest
 from google.protobuf.timestamp_pb2 import Timestamp
+from harness import tls
 from harness.etcd import EtcdServer
 from harness.procs import ServiceProcess
 from policy_client import etcd_keys, pod_labels, watch_ipcache, watch_policy
@@ -25,6 +31,7 @@ pytestmark = pytest.mark.integration
 
 Spawn = Callable[..., ServiceProcess]
 FQDN_PREFIX = "flagella/state/fqdn/v1/"
+CLI = str(Path(sys.executable).parent / "flagella")
 
 RULES = """
 apiVersion: cilium.io/v2
@@ -36,6 +43,21 @@ spec:
   - toFQDNs: [{matchName: api.example.test}, {matchPattern: "*.cdn.test"}]
     toPorts: [{ports: [{port: "443", protocol: TCP}]}]
 """
+
+
+def cli(policy: ServiceProcess, *args: str) -> str:
+    """The flagella CLI, as an operator, against this policy process."""
+    env = {**os.environ, "FLAGELLA_TLS_DIR": str(tls.session().bundle(tls.OPERATOR))}
+    proc = subprocess.run(
+        [CLI, "--policy-address", policy.address, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
 
 
 def entry(endpoint: str, name: str, *ips: str, ttl: int = 60) -> pb.FQDNCacheEntry:
@@ -218,9 +240,24 @@ async def test_a_node_learns_names_and_its_streams_follow(etcd: EtcdServer, spaw
         assert (await s.ListFQDNCache(pb.ListFQDNCacheRequest())).revision == revision
         assert set(await etcd_keys(etcd, FQDN_PREFIX)) == set(stored)
 
-        # Delete by pattern: the policy follows at the answer's revision.
-        gone = await s.DeleteFQDNCache(pb.DeleteFQDNCacheRequest(match_pattern="*.cdn.test"))
-        assert gone.deleted == 1
+        # The CLI shows the same, and deletes by pattern: the policy
+        # follows at the answer's revision.
+        listed_by_cli = cli(
+            policy, "-o", "json", "fqdn", "cache", "list", "--cidr", "2001:db8::/64"
+        )
+        assert [(e["node"], e["endpoint"], e["name"]) for e in json.loads(listed_by_cli)] == [
+            ("n1", "12", "api.example.test")
+        ]
+        names = cli(policy, "fqdn", "names").splitlines()
+        assert names[0].split() == ["SELECTOR", "NAMES", "IPS", "IDENTITIES", "RULES"]
+        assert any(
+            line.split()[:3] == ["*.cdn.test", "img.cdn.test", "198.51.100.7"] for line in names
+        ), names
+        gone_json = json.loads(
+            cli(policy, "-o", "json", "fqdn", "cache", "delete", "--match-pattern", "*.cdn.test")
+        )
+        assert gone_json["deleted"] == 1
+        gone = pb.DeleteFQDNCacheResponse(revision=int(gone_json["revision"]))
         await policies.until_synced(gone.revision)
         await ipcache.until_synced(gone.revision)
         assert "198.51.100.7" not in ipcache.state

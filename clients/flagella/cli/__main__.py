@@ -19,7 +19,7 @@ from flagella.api.endpoint.v1 import endpoint_pb2
 from flagella.api.ipam.v1 import ipam_pb2
 from flagella.api.lb.v1 import lb_pb2
 from flagella.api.policy.v1 import policy_pb2
-from flagella.cli import certs, etcdauth
+from flagella.cli import certs, etcdauth, fqdn
 from flagella.cli.base import PROTOCOL_NAMES, PROTOCOLS, Clients, CliError, emit, enum_name, to_dict
 from flagella.cli.observe import cmd_monitor, cmd_observe
 from flagella.cli.status import cmd_status
@@ -418,6 +418,8 @@ def build_parser() -> argparse.ArgumentParser:
     ipcache = sub.add_parser("ipcache", help="IP -> identity")
     ipcache.add_subparsers(dest="action", required=True).add_parser("list")
     ipcache.set_defaults(func=cmd_ipcache)
+
+    fqdn.add_parser(sub)
 
     service = sub.add_parser("service", help="load-balanced services")
     ssub = service.add_subparsers(dest="action", required=True)
