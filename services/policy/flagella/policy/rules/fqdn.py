@@ -26,35 +26,32 @@ def canonical_name(name: str) -> str:
     return name.lower().removesuffix(".")
 
 
+def _check(value: str, path: str, form: re.Pattern[str], what: str) -> str:
+    text = canonical_name(value)
+    if not text:
+        raise fail(path, "required")
+    if len(text) > MAX_NAME_LEN:
+        raise fail(path, f"longer than {MAX_NAME_LEN} characters")
+    if not form.match(text) or any(len(label) > 63 for label in text.split(".")):
+        raise fail(path, f"{value!r} is not {what}")
+    return text
+
+
 def check_name(value: str, path: str) -> str:
     """A matchName (or a name looked up): canonical, or InvalidArgument."""
-    name = canonical_name(value)
-    if not name:
-        raise fail(path, "required")
-    if len(name) > MAX_NAME_LEN:
-        raise fail(path, f"longer than {MAX_NAME_LEN} characters")
-    if not _NAME_RE.match(name) or any(len(label) > 63 for label in name.split(".")):
-        raise fail(
-            path,
-            f"{value!r} is not a DNS name (labels of up to 63 letters, digits, '-' or '_')",
-        )
-    return name
+    return _check(
+        value, path, _NAME_RE, "a DNS name (labels of up to 63 letters, digits, '-' or '_')"
+    )
 
 
 def check_pattern(value: str, path: str) -> str:
     """A matchPattern: canonical, or InvalidArgument."""
-    pattern = canonical_name(value)
-    if not pattern:
-        raise fail(path, "required")
-    if len(pattern) > MAX_NAME_LEN:
-        raise fail(path, f"longer than {MAX_NAME_LEN} characters")
-    if not _PATTERN_RE.match(pattern) or any(len(label) > 63 for label in pattern.split(".")):
-        raise fail(
-            path,
-            f"{value!r} is not a name pattern (DNS labels whose characters are letters, "
-            "digits, '-', '_' or '*')",
-        )
-    return pattern
+    return _check(
+        value,
+        path,
+        _PATTERN_RE,
+        "a name pattern (DNS labels whose characters are letters, digits, '-', '_' or '*')",
+    )
 
 
 def check_selector(name: str, pattern: str, path: str) -> FQDNSelector:
