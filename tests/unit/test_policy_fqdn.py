@@ -168,3 +168,19 @@ def test_an_address_also_named_by_a_cidr_rule_keeps_one_identity_with_both_label
     assert w.cidr("192.0.2.10") == cidr_only
     assert not w.allowed(web, cidr_only, 443, TCP)
     assert w.allowed(web, cidr_only, 22, TCP)
+
+
+def test_selectors_in_use_name_what_they_select_and_their_rules() -> None:
+    w = World()
+    web = w.pod("web", "shop", app="web")
+    w.rules(DOC)
+    w.fqdn("node-a", "12", "api.example.test", "192.0.2.10")
+    uses = {(u.selector, u.role): u for u in w.state.resolver.selectors_in_use()}
+    subject = uses[("{k8s:app=web, k8s:io.kubernetes.pod.namespace=shop}", "subject")]
+    assert subject.identities == (web,)
+    assert subject.rules == ("shop/to-api",)
+    api = uses[("{fqdn:api.example.test}", "peer")]
+    assert api.identities == (w.cidr("192.0.2.10"),)
+    assert uses[("{fqdn:*.cdn.test}", "peer")].identities == ()
+    w.delete_rule("shop/to-api")
+    assert w.state.resolver.selectors_in_use() == []

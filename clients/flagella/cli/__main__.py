@@ -123,6 +123,22 @@ def parse_labels(specs: Sequence[str]) -> list[policy_pb2.Label]:
 
 def cmd_identity(args: argparse.Namespace, clients: Clients) -> int:
     stub = clients.policy()
+    if args.action == "endpoints":
+        uses = clients.call(
+            "policy",
+            stub.GetIdentityEndpoints,
+            policy_pb2.GetIdentityEndpointsRequest(node=args.node or ""),
+        )
+        emit(
+            args,
+            to_dict(uses).get("identities", []),
+            ["ID", "NODE", "REFS", "OWNERS", "LABELS"],
+            [
+                [u.identity, u.node, u.ref_count, ",".join(u.owners) or "-", label_str(u.labels)]
+                for u in uses.identities
+            ],
+        )
+        return 0
     if args.action == "list":
         resp = clients.call("policy", stub.ListIdentities, policy_pb2.ListIdentitiesRequest())
         idents = list(resp.identities)
@@ -192,6 +208,19 @@ def cmd_policy(args: argparse.Namespace, clients: Clients) -> int:
         if not resp.deleted:
             raise CliError(f"no rule named {args.name}")
         emit(args, to_dict(resp), ["DELETED", "REVISION"], [[args.name, resp.revision]])
+    elif args.action == "selectors":
+        sels = clients.call(
+            "policy", stub.GetPolicySelectors, policy_pb2.GetPolicySelectorsRequest()
+        )
+        emit(
+            args,
+            to_dict(sels).get("selectors", []),
+            ["SELECTOR", "ROLE", "IDENTITIES", "RULES"],
+            [
+                [s.selector, s.role, ",".join(map(str, s.identities)) or "-", ",".join(s.rules)]
+                for s in sels.selectors
+            ],
+        )
     elif args.action == "trace":
         proto = PROTOCOLS.get(args.proto.lower())
         if proto is None:
@@ -392,6 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     isub = identity.add_subparsers(dest="action", required=True)
     isub.add_parser("list")
     isub.add_parser("get").add_argument("id", type=int)
+    isub.add_parser("endpoints", help="identities referenced per node").add_argument("--node")
     identity.set_defaults(func=cmd_identity)
 
     policy = sub.add_parser("policy", help="network policy rules")
@@ -399,6 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     psub.add_parser("get").add_argument("name", nargs="?")
     psub.add_parser("import").add_argument("file", help="YAML or JSON document ('-': stdin)")
     psub.add_parser("delete").add_argument("name")
+    psub.add_parser("selectors", help="selectors in use: what each selects, which rules")
     trace = psub.add_parser("trace", help="would src reach dst on dport/proto?")
     trace.add_argument("--src", action="append", required=True, help="labels, e.g. app=web")
     trace.add_argument("--dst", action="append", required=True)

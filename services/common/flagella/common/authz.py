@@ -151,6 +151,9 @@ TABLE: dict[str, tuple[Grant, ...]] = {
             "DeleteFQDNCache": (own_node("node"), OPERATOR),
             "ListFQDNCache": READERS,
             "ListFQDNSelectors": READERS,
+            # Introspection: a node asks about its own identities.
+            "GetPolicySelectors": READERS,
+            "GetIdentityEndpoints": (own_node("node"), OPERATOR),
         },
     ),
     **_methods(

@@ -419,6 +419,17 @@ class SigPolicy:
         return self._content
 
 
+@dataclass(frozen=True, slots=True)
+class SelectorUse:
+    """One selector in use: "peer" (from/to a rule's clauses) or "subject"
+    (a rule's endpointSelector), the identities it selects, the rules."""
+
+    selector: str
+    role: str
+    identities: tuple[int, ...]
+    rules: tuple[str, ...]
+
+
 class Resolver:
     """Rules and identities in; resolved policies out, incrementally."""
 
@@ -472,6 +483,23 @@ class Resolver:
         affected = self._unregister(old)
         self._rules_changed(key, affected)
         return True
+
+    def selectors_in_use(self) -> list[SelectorUse]:
+        """Every selector rules use (Cilium's selector cache, as
+        GetPolicySelectors shows it): what it selects now and who uses it."""
+        out = []
+        for roles, users in (("peer", self._peer_users), ("subject", self._rules_by_subject)):
+            for sel, keys in users.items():
+                out.append(
+                    SelectorUse(
+                        selector=str(sel),
+                        role=roles,
+                        identities=tuple(sorted(self.selectors.selections(sel))),
+                        rules=tuple(sorted(keys)),
+                    )
+                )
+        out.sort(key=lambda u: (u.selector, u.role))
+        return out
 
     def _register(self, rule: CompiledRule) -> set[int]:
         for sel in rule.peer_selectors:

@@ -18,10 +18,10 @@ from flagella.policy.lbservices import LbServices
 from flagella.policy.leases import NodeLeases
 from flagella.policy.mirror import Mirror
 from flagella.policy.repository import RuleRepository
-from flagella.policy.resolve import ResolvedPolicy
+from flagella.policy.resolve import ResolvedPolicy, SelectorUse
 from flagella.policy.rules import CIDRGroup, Protocol, Rule
 from flagella.policy.settings import Settings
-from flagella.policy.state import FqdnEntry, IPEntry, PolicyState
+from flagella.policy.state import FqdnEntry, IdentityUse, IPEntry, PolicyState
 from flagella.policy.store import PolicyStore
 from flagella.policy.streams import IPCacheEvent, PolicyEvent, Streams
 from flagella.policy.trace import Trace, resolved_policy, trace_packet
@@ -133,6 +133,21 @@ class PolicyService:
 
     def fqdn_selections(self) -> tuple[list[Selection], int]:
         return self.fqdn.selections()
+
+    # --- introspection ---
+
+    def selectors_in_use(self) -> tuple[list[SelectorUse], int]:
+        state = self.state
+        return state.resolver.selectors_in_use(), state.revision
+
+    def identity_uses(self, node: str) -> tuple[list[tuple[IdentityUse, LabelSet]], int]:
+        """Each identity node references, with its labels."""
+        state = self.state
+        out = []
+        for use in state.identity_uses(node):
+            info = state.info(use.identity)
+            out.append((use, info.labels if info is not None else ()))
+        return out, state.revision
 
     # --- rules ---
 

@@ -25,6 +25,7 @@ from flagella.policy.convert import (
     identity_pb,
     ip_entry_pb,
     ip_event_pb,
+    label_pb,
     labels_from_pb,
     policy_event_pb,
     policy_pb,
@@ -216,6 +217,42 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         selections, revision = self.service.fqdn_selections()
         return pb.ListFQDNSelectorsResponse(
             selections=[fqdn_selection_pb(s) for s in selections], revision=revision
+        )
+
+    # --- introspection ---
+
+    async def GetPolicySelectors(
+        self, request: pb.GetPolicySelectorsRequest, context: Ctx
+    ) -> pb.GetPolicySelectorsResponse:
+        uses, revision = self.service.selectors_in_use()
+        return pb.GetPolicySelectorsResponse(
+            selectors=[
+                pb.PolicySelector(
+                    selector=u.selector, role=u.role, identities=u.identities, rules=u.rules
+                )
+                for u in uses
+            ],
+            revision=revision,
+        )
+
+    async def GetIdentityEndpoints(
+        self, request: pb.GetIdentityEndpointsRequest, context: Ctx
+    ) -> pb.GetIdentityEndpointsResponse:
+        if request.node:
+            check_node(request.node)
+        uses, revision = self.service.identity_uses(request.node)
+        return pb.GetIdentityEndpointsResponse(
+            identities=[
+                pb.IdentityEndpoints(
+                    identity=u.identity,
+                    labels=[label_pb(lb) for lb in labels],
+                    node=u.node,
+                    ref_count=u.refs,
+                    owners=u.owners,
+                )
+                for u, labels in uses
+            ],
+            revision=revision,
         )
 
     # --- rules ---

@@ -140,6 +140,17 @@ class OwnerRef:
 
 
 @dataclass(frozen=True, slots=True)
+class IdentityUse:
+    """A node's references on one identity (GetIdentityEndpoints): how many,
+    and the owners (endpoints, "<container id>/<ifname>") holding them."""
+
+    identity: int
+    node: str
+    refs: int
+    owners: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class GlobalIdentity:
     id: int
     labels: LabelSet
@@ -553,6 +564,23 @@ class PolicyState:
 
     def owner_ref(self, label_string: str, node: str, owner: str) -> OwnerRef | None:
         return self.owners.get((label_string, node), {}).get(owner)
+
+    def identity_uses(self, node: str = "") -> list[IdentityUse]:
+        """The references of node (every node: ""), per identity."""
+        owners: dict[tuple[int, str], list[str]] = {}
+        for (_, n), owned in self.owners.items():
+            if node and n != node:
+                continue
+            for owner, ref in owned.items():
+                owners.setdefault((ref.id, n), []).append(owner)
+        out = []
+        for ident, by_node in self.refs_by_id.items():
+            for n, refs in by_node.items():
+                if node and n != node:
+                    continue
+                out.append(IdentityUse(ident, n, refs, tuple(sorted(owners.get((ident, n), ())))))
+        out.sort(key=lambda u: (u.node, u.identity))
+        return out
 
     def node_identities(self, node: str) -> set[int]:
         return set(self.node_refs.get(node, {}))

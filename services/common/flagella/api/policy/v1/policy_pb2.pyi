@@ -2191,3 +2191,157 @@ class ListFQDNSelectorsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListFQDNSelectorsResponse: _TypeAlias = ListFQDNSelectorsResponse  # noqa: Y015
+
+@_typing.final
+class GetPolicySelectorsRequest(_message.Message):
+    """--- introspection ---"""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetPolicySelectorsRequest: _TypeAlias = GetPolicySelectorsRequest  # noqa: Y015
+
+@_typing.final
+class PolicySelector(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SELECTOR_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
+    IDENTITIES_FIELD_NUMBER: _builtins.int
+    RULES_FIELD_NUMBER: _builtins.int
+    selector: _builtins.str
+    """As the resolver writes it, e.g. "{k8s:app=web, k8s:io.kubernetes.pod.namespace=shop}",
+    "cidr:10.0.0.0/8", "entity:world".
+    """
+    role: _builtins.str
+    """"peer": a clause's from/to selector; "subject": a rule's endpointSelector."""
+    @_builtins.property
+    def identities(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def rules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        selector: _builtins.str = ...,
+        role: _builtins.str = ...,
+        identities: _abc.Iterable[_builtins.int] | None = ...,
+        rules: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["identities", b"identities", "role", b"role", "rules", b"rules", "selector", b"selector"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PolicySelector: _TypeAlias = PolicySelector  # noqa: Y015
+
+@_typing.final
+class GetPolicySelectorsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SELECTORS_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    revision: _builtins.int
+    @_builtins.property
+    def selectors(self) -> _containers.RepeatedCompositeFieldContainer[Global___PolicySelector]: ...
+    def __init__(
+        self,
+        *,
+        selectors: _abc.Iterable[Global___PolicySelector] | None = ...,
+        revision: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["revision", b"revision", "selectors", b"selectors"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetPolicySelectorsResponse: _TypeAlias = GetPolicySelectorsResponse  # noqa: Y015
+
+@_typing.final
+class GetIdentityEndpointsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_FIELD_NUMBER: _builtins.int
+    node: _builtins.str
+    def __init__(
+        self,
+        *,
+        node: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node", b"node"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetIdentityEndpointsRequest: _TypeAlias = GetIdentityEndpointsRequest  # noqa: Y015
+
+@_typing.final
+class IdentityEndpoints(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IDENTITY_FIELD_NUMBER: _builtins.int
+    LABELS_FIELD_NUMBER: _builtins.int
+    NODE_FIELD_NUMBER: _builtins.int
+    REF_COUNT_FIELD_NUMBER: _builtins.int
+    OWNERS_FIELD_NUMBER: _builtins.int
+    identity: _builtins.int
+    node: _builtins.str
+    ref_count: _builtins.int
+    """References the node holds: one per owner plus its anonymous count."""
+    @_builtins.property
+    def labels(self) -> _containers.RepeatedCompositeFieldContainer[Global___Label]: ...
+    @_builtins.property
+    def owners(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The owners holding one ("<container id>/<ifname>" for the endpoint
+        service's), sorted.
+        """
+
+    def __init__(
+        self,
+        *,
+        identity: _builtins.int = ...,
+        labels: _abc.Iterable[Global___Label] | None = ...,
+        node: _builtins.str = ...,
+        ref_count: _builtins.int = ...,
+        owners: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["identity", b"identity", "labels", b"labels", "node", b"node", "owners", b"owners", "ref_count", b"ref_count"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___IdentityEndpoints: _TypeAlias = IdentityEndpoints  # noqa: Y015
+
+@_typing.final
+class GetIdentityEndpointsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IDENTITIES_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    revision: _builtins.int
+    @_builtins.property
+    def identities(self) -> _containers.RepeatedCompositeFieldContainer[Global___IdentityEndpoints]: ...
+    def __init__(
+        self,
+        *,
+        identities: _abc.Iterable[Global___IdentityEndpoints] | None = ...,
+        revision: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["identities", b"identities", "revision", b"revision"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetIdentityEndpointsResponse: _TypeAlias = GetIdentityEndpointsResponse  # noqa: Y015

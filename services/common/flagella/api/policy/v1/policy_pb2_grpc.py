@@ -150,6 +150,16 @@ class PolicyServiceStub:
                 request_serializer=flagella_dot_policy_dot_v1_dot_policy__pb2.ListFQDNSelectorsRequest.SerializeToString,
                 response_deserializer=flagella_dot_policy_dot_v1_dot_policy__pb2.ListFQDNSelectorsResponse.FromString,
                 _registered_method=True)
+        self.GetPolicySelectors = channel.unary_unary(
+                '/flagella.policy.v1.PolicyService/GetPolicySelectors',
+                request_serializer=flagella_dot_policy_dot_v1_dot_policy__pb2.GetPolicySelectorsRequest.SerializeToString,
+                response_deserializer=flagella_dot_policy_dot_v1_dot_policy__pb2.GetPolicySelectorsResponse.FromString,
+                _registered_method=True)
+        self.GetIdentityEndpoints = channel.unary_unary(
+                '/flagella.policy.v1.PolicyService/GetIdentityEndpoints',
+                request_serializer=flagella_dot_policy_dot_v1_dot_policy__pb2.GetIdentityEndpointsRequest.SerializeToString,
+                response_deserializer=flagella_dot_policy_dot_v1_dot_policy__pb2.GetIdentityEndpointsResponse.FromString,
+                _registered_method=True)
 
 
 class PolicyServiceServicer:
@@ -316,6 +326,22 @@ class PolicyServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetPolicySelectors(self, request, context):
+        """Every selector rules use (the selector cache): the identities it
+        selects now and the rules using it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetIdentityEndpoints(self, request, context):
+        """The identities referenced on a node (every node: node empty), with
+        their reference counts and the endpoints holding them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PolicyServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -433,6 +459,16 @@ def add_PolicyServiceServicer_to_server(servicer, server):
                     servicer.ListFQDNSelectors,
                     request_deserializer=flagella_dot_policy_dot_v1_dot_policy__pb2.ListFQDNSelectorsRequest.FromString,
                     response_serializer=flagella_dot_policy_dot_v1_dot_policy__pb2.ListFQDNSelectorsResponse.SerializeToString,
+            ),
+            'GetPolicySelectors': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPolicySelectors,
+                    request_deserializer=flagella_dot_policy_dot_v1_dot_policy__pb2.GetPolicySelectorsRequest.FromString,
+                    response_serializer=flagella_dot_policy_dot_v1_dot_policy__pb2.GetPolicySelectorsResponse.SerializeToString,
+            ),
+            'GetIdentityEndpoints': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetIdentityEndpoints,
+                    request_deserializer=flagella_dot_policy_dot_v1_dot_policy__pb2.GetIdentityEndpointsRequest.FromString,
+                    response_serializer=flagella_dot_policy_dot_v1_dot_policy__pb2.GetIdentityEndpointsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1056,6 +1092,60 @@ class PolicyService:
             '/flagella.policy.v1.PolicyService/ListFQDNSelectors',
             flagella_dot_policy_dot_v1_dot_policy__pb2.ListFQDNSelectorsRequest.SerializeToString,
             flagella_dot_policy_dot_v1_dot_policy__pb2.ListFQDNSelectorsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPolicySelectors(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagella.policy.v1.PolicyService/GetPolicySelectors',
+            flagella_dot_policy_dot_v1_dot_policy__pb2.GetPolicySelectorsRequest.SerializeToString,
+            flagella_dot_policy_dot_v1_dot_policy__pb2.GetPolicySelectorsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetIdentityEndpoints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagella.policy.v1.PolicyService/GetIdentityEndpoints',
+            flagella_dot_policy_dot_v1_dot_policy__pb2.GetIdentityEndpointsRequest.SerializeToString,
+            flagella_dot_policy_dot_v1_dot_policy__pb2.GetIdentityEndpointsResponse.FromString,
             options,
             channel_credentials,
             insecure,

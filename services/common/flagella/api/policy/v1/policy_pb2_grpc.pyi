@@ -86,6 +86,14 @@ class PolicyServiceStub:
     """Every toFQDNs selector in use: the names it matches now, their
     addresses and identities, and the rules using it.
     """
+    GetPolicySelectors: _grpc.UnaryUnaryMultiCallable[_policy_pb2.GetPolicySelectorsRequest, _policy_pb2.GetPolicySelectorsResponse]
+    """Every selector rules use (the selector cache): the identities it
+    selects now and the rules using it.
+    """
+    GetIdentityEndpoints: _grpc.UnaryUnaryMultiCallable[_policy_pb2.GetIdentityEndpointsRequest, _policy_pb2.GetIdentityEndpointsResponse]
+    """The identities referenced on a node (every node: node empty), with
+    their reference counts and the endpoints holding them.
+    """
 
 @_typing.type_check_only
 class PolicyServiceAsyncStub(PolicyServiceStub):
@@ -142,6 +150,14 @@ class PolicyServiceAsyncStub(PolicyServiceStub):
     ListFQDNSelectors: _aio.UnaryUnaryMultiCallable[_policy_pb2.ListFQDNSelectorsRequest, _policy_pb2.ListFQDNSelectorsResponse]  # type: ignore[assignment]
     """Every toFQDNs selector in use: the names it matches now, their
     addresses and identities, and the rules using it.
+    """
+    GetPolicySelectors: _aio.UnaryUnaryMultiCallable[_policy_pb2.GetPolicySelectorsRequest, _policy_pb2.GetPolicySelectorsResponse]  # type: ignore[assignment]
+    """Every selector rules use (the selector cache): the identities it
+    selects now and the rules using it.
+    """
+    GetIdentityEndpoints: _aio.UnaryUnaryMultiCallable[_policy_pb2.GetIdentityEndpointsRequest, _policy_pb2.GetIdentityEndpointsResponse]  # type: ignore[assignment]
+    """The identities referenced on a node (every node: node empty), with
+    their reference counts and the endpoints holding them.
     """
 
 class PolicyServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -334,6 +350,26 @@ class PolicyServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_policy_pb2.ListFQDNSelectorsResponse, _abc.Awaitable[_policy_pb2.ListFQDNSelectorsResponse]]:
         """Every toFQDNs selector in use: the names it matches now, their
         addresses and identities, and the rules using it.
+        """
+
+    @_abc_1.abstractmethod
+    def GetPolicySelectors(
+        self,
+        request: _policy_pb2.GetPolicySelectorsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_policy_pb2.GetPolicySelectorsResponse, _abc.Awaitable[_policy_pb2.GetPolicySelectorsResponse]]:
+        """Every selector rules use (the selector cache): the identities it
+        selects now and the rules using it.
+        """
+
+    @_abc_1.abstractmethod
+    def GetIdentityEndpoints(
+        self,
+        request: _policy_pb2.GetIdentityEndpointsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_policy_pb2.GetIdentityEndpointsResponse, _abc.Awaitable[_policy_pb2.GetIdentityEndpointsResponse]]:
+        """The identities referenced on a node (every node: node empty), with
+        their reference counts and the endpoints holding them.
         """
 
 def add_PolicyServiceServicer_to_server(servicer: PolicyServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
