@@ -93,6 +93,7 @@ EXPECTED: dict[str, set[str]] = {
     "ipam/ListAllocations": EP | OP,
     "ipam/Reconcile": EP,
     "ipam/GetStatus": OP,
+    "ipam/GetNodeIds": NODES | OP,
     "policy/AllocateIdentity": EP,
     "policy/ReleaseIdentity": EP,
     "policy/GetIdentity": EP | OP,

@@ -112,6 +112,9 @@ def test_concurrent_registrations_never_share_a_block(
     for t in threads:
         t.join()
     assert len(results) == 24
+    ids = [n.id for n in results.values()]
+    assert 0 not in ids
+    assert len(set(ids)) == 24, "two nodes got the same node id"
     blocks = [c for n in ipam_nodes_cidrs(first).values() for c in n]
     assert len(blocks) == len(set(blocks)), "two nodes got the same block"
     nets = [net(b) for b in blocks]
@@ -119,6 +122,35 @@ def test_concurrent_registrations_never_share_a_block(
         for b in nets[i + 1 :]:
             assert not a.overlaps(b)
     second.close()
+
+
+def node_ids(ipam: Ipam) -> dict[str, tuple[int, list[str]]]:
+    ids = ipam.stub.GetNodeIds(pb.GetNodeIdsRequest(), timeout=10).ids
+    return {x.node: (x.id, list(x.ips)) for x in ids}
+
+
+def test_node_ids_are_kept_across_registrations_and_freed_with_the_node(ipam: Ipam) -> None:
+    internal = pb.NodeAddress(type=pb.NodeAddress.TYPE_INTERNAL_IP, ip="192.0.2.41")
+    a = ipam.register("ids-a", addresses=[internal])
+    b = ipam.register("ids-b")
+    assert a.id > 0
+    assert b.id > 0
+    assert a.id != b.id
+    assert ipam.stub.GetNode(pb.GetNodeRequest(name="ids-a")).id == a.id
+    assert ipam.register("ids-a", addresses=[internal]).id == a.id  # a restart
+    assert node_ids(ipam)["ids-a"] == (a.id, ["192.0.2.41"])
+    # Gone without releasing its CIDRs (it may come back): its id is kept.
+    ipam.stub.DeregisterNode(pb.DeregisterNodeRequest(name="ids-a"))
+    assert node_ids(ipam)["ids-a"] == (a.id, [])
+    c = ipam.register("ids-c")
+    assert c.id not in (a.id, b.id)
+    assert ipam.register("ids-a").id == a.id
+    # Released for good: the id is free again, and the lowest free is next.
+    ipam.stub.DeregisterNode(pb.DeregisterNodeRequest(name="ids-a", release_cidrs=True))
+    held = node_ids(ipam)
+    assert "ids-a" not in held
+    lowest = min(set(range(1, 65536)) - {i for i, _ in held.values()})
+    assert ipam.register("ids-d").id == lowest
 
 
 def ipam_nodes_cidrs(ipam: Ipam) -> dict[str, list[str]]:

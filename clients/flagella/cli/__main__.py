@@ -311,6 +311,15 @@ def cmd_service(args: argparse.Namespace, clients: Clients) -> int:
 
 
 def cmd_ipam(args: argparse.Namespace, clients: Clients) -> int:
+    if args.action == "node-ids":
+        ids = clients.call("ipam", clients.ipam().GetNodeIds, ipam_pb2.GetNodeIdsRequest())
+        emit(
+            args,
+            to_dict(ids).get("ids", []),
+            ["ID", "NODE", "IPS"],
+            [[x.id, x.node, ",".join(x.ips) or "-"] for x in ids.ids],
+        )
+        return 0
     resp = clients.call(
         "ipam",
         clients.ipam().ListAllocations,
@@ -459,8 +468,9 @@ def build_parser() -> argparse.ArgumentParser:
     service.set_defaults(func=cmd_service)
 
     ipam = sub.add_parser("ipam", help="IP allocations")
-    ipam_list = ipam.add_subparsers(dest="action", required=True).add_parser("list")
-    ipam_list.add_argument("--node")
+    ipam_actions = ipam.add_subparsers(dest="action", required=True)
+    ipam_actions.add_parser("list").add_argument("--node")
+    ipam_actions.add_parser("node-ids", help="node ids with their nodes' addresses")
     ipam.set_defaults(func=cmd_ipam)
 
     bpf_map = sub.add_parser("map", help="BPF maps of the datapath")

@@ -116,6 +116,8 @@ TABLE: dict[str, tuple[Grant, ...]] = {
             "Release": (ENDPOINT, OPERATOR),
             "ListAllocations": (ENDPOINT, OPERATOR),
             "GetStatus": (OPERATOR,),
+            # Nodes number each other (e.g. tunnel peers) by node id.
+            "GetNodeIds": READERS,
         },
     ),
     **_methods(

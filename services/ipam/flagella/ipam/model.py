@@ -101,6 +101,8 @@ class Node:
     labels: dict[str, str]
     lease_ttl: int
     registered_at: float
+    # Its node id (1..65535), cluster-wide, kept while its CIDRs are.
+    id: int = 0
     revision: int = 0
 
 

@@ -52,6 +52,7 @@ from flagella.ipam.pool import (
     reserved_reason,
 )
 from flagella.ipam.store import (
+    MAX_NODE_ID,
     OWNERS_PER_TXN,
     IpamStore,
     NodeCidrs,
@@ -162,8 +163,9 @@ class IpamService:
         lease = await self.store.grant_lease(ttl)
         try:
             for _ in range(MAX_ATTEMPTS):
-                current, cidrs = await self.store.get_registration_state(reg.name)
+                current, cidrs, ident = await self.store.get_registration_state(reg.name)
                 have = cidrs.cidrs if cidrs is not None else ()
+                node_id = ident.id if ident is not None else await self._free_node_id()
                 if self.settings.mode is Mode.CLUSTER_POOL:
                     new_blocks = self._carve(have)
                 else:
@@ -176,6 +178,7 @@ class IpamService:
                     labels=dict(reg.labels),
                     lease_ttl=ttl,
                     registered_at=self.clock(),
+                    id=node_id,
                 )
                 out = await self.store.write_registration(
                     node,
@@ -183,6 +186,7 @@ class IpamService:
                     node_revision=current[0].revision if current is not None else 0,
                     cidrs_revision=cidrs.revision if cidrs is not None else 0,
                     new_blocks=new_blocks,
+                    id_revision=ident.revision if ident is not None else 0,
                 )
                 if out.ok:
                     if current is not None and current[1] and current[1] != lease:
@@ -211,6 +215,23 @@ class IpamService:
             with contextlib.suppress(Unavailable):
                 await self.store.revoke_lease(lease)
             raise
+
+    async def _free_node_id(self) -> int:
+        """The lowest node id no node holds (the registration's transaction
+        checks it is still free)."""
+        taken, _ = await self.store.node_ids()
+        for ident in range(1, MAX_NODE_ID + 1):
+            if ident not in taken:
+                return ident
+        raise ResourceExhausted(f"all {MAX_NODE_ID} node ids are taken", field="name")
+
+    async def node_ids(self) -> list[tuple[int, str, tuple[str, ...]]]:
+        """(id, node, the node's addresses when it is registered) for each
+        node id, by id."""
+        taken, _ = await self.store.node_ids()
+        nodes, _ = await self.store.list_nodes()
+        addresses = {n.name: tuple(a.ip for a in n.addresses) for n in nodes}
+        return [(i, name, addresses.get(name, ())) for i, name in sorted(taken.items())]
 
     async def _wanted_cidrs(self, reg: NodeRegistration) -> tuple[IPNetwork, ...]:
         """host-scope: the CIDRs the node must have."""
@@ -311,7 +332,7 @@ class IpamService:
 
     async def deregister_node(self, name: str, *, release_cidrs: bool) -> None:
         for _ in range(MAX_ATTEMPTS):
-            current, cidrs = await self.store.get_registration_state(name)
+            current, cidrs, ident = await self.store.get_registration_state(name)
             if current is None and (cidrs is None or not release_cidrs):
                 raise NotFound(f"node {name} is not registered", field="name")
             release = cidrs if release_cidrs else None
@@ -319,6 +340,8 @@ class IpamService:
                 name,
                 node_revision=current[0].revision if current is not None else 0,
                 cidrs=release,
+                # The id goes with the node for good (its CIDRs released).
+                ident=ident if release_cidrs else None,
             )
             if ok:
                 if current is not None and current[1]:

@@ -205,6 +205,7 @@ def node_pb(node: Node) -> ipam_pb2.Node:
         lease_ttl=duration_pb2.Duration(seconds=node.lease_ttl),
         registered_at=_timestamp(node.registered_at),
         revision=node.revision,
+        id=node.id,
     )
 
 
@@ -385,4 +386,12 @@ class IpamServicer(ipam_pb2_grpc.IpamServiceServicer):
                 )
                 for p in status.pools
             ],
+        )
+
+    async def GetNodeIds(
+        self, request: ipam_pb2.GetNodeIdsRequest, context: Context
+    ) -> ipam_pb2.GetNodeIdsResponse:
+        ids = await self.service.node_ids()
+        return ipam_pb2.GetNodeIdsResponse(
+            ids=[ipam_pb2.NodeId(id=i, node=name, ips=list(ips)) for i, name, ips in ids]
         )

@@ -25,6 +25,7 @@ cache is a hint that keeps allocation O(1): etcd's compares decide.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import json
 import logging
@@ -67,6 +68,12 @@ POOL = PREFIX + "pool/"
 CIDRS = POOL + "cidrs/"
 IPS = POOL + "ips/"
 OWNERS = PREFIX + "owners/"
+# Node ids: a small number per node, cluster-wide, kept while the node's
+# CIDRs are (across restarts and lease expiry): id -> node and node -> id.
+NODE_IDS = PREFIX + "nodeids/"
+NODE_ID_OF = PREFIX + "nodeid-of/"
+#: Node ids are 1..MAX_NODE_ID (16 bits, as Cilium's).
+MAX_NODE_ID = 65535
 
 #: etcd's default limit of operations per transaction (--max-txn-ops).
 MAX_TXN_OPS = 128
@@ -80,6 +87,14 @@ OWNERS_PER_TXN = 24
 
 def node_key(name: str) -> str:
     return NODES + name
+
+
+def node_id_key(ident: int) -> str:
+    return f"{NODE_IDS}{ident}"
+
+
+def node_id_of_key(name: str) -> str:
+    return NODE_ID_OF + name
 
 
 def block_key(net: IPNetwork) -> str:
@@ -142,6 +157,7 @@ def encode_node(node: Node) -> bytes:
             "labels": node.labels,
             "lease_ttl": node.lease_ttl,
             "registered_at": node.registered_at,
+            "id": node.id,
         }
     )
 
@@ -156,6 +172,7 @@ def decode_node(kv: KeyValue) -> Node:
         labels=dict(d["labels"]),
         lease_ttl=int(d["lease_ttl"]),
         registered_at=float(d["registered_at"]),
+        id=int(d.get("id", 0)),
         revision=kv.mod_revision,
     )
 
@@ -226,6 +243,14 @@ def decode_owner_index(kv: KeyValue) -> OwnerIndex:
 @dataclass(frozen=True, slots=True)
 class NodeCidrs:
     cidrs: tuple[IPNetwork, ...]
+    revision: int
+
+
+@dataclass(frozen=True, slots=True)
+class NodeId:
+    """A node's id (nodeid-of/<node>) and that key's revision."""
+
+    id: int
     revision: int
 
 
@@ -464,17 +489,33 @@ class IpamStore:
 
     async def get_registration_state(
         self, name: str
-    ) -> tuple[tuple[Node, int] | None, NodeCidrs | None]:
-        """The node entry (with its lease) and its CIDRs, read together."""
-        result = await self.etcd.txn([], [get_op(node_key(name)), get_op(cidrs_key(name))])
-        node_kvs, cidr_kvs = result.ranges
+    ) -> tuple[tuple[Node, int] | None, NodeCidrs | None, NodeId | None]:
+        """The node entry (with its lease), its CIDRs and its id, read together."""
+        result = await self.etcd.txn(
+            [], [get_op(node_key(name)), get_op(cidrs_key(name)), get_op(node_id_of_key(name))]
+        )
+        node_kvs, cidr_kvs, id_kvs = result.ranges
         node = (decode_node(node_kvs[0]), node_kvs[0].lease) if node_kvs else None
         cidrs = (
             NodeCidrs(decode_cidrs(cidr_kvs[0].value), cidr_kvs[0].mod_revision)
             if cidr_kvs
             else None
         )
-        return node, cidrs
+        ident = (
+            NodeId(int(json.loads(id_kvs[0].value)["id"]), id_kvs[0].mod_revision)
+            if id_kvs
+            else None
+        )
+        return node, cidrs, ident
+
+    async def node_ids(self) -> tuple[dict[int, str], int]:
+        """Every node id -> its node."""
+        kvs, revision = await self.etcd.get_prefix(NODE_IDS)
+        out = {}
+        for kv in kvs:
+            with contextlib.suppress(ValueError, KeyError):
+                out[int(kv.key[len(NODE_IDS) :])] = str(json.loads(kv.value)["node"])
+        return out, revision
 
     async def list_nodes(self) -> tuple[list[Node], int]:
         kvs, revision = await self.etcd.get_prefix(NODES)
@@ -488,15 +529,24 @@ class IpamStore:
         node_revision: int,
         cidrs_revision: int,
         new_blocks: Sequence[IPNetwork],
+        id_revision: int,
     ) -> RegisterOutcome:
         """Put the node entry on its lease and, with new blocks, the node's
-        CIDRs and block locks; all or nothing."""
+        CIDRs and block locks; a node with no id yet (id_revision 0) takes
+        node.id if it is free; all or nothing."""
         compare = [
             mod_revision_is(node_key(node.name), node_revision),
             mod_revision_is(cidrs_key(node.name), cidrs_revision),
+            mod_revision_is(node_id_of_key(node.name), id_revision),
             *(absent(block_key(b)) for b in new_blocks),
         ]
         success = [put_op(node_key(node.name), encode_node(node), lease)]
+        if not id_revision:
+            compare.append(absent(node_id_key(node.id)))
+            success += [
+                put_op(node_id_key(node.id), _dumps({"node": node.name})),
+                put_op(node_id_of_key(node.name), _dumps({"id": node.id})),
+            ]
         if new_blocks:
             success.append(put_op(cidrs_key(node.name), encode_cidrs(node.pod_cidrs)))
             success.extend(put_op(block_key(b), node.name.encode()) for b in new_blocks)
@@ -517,12 +567,17 @@ class IpamStore:
         *,
         node_revision: int,
         cidrs: NodeCidrs | None,
+        ident: NodeId | None = None,
     ) -> tuple[bool, int]:
         """Delete the node entry and, with cidrs, the node's CIDRs and block
-        locks provided no allocation and no owner remains. Returns (ok, the
-        number of allocations left when that is what failed)."""
+        locks provided no allocation and no owner remains, and with ident
+        its node id. Returns (ok, the number of allocations left when that
+        is what failed)."""
         compare = [mod_revision_is(node_key(name), node_revision)]
         success = [delete_op(node_key(name))]
+        if ident is not None:
+            compare.append(mod_revision_is(node_id_of_key(name), ident.revision))
+            success += [delete_op(node_id_key(ident.id)), delete_op(node_id_of_key(name))]
         failure: list[Any] = []
         if cidrs is not None:
             compare += [

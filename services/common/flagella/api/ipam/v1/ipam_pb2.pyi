@@ -126,11 +126,17 @@ class Node(_message.Message):
     LEASE_TTL_FIELD_NUMBER: _builtins.int
     REGISTERED_AT_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
+    ID_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     datapath_address: _builtins.str
     """host:port of this node's datapath service."""
     revision: _builtins.int
     """etcd modification revision of the entry."""
+    id: _builtins.int
+    """Its node id: a small number (1..65535) allocated cluster-wide at its
+    first registration and kept across restarts and lease expiry until it
+    is deregistered with release_cidrs.
+    """
     @_builtins.property
     def addresses(self) -> _containers.RepeatedCompositeFieldContainer[Global___NodeAddress]: ...
     @_builtins.property
@@ -154,10 +160,11 @@ class Node(_message.Message):
         lease_ttl: _duration_pb2.Duration | None = ...,
         registered_at: _timestamp_pb2.Timestamp | None = ...,
         revision: _builtins.int = ...,
+        id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lease_ttl", b"lease_ttl", "registered_at", b"registered_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["addresses", b"addresses", "datapath_address", b"datapath_address", "labels", b"labels", "lease_ttl", b"lease_ttl", "name", b"name", "pod_cidrs", b"pod_cidrs", "registered_at", b"registered_at", "revision", b"revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["addresses", b"addresses", "datapath_address", b"datapath_address", "id", b"id", "labels", b"labels", "lease_ttl", b"lease_ttl", "name", b"name", "pod_cidrs", b"pod_cidrs", "registered_at", b"registered_at", "revision", b"revision"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -887,3 +894,64 @@ class IpamStatus(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___IpamStatus: _TypeAlias = IpamStatus  # noqa: Y015
+
+@_typing.final
+class GetNodeIdsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetNodeIdsRequest: _TypeAlias = GetNodeIdsRequest  # noqa: Y015
+
+@_typing.final
+class NodeId(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    NODE_FIELD_NUMBER: _builtins.int
+    IPS_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    node: _builtins.str
+    @_builtins.property
+    def ips(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        node: _builtins.str = ...,
+        ips: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "ips", b"ips", "node", b"node"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NodeId: _TypeAlias = NodeId  # noqa: Y015
+
+@_typing.final
+class GetNodeIdsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def ids(self) -> _containers.RepeatedCompositeFieldContainer[Global___NodeId]: ...
+    def __init__(
+        self,
+        *,
+        ids: _abc.Iterable[Global___NodeId] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ids", b"ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetNodeIdsResponse: _TypeAlias = GetNodeIdsResponse  # noqa: Y015

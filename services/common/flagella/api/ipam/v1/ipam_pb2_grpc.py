@@ -100,6 +100,11 @@ class IpamServiceStub:
                 request_serializer=flagella_dot_ipam_dot_v1_dot_ipam__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=flagella_dot_ipam_dot_v1_dot_ipam__pb2.IpamStatus.FromString,
                 _registered_method=True)
+        self.GetNodeIds = channel.unary_unary(
+                '/flagella.ipam.v1.IpamService/GetNodeIds',
+                request_serializer=flagella_dot_ipam_dot_v1_dot_ipam__pb2.GetNodeIdsRequest.SerializeToString,
+                response_deserializer=flagella_dot_ipam_dot_v1_dot_ipam__pb2.GetNodeIdsResponse.FromString,
+                _registered_method=True)
 
 
 class IpamServiceServicer:
@@ -202,6 +207,14 @@ class IpamServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetNodeIds(self, request, context):
+        """Every node id with its node and the node's addresses (none while the
+        node is not registered: its id is kept).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_IpamServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -269,6 +282,11 @@ def add_IpamServiceServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=flagella_dot_ipam_dot_v1_dot_ipam__pb2.GetStatusRequest.FromString,
                     response_serializer=flagella_dot_ipam_dot_v1_dot_ipam__pb2.IpamStatus.SerializeToString,
+            ),
+            'GetNodeIds': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetNodeIds,
+                    request_deserializer=flagella_dot_ipam_dot_v1_dot_ipam__pb2.GetNodeIdsRequest.FromString,
+                    response_serializer=flagella_dot_ipam_dot_v1_dot_ipam__pb2.GetNodeIdsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -622,6 +640,33 @@ class IpamService:
             '/flagella.ipam.v1.IpamService/GetStatus',
             flagella_dot_ipam_dot_v1_dot_ipam__pb2.GetStatusRequest.SerializeToString,
             flagella_dot_ipam_dot_v1_dot_ipam__pb2.IpamStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetNodeIds(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagella.ipam.v1.IpamService/GetNodeIds',
+            flagella_dot_ipam_dot_v1_dot_ipam__pb2.GetNodeIdsRequest.SerializeToString,
+            flagella_dot_ipam_dot_v1_dot_ipam__pb2.GetNodeIdsResponse.FromString,
             options,
             channel_credentials,
             insecure,

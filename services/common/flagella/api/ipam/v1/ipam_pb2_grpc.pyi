@@ -72,6 +72,10 @@ class IpamServiceStub:
     """
     GetStatus: _grpc.UnaryUnaryMultiCallable[_ipam_pb2.GetStatusRequest, _ipam_pb2.IpamStatus]
     """Pool usage per node and CIDR, and the mode the service runs in."""
+    GetNodeIds: _grpc.UnaryUnaryMultiCallable[_ipam_pb2.GetNodeIdsRequest, _ipam_pb2.GetNodeIdsResponse]
+    """Every node id with its node and the node's addresses (none while the
+    node is not registered: its id is kept).
+    """
 
 @_typing.type_check_only
 class IpamServiceAsyncStub(IpamServiceStub):
@@ -115,6 +119,10 @@ class IpamServiceAsyncStub(IpamServiceStub):
     """
     GetStatus: _aio.UnaryUnaryMultiCallable[_ipam_pb2.GetStatusRequest, _ipam_pb2.IpamStatus]  # type: ignore[assignment]
     """Pool usage per node and CIDR, and the mode the service runs in."""
+    GetNodeIds: _aio.UnaryUnaryMultiCallable[_ipam_pb2.GetNodeIdsRequest, _ipam_pb2.GetNodeIdsResponse]  # type: ignore[assignment]
+    """Every node id with its node and the node's addresses (none while the
+    node is not registered: its id is kept).
+    """
 
 class IpamServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -233,5 +241,15 @@ class IpamServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_ipam_pb2.IpamStatus, _abc.Awaitable[_ipam_pb2.IpamStatus]]:
         """Pool usage per node and CIDR, and the mode the service runs in."""
+
+    @_abc_1.abstractmethod
+    def GetNodeIds(
+        self,
+        request: _ipam_pb2.GetNodeIdsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ipam_pb2.GetNodeIdsResponse, _abc.Awaitable[_ipam_pb2.GetNodeIdsResponse]]:
+        """Every node id with its node and the node's addresses (none while the
+        node is not registered: its id is kept).
+        """
 
 def add_IpamServiceServicer_to_server(servicer: IpamServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
