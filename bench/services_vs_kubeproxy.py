@@ -17,6 +17,14 @@ tests/harness/svcbench.py). Usage:
 
     python bench/services_vs_kubeproxy.py [--quick] [--json] [--plot PNG]
         [--counts 10,1000,10000] [--modes iptables,nftables,flagella]
+        [--verdict-events all|enforced|none]
+
+The datapath runs with --verdict-events enforced unless told otherwise (as
+Cilium reports policy verdicts: only where a policy is enforced; the bench's
+pods have none, so their connections emit no flow event; drops still do).
+--verdict-events all is the datapath's default: a flow event at both ends of
+every new connection, read by the datapath process (docs/BENCHMARKS.md has
+its cost).
 """
 
 from __future__ import annotations
@@ -84,6 +92,12 @@ def main() -> int:
     ap.add_argument("--plot", metavar="PNG", help="draw connect p50/p99 against N into PNG")
     ap.add_argument("--counts", help="service counts, comma-separated")
     ap.add_argument("--modes", default=",".join(MODES), help="of " + ",".join(MODES))
+    ap.add_argument(
+        "--verdict-events",
+        default="enforced",
+        choices=("all", "enforced", "none"),
+        help="the datapath's --verdict-events (default: enforced)",
+    )
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("needs root (network namespaces, iptables, BPF)", file=sys.stderr)
@@ -102,6 +116,7 @@ def main() -> int:
             seconds=1.0 if args.quick else 3.0,
             tmp=Path(tmp),
             modes=modes,
+            verdict_events=args.verdict_events,
         )
     r = {"quick": args.quick, **r, "load_average": f"{load0:.1f}-{os.getloadavg()[0]:.1f}"}
     if args.plot:

@@ -401,6 +401,15 @@ static __always_inline void emit(struct __sk_buff *skb, struct pkt *p, __u8 type
 	events.ringbuf_submit(ev, 0);
 }
 
+/* Does an allowed new connection get a policy-verdict event? enforced: the
+ * endpoint's policy is enforced in the connection's direction. */
+static __always_inline int verdict_event(struct dp_config *cfg, int enforced)
+{
+	if (!cfg || !(cfg->flags & CFG_VERDICT_EVENTS))
+		return 0;
+	return enforced || !(cfg->flags & CFG_VERDICT_ENFORCED);
+}
+
 static __always_inline int drop(struct __sk_buff *skb, struct pkt *p, __u8 reason, __u8 dir,
 				__u64 ep_id, __u32 src_id, __u32 dst_id)
 {
@@ -799,9 +808,11 @@ static __always_inline int host_firewall(struct __sk_buff *skb, struct dp_config
 	__u32 dst_id = ingress ? ID_HOST : peer;
 	__u64 now = bpf_ktime_get_ns();
 
+	__u32 enforced = cfg->flags & (ingress ? CFG_HOST_INGRESS : CFG_HOST_EGRESS);
+
 	if (host_safe_match(p, ingress)) {
 		count(dir, REASON_HOST_SAFETY, p->len);
-		if ((cfg->flags & CFG_VERDICT_EVENTS) && p->proto == IPPROTO_TCP &&
+		if (verdict_event(cfg, enforced) && p->proto == IPPROTO_TCP &&
 		    (p->tcp_flags & (TCP_SYN | TCP_ACK)) == TCP_SYN)
 			emit(skb, p, EV_HOST_SAFETY, VERDICT_FORWARDED, 0, dir, HOST_EP_ID, src_id,
 			     dst_id);
@@ -812,14 +823,14 @@ static __always_inline int host_firewall(struct __sk_buff *skb, struct dp_config
 	struct ct_entry *ce = NULL;
 	if (ct_lookup(p, fwd, rev, &ce, now) != CT_NEW)
 		return 0;
-	if (cfg->flags & (ingress ? CFG_HOST_INGRESS : CFG_HOST_EGRESS)) {
+	if (enforced) {
 		int ret = policy_check(HOST_EP_ID, peer, dir, p);
 		if (ret)
 			return drop(skb, p, ret, dir, HOST_EP_ID, src_id, dst_id);
 	}
 	if (ct_create(p, fwd, 0, 0, peer, now) < 0)
 		return drop(skb, p, DROP_CT_INSERT_FAILED, dir, HOST_EP_ID, src_id, dst_id);
-	if (cfg->flags & CFG_VERDICT_EVENTS)
+	if (verdict_event(cfg, enforced))
 		emit(skb, p, EV_POLICY_VERDICT, VERDICT_FORWARDED, 0, dir, HOST_EP_ID, src_id, dst_id);
 	return 0;
 }
@@ -1160,7 +1171,7 @@ int from_container(struct __sk_buff *skb)
 		}
 		if (ct_create(&p, CT_SCOPE_EGRESS, rev_nat_id, ep->policy_gen, peer, now) < 0)
 			return drop(skb, &p, DROP_CT_INSERT_FAILED, DIR_EGRESS, ep_id, my_id, peer);
-		if (cfg && (cfg->flags & CFG_VERDICT_EVENTS))
+		if (verdict_event(cfg, ep->flags & EP_F_EGRESS_ENFORCED))
 			emit(skb, &p, EV_POLICY_VERDICT, VERDICT_FORWARDED, 0, DIR_EGRESS, ep_id, my_id, peer);
 	}
 
@@ -1265,7 +1276,7 @@ int to_container(struct __sk_buff *skb)
 		}
 		if (ct_create(&p, CT_SCOPE_INGRESS, 0, ep->policy_gen, peer, now) < 0)
 			return drop(skb, &p, DROP_CT_INSERT_FAILED, DIR_INGRESS, ep_id, peer, my_id);
-		if (cfg && (cfg->flags & CFG_VERDICT_EVENTS))
+		if (verdict_event(cfg, ep->flags & EP_F_INGRESS_ENFORCED))
 			emit(skb, &p, EV_POLICY_VERDICT, VERDICT_FORWARDED, 0, DIR_INGRESS, ep_id, peer, my_id);
 	}
 	count(DIR_INGRESS, REASON_FORWARDED, p.len);

@@ -355,6 +355,9 @@ struct frag_value {
 #define CFG_HOST_POLICY (1U << 6)
 #define CFG_HOST_INGRESS (1U << 7)
 #define CFG_HOST_EGRESS (1U << 8)
+/* With CFG_VERDICT_EVENTS: an allowed new connection is reported only in a
+ * direction whose policy is enforced (Cilium's policy-verdict filter). */
+#define CFG_VERDICT_ENFORCED (1U << 9)
 
 struct dp_config {
 	union v6addr node_ip4; /* v4-mapped; zero: none */

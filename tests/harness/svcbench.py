@@ -329,12 +329,13 @@ def kube_proxy(nss: NetnsSet, pods: Pods, which: str) -> Iterator[tuple[Mode, li
 
 
 @contextlib.contextmanager
-def flagella(tmp: Path, pods: Pods) -> Iterator[FlagellaMode]:
-    """etcd, policy, lb and one node's datapath; the pods set up on it as
-    the endpoint service would (SetupEndpoint in their netns)."""
+def flagella(tmp: Path, pods: Pods, verdict_events: str = "all") -> Iterator[FlagellaMode]:
+    """etcd, policy, lb and one node's datapath (its --verdict-events as
+    given); the pods set up on it as the endpoint service would
+    (SetupEndpoint in their netns)."""
     with standalone_cluster(tmp) as cluster:
         cluster.start(services=("policy", "lb"))
-        node = cluster.add_node("svc")
+        node = cluster.add_node("svc", extra=("--verdict-events", verdict_events))
         for k, (ns, ip) in enumerate(pods.all):
             add_pod(cluster, node, ns.name, k + 1, ip, {"app": "bench"}, ns=ns)
         yield FlagellaMode(cluster, node)
@@ -351,9 +352,11 @@ def run_all(
     tmp: Path,
     modes: Sequence[str] = ("iptables", "nftables", "flagella"),
     pod_counts: tuple[int, int] = (CLIENTS, BACKENDS),
+    verdict_events: str = "all",
 ) -> dict[str, Any]:
     """Every mode at every count; figures keyed <mode>_<n>_<figure>, plus
-    ratios flagella / each kube-proxy mode, and what was left behind."""
+    ratios flagella / each kube-proxy mode, and what was left behind.
+    verdict_events: the datapath's --verdict-events."""
     out: dict[str, Any] = {}
     random.seed(0)
     nss = NetnsSet()
@@ -372,7 +375,8 @@ def run_all(
             out[f"{which}_rules_left_after_cleanup"] = left[0]
         if "flagella" in modes:
             log("flagella: starting etcd, policy, lb, the datapath, the pods")
-            with flagella(tmp, pods) as fl:
+            out["flagella_verdict_events"] = verdict_events
+            with flagella(tmp, pods, verdict_events) as fl:
                 for n in counts:
                     log(f"flagella: {n} services")
                     for k, v in measure(fl, pods, n, samples, seconds, tmp).items():

@@ -62,6 +62,47 @@ def test_allowed_both_ways_redirects_to_local_pod(dp: Datapath) -> None:
     }
 
 
+def test_verdict_event_levels(dp: Datapath) -> None:
+    """--verdict-events: all reports an allowed new connection at both
+    ends; enforced only where the endpoint's policy is enforced in that
+    direction (A's egress here, not B's ingress); none not at all. Drops
+    are reported at every level."""
+    POD_A.add(dp)
+    POD_B.add(dp)
+    dp.policy.apply(
+        POD_A.endpoint_id, [PolicyEntry(POD_B.identity, EGRESS, protocol=6, port=80)], 1
+    )
+    dp.policy.apply(POD_B.endpoint_id, [], 1, ingress_enforced=False, egress_enforced=False)
+    levels = {
+        "all": NodeConfig(),
+        "enforced": NodeConfig(verdict_enforced_only=True),
+        "none": NodeConfig(verdict_events=False, verdict_enforced_only=True),
+    }
+    seen = {}
+    with dp.events() as ev:
+        ev.read()
+        for sport, (level, cfg) in enumerate(levels.items(), start=41000):
+            dp.config.write(cfg)
+            out = dp.test_run("from_container", P.build(POD_A.ip, POD_B.ip, sport=sport, dport=80))
+            assert out.retval == L.TC_ACT_REDIRECT
+            assert ingress(dp, out.data) == L.TC_ACT_OK
+            # A drop: A's egress to a port its policy does not allow.
+            assert egress(dp, P.build(POD_A.ip, POD_B.ip, sport=sport, dport=81)) == L.TC_ACT_SHOT
+            flows = ev.read()
+            seen[level] = (
+                {f.direction for f in flows if f.type == L.FlowType.POLICY_VERDICT},
+                [f.drop_reason for f in flows if f.type == L.FlowType.DROP],
+            )
+    drop = [DropReason.POLICY_L4]
+    assert seen == {
+        "all": ({EGRESS, INGRESS}, drop),
+        "enforced": ({EGRESS}, drop),
+        "none": (set(), drop),
+    }
+    # none: the enforced bit means nothing without verdict events.
+    assert not dp.config.read().verdict_enforced_only
+
+
 def test_deny_l3_no_entry_for_the_peer(dp: Datapath) -> None:
     open_all(dp, POD_A)
     POD_B.add(dp)

@@ -248,3 +248,42 @@ async def test_batch_newer_change_during_apply_stays_pending() -> None:
     await r.reconcile_once()
     assert target.data == {"k": 2, "j": 1}
     assert r.realized_revision == r.revision
+
+
+async def test_status_counts_and_realized_revision_follow_every_transition(
+    rec: tuple[Reconciler[str, int], FakeTarget],
+) -> None:
+    """status() and realized_revision are kept as keys change (no walk):
+    a key changed again goes behind newer ones, errors leave the pending
+    count, a delete of a realized key is still desired until applied."""
+    r, target = rec
+
+    def counts() -> tuple[int, int, int]:
+        st = r.status()
+        return st.desired, st.pending, st.errors
+
+    a1 = r.upsert("a", 1)
+    b1 = r.upsert("b", 1)
+    assert counts() == (2, 2, 0)
+    assert r.realized_revision == a1 - 1
+    a2 = r.upsert("a", 2)  # now the newest: b is the oldest pending
+    assert counts() == (2, 2, 0)
+    assert r.realized_revision == b1 - 1
+    target.fail["b"] = 1
+    await r.reconcile_once()
+    assert counts() == (2, 0, 1)
+    assert r.realized_revision == b1 - 1
+    assert r.status().last_error.startswith("'b'")
+    r.delete("b")  # replaces the failed change: pending again, no error
+    assert counts() == (1, 1, 0)
+    assert r.realized_revision == a2
+    r.delete("missing")
+    assert counts() == (1, 2, 0)
+    r.start()
+    try:
+        await r.wait_until_reconciled(timeout=5)
+    finally:
+        await r.stop()
+    assert counts() == (1, 0, 0)
+    assert r.realized_revision == r.revision
+    assert target.data == {"a": 2}

@@ -106,9 +106,15 @@ class Reconciler(Generic[K, V]):
         # Each key counts its own attempts; the delays are the common policy's.
         self.backoff = Backoff(min_backoff, max_backoff)
         self._entries: dict[K, _Entry[V]] = {}
-        # Keys not yet realized, in the order they changed: a pass visits only
-        # these, so a burst of n changes costs O(n), not O(n * table size).
+        # Keys not yet realized, in the order of their last change (so in
+        # revision order): a pass visits only these, so a burst of n changes
+        # costs O(n), not O(n * table size), and the realized revision is the
+        # first one's.
         self._pending: dict[K, None] = {}
+        # Counted as they change: status() is polled (ListMaps) while
+        # thousands of keys are pending, and must not walk them.
+        self._desired = 0
+        self._errors: set[K] = set()
         self._revision = 0
         self._wake = asyncio.Event()
         self._progress = asyncio.Condition()
@@ -132,19 +138,25 @@ class Reconciler(Generic[K, V]):
         entry = self._entries.get(key)
         if entry is not None and entry.value == value and entry.status is Status.DONE:
             return entry.revision
-        self._revision += 1
-        self._entries[key] = _Entry(value, self._revision)
-        self._pending[key] = None
-        self._wake.set()
-        return self._revision
+        if entry is None or entry.value is None:
+            self._desired += 1
+        return self._change(key, value)
 
     def delete(self, key: K) -> int:
         """Desire the key gone. Returns the change's revision."""
         entry = self._entries.get(key)
         if entry is not None and entry.value is None:
             return entry.revision
+        if entry is not None:
+            self._desired -= 1
+        return self._change(key, None)
+
+    def _change(self, key: K, value: V | None) -> int:
         self._revision += 1
-        self._entries[key] = _Entry(None, self._revision)
+        self._entries[key] = _Entry(value, self._revision)
+        self._errors.discard(key)
+        # To the end: _pending stays in revision order.
+        self._pending.pop(key, None)
         self._pending[key] = None
         self._wake.set()
         return self._revision
@@ -180,7 +192,7 @@ class Reconciler(Generic[K, V]):
         """Every change up to this revision has been applied."""
         if not self._pending:
             return self._revision
-        return min(self._entries[k].revision for k in self._pending) - 1
+        return self._entries[next(iter(self._pending))].revision - 1
 
     async def wait_until_reconciled(
         self, revision: int | None = None, timeout: float | None = None
@@ -197,14 +209,13 @@ class Reconciler(Generic[K, V]):
         return await asyncio.wait_for(wait(), timeout)
 
     def status(self) -> ReconcilerStatus:
-        entries = self._entries.values()
         return ReconcilerStatus(
             name=self.name,
             desired_revision=self._revision,
             realized_revision=self.realized_revision,
-            desired=sum(1 for e in entries if e.value is not None),
-            pending=sum(1 for e in entries if e.status is Status.PENDING),
-            errors=sum(1 for e in entries if e.status is Status.ERROR),
+            desired=self._desired,
+            pending=len(self._pending) - len(self._errors),
+            errors=len(self._errors),
             last_error=self._last_error,
             pruned=self._pruned,
         )
@@ -259,6 +270,7 @@ class Reconciler(Generic[K, V]):
             return
         if outcome is not None:
             current.status = Status.ERROR
+            self._errors.add(key)
             current.attempts += 1
             current.retry_at = time.monotonic() + self.backoff.delay(current.attempts - 1)
             current.error = repr(outcome)
@@ -274,6 +286,7 @@ class Reconciler(Generic[K, V]):
             )
             return
         del self._pending[key]
+        self._errors.discard(key)
         if current.value is None:
             del self._entries[key]
         else:

@@ -14,6 +14,7 @@ from flagella.common.pki import Identity
 from flagella.datapath.bpf.layout import MapSizes
 
 ROUTING_MODES = ("tunnel", "native")
+VERDICT_EVENT_LEVELS = ("all", "enforced", "none")
 # One endpoint may fill at most the whole policy map.
 MAX_POLICY_BUDGET = MapSizes().policy
 
@@ -81,6 +82,13 @@ class DatapathConfig(ServiceConfig):
         "tunnel",
         "how pods of other nodes are reached: tunnel (VXLAN, the source identity in the VNI) "
         "or native (each node's pod CIDRs routed via its node IP)",
+    )
+    verdict_events: str = option(
+        "all",
+        "which allowed new connections emit a policy-verdict flow event (drops always do): "
+        "all (both ends of every one), enforced (only in a direction where the endpoint's "
+        "policy is enforced, as Cilium's policy-verdict filter), none",
+        choices=VERDICT_EVENT_LEVELS,
     )
     tunnel_port: int = option(8472, "UDP port of the VXLAN tunnel (tunnel mode)")
     health_port: int = option(4240, "TCP port other nodes probe this node's health on (0: none)")

@@ -354,6 +354,8 @@ class DatapathService:
                 node_ip6=v6,
                 masquerade4=self.config.masquerade and bool(v4),
                 masquerade6=self.config.masquerade and bool(v6),
+                verdict_events=self.config.verdict_events != "none",
+                verdict_enforced_only=self.config.verdict_events == "enforced",
                 tunnel_ifindex=self.tunnel_ifindex,
                 tunnel_port=self.config.tunnel_port if self.tunnel_ifindex else 0,
                 host_policy=current.host_policy,

@@ -157,6 +157,7 @@ CFG_TUNNEL = 1 << 5
 CFG_HOST_POLICY = 1 << 6
 CFG_HOST_INGRESS = 1 << 7
 CFG_HOST_EGRESS = 1 << 8
+CFG_VERDICT_ENFORCED = 1 << 9
 
 # Host firewall: the host endpoint's id in the policy map and in flows
 # (endpoint ids are below 16^12), and the safety set's key scopes.
@@ -572,6 +573,7 @@ _CFG_FLAGS = {
     CFG_HOST_POLICY: "host-policy",
     CFG_HOST_INGRESS: "host-ingress",
     CFG_HOST_EGRESS: "host-egress",
+    CFG_VERDICT_ENFORCED: "verdict-enforced",
 }
 
 

@@ -215,6 +215,9 @@ class NodeConfig:
     masquerade6: bool = False
     allow_host: bool = True
     verdict_events: bool = True
+    # With verdict_events: only where the endpoint's policy is enforced in
+    # the connection's direction (Cilium's policy-verdict filter).
+    verdict_enforced_only: bool = False
     drop_events: bool = True
     nat_port_min: int = 61000
     nat_port_max: int = 65535
@@ -240,6 +243,7 @@ class Config(BpfMap[L.U32, L.DpConfig]):
             masquerade6=bool(v.flags & L.CFG_MASQUERADE6),
             allow_host=bool(v.flags & L.CFG_ALLOW_HOST),
             verdict_events=bool(v.flags & L.CFG_VERDICT_EVENTS),
+            verdict_enforced_only=bool(v.flags & L.CFG_VERDICT_ENFORCED),
             drop_events=bool(v.flags & L.CFG_DROP_EVENTS),
             nat_port_min=v.nat_port_min,
             nat_port_max=v.nat_port_max,
@@ -273,6 +277,7 @@ class Config(BpfMap[L.U32, L.DpConfig]):
             (cfg.masquerade6, L.CFG_MASQUERADE6),
             (cfg.allow_host, L.CFG_ALLOW_HOST),
             (cfg.verdict_events, L.CFG_VERDICT_EVENTS),
+            (cfg.verdict_events and cfg.verdict_enforced_only, L.CFG_VERDICT_ENFORCED),
             (cfg.drop_events, L.CFG_DROP_EVENTS),
             (cfg.tunnel_ifindex > 0, L.CFG_TUNNEL),
             (cfg.host_policy, L.CFG_HOST_POLICY),
