@@ -21,10 +21,10 @@ table that keeps them (keep_prev), the record it had before (`prev`).
 
 The change log is what a table costs beyond its records, so it keeps only
 what a resume needs: per change the key, whether the key existed before,
-and three revisions, in flat arrays (about 40 bytes a change). A table
-whose consumers need the record before a change (lb's watch names a
-deleted service and its removed backends) says so with keep_prev, and its
-log also holds those records.
+and three revisions, in flat arrays (33 bytes a change, and the key while
+only the log holds it). A table whose consumers need the record before a
+change (lb's watch names a deleted service and its removed backends) says
+so with keep_prev, and its log also holds those records.
 """
 
 from __future__ import annotations
