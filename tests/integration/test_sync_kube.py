@@ -39,7 +39,7 @@ async def following(
     api = await config.new_client_from_config(
         config_file=str(kube_api.write_kubeconfig(tmp_path / "kubeconfig"))
     )
-    table: Table[str, Any] = Table("services")
+    table: Table[str, Any] = Table("services", keep_prev=True)
     source = KubeSource(
         "services",
         client.CoreV1Api(api).list_service_for_all_namespaces_without_preload_content,

@@ -32,7 +32,7 @@ class Target:
 
 
 async def test_snapshot_then_changes_reach_the_target() -> None:
-    table: Table[str, int] = Table("t")
+    table: Table[str, int] = Table("t", keep_prev=True)
     table.replace([("a", 1, 3), ("b", 2, 5)], 5)
     # What a previous process left behind: pruned after the snapshot.
     target = Target({"stale": 9, "a": 0})

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import tracemalloc
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -45,10 +47,14 @@ steps = st.lists(
 
 
 @settings(max_examples=300, deadline=None)
-@given(steps=steps, log_size=st.integers(2, 40))
-def test_subscribers_rebuild_the_table_at_every_batch(steps: list, log_size: int) -> None:  # type: ignore[type-arg]
+@given(steps=steps, log_size=st.integers(2, 40), keep_prev=st.booleans())
+def test_subscribers_rebuild_the_table_at_every_batch(
+    steps: list,  # type: ignore[type-arg]
+    log_size: int,
+    keep_prev: bool,
+) -> None:
     async def run() -> None:
-        table: Table[str, int] = Table("t", log_size=log_size)
+        table: Table[str, int] = Table("t", log_size=log_size, keep_prev=keep_prev)
         revision = 1
         table.replace([], revision)
         subs = [table.subscribe(), table.subscribe()]
@@ -89,7 +95,7 @@ def test_subscribers_rebuild_the_table_at_every_batch(steps: list, log_size: int
 
 
 async def test_deltas_collapse_per_key_with_the_record_the_subscriber_held() -> None:
-    table: Table[str, str] = Table("t")
+    table: Table[str, str] = Table("t", keep_prev=True)
     table.replace([("a", "a1", 1), ("b", "b1", 1)], 1)
     sub = table.subscribe()
     first = await sub.next()
@@ -111,7 +117,7 @@ async def test_deltas_collapse_per_key_with_the_record_the_subscriber_held() -> 
 
 
 async def test_an_unchanged_record_is_not_a_change() -> None:
-    table: Table[str, int] = Table("t")
+    table: Table[str, int] = Table("t", keep_prev=True)
     table.replace([("a", 1, 1)], 1)
     sub = table.subscribe()
     await sub.next()
@@ -145,7 +151,7 @@ async def test_resume_from_a_revision_in_the_log_or_snapshot_beyond_it() -> None
 
 
 async def test_resume_beyond_the_log_reads_the_source_history() -> None:
-    table: Table[str, int] = Table("t", log_size=2)
+    table: Table[str, int] = Table("t", log_size=2, keep_prev=True)
     past = {5: {"a": (1, 3), "b": (2, 4)}}
 
     async def history(revision: int) -> Mapping[str, tuple[int, int]] | None:
@@ -164,6 +170,43 @@ async def test_resume_beyond_the_log_reads_the_source_history() -> None:
     batch = await table.subscribe(since=4).next()
     assert batch is not None
     assert batch.snapshot
+
+
+def test_the_change_log_costs_a_few_bytes_a_change_not_the_records_it_replaced() -> None:
+    """Churn of large records: the log grows by the change, not by the
+    record each change replaced (which it held until issue 18: a soak's
+    memory grew for as long as the log had room), unless the table keeps
+    them (keep_prev, measured the same way)."""
+    size, keys, changes = 4096, 50, 2000
+
+    def churn(keep_prev: bool) -> tuple[int, int, Table[str, bytes]]:
+        table: Table[str, bytes] = Table("t", keep_prev=keep_prev)
+        present = {f"k{i}" for i in range(keys)}
+        logged = keys
+        table.replace([(f"k{i}", os.urandom(size), 1) for i in range(keys)], 1)
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            for n in range(changes):
+                rev = n + 2
+                key = f"k{n % keys}"
+                # A fresh record each time; every tenth change a deletion.
+                record = None if n % 10 == 9 else os.urandom(size)
+                logged += key in present or record is not None
+                (present.discard if record is None else present.add)(key)
+                table.commit([(key, record, rev)], rev)
+            grown = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        return grown, logged, table
+
+    grown, logged, table = churn(keep_prev=False)
+    assert table.log_length == logged  # every change is there to resume from
+    # Whichever records are current (at most keys of them) plus ~40 bytes
+    # a change; the replaced records alone would be changes * size (8 MB).
+    assert grown < keys * size + changes * 100, grown
+    kept, _, _ = churn(keep_prev=True)
+    assert kept > changes // 2 * size, kept  # the measure sees what a log holds
 
 
 async def test_a_subscriber_ahead_of_the_table_waits_for_it_to_catch_up() -> None:
@@ -302,18 +345,20 @@ class EventCodec:
     cuts=st.lists(st.integers(1, 12), max_size=8),
     log_size=st.integers(2, 30),
     sync_batches=st.booleans(),
+    keep_prev=st.booleans(),
 )
 def test_a_follower_cut_off_anywhere_resumes_to_the_servers_table(
     ops: list,
     cuts: list[int],
     log_size: int,
     sync_batches: bool,  # type: ignore[type-arg]
+    keep_prev: bool,
 ) -> None:
     from flagella.common.backoff import Backoff
     from flagella.common.sync import StreamSource
 
     async def run() -> None:
-        server: Table[str, int] = Table("server", log_size=log_size)
+        server: Table[str, int] = Table("server", log_size=log_size, keep_prev=keep_prev)
         server.replace([("k0", 0, 1)], 1)
         connections = iter(cuts)
 

@@ -699,8 +699,10 @@ class Etcd:
         carries the value the stream had sent for the key in `prev`."""
         from flagella.common.sync.etcd import prefix_stream
 
-        async for event in prefix_stream(self, prefix, since_revision, max_delay=max_delay):
-            yield event if prev_kv else StreamEvent(event.kind, event.revision, event.kv)
+        async for event in prefix_stream(
+            self, prefix, since_revision, max_delay=max_delay, prev_kv=prev_kv
+        ):
+            yield event
 
 
 @dataclass(frozen=True, slots=True)

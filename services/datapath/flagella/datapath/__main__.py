@@ -136,6 +136,7 @@ class DatapathApp:
                     lb_pb2.WatchServicesRequest(since_revision=since, include_maglev_tables=True)
                 ),
                 ServicesCodec(cfg.node_ip),
+                keep_prev=True,  # RemoveBackends: the backends a change took out
             )
             self._reconcile(services, self.service.services, RemoveBackends(self.service))
         if self.registration is not None:
@@ -172,9 +173,10 @@ class DatapathApp:
         codec: StreamCodec[M, K, R],
         *,
         acknowledges_resume: bool = True,
+        keep_prev: bool = False,
     ) -> tuple[Table[K, R], StreamSource[K, R]]:
         """A control-plane stream mirrored into a table of its own."""
-        table: Table[K, R] = Table(name)
+        table: Table[K, R] = Table(name, keep_prev=keep_prev)
         source = StreamSource(
             name, open_stream, table, codec, acknowledges_resume=acknowledges_resume
         )

@@ -129,8 +129,10 @@ class EndpointWatchers:
         # etcd's endpoints: the app's table (fed on every replica, with or
         # without Kubernetes).
         self.endpoints = endpoints
-        # pod key -> the keys of its endpoints in self.endpoints.
+        # pod key -> the keys of its endpoints in self.endpoints, and back
+        # (the endpoints table keeps no records before a change).
         self.by_pod: dict[str, set[str]] = {}
+        self.pod_of: dict[str, str] = {}
         self.dirty = DirtyKeys()
         self.retry_backoff = Backoff(0.2, 10.0)
         self.elector: LeaderElector | None = None
@@ -225,15 +227,20 @@ class EndpointWatchers:
             if batch.snapshot:
                 self._mark_all()  # the pods whose endpoints went unseen
                 self.by_pod.clear()
+                self.pod_of.clear()
             for change in batch.changes:
-                for ep, add in ((change.prev, False), (change.record, True)):
-                    pod = pod_key(ep) if ep is not None else None
-                    if pod is None:
-                        continue
-                    keys = self.by_pod.setdefault(pod, set())
-                    (keys.add if add else keys.discard)(change.key)
+                key = change.key
+                old = self.pod_of.pop(key, None)
+                if old is not None:
+                    keys = self.by_pod[old]
+                    keys.discard(key)
                     if not keys:
-                        del self.by_pod[pod]
+                        del self.by_pod[old]
+                    self._mark([old])
+                pod = pod_key(change.record) if change.record is not None else None
+                if pod is not None:
+                    self.pod_of[key] = pod
+                    self.by_pod.setdefault(pod, set()).add(key)
                     self._mark([pod])
 
     def endpoints_of(self, pod: str) -> list[Endpoint]:

@@ -200,8 +200,10 @@ class LbStore:
     def __init__(self, etcd: Etcd) -> None:
         self.etcd = etcd
         # Every service by id, as etcd has it (what WatchServices streams):
-        # one etcd watch per replica, however many watchers.
-        self.services: Table[int, ServiceRecord] = Table("lb-services")
+        # one etcd watch per replica, however many watchers. Its log keeps
+        # the records before each change: a watch's DELETE names the service
+        # and a change the backends it lost.
+        self.services: Table[int, ServiceRecord] = Table("lb-services", keep_prev=True)
         self.source = EtcdSource(
             etcd, self.services, ServiceCodec(), prefix=SERVICES, page_size=PAGE_SIZE
         )

@@ -210,11 +210,12 @@ class _RawMessages:
 
 
 async def prefix_stream(
-    etcd: Etcd, prefix: str, since: int = 0, *, max_delay: float = 5.0
+    etcd: Etcd, prefix: str, since: int = 0, *, max_delay: float = 5.0, prev_kv: bool = False
 ) -> AsyncIterator[StreamEvent]:
     """The key-values of one prefix as a Watch* stream (see serve.py), for a
-    consumer that follows a prefix with no table of its own."""
-    table: Table[str, KeyValue] = Table(prefix)
+    consumer that follows a prefix with no table of its own (with prev_kv,
+    each delta names the key-value it replaces)."""
+    table: Table[str, KeyValue] = Table(prefix, keep_prev=prev_kv)
     source = EtcdSource(
         etcd, table, RawCodec(prefix), prefix=prefix, backoff=Backoff(0.1, max_delay)
     )

@@ -16,8 +16,15 @@ a reader never sees half of a revision. Readers get:
   revision); when neither reaches back that far, a snapshot.
 
 Changes are collapsed per key: a subscriber that was away for many
-revisions gets each changed key once, with the record it had before
-(`prev`) and the record now.
+revisions gets each changed key once, with the record now and, from a
+table that keeps them (keep_prev), the record it had before (`prev`).
+
+The change log is what a table costs beyond its records, so it keeps only
+what a resume needs: per change the key, whether the key existed before,
+and three revisions, in flat arrays (33 bytes a change, and the key while
+only the log holds it). A table whose consumers need the record before a
+change (lb's watch names a deleted service and its removed backends) says
+so with keep_prev, and its log also holds those records.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import logging
+from array import array
 from collections.abc import Awaitable, Callable, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
@@ -41,7 +49,8 @@ class Change(Generic[K, R]):
     key: K
     # None: the key is gone.
     record: R | None
-    # What the subscriber held for the key before (None: nothing).
+    # What the subscriber held for the key before (None: nothing), from a
+    # table that keeps it (Table(keep_prev=True)); None from any other.
     prev: R | None
     # The source revision of the key's latest change.
     revision: int
@@ -91,22 +100,28 @@ History = Callable[[int], Awaitable[Mapping[K, tuple[R, int]] | None]]
 
 
 class Table(Generic[K, R]):
-    def __init__(self, name: str, *, log_size: int = 16_384) -> None:
+    def __init__(self, name: str, *, log_size: int = 16_384, keep_prev: bool = False) -> None:
         self.name = name
         self.log_size = log_size
+        self.keep_prev = keep_prev
         self._records: dict[K, R] = {}
         self._key_revisions: dict[K, int] = {}
         self._revision = 0
-        # The change log: the table revision each change became visible at
-        # (non-decreasing, for bisect), and (key, record before the change,
-        # the change's own source revision).
-        self._log_revisions: list[int] = []
-        self._log: list[tuple[K, R | None, int]] = []
+        # The change log, one slot per change in each: the table revision it
+        # became visible at (non-decreasing, for bisect), the key, whether
+        # the key existed before, the change's own source revision, and
+        # (keep_prev only) the record before. Flat arrays of machine
+        # integers: a list of ints costs a 32-byte object per revision.
+        self._log_revisions = array("q")
+        self._log_keys: list[K] = []
+        self._log_existed = bytearray()
+        self._log_key_revisions = array("q")
+        self._log_prevs: list[R | None] = []
         # Every publication (of changes or progress) counts one: subscribers
         # follow this sequence, since a late change can be published at a
         # revision already announced.
         self._seq = 0
-        self._log_seqs: list[int] = []
+        self._log_seqs = array("q")
         # Every change after this revision (this sequence number) is in the log.
         self._floor = 0
         self._floor_seq = 0
@@ -257,25 +272,37 @@ class Table(Generic[K, R]):
     def _log_change(self, key: K, prev: R | None, visible_at: int, revision: int) -> None:
         self._log_revisions.append(visible_at)
         self._log_seqs.append(self._seq + 1)
-        self._log.append((key, prev, revision))
+        self._log_keys.append(key)
+        self._log_existed.append(prev is not None)
+        self._log_key_revisions.append(revision)
+        if self.keep_prev:
+            self._log_prevs.append(prev)
+
+    @property
+    def log_length(self) -> int:
+        """How many changes the log holds."""
+        return len(self._log_keys)
 
     def _publish(self, revision: int) -> None:
         self._seq += 1
         self._revision = max(self._revision, revision)
-        if len(self._log) > self.log_size:
+        if len(self._log_keys) > self.log_size:
             self._trim()
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
 
     def _trim(self) -> None:
         """Drop the older half of the log (whole revisions only)."""
-        cut = len(self._log) // 2
+        cut = len(self._log_keys) // 2
         floor = self._log_revisions[cut - 1]
         cut = bisect.bisect_right(self._log_revisions, floor)
         self._floor_seq = self._log_seqs[cut - 1]
         del self._log_revisions[:cut]
         del self._log_seqs[:cut]
-        del self._log[:cut]
+        del self._log_keys[:cut]
+        del self._log_existed[:cut]
+        del self._log_key_revisions[:cut]
+        del self._log_prevs[:cut]
         self._floor = floor
 
     # --- what subscribers get ---
@@ -302,23 +329,43 @@ class Table(Generic[K, R]):
         return self._changes_from(bisect.bisect_right(self._log_seqs, seq))
 
     def _changes_from(self, start: int) -> Batch[K, R]:
-        first_prev: dict[K, R | None] = {}
+        # Per key, whether it existed (and what it was, keep_prev) at the
+        # first change after start, and the revision of its last change.
+        first: dict[K, int] = {}
         last_at: dict[K, int] = {}
-        for i in range(start, len(self._log)):
-            key, prev, revision = self._log[i]
-            if key not in first_prev:
-                first_prev[key] = prev
-            last_at[key] = revision
-        return self._batch_from(first_prev, last_at)
+        keys, key_revisions = self._log_keys, self._log_key_revisions
+        for i in range(start, len(keys)):
+            key = keys[i]
+            if key not in first:
+                first[key] = i
+            last_at[key] = key_revisions[i]
+        held: dict[K, R | None] = {}
+        existed: dict[K, bool] = {}
+        for key, i in first.items():
+            existed[key] = bool(self._log_existed[i])
+            held[key] = self._log_prevs[i] if self.keep_prev else None
+        return self._batch_from(held, last_at, existed)
 
-    def _batch_from(self, held: Mapping[K, R | None], deleted_at: Mapping[K, int]) -> Batch[K, R]:
+    def _batch_from(
+        self,
+        held: Mapping[K, R | None],
+        deleted_at: Mapping[K, int],
+        existed: Mapping[K, bool] | None = None,
+    ) -> Batch[K, R]:
+        """The changes of held's keys: held maps each to the record the
+        subscriber had (None: none, or not kept: then existed says whether
+        it had one)."""
         changes = []
-        for key, prev in held.items():
+        for key, before in held.items():
+            had = before is not None if existed is None else existed[key]
+            prev = before if self.keep_prev else None
             record = self._records.get(key)
             if record is None:
-                if prev is not None:
+                if had:
                     changes.append(Change(key, None, prev, deleted_at.get(key, self._revision)))
             elif prev is None or prev != record:
+                # Without prev a record changed and changed back is sent
+                # again: a repeated upsert, which every consumer absorbs.
                 changes.append(Change(key, record, prev, self._key_revisions[key]))
         # In revision order: a client that loses the stream mid-batch knows
         # every revision below the last one it got is complete.
