@@ -73,6 +73,7 @@ class ChurnResult:
     cpu_s: dict[str, float] = field(default_factory=dict)
     rss_kib: dict[str, int] = field(default_factory=dict)
     drained_s: float | None = None
+    churn_s: float = 0.0  # from the first pod to the last one's release
 
     def figures(self) -> dict[str, Any]:
         def pct(xs: list[float], q: float) -> float:
@@ -89,6 +90,7 @@ class ChurnResult:
             "hold_s": round(self.hold_s, 1),
             "pods_created_count": self.created,
             "pods_deleted_count": self.deleted,
+            "achieved_pods_per_s": round(self.created / self.churn_s, 1) if self.churn_s else 0.0,
             "allocate_p50_ms": pct(self.alloc_ms, 50),
             "allocate_p99_ms": pct(self.alloc_ms, 99),
             "allocate_max_ms": round(max(self.alloc_ms, default=0.0), 2),
@@ -107,11 +109,11 @@ class ChurnResult:
         }
         for name, count in self.etcd_keys.items():
             out[f"etcd_identity_keys_{name}_count"] = count
-        for name, cpu in self.cpu_s.items():
-            out[f"policy_cpu_{name}_s"] = round(cpu, 2)
-        if self.created:
-            churn_cpu = self.cpu_s.get("churn", 0.0)
-            out["policy_cpu_per_pod_ms"] = round(churn_cpu / self.created * 1e3, 2)
+        if self.created:  # CPU of the churn phase
+            for process in ("policy", "etcd"):
+                cpu = self.cpu_s.get(process, 0.0)
+                out[f"{process}_cpu_churn_s"] = round(cpu, 2)
+                out[f"{process}_cpu_per_pod_ms"] = round(cpu / self.created * 1e3, 2)
         for name, rss in self.rss_kib.items():
             out[f"policy_rss_{name}_mib"] = round(rss / 1024, 1)
         return out
@@ -150,10 +152,13 @@ class IdentityChurn:
             self.result.hold_s = time.perf_counter() - t0
             self.result.held = held
             self.result.etcd_keys["held"] = await self._identity_keys()
-            cpu0 = cpu_seconds(self.proc.pid)
+            assert self.etcd.proc is not None
+            etcd_pid = self.etcd.proc.pid
+            cpu0, etcd_cpu0 = cpu_seconds(self.proc.pid), cpu_seconds(etcd_pid)
             self.result.rss_kib["after_hold"] = rss_kib(self.proc.pid)
             await self._churn(rate, seconds, lifetime)
-            self.result.cpu_s["churn"] = cpu_seconds(self.proc.pid) - cpu0
+            self.result.cpu_s["policy"] = cpu_seconds(self.proc.pid) - cpu0
+            self.result.cpu_s["etcd"] = cpu_seconds(etcd_pid) - etcd_cpu0
             self.result.rss_kib["after_churn"] = rss_kib(self.proc.pid)
             self.result.lost = await self._check_in_use()
             self.result.etcd_keys["end_of_churn"] = await self._identity_keys()
@@ -258,6 +263,7 @@ class IdentityChurn:
                 await asyncio.sleep(max(0.0, start + i / rate - time.monotonic()))
             if pods:
                 await asyncio.gather(*pods)
+            self.result.churn_s = time.monotonic() - start
         finally:
             sampler.cancel()
 
