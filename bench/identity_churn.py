@@ -46,7 +46,9 @@ atexit.register(lambda: _profiler.dump_stats(os.environ["FLAGELLA_CHURN_PROFILE"
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="5,000 held, 10 s (under 30 s)")
+    parser.add_argument(
+        "--quick", action="store_true", help="2,000 held, 10 s, GC every 2 s (about 30 s)"
+    )
     parser.add_argument("--held", type=int, help="identities held throughout (50,000)")
     parser.add_argument("--rate", type=float, default=100.0, help="pods created (and deleted) /s")
     parser.add_argument("--seconds", type=float, help="seconds of churn (120)")
@@ -56,7 +58,9 @@ def main() -> int:
     )
     parser.add_argument("--json", action="store_true", help="one JSON object")
     args = parser.parse_args()
-    held = args.held if args.held is not None else (5_000 if args.quick else 50_000)
+    held = args.held if args.held is not None else (2_000 if args.quick else 50_000)
+    if args.quick and args.gc_interval is None:
+        args.gc_interval = 2.0  # (rounds within the 10 s, and a short drain)
     seconds = args.seconds if args.seconds is not None else (10.0 if args.quick else 120.0)
     flags = ["--log-level", "warning"]
     if args.gc_interval is not None:
@@ -80,7 +84,7 @@ def main() -> int:
 
         async def run() -> None:
             await churn.run(held, args.rate, seconds, args.lifetime)
-            await churn.drain(timeout=max(30.0, 3 * (args.gc_interval or 60.0)))
+            await churn.drain(timeout=max(30.0, 3 * (args.gc_interval or 15.0)))
 
         asyncio.run(run())
     finally:
