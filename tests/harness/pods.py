@@ -5,6 +5,7 @@ the node realized the pod's policy."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from google.protobuf.duration_pb2 import Duration
@@ -35,9 +36,11 @@ def add_pod(
     ip: str,
     labels: dict[str, str],
     ns: Netns | None = None,
+    setup_ms: list[float] | None = None,
 ) -> Pod:
     """What the endpoint service does for an ADD, step by step (in a netns
-    of its own, or in ns when given: a pod made before the node)."""
+    of its own, or in ns when given: a pod made before the node); the
+    SetupEndpoint call's milliseconds are appended to setup_ms if given."""
     ns = ns or cluster.pod(node, name)
     policy = cluster.policy(as_=ENDPOINT)
     alloc = policy.AllocateIdentity(
@@ -49,6 +52,7 @@ def add_pod(
         timeout=10,
     )
     dp = cluster.datapath(node, as_=ENDPOINT)
+    started = time.perf_counter()
     resp = dp.SetupEndpoint(
         datapath_pb2.SetupEndpointRequest(
             endpoint_id=endpoint_id,
@@ -61,6 +65,8 @@ def add_pod(
         ),
         timeout=20,
     )
+    if setup_ms is not None:
+        setup_ms.append((time.perf_counter() - started) * 1e3)
     assert resp.container_interface.name == "eth0"
     assert resp.gateways == ["169.254.1.1"]
     policy.UpsertIPCache(

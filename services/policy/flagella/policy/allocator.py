@@ -3,6 +3,7 @@ references on identities, creating an identity on first use."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 from collections.abc import Awaitable, Callable, Sequence
@@ -64,6 +65,8 @@ class IdentityAllocator:
         self.leases = leases
         self._inflight: set[int] = set()
         self._taken: set[int] = set()
+        # Where the search for a free id below the top resumes.
+        self._wrapped = MIN_GLOBAL
 
     @property
     def state(self) -> PolicyState:
@@ -103,8 +106,13 @@ class IdentityAllocator:
         for ident in range(base + random.randrange(window), MAX_GLOBAL + 1):
             if free(ident):
                 return ident
-        for ident in range(MIN_GLOBAL, MAX_GLOBAL + 1):
+        # The top was reached: the next free id after the last one picked
+        # here, wrapping around (not the lowest free: with 50,000 ids held
+        # below it that is a walk over all of them for every allocation).
+        start = self._wrapped
+        for ident in itertools.chain(range(start, MAX_GLOBAL + 1), range(MIN_GLOBAL, start)):
             if free(ident):
+                self._wrapped = ident + 1 if ident < MAX_GLOBAL else MIN_GLOBAL
                 return ident
         raise ResourceExhausted(
             f"all identities {MIN_GLOBAL}-{MAX_GLOBAL} are allocated", field="labels"

@@ -47,7 +47,7 @@ class PolicyConfig(KubeConfig):
         1000, "keys attached to one etcd lease before a node gets another lease"
     )
     identity_gc_interval: float = option(
-        60.0,
+        15.0,
         "seconds between garbage-collection rounds; an identity no node references is "
         "freed after two rounds",
     )

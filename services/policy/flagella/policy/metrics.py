@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator
 
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from flagella.common.metrics import outcome_family
@@ -37,6 +37,25 @@ class PolicyCollector(Collector):
             (Kind.CIDR, len(state.cidr)),
         ):
             identities.add_metric((kind.value,), count)
+        unreferenced = GaugeMetricFamily(
+            "flagella_identity_unreferenced",
+            "Global identities no node references: garbage the next GC rounds free.",
+        )
+        unreferenced.add_metric((), state.unreferenced_count())
+        gc = self.service.gc
+        gc_runs = CounterMetricFamily(
+            "flagella_identity_gc_runs", "Identity garbage-collection rounds this replica ran."
+        )
+        gc_runs.add_metric((), gc.runs)
+        gc_freed = CounterMetricFamily(
+            "flagella_identity_gc_freed", "Identities this replica garbage-collected."
+        )
+        gc_freed.add_metric((), gc.freed_total)
+        gc_last = GaugeMetricFamily(
+            "flagella_identity_gc_last_duration_seconds",
+            "How long this replica's last garbage-collection round took.",
+        )
+        gc_last.add_metric((), gc.last_duration)
         rules = GaugeMetricFamily(
             "flagella_policy",
             "Network policy rules in force, by source (api, or the Kubernetes kind).",
@@ -51,6 +70,10 @@ class PolicyCollector(Collector):
         )
         revision.add_metric((), state.revision)
         yield identities
+        yield unreferenced
+        yield gc_runs
+        yield gc_freed
+        yield gc_last
         yield rules
         yield revision
         yield outcome_family(

@@ -12,7 +12,7 @@ from flagella.policy.resolve import DEFAULT_BUDGET
 class Settings:
     node_lease_ttl: int = 900
     keys_per_lease: int = 1000
-    gc_interval: float = 60.0
+    gc_interval: float = 15.0
     budget: int = DEFAULT_BUDGET
     allow_localhost: bool = True
     # --k8s-ipblock-mode=kubernetes: NetworkPolicy ipBlocks match pods too.

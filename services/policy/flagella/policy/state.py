@@ -588,6 +588,12 @@ class PolicyState:
     def unreferenced_identities(self) -> list[GlobalIdentity]:
         return [g for i, g in self.identities.items() if i not in self.refs_by_id]
 
+    def unreferenced_count(self) -> int:
+        """How many global identities no node references (for a scrape:
+        counts only, no walk over the identities)."""
+        referenced = len(self.refs_by_id) - sum(1 for i in RESERVED_INFOS if i in self.refs_by_id)
+        return max(0, len(self.identities) - referenced)
+
     def ipcache_entry(self, prefix: str) -> IPEntry | None:
         entry = self.ip.get(prefix)
         if entry is not None:

@@ -16,6 +16,12 @@ V = TypeVar("V", bound=ctypes.Structure)
 
 _BATCH = 4096
 _BATCH_TYPES = {syscall.MAP_TYPE_HASH, syscall.MAP_TYPE_LRU_HASH, syscall.MAP_TYPE_ARRAY}
+# Batch updates (not lookups) also reach LPM tries through the kernel's
+# generic batch code where it has it (6.x here); a kernel refusing falls
+# back to one update each (BpfMap.update_batch).
+_UPDATE_BATCH_TYPES = _BATCH_TYPES | {syscall.MAP_TYPE_LPM_TRIE}
+# What a kernel without a map type's batch operation answers.
+_NO_BATCH = {errno.EINVAL, errno.EOPNOTSUPP, 524}  # 524: the kernel's ENOTSUPP
 
 
 class MapFullError(OSError):
@@ -66,6 +72,7 @@ class BpfMap(Generic[K, V]):
         self.key_type: type[K] = spec.key  # type: ignore[assignment]
         self.value_type: type[V] = spec.value  # type: ignore[assignment]
         self.stats = MapStats()
+        self._batch_updates = spec.map_type in _UPDATE_BATCH_TYPES
 
     def track(self) -> None:
         """Keep the set of keys from now on (one walk here; then the
@@ -108,11 +115,12 @@ class BpfMap(Generic[K, V]):
         return present
 
     def update_batch(self, pairs: Sequence[tuple[K, V]]) -> int:
-        """Writes every pair; one syscall per 4096 where the map type has
-        batch operations (hash, LRU, array), else one per entry."""
+        """Writes every pair, in order; one syscall per 4096 where the map
+        type has batch updates (hash, LRU, array, LPM trie), else one per
+        entry."""
         if not pairs:
             return 0
-        if self.spec.map_type not in _BATCH_TYPES:
+        if not self._batch_updates:
             for k, v in pairs:
                 self.update(k, v)
             return len(pairs)
@@ -127,6 +135,9 @@ class BpfMap(Generic[K, V]):
             try:
                 n = syscall.map_update_batch(self.fd, keys, values, len(chunk))
             except syscall.BpfError as e:
+                if e.errno in _NO_BATCH and self.spec.map_type not in _BATCH_TYPES:
+                    self._batch_updates = False  # this kernel's LPM trie has none
+                    return done + self.update_batch(pairs[start:])
                 self.stats.count("update", False, len(chunk))
                 if self.stats.keys is not None:
                     self.track()  # part of the batch may be in: read what is
@@ -136,6 +147,9 @@ class BpfMap(Generic[K, V]):
             done += n
             self.stats.count("update", True, n)
             self.stats.added(key_bytes[:n])
+            for k, v in chunk[n:]:  # a batch cut short: the rest, each raising its error
+                self.update(k, v)
+                done += 1
         return done
 
     def delete_many(self, keys: Iterable[K]) -> int:
