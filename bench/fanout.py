@@ -52,6 +52,16 @@ def table(r: dict[str, Any], counts: list[int]) -> str:
         row(f"{who} RSS after changes, MiB", f"{who}_changes_rss_mib")
     row("etcd RPCs/node/min at rest", "etcd_started_per_node_per_min")
     row("etcd messages/node/min at rest", "etcd_msg_received_per_node_per_min")
+    prefix = "etcd_msg_received_"
+    methods = sorted(
+        {
+            k.split(prefix, 1)[1]
+            for k in r
+            if prefix in k and not k.endswith(f"{prefix}per_node_per_min")
+        }
+    )
+    for m in methods:
+        row(f"  of which {m.removesuffix('_per_node_per_min')}", prefix + m)
     row("load average at start", "loadavg_start")
     row("load average at end", "loadavg_end")
     return "\n".join(lines)

@@ -38,6 +38,7 @@ from flagella.api.policy.v1 import policy_pb2, policy_pb2_grpc
 from flagella.common import addresses, tls
 from flagella.common.backoff import Backoff
 from flagella.common.keepalive import Keepalive
+from flagella.common.logs import setup_logging
 from flagella.common.sync import StreamCodec, StreamSource
 from flagella.common.sync.stream import OpenStream
 from flagella.common.tasks import TaskGroup
@@ -221,7 +222,7 @@ class Node:
                     self.host_synced.set()
                     backoff.reset()
             except grpc.aio.AioRpcError as exc:
-                log.warning("host policy stream broke: %s", exc.details())
+                log.warning("host policy stream broke", extra={"reason": exc.details()})
             await backoff.wait()
 
     async def ready(self) -> None:
@@ -289,5 +290,5 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    setup_logging("fanout-node", "warning")
     asyncio.run(main())
