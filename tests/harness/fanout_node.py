@@ -51,6 +51,7 @@ log = logging.getLogger("fanout-node")
 K = TypeVar("K", bound=Hashable)
 R = TypeVar("R")
 OnRecord = Callable[[str, Any, Any], None]
+JOIN_BATCH = 25
 
 
 class DictSink(Generic[K, R]):
@@ -225,9 +226,12 @@ class Node:
                 log.warning("host policy stream broke", extra={"reason": exc.details()})
             await backoff.wait()
 
-    async def ready(self) -> None:
+    async def registered(self) -> None:
         assert self.registration is not None
         await self.registration.registered.wait()
+
+    async def ready(self) -> None:
+        await self.registered()
         for source in self.sources:
             await source.synced.wait()
         await self.host_synced.wait()
@@ -259,8 +263,14 @@ class Worker:
 
     async def run(self, lines: asyncio.StreamReader) -> None:
         async with TaskGroup("fanout-nodes") as tasks:
-            for node in self.nodes:
-                node.start(tasks)
+            # JOIN_BATCH nodes registering at a time: nodes join a cluster
+            # over minutes (a whole worker's at once timed out on ipam's
+            # RegisterNode: see docs/SCALE.md).
+            for k in range(0, len(self.nodes), JOIN_BATCH):
+                batch = self.nodes[k : k + JOIN_BATCH]
+                for node in batch:
+                    node.start(tasks)
+                await asyncio.gather(*(n.registered() for n in batch))
             await asyncio.gather(*(n.ready() for n in self.nodes))
             self.out({"ready": len(self.nodes)})
             while line := await lines.readline():
