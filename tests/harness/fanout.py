@@ -180,6 +180,8 @@ class Fanout:
         self.nodes: list[str] = []
         self.ids = itertools.count(1)
         self.port = 1000
+        # The rule's port now (self.port also moves with the service's).
+        self.rule_port = self.port
         self.ips = itertools.count(1)
         self.policy = cluster.policy()
         self.lb = cluster.lb()
@@ -218,7 +220,7 @@ class Fanout:
         # does for a pod on it); then every node must hold the rule.
         self._expecting(
             "rule",
-            {"port": self.port},
+            {"port": self.rule_port},
             lambda: self._reference_all(self.nodes[start:]),
             timeout=60 + total / 5,
         )
@@ -239,6 +241,7 @@ class Fanout:
     # --- the changes ---
 
     def _put_rule(self) -> None:
+        self.rule_port = self.port
         doc = RULE.format(port=self.port)
         self.policy.PutRules(policy_pb2.PutRulesRequest(document=doc), timeout=30)
 
