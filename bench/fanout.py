@@ -25,6 +25,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
@@ -116,7 +118,7 @@ def main() -> int:
                 for n in counts:
                     fanout.grow(n)
                     rounds.append(fanout.measure(changes, rest))
-            except (TimeoutError, RuntimeError) as exc:
+            except (TimeoutError, RuntimeError, grpc.RpcError) as exc:
                 # The rounds measured so far still count; the failure is reported.
                 error = f"at {n} nodes: {str(exc)[:300]}"
             finally:
