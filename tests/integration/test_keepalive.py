@@ -5,6 +5,7 @@ however long its watch stream stays idle (flagella.common.keepalive)."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import Callable
 
@@ -98,3 +99,65 @@ def test_idle_watch_outlives_many_keepalive_periods(
     assert event.kind == pb.ServiceEvent.KIND_UPSERT
     assert event.service.name == "ka/a"
     assert "too_many_pings" not in lb.logs()
+
+
+async def connections_to_a_silent_peer(seconds: float) -> int:
+    """How many connections a client opens in seconds to a peer that
+    accepts but never answers (a server too busy to finish handshakes)."""
+    loop = asyncio.get_running_loop()
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(100)
+        listener.setblocking(False)
+        held: list[socket.socket] = []
+
+        async def accept() -> None:
+            while True:
+                held.append((await loop.sock_accept(listener))[0])
+
+        acceptor = asyncio.ensure_future(accept())
+        target = f"127.0.0.1:{listener.getsockname()[1]}"
+        creds = session().credentials(OPERATOR)
+        async with grpc.aio.secure_channel(target, creds, options=KEEPALIVE.client_options()) as ch:
+            check = health_pb2_grpc.HealthStub(ch).Check
+            with pytest.raises(grpc.aio.AioRpcError):
+                await check(health_pb2.HealthCheckRequest(), timeout=seconds, wait_for_ready=True)
+        acceptor.cancel()
+        for conn in held:
+            conn.close()
+        return len(held)
+
+
+async def answered_after_start(delay: float) -> float:
+    """A client calls a port nobody listens on yet; a server starts there
+    after delay: how long after its start the call is answered."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+
+    async def start_later() -> float:
+        await asyncio.sleep(delay)
+        await server.start()
+        return time.monotonic()
+
+    starting = asyncio.ensure_future(start_later())
+    try:
+        async with grpc.aio.insecure_channel(
+            f"127.0.0.1:{port}", options=KEEPALIVE.client_options()
+        ) as ch:
+            check = health_pb2_grpc.HealthStub(ch).Check
+            await check(health_pb2.HealthCheckRequest(), timeout=20, wait_for_ready=True)
+        return time.monotonic() - await starting
+    finally:
+        await server.stop(0)
+
+
+def test_slow_handshakes_are_waited_for_and_refused_connections_retried_fast() -> None:
+    # One connection, waited on: not a new one every 0.1-0.5 s (9 in 3 s
+    # before), which left a busy server a socket per abandoned attempt.
+    assert asyncio.run(connections_to_a_silent_peer(2.0)) == 1
+    # A peer that comes back is still found within the reconnect backoff.
+    assert asyncio.run(answered_after_start(0.5)) < 1.0

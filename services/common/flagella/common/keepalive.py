@@ -20,9 +20,16 @@ from typing import Any
 #: to two minutes, and even a 2 s cap made the first call after a peer's
 #: return wait for the channel's next attempt. Attempts on the loopback or a
 #: cluster network are cheap; gRPC adds its own ±20 % jitter to each delay.
+#: gRPC's "min reconnect backoff" is not a backoff but the least time one
+#: attempt may take (TCP, TLS handshake, HTTP/2 settings): at 100 ms, a busy
+#: server's slow handshakes were abandoned and retried every 0.1-0.5 s, and
+#: 1,000 nodes joining left ipam 20,000 half-open sockets (its file limit).
+#: gRPC's default, 20 s; a refused connection is still retried after the
+#: backoff above.
+CONNECT_TIMEOUT_MS = 20_000
 RECONNECT_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", CONNECT_TIMEOUT_MS),
     ("grpc.max_reconnect_backoff_ms", 500),
 ]
 
