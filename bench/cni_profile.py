@@ -141,7 +141,17 @@ def main() -> int:
                 raise RuntimeError(f"{command} {i}: {out}")
             return (time.perf_counter() - t) * 1000
 
-        run("ADD", n)  # warm-up: identity, policy, caches
+        # Warm-up (identity, policy, caches, the services' channels), retried
+        # on code 11 as a runtime retries: on a loaded machine the first call
+        # may find a channel not connected yet.
+        for attempt in range(5):
+            try:
+                run("ADD", n)
+                break
+            except RuntimeError:
+                if attempt == 4:
+                    raise
+                run("DEL", n)
         run("DEL", n)
         out_dir = Path(args.py_spy) if args.py_spy else None
         for command in ("ADD", "DEL"):
