@@ -19,7 +19,7 @@ Python lean: -S (no site: the plugin needs no .pth file, no sitecustomize,
 and its module path comes from PYTHONPATH) and -c rather than -m (runpy
 imports importlib.util, contextlib, collections, functools); the plugin's
 modules are compiled into the bundle, as PYTHONDONTWRITEBYTECODE keeps
-the plugin from writing any. Together ~8 ms of CPU of ~28 per operation
+the plugin from writing any. Together 10-12 ms of CPU of 28-31 per operation
 (docs/BENCHMARKS.md, "Faster CNI ADD").
 """
 
