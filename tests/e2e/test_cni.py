@@ -6,6 +6,7 @@ is reached, and DEL/CHECK/GC behave as the CNI spec says."""
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import os
 import stat
 from dataclasses import dataclass
@@ -228,3 +229,32 @@ def test_pod_whose_netns_vanished_is_swept_with_its_ip(cluster: Cluster) -> None
     assert wait_until(swept, timeout=30)
     realized = cluster.datapath(node).ListEndpoints(datapath_pb2.ListEndpointsRequest(), timeout=10)
     assert [e.container_id for e in realized.endpoints] == [keep.container_id]
+
+
+def test_four_adds_at_once_then_four_dels_leave_nothing(cluster: Cluster, node: Node) -> None:
+    # As a runtime starting pods in parallel: 4 ADDs in flight at once
+    # through the real plugin, then 4 DELs.
+    names = [f"par{i}" for i in range(4)]
+    with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
+        pods = list(pool.map(lambda name: add(cluster, node, name, {"app": "par"}), names))
+    assert len({p.ip for p in pods}) == len(pods)
+    assert len({p.result["interfaces"][0]["mac"] for p in pods}) == len(pods)
+    assert pods[0].ns.ping(pods[3].ip)
+    assert pods[3].ns.ping(pods[0].ip)
+    conf = netconf(node.cni_socket, {"app": "par"})
+
+    def delete(pod: Pod) -> tuple[int, dict[str, Any]]:
+        return cni("DEL", conf, container_id=pod.container_id, netns=pod.ns.path)
+
+    with concurrent.futures.ThreadPoolExecutor(len(pods)) as pool:
+        assert list(pool.map(delete, pods)) == [(0, {})] * len(pods)
+    # Nothing left: addresses, endpoints, the datapath's endpoints, veths.
+    allocations = cluster.ipam().ListAllocations(
+        ipam_pb2.ListAllocationsRequest(node=node.name), timeout=10
+    )
+    assert list(allocations.allocations) == []
+    endpoints = cluster.endpoint().ListEndpoints(endpoint_pb2.ListEndpointsRequest(), timeout=10)
+    assert list(endpoints.endpoints) == []
+    realized = cluster.datapath(node).ListEndpoints(datapath_pb2.ListEndpointsRequest(), timeout=10)
+    assert list(realized.endpoints) == []
+    assert "lxc" not in node.netns.ip("-br", "link").stdout

@@ -24,6 +24,25 @@ from flagella.datapath.cnirelay import CniRelay
 from harness import tls
 
 PLUGIN = shutil.which("flagella-cni", path=str(Path(sys.executable).parent)) or "flagella-cni"
+# The self-contained plugin the datapath image installs on nodes.
+BUNDLE_BUILDER = Path(__file__).resolve().parents[2] / "docker" / "datapath" / "cni_bundle.py"
+
+
+def plugin() -> str:
+    """The flagella-cni that cni() runs: $FLAGELLA_CNI_PLUGIN (a bundle a
+    benchmark built: build_bundle), or the venv's script."""
+    return os.environ.get("FLAGELLA_CNI_PLUGIN") or PLUGIN
+
+
+def build_bundle(out: Path) -> str:
+    """Build the plugin's self-contained bundle (docker/datapath/cni_bundle.py,
+    as the datapath image does) into out; the path of its flagella-cni."""
+    subprocess.run(
+        [sys.executable, str(BUNDLE_BUILDER), str(out)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    return str(out / "flagella-cni")
 
 
 def netconf(socket: str, labels: dict[str, str] | None = None, **extra: Any) -> dict[str, Any]:
@@ -98,7 +117,7 @@ def cni(
     if pod:
         env["CNI_ARGS"] = f"IgnoreUnknown=1;K8S_POD_NAMESPACE={pod[0]};K8S_POD_NAME={pod[1]}"
     proc = subprocess.run(
-        [PLUGIN],
+        [plugin()],
         input=json.dumps(conf).encode(),
         capture_output=True,
         env=env,

@@ -241,7 +241,10 @@ async def setup_veth(spec: VethSpec) -> VethResult:
             pod_link = await _link(pod, tmp_name)
             if host_link is None or pod_link is None:
                 raise NetdevError(f"veth {host_name} vanished while being set up")
-            await pod.link("set", index=int(pod_link["index"]), ifname=spec.ifname)
+            # Renamed below, with its mtu and up in the same message.
+            pod_name = tmp_name
+        else:
+            pod_name = spec.ifname
         assert host_link is not None
         assert pod_link is not None
         host_index = int(host_link["index"])
@@ -265,12 +268,14 @@ async def setup_veth(spec: VethSpec) -> VethResult:
 
         # The loopback device is ifindex 1 in every netns (LOOPBACK_IFINDEX).
         await pod.link("set", index=LOOPBACK_IFINDEX, state="up")
-        await write_sysctls(
-            spec.netns_path,
-            {f"net.ipv6.conf.{spec.ifname}.accept_dad": "0"} if has_v6 else {},
-            spec.proc_sys,
-        )
-        await pod.link("set", index=pod_index, mtu=spec.mtu, state="up")
+        if has_v6:
+            # Under the name it has now: a sysctl follows its device.
+            await write_sysctls(
+                spec.netns_path, {f"net.ipv6.conf.{pod_name}.accept_dad": "0"}, spec.proc_sys
+            )
+        # One message: the kernel renames (while still down), sets the mtu,
+        # then brings it up.
+        await pod.link("set", index=pod_index, ifname=spec.ifname, mtu=spec.mtu, state="up")
         routes: list[tuple[str, str]] = []
         gateways: list[str] = []
         for addr in addrs:

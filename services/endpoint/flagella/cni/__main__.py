@@ -5,8 +5,10 @@ datapath relays it to the endpoint service, which does the CNI work. The
 plugin holds no address and no credentials.
 
 The runtime runs it once per operation, so it stays on the standard library
-and imports next to nothing: the socket module's C core, and JSON from
-flagella.cni.cnijson (the json module's import costs more than a whole run).
+and imports next to nothing: the socket module's C core, the environment
+from posix (os is not loaded when Python starts without site, as the
+bundle's shim starts it), and JSON from flagella.cni.cnijson (the json
+module's import costs more than a whole run).
 
 On the socket, one JSON object a line each way: the request
 {"command", "container_id", "netns", "ifname", "args", "path", "config",
@@ -17,7 +19,7 @@ an answer)."""
 from __future__ import annotations
 
 import _socket
-import os
+import posix
 import sys
 
 from flagella.cni import (
@@ -116,7 +118,7 @@ def run(environ: Mapping[str, str], stdin: bytes) -> tuple[str, int]:
     # A bad timeout: the endpoint service names it; the plugin waits the default.
     timeout = timeout_of(raw.get("timeout", DEFAULT_TIMEOUT)) or DEFAULT_TIMEOUT
     request: dict[str, Any] = {key: environ.get(name, "") for key, name in ENVIRONMENT}
-    request["config"] = stdin.decode("utf-8-sig")
+    request["config"] = cnijson.text_of(stdin)
     request["timeout"] = timeout
     answer = exchange(path, (cnijson.dumps(request) + "\n").encode(), timeout, command)
     stdout, status = answer.get("stdout"), answer.get("exit")
@@ -146,8 +148,17 @@ def cni_main(environ: Mapping[str, str], stdin: BinaryIO, stdout: TextIO) -> int
     return status
 
 
+def cni_environ() -> dict[str, str]:
+    """The process's CNI_* variables, decoded as os.environ decodes them."""
+    return {
+        key.decode("utf-8", "surrogateescape"): value.decode("utf-8", "surrogateescape")
+        for key, value in posix.environ.items()
+        if key.startswith(b"CNI_")
+    }
+
+
 def main() -> int:
-    return cni_main(os.environ, sys.stdin.buffer, sys.stdout)
+    return cni_main(cni_environ(), sys.stdin.buffer, sys.stdout)
 
 
 if __name__ == "__main__":

@@ -38,11 +38,21 @@ class JSONDecodeError(ValueError):
         self.pos = pos
 
 
+BOM = b"\xef\xbb\xbf"
+
+
+def text_of(data: bytes) -> str:
+    """UTF-8 bytes as text, one leading BOM dropped: what decoding with
+    "utf-8-sig" gives, without importing that codec (the utf-8 one is
+    built in)."""
+    return data.removeprefix(BOM).decode("utf-8")
+
+
 def loads(data: str | bytes) -> Any:
     """A JSON document (bytes as UTF-8, a leading BOM allowed there, as
     json.loads does)."""
     if isinstance(data, (bytes, bytearray)):
-        text = bytes(data).decode("utf-8-sig")
+        text = text_of(bytes(data))
     else:
         text = data
         if text.startswith("\ufeff"):
