@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import grpc
+from harness import tls
 from harness.etcd import EtcdServer
+from harness.procs import ServiceProcess
 
 from flagella.api.policy.v1 import policy_pb2 as pb
 from flagella.api.policy.v1 import policy_pb2_grpc as pbg
@@ -28,6 +34,24 @@ def pod_labels(namespace: str, **kv: str) -> list[pb.Label]:
         pb.Label(source="k8s", key="io.kubernetes.pod.namespace", value=namespace),
         *labels(**kv),
     ]
+
+
+CLI = str(Path(sys.executable).parent / "flagella")
+
+
+def cli(policy: ServiceProcess, *args: str) -> str:
+    """The flagella CLI, as an operator, against this policy process: its stdout."""
+    env = {**os.environ, "FLAGELLA_TLS_DIR": str(tls.session().bundle(tls.OPERATOR))}
+    proc = subprocess.run(
+        [CLI, "--policy-address", policy.address, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
 
 
 def stub(address: str) -> tuple[grpc.aio.Channel, pbg.PolicyServiceStub]:

@@ -9,19 +9,14 @@ cannot write for another."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import grpc
 import pytest
 from google.protobuf.timestamp_pb2 import Timestamp
-from harness import tls
 from harness.etcd import EtcdServer
 from harness.procs import ServiceProcess
-from policy_client import etcd_keys, pod_labels, watch_ipcache, watch_policy
+from policy_client import cli, etcd_keys, pod_labels, watch_ipcache, watch_policy
 
 from flagella.api.policy.v1 import policy_pb2 as pb
 from flagella.api.policy.v1 import policy_pb2_grpc as pbg
@@ -31,7 +26,6 @@ pytestmark = pytest.mark.integration
 
 Spawn = Callable[..., ServiceProcess]
 FQDN_PREFIX = "flagella/state/fqdn/v1/"
-CLI = str(Path(sys.executable).parent / "flagella")
 
 RULES = """
 apiVersion: cilium.io/v2
@@ -43,21 +37,6 @@ spec:
   - toFQDNs: [{matchName: api.example.test}, {matchPattern: "*.cdn.test"}]
     toPorts: [{ports: [{port: "443", protocol: TCP}]}]
 """
-
-
-def cli(policy: ServiceProcess, *args: str) -> str:
-    """The flagella CLI, as an operator, against this policy process."""
-    env = {**os.environ, "FLAGELLA_TLS_DIR": str(tls.session().bundle(tls.OPERATOR))}
-    proc = subprocess.run(
-        [CLI, "--policy-address", policy.address, *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout
 
 
 def entry(endpoint: str, name: str, *ips: str, ttl: int = 60) -> pb.FQDNCacheEntry:

@@ -7,18 +7,13 @@ it, and the identities referenced on each node with their counts and owners
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import grpc
 import pytest
-from harness import tls
 from harness.etcd import EtcdServer
 from harness.procs import ServiceProcess
-from policy_client import pod_labels
+from policy_client import cli, pod_labels
 
 from flagella.api.policy.v1 import policy_pb2 as pb
 from flagella.api.policy.v1 import policy_pb2_grpc as pbg
@@ -26,7 +21,6 @@ from flagella.common import pki
 
 pytestmark = pytest.mark.integration
 
-CLI = str(Path(sys.executable).parent / "flagella")
 
 RULES = """
 apiVersion: cilium.io/v2
@@ -38,20 +32,6 @@ spec:
   - fromEndpoints: [{matchLabels: {app: web}}]
   - fromCIDR: [192.0.2.0/24]
 """
-
-
-def cli(policy: ServiceProcess, *args: str) -> object:
-    env = {**os.environ, "FLAGELLA_TLS_DIR": str(tls.session().bundle(tls.OPERATOR))}
-    proc = subprocess.run(
-        [CLI, "--policy-address", policy.address, "-o", "json", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
 
 
 async def test_selectors_and_identity_endpoints(
@@ -119,12 +99,12 @@ async def test_selectors_and_identity_endpoints(
         assert (err.value.details() or "").startswith("node:")
 
         # The CLI shows the same.
-        shown = cli(policy, "identity", "endpoints", "--node", "n2")
+        shown = json.loads(cli(policy, "-o", "json", "identity", "endpoints", "--node", "n2"))
         assert isinstance(shown, list)
         assert [(u["identity"], u["ref_count"], u["owners"]) for u in shown] == [
             (web, 2, ["c4/eth0"])
         ]
-        selectors = cli(policy, "policy", "selectors")
+        selectors = json.loads(cli(policy, "-o", "json", "policy", "selectors"))
         assert isinstance(selectors, list)
         assert {(x["selector"], x["role"]) for x in selectors} == set(by)
 
