@@ -114,9 +114,8 @@ class EtcdServer:
         applies it)."""
         self._own_dir = data_dir is None
         self.data_dir = data_dir or Path(tempfile.mkdtemp(prefix="flagella-etcd-"))
-        self.client_port = free_port()
-        self.peer_port = free_port()
-        self.metrics_port = free_port()
+        self.client_port = self.peer_port = self.metrics_port = 0
+        self.pick_ports()
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = self.data_dir.with_suffix(".log")
         self.secure = secure
@@ -126,6 +125,21 @@ class EtcdServer:
         self.name = "test"
         self.initial_cluster = ""
         self.timing = ("10", "50")  # heartbeat, election timeout (ms)
+
+    def pick_ports(self) -> None:
+        self.client_port = free_port()
+        self.peer_port = free_port()
+        self.metrics_port = free_port()
+
+    @property
+    def port_taken(self) -> bool:
+        """It exited because a port picked as free was taken meanwhile (by
+        another test process: free_port can only say what is free now)."""
+        return (
+            self.proc is not None
+            and self.proc.poll() is not None
+            and "address already in use" in self.log_path.read_text(errors="replace")
+        )
 
     @property
     def endpoint(self) -> str:
@@ -163,8 +177,20 @@ class EtcdServer:
         return f"http://127.0.0.1:{self.peer_port}"
 
     def start(self, timeout: float = 10.0) -> EtcdServer:
-        self.launch()
-        return self.wait_ready(timeout)
+        fresh = not (self.data_dir / "data").exists()
+        for attempt in range(3):
+            self.launch()
+            try:
+                return self.wait_ready(timeout)
+            except RuntimeError:
+                # A port taken between picking and binding (another test
+                # process): a new server starts over on other ports.
+                if attempt == 2 or not fresh or self.initial_cluster or not self.port_taken:
+                    raise
+                self.stop(kill=True)
+                shutil.rmtree(self.data_dir / "data", ignore_errors=True)
+                self.pick_ports()
+        raise AssertionError("unreachable")
 
     def launch(self) -> None:
         """Start the process (wait_ready waits for it to answer)."""
@@ -282,24 +308,42 @@ class EtcdCluster:
 
     def __init__(self, root: Path, size: int = 3) -> None:
         self.members = [EtcdServer(root / f"etcd-m{i}", apply_auth=False) for i in range(size)]
-        peers = ",".join(f"m{i}={m.peer_url}" for i, m in enumerate(self.members))
         for i, member in enumerate(self.members):
             member.name = f"m{i}"
-            member.initial_cluster = peers
             # Elections in a quarter second, not in 50 ms: three members
             # share two loaded cores with the services.
             member.timing = ("25", "250")
+        self._peers()
         self.pki = session_pki()
+
+    def _peers(self) -> None:
+        peers = ",".join(f"m{i}={m.peer_url}" for i, m in enumerate(self.members))
+        for member in self.members:
+            member.initial_cluster = peers
 
     @property
     def endpoints(self) -> list[str]:
         return [m.endpoint for m in self.members]
 
     def start(self, timeout: float = 20.0) -> EtcdCluster:
-        for member in self.members:  # together: none is ready before a quorum
-            member.launch()
-        for member in self.members:
-            member.wait_ready(timeout)
+        for attempt in range(3):
+            for member in self.members:  # together: none is ready before a quorum
+                member.launch()
+            try:
+                for member in self.members:
+                    member.wait_ready(timeout)
+                break
+            except RuntimeError:
+                # A port taken between picking and binding: the cluster is
+                # new, so start it over on other ports (another test
+                # process runs beside this one).
+                if attempt == 2 or not any(m.port_taken for m in self.members):
+                    raise
+                for member in self.members:
+                    member.stop(kill=True)
+                    shutil.rmtree(member.data_dir / "data", ignore_errors=True)
+                    member.pick_ports()
+                self._peers()
         self.members[0]._apply_auth()
         for member in self.members:
             member._auth_applied = True
