@@ -94,6 +94,7 @@ def spawn(
     yield _spawn
     for proc in reversed(started):
         proc.stop()
+        proc.remove_own_paths()
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ explicit --insecure switch: see docs/DEVELOPMENT.md for when a test may)."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -97,9 +98,35 @@ class ServiceProcess:
         self.metrics_listen = f"127.0.0.1:{self.metrics_port}"
         # The relay's flows page, on a free port too (the test's flags win).
         self.ui_listen = f"127.0.0.1:{free_port()}" if svc == "relay" else ""
+        # A datapath in the test's own netns (the host's): its pins, state,
+        # CNI socket and tunnel device would be the host's defaults, which
+        # the compose stack beside it uses too; its own instead, removed
+        # when it stops (the test's flags win).
+        self.own_paths: list[Path] = []
+        if svc == "datapath" and not self.prefix:
+            self.args = [*self._own_places(), *self.args]
         self.insecure = insecure or "--insecure" in self.args
         self.pki = test_pki or tls.session()
         self.identity = identity or default_identity(svc, self.args)
+
+    def _own_places(self) -> list[str]:
+        given = {a.partition("=")[0] for a in self.args if a.startswith("--")}
+        out: list[str] = []
+        if "--bpf-root" not in given:
+            pins = Path(f"/sys/fs/bpf/fl-proc-{os.getpid()}-{self.port}")
+            self.own_paths.append(pins)
+            out += ["--bpf-root", str(pins)]
+        if "--state-dir" not in given:
+            state = Path(tempfile.mkdtemp(prefix="fl-dp-state-"))
+            self.own_paths.append(state)
+            out += ["--state-dir", str(state)]
+        if "--cni-socket" not in given:
+            sock = Path(tempfile.gettempdir()) / f"fl-dp-{os.getpid()}-{self.port}.sock"
+            self.own_paths.append(sock)
+            out += ["--cni-socket", str(sock)]
+        if "--routing-mode" not in given:
+            out += ["--routing-mode", "native"]  # no tunnel device on the host
+        return out
 
     def tls_args(self) -> list[str]:
         """Flags giving the process its certificates, for gRPC and for etcd
@@ -209,6 +236,16 @@ class ServiceProcess:
                 self.proc.wait(10)
         return self.proc.returncode
 
+    def remove_own_paths(self) -> None:
+        """After its last stop: the places it was given of its own (a
+        restart in between keeps them, as a node's would)."""
+        for path in self.own_paths:
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+
     def cleanup(self) -> None:
         self.stop()
+        self.remove_own_paths()
         self.log_path.unlink(missing_ok=True)
