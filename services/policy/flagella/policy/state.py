@@ -417,6 +417,8 @@ class PolicyState:
         """Every toFQDNs selector in use (its key) -> the names of the FQDN
         cache it matches -> their addresses."""
         selectors = {k for r in self.resolver.rules.values() for k in r.fqdns}
+        if not selectors:
+            return {}
         by_name: dict[str, set[str]] = {}
         for entry in self.fqdn.values():
             by_name.setdefault(entry.name, set()).update(entry.ips)
@@ -429,17 +431,19 @@ class PolicyState:
     def _fqdn_prefixes(self) -> dict[IPNetwork, tuple[set[str], int]]:
         """Each address a toFQDNs selector selects -> (the selectors' keys,
         the revision its oldest cache entry was created at)."""
-        created: dict[str, int] = {}
-        for entry in self.fqdn.values():
-            for ip in entry.ips:
-                created[ip] = min(created.get(ip, entry.create_revision), entry.create_revision)
-        out: dict[IPNetwork, tuple[set[str], int]] = {}
+        selected: dict[str, set[str]] = {}  # address -> selector keys
         for key, names in self.fqdn_selections().items():
             for ips in names.values():
                 for ip in ips:
-                    net = parse_prefix(ip)
-                    out.setdefault(net, (set(), created[ip]))[0].add(key)
-        return out
+                    selected.setdefault(ip, set()).add(key)
+        if not selected:  # every rule change comes here: no cache walk then
+            return {}
+        created: dict[str, int] = {}
+        for entry in self.fqdn.values():
+            for ip in entry.ips:
+                if ip in selected:
+                    created[ip] = min(created.get(ip, entry.create_revision), entry.create_revision)
+        return {parse_prefix(ip): (keys_, created[ip]) for ip, keys_ in selected.items()}
 
     def _on_rule(self, p: keys.Parsed, kv: KV | None) -> None:
         name = p.a
