@@ -3,8 +3,9 @@ with the structural checks of rules given as protos."""
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -447,23 +448,42 @@ def _prefix_pb(e: PrefixEntry) -> pb.PrefixEntry:
 
 class ContentCache:
     """Serialized policy contents by content object: identities that share
-    a signature share one content, so each is encoded once. Holds the
-    content it caches (so its id is not reused while cached)."""
+    a signature share one content, so each is encoded once. An entry lives
+    as long as its content does (a weak reference: a content the resolver
+    dropped takes its bytes with it), so the cache holds the contents in
+    use and no more; `size` only bounds it further (least recently used
+    go first)."""
 
     def __init__(self, size: int = 4096) -> None:
         self.size = size
-        self._cache: OrderedDict[int, tuple[PolicyContent, bytes]] = OrderedDict()
+        self._cache: OrderedDict[int, tuple[weakref.ref[PolicyContent], bytes]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._cache)
 
     def get(self, c: PolicyContent) -> bytes:
-        hit = self._cache.get(id(c))
-        if hit is not None and hit[0] is c:
-            self._cache.move_to_end(id(c))
+        key = id(c)
+        hit = self._cache.get(key)
+        if hit is not None and hit[0]() is c:
+            self._cache.move_to_end(key)
             return hit[1]
         raw = content_bytes(c)
-        self._cache[id(c)] = (c, raw)
+        self._cache[key] = (weakref.ref(c, self._forget(key)), raw)
         if len(self._cache) > self.size:
             self._cache.popitem(last=False)
         return raw
+
+    def _forget(self, key: int) -> Callable[[weakref.ref[PolicyContent]], None]:
+        cache = self._cache
+
+        def forget(ref: weakref.ref[PolicyContent]) -> None:
+            # Only the entry of this very reference: the id may already
+            # belong to a newer content's entry.
+            hit = cache.get(key)
+            if hit is not None and hit[0] is ref:
+                del cache[key]
+
+        return forget
 
 
 def policy_pb(policy: ResolvedPolicy, cache: ContentCache | None = None) -> pb.ResolvedPolicy:

@@ -78,7 +78,9 @@ _INGRESS = int(Direction.INGRESS)
 _EGRESS = int(Direction.EGRESS)
 
 
-@dataclass(frozen=True, slots=True)
+# weakref_slot: the servicer's ContentCache keeps bytes per content only
+# while the content lives.
+@dataclass(frozen=True, slots=True, weakref_slot=True)
 class PolicyContent:
     """What a resolved policy says; shared by the identities of one
     signature."""
