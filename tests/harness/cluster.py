@@ -255,9 +255,11 @@ class Cluster:
 
 
 @contextlib.contextmanager
-def standalone_cluster(tmp: Path, log_level: str = "warning") -> Iterator[Cluster]:
-    """A Cluster outside pytest (benchmarks): its own etcd, processes and
-    namespaces, all removed on exit."""
+def standalone_cluster(
+    tmp: Path, log_level: str = "warning", etcd_args: tuple[str, ...] = ()
+) -> Iterator[Cluster]:
+    """A Cluster outside pytest (benchmarks): its own etcd (with etcd_args),
+    processes and namespaces, all removed on exit."""
     started: list[ServiceProcess] = []
 
     def spawn(svc: str, *args: str, wait: bool = True, **kwargs: Any) -> ServiceProcess:
@@ -268,7 +270,7 @@ def standalone_cluster(tmp: Path, log_level: str = "warning") -> Iterator[Cluste
             proc.wait_serving(60)
         return proc
 
-    etcd = EtcdServer(tmp / f"etcd-{uuid.uuid4().hex[:6]}").start()
+    etcd = EtcdServer(tmp / f"etcd-{uuid.uuid4().hex[:6]}", extra_args=etcd_args).start()
     nss = NetnsSet()
     cluster = Cluster(tmp, etcd, spawn, nss)
     try:

@@ -107,11 +107,17 @@ class PatientEtcd(Etcd):
 
 class EtcdServer:
     def __init__(
-        self, data_dir: Path | None = None, *, secure: bool = True, apply_auth: bool = True
+        self,
+        data_dir: Path | None = None,
+        *,
+        secure: bool = True,
+        apply_auth: bool = True,
+        extra_args: tuple[str, ...] = (),
     ) -> None:
         """secure: TLS and client certificates; apply_auth: then also the
         users and roles, auth on (else etcd's auth is off until a test
-        applies it)."""
+        applies it); extra_args: more etcd flags (the soak's compaction)."""
+        self.extra_args = extra_args
         self._own_dir = data_dir is None
         self.data_dir = data_dir or Path(tempfile.mkdtemp(prefix="flagella-etcd-"))
         self.client_port = self.peer_port = self.metrics_port = 0
@@ -214,6 +220,7 @@ class EtcdServer:
                     "--election-timeout", self.timing[1],
                     "--logger", "zap",
                     "--log-level", "warn",
+                    *self.extra_args,
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,

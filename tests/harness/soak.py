@@ -42,6 +42,10 @@ VICTIMS = ("ipam", "policy", "lb", "endpoint", "datapath")
 # seconds (two GC rounds), so that the end state can be compared with the
 # start.
 SOAK_EXTRA = {"policy": ["--identity-gc-interval", "2"]}
+# etcd compacting its history every minute (deployments keep an hour: see
+# docs/RELIABILITY.md), so a long soak measures etcd's memory with its
+# history bounded, and the services' watches resume across compactions.
+SOAK_ETCD = ("--auto-compaction-mode", "periodic", "--auto-compaction-retention", "1m")
 # After a restarted service answers again: its streams resync and the
 # datapath catches up. Probe failures up to this long after it count as
 # inside the kill window.

@@ -452,6 +452,30 @@ async def health_server(
     return server
 
 
+def _memory_snapshots(loop: asyncio.AbstractEventLoop) -> None:
+    """A debugging aid, off unless FLAGELLA_TRACEMALLOC names a file prefix:
+    trace Python allocations from start (tracemalloc, 16 frames) and write
+    a snapshot to <prefix>.<pid>.<n> on each SIGUSR2 (docs/DEVELOPMENT.md:
+    finding memory growth in a soak)."""
+    prefix = os.environ.get("FLAGELLA_TRACEMALLOC", "")
+    if not prefix:
+        return
+    import gc
+    import tracemalloc
+
+    tracemalloc.start(16)
+    taken = [0]
+
+    def dump() -> None:
+        gc.collect()
+        taken[0] += 1
+        path = f"{prefix}.{os.getpid()}.{taken[0]}"
+        tracemalloc.take_snapshot().dump(path)
+        log.warning("tracemalloc snapshot written", extra={"path": path})
+
+    loop.add_signal_handler(signal.SIGUSR2, dump)
+
+
 async def serve(runtime: Runtime[C], service: App) -> None:
     cfg = runtime.config
     auth = [] if runtime.tls is None else [AuthInterceptor(runtime.authorizer)]
@@ -502,6 +526,7 @@ async def serve(runtime: Runtime[C], service: App) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    _memory_snapshots(loop)
 
     async def start() -> None:
         with runtime.phase("start"):
