@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import ctypes
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from flagella.datapath.bpf import layout as L
 
+ADDR_CACHE = 4096
 _SAMPLE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Flow:
     """One event; field names as flagella.datapath.v1.Flow."""
 
@@ -35,7 +36,14 @@ class Flow:
     icmp_type: int = 0  # ICMP / ICMPv6
 
 
-def decode_event(raw: bytes, mono_to_wall_ns: int) -> Flow:
+_SADDR = L.FlowEvent.saddr.offset
+_DADDR = L.FlowEvent.daddr.offset
+
+
+def decode_event(
+    raw: bytes, mono_to_wall_ns: int, addr: Callable[[bytes], str] = L.bytes_ip
+) -> Flow:
+    """addr: 16 address bytes to text (EventReader's shares the strings)."""
     ev = L.FlowEvent.from_buffer_copy(raw[: ctypes.sizeof(L.FlowEvent)])
     return Flow(
         time_ns=ev.ts + mono_to_wall_ns,
@@ -43,8 +51,8 @@ def decode_event(raw: bytes, mono_to_wall_ns: int) -> Flow:
         verdict=L.FlowVerdict(ev.verdict) if ev.verdict in (1, 2) else L.FlowVerdict.UNSPECIFIED,
         drop_reason=ev.reason,
         direction=L.Direction(ev.direction) if ev.direction in (1, 2) else L.Direction.UNSPECIFIED,
-        src_ip=L.get_addr(ev.saddr),
-        dst_ip=L.get_addr(ev.daddr),
+        src_ip=addr(raw[_SADDR : _SADDR + 16]),
+        dst_ip=addr(raw[_DADDR : _DADDR + 16]),
         src_port=L.port_host(ev.sport),
         dst_port=L.port_host(ev.dport),
         protocol=ev.proto,
@@ -76,6 +84,10 @@ class EventReader:
         self._lib.ring_buffer__epoll_fd.argtypes = [ctypes.c_void_p]
         self._lib.ring_buffer__free.argtypes = [ctypes.c_void_p]
         self._pending: list[Flow] = []
+        # Address bytes -> text: a node's flows name few addresses, so the
+        # strings are shared by the records the flow ring keeps (and decoded
+        # once). Bounded: emptied when it reaches ADDR_CACHE.
+        self._addrs: dict[bytes, str] = {}
         self._offset = time.time_ns() - time.clock_gettime_ns(time.CLOCK_MONOTONIC)
         self._cb = _SAMPLE_FN(self._on_sample)  # keep a reference
         rb = self._lib.ring_buffer__new(map_fd, self._cb, None, None)
@@ -85,8 +97,18 @@ class EventReader:
 
     def _on_sample(self, _ctx: int | None, data: int | None, size: int) -> int:
         if data is not None and size >= ctypes.sizeof(L.FlowEvent):
-            self._pending.append(decode_event(ctypes.string_at(data, size), self._offset))
+            self._pending.append(
+                decode_event(ctypes.string_at(data, size), self._offset, self._addr)
+            )
         return 0
+
+    def _addr(self, raw: bytes) -> str:
+        text = self._addrs.get(raw)
+        if text is None:
+            if len(self._addrs) >= ADDR_CACHE:
+                self._addrs.clear()
+            text = self._addrs[raw] = L.bytes_ip(raw)
+        return text
 
     def fileno(self) -> int:
         if self._rb is None:
