@@ -102,6 +102,7 @@ def flow_to_proto(f: FlowRecord, node: str) -> datapath_pb2.Flow:
         node=node,
         tcp_flags=f.tcp_flags,
         icmp_type=f.icmp_type,
+        denied_by=f.denied_by,
     )
 
 

@@ -33,12 +33,20 @@ class _FlowVerdictEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FlowVerdi
     FLOW_VERDICT_UNSPECIFIED: _FlowVerdict.ValueType  # 0
     FLOW_VERDICT_FORWARDED: _FlowVerdict.ValueType  # 1
     FLOW_VERDICT_DROPPED: _FlowVerdict.ValueType  # 2
+    FLOW_VERDICT_AUDIT: _FlowVerdict.ValueType  # 4
+    """Policy audit mode: the policy would have dropped it (drop_reason says
+    why); it was let through. Hubble's number.
+    """
 
 class FlowVerdict(_FlowVerdict, metaclass=_FlowVerdictEnumTypeWrapper): ...
 
 FLOW_VERDICT_UNSPECIFIED: FlowVerdict.ValueType  # 0
 FLOW_VERDICT_FORWARDED: FlowVerdict.ValueType  # 1
 FLOW_VERDICT_DROPPED: FlowVerdict.ValueType  # 2
+FLOW_VERDICT_AUDIT: FlowVerdict.ValueType  # 4
+"""Policy audit mode: the policy would have dropped it (drop_reason says
+why); it was let through. Hubble's number.
+"""
 Global___FlowVerdict: _TypeAlias = FlowVerdict  # noqa: Y015
 
 class _FlowType:
@@ -1117,6 +1125,7 @@ class Flow(_message.Message):
     NODE_FIELD_NUMBER: _builtins.int
     TCP_FLAGS_FIELD_NUMBER: _builtins.int
     ICMP_TYPE_FIELD_NUMBER: _builtins.int
+    DENIED_BY_FIELD_NUMBER: _builtins.int
     type: Global___FlowType.ValueType
     verdict: Global___FlowVerdict.ValueType
     drop_reason: Global___DropReason.ValueType
@@ -1141,6 +1150,12 @@ class Flow(_message.Message):
     """ICMP / ICMPv6 (protocol 1 / 58): the message type."""
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def denied_by(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """AUDIT, and DROPPED by policy: the rules enforcing the endpoint's
+        policy in the flow's direction (the rule set that denies it).
+        """
+
     def __init__(
         self,
         *,
@@ -1161,10 +1176,11 @@ class Flow(_message.Message):
         node: _builtins.str = ...,
         tcp_flags: _builtins.int = ...,
         icmp_type: _builtins.int = ...,
+        denied_by: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["direction", b"direction", "drop_reason", b"drop_reason", "dst_identity", b"dst_identity", "dst_ip", b"dst_ip", "dst_port", b"dst_port", "endpoint_id", b"endpoint_id", "icmp_type", b"icmp_type", "ifindex", b"ifindex", "node", b"node", "protocol", b"protocol", "src_identity", b"src_identity", "src_ip", b"src_ip", "src_port", b"src_port", "tcp_flags", b"tcp_flags", "time", b"time", "type", b"type", "verdict", b"verdict"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["denied_by", b"denied_by", "direction", b"direction", "drop_reason", b"drop_reason", "dst_identity", b"dst_identity", "dst_ip", b"dst_ip", "dst_port", b"dst_port", "endpoint_id", b"endpoint_id", "icmp_type", b"icmp_type", "ifindex", b"ifindex", "node", b"node", "protocol", b"protocol", "src_identity", b"src_identity", "src_ip", b"src_ip", "src_port", b"src_port", "tcp_flags", b"tcp_flags", "time", b"time", "type", b"type", "verdict", b"verdict"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
