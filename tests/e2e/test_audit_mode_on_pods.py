@@ -4,7 +4,10 @@ aggregation level turns policy-verdict events on; an invalid value or an
 immutable option is refused and changes nothing; policy audit mode lets
 through what a default-deny policy drops, reported as AUDIT flows naming the
 rule; audit switched off drops the same traffic within a second, the
-connection audit let through included."""
+connection audit let through included. Per endpoint: audit for one pod
+(its endpoint's configuration, reaching its datapath); its labels by source
+(identity, info, custom, disabled), a disabled and a custom label moving it
+to another identity."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from harness.cnipods import CniPod, cni_pod
 from harness.netns import wait_until
 
 from flagella.api.datapath.v1 import datapath_pb2 as dp
+from flagella.api.endpoint.v1 import endpoint_pb2 as ep_pb
 from flagella.api.policy.v1 import policy_pb2
 
 pytestmark = [pytest.mark.privileged, pytest.mark.integration]
@@ -42,7 +46,7 @@ def node(cluster: Cluster) -> Node:
 
 
 def test_runtime_config_and_audit_mode_on_real_pods(cluster: Cluster, node: Node) -> None:
-    server = cni_pod(cluster, node, "server", {"app": "server"})
+    server = cni_pod(cluster, node, "server", {"app": "server", "pod-template-hash": "5d4f"})
     client = cni_pod(cluster, node, "client", {"app": "client"})
     server.ns.serve("tcp", 8080, "server")
     datapath = cluster.datapath(node)
@@ -140,3 +144,63 @@ def test_runtime_config_and_audit_mode_on_real_pods(cluster: Cluster, node: Node
     assert node.process.pid == pid
     assert node.process.proc is not None
     assert node.process.proc.poll() is None
+
+    # Per endpoint: audit for the server alone, kept with its endpoint.
+    endpoints = cluster.endpoint()
+    listed = endpoints.ListEndpoints(ep_pb.ListEndpointsRequest(pod_namespace="shop"), timeout=10)
+    sid = next(e.id for e in listed.endpoints if e.pod_name == "server")
+    cfg = endpoints.PatchEndpointConfig(
+        ep_pb.PatchEndpointConfigRequest(id=sid, set={"policy-audit-mode": "true"}), timeout=30
+    )
+    assert dict(cfg.options) == {"policy-audit-mode": "true"}
+    assert wait_until(lambda: reaches(client), timeout=10)
+    on_node = datapath.GetEndpoint(dp.GetEndpointRequest(endpoint_id=sid), timeout=10)
+    assert dict(on_node.options) == {"policy-audit-mode": "true"}
+    with pytest.raises(grpc.RpcError) as err:
+        endpoints.PatchEndpointConfig(
+            ep_pb.PatchEndpointConfigRequest(id=sid, set={"debug": "true"}), timeout=10
+        )
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (err.value.details() or "").startswith("set[debug]:")
+    endpoints.PatchEndpointConfig(
+        ep_pb.PatchEndpointConfigRequest(id=sid, reset=["policy-audit-mode"]), timeout=30
+    )
+    assert wait_until(lambda: not reaches(client, 0.5))
+    got = endpoints.GetEndpointConfig(ep_pb.GetEndpointConfigRequest(id=sid), timeout=10)
+    assert not got.options
+
+    # Labels by source: pod-template-hash is not relevant to identity.
+    def sources(which: ep_pb.EndpointLabels) -> dict[str, set[str]]:
+        return {
+            kind: {f"{lb.source}:{lb.key}={lb.value}" for lb in getattr(which, kind)}
+            for kind in ("orchestration_identity", "orchestration_info", "custom", "disabled")
+        }
+
+    labels = endpoints.GetEndpointLabels(ep_pb.GetEndpointLabelsRequest(id=sid), timeout=10)
+    assert sources(labels) == {
+        "orchestration_identity": {"k8s:app=server", "k8s:io.kubernetes.pod.namespace=shop"},
+        "orchestration_info": {"k8s:pod-template-hash=5d4f"},
+        "custom": set(),
+        "disabled": set(),
+    }
+    # app disabled, a custom label added: another identity, which the
+    # policy no longer selects (the client gets in), app still shown.
+    endpoints.PatchEndpointLabels(
+        ep_pb.PatchEndpointLabelsRequest(
+            id=sid, add_custom={"container:tier": "db"}, disable=["k8s:app"]
+        ),
+        timeout=30,
+    )
+    labels = endpoints.GetEndpointLabels(ep_pb.GetEndpointLabelsRequest(id=sid), timeout=10)
+    assert sources(labels) == {
+        "orchestration_identity": {"k8s:io.kubernetes.pod.namespace=shop"},
+        "orchestration_info": {"k8s:pod-template-hash=5d4f"},
+        "custom": {"container:tier=db"},
+        "disabled": {"k8s:app=server"},
+    }
+    identity = policy.GetIdentity(policy_pb2.GetIdentityRequest(id=labels.identity), timeout=10)
+    assert {f"{lb.source}:{lb.key}" for lb in identity.labels} == {
+        "container:tier",
+        "k8s:io.kubernetes.pod.namespace",
+    }
+    assert wait_until(lambda: reaches(client), timeout=10)

@@ -58,6 +58,8 @@ def cmd_endpoint(args: argparse.Namespace, clients: Clients) -> int:
         ep = clients.call("endpoint", stub.GetEndpoint, endpoint_pb2.GetEndpointRequest(id=args.id))
         fields = {**to_dict(ep), **datapath_policy_map(clients, ep)}
         emit(args, fields, ["FIELD", "VALUE"], sorted(fields.items()))
+    elif args.action in ("config", "labels"):
+        return config.cmd_endpoint(args, clients)
     elif args.action == "log":
         resp = clients.call(
             "endpoint", stub.GetEndpointLog, endpoint_pb2.GetEndpointLogRequest(id=args.id)
@@ -424,6 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
     el.add_argument("--namespace")
     for name in ("get", "log"):
         esub.add_parser(name).add_argument("id", type=int)
+    config.add_endpoint_parsers(esub)
     endpoint.set_defaults(func=cmd_endpoint)
 
     identity = sub.add_parser("identity", help="security identities")

@@ -1,11 +1,14 @@
 """`flagella config get|patch`: the runtime configuration (as `cilium config`),
-cluster-wide or one node's overrides, applied by every datapath live."""
+cluster-wide or one node's overrides, applied by every datapath live; and
+`flagella endpoint config|labels`: one endpoint's options and its labels by
+source (as `cilium endpoint config` and `cilium endpoint labels`)."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
+from flagella.api.endpoint.v1 import endpoint_pb2
 from flagella.api.policy.v1 import policy_pb2
 from flagella.cli.base import Clients, CliError, emit, to_dict
 
@@ -67,3 +70,64 @@ def add_parser(sub: Any) -> None:
         "--expected-revision", type=int, default=0, help="refused unless still at it"
     )
     config.set_defaults(func=cmd_config)
+
+
+def cmd_endpoint(args: argparse.Namespace, clients: Clients) -> int:
+    stub = clients.endpoint()
+    if args.action == "config":
+        values = _pairs(args.values)
+        if values or args.reset:
+            request = endpoint_pb2.PatchEndpointConfigRequest(
+                id=args.id, set=values, reset=args.reset
+            )
+            cfg = clients.call("endpoint", stub.PatchEndpointConfig, request)
+        else:
+            get = endpoint_pb2.GetEndpointConfigRequest(id=args.id)
+            cfg = clients.call("endpoint", stub.GetEndpointConfig, get)
+        emit(
+            args,
+            to_dict(cfg),
+            ["OPTION", "VALUE", "TAKES"],
+            [[name, cfg.options.get(name, "-"), cfg.allowed[name]] for name in sorted(cfg.allowed)],
+        )
+        return 0
+    if args.add or args.delete or args.disable or args.enable:
+        clients.call(
+            "endpoint",
+            stub.PatchEndpointLabels,
+            endpoint_pb2.PatchEndpointLabelsRequest(
+                id=args.id,
+                add_custom=_pairs(args.add),
+                delete_custom=args.delete,
+                disable=args.disable,
+                enable=args.enable,
+            ),
+        )
+    labels = clients.call(
+        "endpoint", stub.GetEndpointLabels, endpoint_pb2.GetEndpointLabelsRequest(id=args.id)
+    )
+    rows = [
+        [f"{lb.source}:{lb.key}={lb.value}", kind]
+        for kind, group in (
+            ("orchestration-identity", labels.orchestration_identity),
+            ("orchestration-info", labels.orchestration_info),
+            ("custom", labels.custom),
+            ("disabled", labels.disabled),
+        )
+        for lb in group
+    ]
+    emit(args, to_dict(labels), ["LABEL", "SOURCE"], rows)
+    return 0
+
+
+def add_endpoint_parsers(esub: Any) -> None:
+    config = esub.add_parser("config", help="an endpoint's options: KEY=VALUE sets them")
+    config.add_argument("id", type=int)
+    config.add_argument("values", nargs="*", metavar="KEY=VALUE")
+    config.add_argument("--reset", action="append", default=[], metavar="KEY")
+    labels = esub.add_parser("labels", help="an endpoint's labels by source")
+    labels.add_argument("id", type=int)
+    labels.add_argument("--add", action="append", default=[], metavar="[SOURCE:]KEY=VALUE")
+    labels.add_argument("--delete", action="append", default=[], metavar="[SOURCE:]KEY")
+    labels.add_argument("--disable", action="append", default=[], metavar="KEY")
+    labels.add_argument("--enable", action="append", default=[], metavar="KEY")

@@ -196,6 +196,9 @@ TABLE: dict[str, tuple[Grant, ...]] = {
             "PatchEndpointLabels": (OPERATOR,),
             "GetEndpointLog": (OPERATOR,),
             "GetEndpointHealth": (OPERATOR,),
+            "GetEndpointConfig": (OPERATOR,),
+            "PatchEndpointConfig": (OPERATOR,),
+            "GetEndpointLabels": (OPERATOR,),
         },
     ),
     **_methods(

@@ -8,6 +8,7 @@ Pure logic: no grpc, no etcd. docs/runtime-config.md lists the options.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -104,6 +105,25 @@ def _check_name(name: str, field: str) -> None:
         raise InvalidArgument(f"{name} is immutable (set at start-up)", field=field)
 
 
+# The options an endpoint may override (PatchEndpointConfig).
+ENDPOINT_OPTIONS = ("policy-enforcement", "policy-audit-mode")
+
+
+def validate_endpoint_options(values: Mapping[str, str], field: str) -> None:
+    """An endpoint's options: only ENDPOINT_OPTIONS, with values they take."""
+    for name, value in values.items():
+        if name not in ENDPOINT_OPTIONS:
+            raise InvalidArgument(
+                f"not an endpoint option: {name!r} (one of {', '.join(ENDPOINT_OPTIONS)})",
+                field=f"{field}[{name}]",
+            )
+        allowed = BY_NAME[name].allowed
+        if value not in allowed:
+            raise InvalidArgument(
+                f"invalid value {value!r} (one of {', '.join(allowed)})", field=f"{field}[{name}]"
+            )
+
+
 def mutable_names() -> list[str]:
     return [o.name for o in OPTIONS if o.mutable]
 
@@ -152,4 +172,15 @@ class RuntimeOptions:
             audit=values["policy-audit-mode"] == "true",
             debug=values["debug"] == "true",
             verdict_events=VERDICT_EVENTS.get(aggregation, ""),
+        )
+
+    def for_endpoint(self, overrides: Mapping[str, str]) -> RuntimeOptions:
+        """With an endpoint's own options over the node's (a value this
+        version does not take is ignored: the node's holds)."""
+        enforcement = overrides.get("policy-enforcement", self.enforcement)
+        audit = overrides.get("policy-audit-mode")
+        return dataclasses.replace(
+            self,
+            enforcement=enforcement if enforcement in ENFORCEMENT else self.enforcement,
+            audit=audit == "true" if audit in BOOL else self.audit,
         )

@@ -159,6 +159,8 @@ class SetupRequest:
     identity: int
     pod_cidrs: tuple[str, ...] = ()
     named_ports: tuple[NamedPort, ...] = ()
+    # Per-endpoint runtime options (option -> value).
+    options: tuple[tuple[str, str], ...] = ()
 
 
 # --- reconciler operations on the BPF maps ---
@@ -629,6 +631,7 @@ class DatapathService:
                 mtu=req.mtu,
                 pod_cidrs=list(req.pod_cidrs),
                 named_ports=sorted(req.named_ports),
+                options=dict(req.options),
             )
             # Durable (fsync) before going on; in a thread, so that other
             # endpoints' calls are not held up meanwhile.
@@ -695,7 +698,7 @@ class DatapathService:
         it; not a new endpoint, a resync or a port change)."""
         if not live and pol.revision_time:
             pol = dataclasses.replace(pol, revision_time=0.0)
-        pol = _with_runtime(pol, self.runtime)
+        pol = _with_runtime(pol, self.runtime.for_endpoint(record.options))
         if not pol.named:
             return pol
         entries = namedports.resolve(pol.entries, record.named_ports, self.peer_ports)
@@ -723,6 +726,19 @@ class DatapathService:
             want = sorted(named_ports)
             if record.named_ports != want:
                 record.named_ports = want
+                await asyncio.to_thread(self.state.save, record)
+                self._want_policy(record)
+            return record
+
+    async def update_options(self, endpoint_id: int, options: dict[str, str]) -> EndpointRecord:
+        """The endpoint's runtime options changed (its audit mode, its
+        enforcement): its policy is written again as they make it."""
+        async with self._lock(endpoint_id):
+            record = self.endpoints.get(endpoint_id)
+            if record is None:
+                raise NotFound(f"no endpoint {endpoint_id} on this node", field="endpoint_id")
+            if record.options != options:
+                record.options = dict(options)
                 await asyncio.to_thread(self.state.save, record)
                 self._want_policy(record)
             return record
