@@ -23,11 +23,12 @@ from flagella.common.errors import Aborted, Unavailable
 from flagella.common.etcd import Etcd, KeyValue, delete_op, mod_revision_is, put_op
 from flagella.common.sync import Batch, Change, EtcdSource, Subscription, Table, serve_watch
 from flagella.common.tasks import TaskGroup
+from flagella.policy import keys
 from flagella.policy.streams import EventKind
 
 log = logging.getLogger(__name__)
 
-PREFIX = "flagella/policy/v1/config/"
+PREFIX = keys.CONFIG_PREFIX
 CLUSTER_KEY = PREFIX + "cluster"
 NODES_PREFIX = PREFIX + "nodes/"
 CLUSTER = ""  # the table key of the cluster's values
