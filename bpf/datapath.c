@@ -420,6 +420,18 @@ static __always_inline int drop(struct __sk_buff *skb, struct pkt *p, __u8 reaso
 	return TC_ACT_SHOT;
 }
 
+/* Policy audit mode (EP_F_AUDIT): a packet the endpoint's policy drops
+ * (reason) passes, reported as an AUDIT verdict whatever the event
+ * settings. 1: audited, pass it on; 0: drop it. */
+static __always_inline int audited(struct __sk_buff *skb, struct pkt *p, struct endpoint_info *ep,
+				   int reason, __u8 dir, __u32 src_id, __u32 dst_id)
+{
+	if (!(ep->flags & EP_F_AUDIT))
+		return 0;
+	emit(skb, p, EV_POLICY_VERDICT, VERDICT_AUDIT, reason, dir, ep->ep_id, src_id, dst_id);
+	return 1;
+}
+
 /* --- address and port rewriting with checksum updates --- */
 
 static __always_inline int rewrite_addr(struct __sk_buff *skb, struct pkt *p, int is_src,
@@ -1151,16 +1163,17 @@ int from_container(struct __sk_buff *skb)
 			__u32 peer = peer_identity(cfg, &p.daddr, p.family, dst);
 			if ((ep->flags & EP_F_EGRESS_ENFORCED) && !hairpin) {
 				ret = policy_check_addr(ep, peer, DIR_EGRESS, &p, &p.daddr);
-				if (ret)
+				if (ret && !audited(skb, &p, ep, ret, DIR_EGRESS, my_id, peer))
 					return drop(skb, &p, ret, DIR_EGRESS, ep_id, my_id, peer);
 			}
 			ce->policy_gen = ep->policy_gen;
 		}
 	} else if (st == CT_NEW) {
 		__u32 peer = peer_identity(cfg, &p.daddr, p.family, dst);
+		int audit = 0;
 		if ((ep->flags & EP_F_EGRESS_ENFORCED) && !hairpin) {
 			ret = policy_check_addr(ep, peer, DIR_EGRESS, &p, &p.daddr);
-			if (ret)
+			if (ret && !(audit = audited(skb, &p, ep, ret, DIR_EGRESS, my_id, peer)))
 				return drop(skb, &p, ret, DIR_EGRESS, ep_id, my_id, peer);
 		}
 		/* To the node's own address: the host's ingress policy too. */
@@ -1171,7 +1184,7 @@ int from_container(struct __sk_buff *skb)
 		}
 		if (ct_create(&p, CT_SCOPE_EGRESS, rev_nat_id, ep->policy_gen, peer, now) < 0)
 			return drop(skb, &p, DROP_CT_INSERT_FAILED, DIR_EGRESS, ep_id, my_id, peer);
-		if (verdict_event(cfg, ep->flags & EP_F_EGRESS_ENFORCED))
+		if (!audit && verdict_event(cfg, ep->flags & EP_F_EGRESS_ENFORCED))
 			emit(skb, &p, EV_POLICY_VERDICT, VERDICT_FORWARDED, 0, DIR_EGRESS, ep_id, my_id, peer);
 	}
 
@@ -1255,7 +1268,7 @@ int to_container(struct __sk_buff *skb)
 			if ((ep->flags & EP_F_INGRESS_ENFORCED) && !hairpin &&
 			    !(peer == ID_HOST && cfg && (cfg->flags & CFG_ALLOW_HOST))) {
 				ret = policy_check_addr(ep, peer, DIR_INGRESS, &p, &p.saddr);
-				if (ret)
+				if (ret && !audited(skb, &p, ep, ret, DIR_INGRESS, peer, my_id))
 					return drop(skb, &p, ret, DIR_INGRESS, ep_id, peer, my_id);
 			}
 			ce->policy_gen = ep->policy_gen;
@@ -1268,15 +1281,16 @@ int to_container(struct __sk_buff *skb)
 			if (ret)
 				return drop(skb, &p, ret, DIR_EGRESS, HOST_EP_ID, ID_HOST, my_id);
 		}
+		int audit = 0;
 		if ((ep->flags & EP_F_INGRESS_ENFORCED) && !hairpin &&
 		    !(peer == ID_HOST && cfg && (cfg->flags & CFG_ALLOW_HOST))) {
 			ret = policy_check_addr(ep, peer, DIR_INGRESS, &p, &p.saddr);
-			if (ret)
+			if (ret && !(audit = audited(skb, &p, ep, ret, DIR_INGRESS, peer, my_id)))
 				return drop(skb, &p, ret, DIR_INGRESS, ep_id, peer, my_id);
 		}
 		if (ct_create(&p, CT_SCOPE_INGRESS, 0, ep->policy_gen, peer, now) < 0)
 			return drop(skb, &p, DROP_CT_INSERT_FAILED, DIR_INGRESS, ep_id, peer, my_id);
-		if (verdict_event(cfg, ep->flags & EP_F_INGRESS_ENFORCED))
+		if (!audit && verdict_event(cfg, ep->flags & EP_F_INGRESS_ENFORCED))
 			emit(skb, &p, EV_POLICY_VERDICT, VERDICT_FORWARDED, 0, DIR_INGRESS, ep_id, peer, my_id);
 	}
 	count(DIR_INGRESS, REASON_FORWARDED, p.len);

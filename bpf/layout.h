@@ -73,6 +73,7 @@ union v6addr {
 #define EV_HOST_SAFETY 4 /* a host connection let through by the safety set */
 #define VERDICT_FORWARDED 1
 #define VERDICT_DROPPED 2
+#define VERDICT_AUDIT 4 /* Hubble's AUDIT: policy would drop, audit mode let it through */
 
 /* --- endpoints (cilium_lxc): local endpoint by IP --- */
 #define EP_F_POLICY_READY (1U << 0)
@@ -81,6 +82,9 @@ union v6addr {
 /* The endpoint has prefix_policy entries (Kubernetes ipBlocks): consulted
  * when the identity lookups neither allow nor deny. */
 #define EP_F_PREFIX_POLICY (1U << 3)
+/* Policy audit mode: what the policy would drop passes, reported as an
+ * AUDIT verdict (runtime configuration, cluster-wide or per endpoint). */
+#define EP_F_AUDIT (1U << 4)
 
 struct endpoint_key {
 	union v6addr addr;

@@ -21,7 +21,7 @@ WRITTEN = {
     "ipam": [ipam_store.PREFIX],
     "endpoint": [endpoint_store.PREFIX],
     "lb": [lb_store.PREFIX],
-    "policy": list(policy_keys.MIRRORED_PREFIXES),
+    "policy": [*policy_keys.MIRRORED_PREFIXES, policy_keys.CONFIG_PREFIX],
 }
 
 

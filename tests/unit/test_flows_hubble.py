@@ -129,6 +129,28 @@ def test_other_shapes_validate_too() -> None:
         VALIDATOR.validate({**udp, "flow": {**udp["flow"], "pod": "x"}})
 
 
+def test_an_audit_verdict_names_the_rules_that_deny() -> None:
+    audit = flow()
+    audit.denied_by.extend(["shop/db-policy", "cluster-wide"])
+    audit.type, audit.verdict = dp.FLOW_TYPE_POLICY_VERDICT, dp.FLOW_VERDICT_AUDIT
+    line = flows.to_hubble(audit, DIRECTORY)
+    VALIDATOR.validate(line)
+    f = line["flow"]
+    assert f["verdict"] == "AUDIT"
+    assert f["event_type"] == {"type": 9}
+    assert f["ingress_denied_by"] == [
+        {"name": "db-policy", "namespace": "shop"},
+        {"name": "cluster-wide"},
+    ]
+    assert "egress_denied_by" not in f
+    # A policy drop names them the same way, in its direction.
+    egress = flow(direction=dp.FLOW_DIRECTION_EGRESS)
+    egress.denied_by.append("shop/db-policy")
+    dropped = flows.to_hubble(egress, DIRECTORY)
+    VALIDATOR.validate(dropped)
+    assert dropped["flow"]["egress_denied_by"] == [{"name": "db-policy", "namespace": "shop"}]
+
+
 def test_every_drop_reason_has_a_cilium_name() -> None:
     names = set(SCHEMA["$defs"]["Flow"]["properties"]["drop_reason_desc"]["enum"])
     for value in dp.DropReason.values():

@@ -19,7 +19,7 @@ from flagella.api.endpoint.v1 import endpoint_pb2
 from flagella.api.ipam.v1 import ipam_pb2
 from flagella.api.lb.v1 import lb_pb2
 from flagella.api.policy.v1 import policy_pb2
-from flagella.cli import certs, etcdauth, fqdn
+from flagella.cli import certs, config, etcdauth, fqdn
 from flagella.cli.base import PROTOCOL_NAMES, PROTOCOLS, Clients, CliError, emit, enum_name, to_dict
 from flagella.cli.observe import cmd_monitor, cmd_observe
 from flagella.cli.status import cmd_status
@@ -58,6 +58,8 @@ def cmd_endpoint(args: argparse.Namespace, clients: Clients) -> int:
         ep = clients.call("endpoint", stub.GetEndpoint, endpoint_pb2.GetEndpointRequest(id=args.id))
         fields = {**to_dict(ep), **datapath_policy_map(clients, ep)}
         emit(args, fields, ["FIELD", "VALUE"], sorted(fields.items()))
+    elif args.action in ("config", "labels"):
+        return config.cmd_endpoint(args, clients)
     elif args.action == "log":
         resp = clients.call(
             "endpoint", stub.GetEndpointLog, endpoint_pb2.GetEndpointLogRequest(id=args.id)
@@ -424,6 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
     el.add_argument("--namespace")
     for name in ("get", "log"):
         esub.add_parser(name).add_argument("id", type=int)
+    config.add_endpoint_parsers(esub)
     endpoint.set_defaults(func=cmd_endpoint)
 
     identity = sub.add_parser("identity", help="security identities")
@@ -460,6 +463,7 @@ def build_parser() -> argparse.ArgumentParser:
     ipcache.set_defaults(func=cmd_ipcache)
 
     fqdn.add_parser(sub)
+    config.add_parser(sub)
 
     service = sub.add_parser("service", help="load-balanced services")
     ssub = service.add_subparsers(dest="action", required=True)
@@ -515,7 +519,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     observe.add_argument("--identity", action="append", type=int, default=[])
     observe.add_argument(
-        "--verdict", action="append", default=[], type=str.upper, choices=("FORWARDED", "DROPPED")
+        "--verdict",
+        action="append",
+        default=[],
+        type=str.upper,
+        choices=("FORWARDED", "DROPPED", "AUDIT"),
     )
     observe.add_argument(
         "--drop-reason", action="append", default=[], help="a number or a name (POLICY_DENIED)"

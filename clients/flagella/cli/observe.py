@@ -72,8 +72,10 @@ def flow_line(f: datapath_pb2.Flow, src: str = "", dst: str = "") -> str:
         f"{f.src_ip}:{f.src_port} ({src_id}) -> {f.dst_ip}:{f.dst_port} "
         f"({dst_id}) endpoint {f.endpoint_id}"
     )
-    if f.verdict == datapath_pb2.FLOW_VERDICT_DROPPED:
+    if f.verdict in (datapath_pb2.FLOW_VERDICT_DROPPED, datapath_pb2.FLOW_VERDICT_AUDIT):
         line += f": {drop_reason_words(f.drop_reason)}"
+    if f.denied_by:
+        line += f" (by {', '.join(f.denied_by)})"
     return line
 
 
@@ -255,6 +257,7 @@ def observe_request(args: argparse.Namespace, now: float) -> datapath_pb2.Observ
     verdicts = {
         "FORWARDED": datapath_pb2.FLOW_VERDICT_FORWARDED,
         "DROPPED": datapath_pb2.FLOW_VERDICT_DROPPED,
+        "AUDIT": datapath_pb2.FLOW_VERDICT_AUDIT,
     }
     directions = {
         "INGRESS": datapath_pb2.FLOW_DIRECTION_INGRESS,

@@ -156,6 +156,11 @@ TABLE: dict[str, tuple[Grant, ...]] = {
             # Introspection: a node asks about its own identities.
             "GetPolicySelectors": READERS,
             "GetIdentityEndpoints": (own_node("node"), OPERATOR),
+            # Runtime configuration: operators change it; a node follows
+            # its own values.
+            "GetConfig": READERS,
+            "PatchConfig": (OPERATOR,),
+            "WatchConfig": (own_node("node"), OPERATOR),
         },
     ),
     **_methods(
@@ -191,6 +196,9 @@ TABLE: dict[str, tuple[Grant, ...]] = {
             "PatchEndpointLabels": (OPERATOR,),
             "GetEndpointLog": (OPERATOR,),
             "GetEndpointHealth": (OPERATOR,),
+            "GetEndpointConfig": (OPERATOR,),
+            "PatchEndpointConfig": (OPERATOR,),
+            "GetEndpointLabels": (OPERATOR,),
         },
     ),
     **_methods(

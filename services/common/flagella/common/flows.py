@@ -181,6 +181,12 @@ def _l4(f: dp.Flow) -> tuple[dict[str, Any], str]:
     return {}, f"IP protocol {f.protocol}"
 
 
+def _policy_ref(rule: str) -> dict[str, str]:
+    """flow.proto's Policy of a rule key ("namespace/name" or "name")."""
+    namespace, _, name = rule.rpartition("/")
+    return {"name": name, "namespace": namespace} if namespace else {"name": name}
+
+
 def to_hubble(f: dp.Flow, directory: Directory) -> dict[str, Any]:
     """One `hubble observe -o json` line: {"flow": ..., "node_name", "time"}."""
     time = f.time.ToJsonString()
@@ -193,7 +199,7 @@ def to_hubble(f: dp.Flow, directory: Directory) -> dict[str, Any]:
     dropped = f.verdict == dp.FLOW_VERDICT_DROPPED
     flow: dict[str, Any] = {
         "time": time,
-        "verdict": {1: "FORWARDED", 2: "DROPPED"}.get(f.verdict, "VERDICT_UNKNOWN"),
+        "verdict": {1: "FORWARDED", 2: "DROPPED", 4: "AUDIT"}.get(f.verdict, "VERDICT_UNKNOWN"),
         "drop_reason": f.drop_reason if dropped else 0,
         "IP": {
             "source": f.src_ip,
@@ -219,6 +225,11 @@ def to_hubble(f: dp.Flow, directory: Directory) -> dict[str, Any]:
         "interface": {"index": f.ifindex} if f.ifindex else {},
         "Summary": summary,
     }
+    # The rule set that denies (or, AUDIT, would deny) it, as Hubble's
+    # ingress_denied_by / egress_denied_by name policies.
+    if f.denied_by:
+        key = "ingress_denied_by" if ingress else "egress_denied_by"
+        flow[key] = [_policy_ref(name) for name in f.denied_by]
     # A flow still addressed to a service's frontend (seen before its
     # translation, e.g. dropped for want of a backend), as hubble names it.
     service = directory.services.get((f.dst_ip, f.dst_port))

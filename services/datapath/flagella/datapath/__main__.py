@@ -36,6 +36,7 @@ from flagella.datapath.ipcache import node_entries, policy_entries
 from flagella.datapath.metrics import DatapathCollector
 from flagella.datapath.node import NodeRegistration
 from flagella.datapath.routes import NodeRoutes, NodeRoutesCodec
+from flagella.datapath.runtime import ConfigCodec, follow
 from flagella.datapath.service import DatapathService
 from flagella.datapath.servicer import DatapathServicer
 from flagella.datapath.tunnel import TUNNEL_DEVICE
@@ -123,6 +124,23 @@ class DatapathApp:
                 policies,
                 IdentityPolicies(self.service),
                 PolicySynced(self.service.policy_synced, source),
+            )
+            runtime_config, _ = self._stream(
+                "config",
+                lambda since: policy.WatchConfig(
+                    policy_pb2.WatchConfigRequest(node=cfg.node_name, since_revision=since)
+                ),
+                ConfigCodec(),
+            )
+            synced = self.service.streams_synced
+            tasks.supervise(
+                "runtime-config",
+                lambda: follow(
+                    runtime_config,
+                    cfg.node_name,
+                    self.service.apply_runtime,
+                    lambda: synced.__setitem__("config", True),
+                ),
             )
             hostfw = self.hostfw = HostFirewall(self.service)
             tasks.supervise(

@@ -29,6 +29,9 @@ class FlowRecord:
     ifindex: int
     tcp_flags: int = 0
     icmp_type: int = 0
+    # AUDIT and policy drops: the rules enforcing the endpoint's policy in
+    # the flow's direction (the rule set that denies it).
+    denied_by: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

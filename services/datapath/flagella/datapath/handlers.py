@@ -140,6 +140,8 @@ def identity_policy(p: policy_pb2.ResolvedPolicy) -> IdentityPolicy:
         ),
         revision_time=p.revision_time.ToNanoseconds() / 1e9 if p.HasField("revision_time") else 0.0,
         error=p.error,
+        ingress_rules=tuple(p.ingress_rules),
+        egress_rules=tuple(p.egress_rules),
     )
 
 

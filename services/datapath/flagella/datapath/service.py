@@ -37,6 +37,7 @@ from flagella.common.errors import (
 from flagella.common.locks import KeyedLocks
 from flagella.common.portnames import NamedPort
 from flagella.common.reconcile import Reconciler, ReconcilerStatus
+from flagella.common.runtimeconfig import RuntimeOptions
 from flagella.common.tasks import TaskGroup
 from flagella.datapath import namedports, netdev, tunnel
 from flagella.datapath.bpf import (
@@ -47,6 +48,7 @@ from flagella.datapath.bpf import (
     PolicyBudgetExceeded,
 )
 from flagella.datapath.bpf import Service as BpfService
+from flagella.datapath.bpf import layout as L
 from flagella.datapath.bpf.layout import CT_SCOPE_SERVICE
 from flagella.datapath.bpf.policy import PolicyEntry
 from flagella.datapath.bpf.prefixpolicy import PrefixRule
@@ -97,6 +99,43 @@ class IdentityPolicy:
     revision_time: float = dataclasses.field(default=0.0, compare=False)
     # The policy service sent it fail-closed (over its own budget): why.
     error: str = ""
+    # The rules enforcing each direction (what AUDIT and policy drops name).
+    ingress_rules: tuple[str, ...] = ()
+    egress_rules: tuple[str, ...] = ()
+    # Policy audit mode for the endpoint (runtime configuration; set per
+    # endpoint by DatapathService._for_endpoint, never by the stream).
+    audit: bool = False
+
+
+# The drop reasons of a policy verdict.
+_POLICY_DROPS = frozenset(
+    {L.DropReason.POLICY_L3, L.DropReason.POLICY_L4, L.DropReason.POLICY_DENY}
+)
+
+
+def _with_runtime(pol: IdentityPolicy, opts: RuntimeOptions) -> IdentityPolicy:
+    """The policy as the runtime configuration enforces it. always: both
+    directions enforced, without the allow-all a direction no rule selects
+    gets (deny all there); never: nothing enforced. Audit never on a
+    policy the policy service sent fail-closed."""
+    if opts.enforcement == "never":
+        pol = dataclasses.replace(pol, ingress_enforced=False, egress_enforced=False)
+    elif opts.enforcement == "always":
+        enforced = {
+            L.Direction.INGRESS: pol.ingress_enforced,
+            L.Direction.EGRESS: pol.egress_enforced,
+        }
+        open_dirs = {d for d, on in enforced.items() if not on}
+        if open_dirs:
+            pol = dataclasses.replace(
+                pol,
+                ingress_enforced=True,
+                egress_enforced=True,
+                entries=tuple(e for e in pol.entries if e.direction not in open_dirs),
+            )
+    if opts.audit and not pol.error:
+        pol = dataclasses.replace(pol, audit=True)
+    return pol
 
 
 @dataclass(frozen=True)
@@ -120,6 +159,8 @@ class SetupRequest:
     identity: int
     pod_cidrs: tuple[str, ...] = ()
     named_ports: tuple[NamedPort, ...] = ()
+    # Per-endpoint runtime options (option -> value).
+    options: tuple[tuple[str, str], ...] = ()
 
 
 # --- reconciler operations on the BPF maps ---
@@ -144,6 +185,7 @@ class PolicyOps:
                     ingress_enforced=value.ingress_enforced,
                     egress_enforced=value.egress_enforced,
                     prefixes=value.prefixes,
+                    audit=value.audit,
                 )
             state = PolicyMapState(entries, entries, value.error)
         except PolicyBudgetExceeded as exc:
@@ -247,6 +289,9 @@ class DatapathService:
         self.routes = Reconciler("routes", RouteOps())
         self.pod_cidrs: list[str] = []
         self.streams_synced: dict[str, bool] = {}
+        # The runtime configuration in force (the policy service's
+        # WatchConfig; the defaults until it answers).
+        self.runtime = RuntimeOptions()
         # The host firewall's state (flagella.datapath.hostfw keeps it).
         self.host_policy = HostPolicyState()
         self._locks = KeyedLocks()
@@ -354,8 +399,8 @@ class DatapathService:
                 node_ip6=v6,
                 masquerade4=self.config.masquerade and bool(v4),
                 masquerade6=self.config.masquerade and bool(v6),
-                verdict_events=self.config.verdict_events != "none",
-                verdict_enforced_only=self.config.verdict_events == "enforced",
+                verdict_events=self._verdict_events() != "none",
+                verdict_enforced_only=self._verdict_events() == "enforced",
                 tunnel_ifindex=self.tunnel_ifindex,
                 tunnel_port=self.config.tunnel_port if self.tunnel_ifindex else 0,
                 host_policy=current.host_policy,
@@ -363,6 +408,36 @@ class DatapathService:
                 host_egress=current.host_egress,
             ),
         )
+
+    def _verdict_events(self) -> str:
+        return self.runtime.verdict_events or self.config.verdict_events
+
+    async def apply_runtime(self, opts: RuntimeOptions) -> None:
+        """A new runtime configuration, applied live: the verdict events in
+        the node config, the log level, and (enforcement or audit changed)
+        every endpoint's policy written again, with a new generation, so
+        established connections are judged again at once."""
+        before, self.runtime = self.runtime, opts
+        if opts == before:
+            return
+        log.info("runtime configuration", extra={"options": dataclasses.asdict(opts)})
+        logging.getLogger("flagella").setLevel(logging.DEBUG if opts.debug else logging.NOTSET)
+        if opts.verdict_events != before.verdict_events:
+            level = self._verdict_events()
+
+            def set_events() -> None:
+                config = self.bpf.config
+                config.write(
+                    dataclasses.replace(
+                        config.read(),
+                        verdict_events=level != "none",
+                        verdict_enforced_only=level == "enforced",
+                    )
+                )
+
+            await self.writer.run(set_events)
+        if (opts.enforcement, opts.audit) != (before.enforcement, before.audit):
+            self.resync_policies(self.identity_policies)
 
     async def _restore(self) -> None:
         """Endpoints from the state folder: those whose host veth still
@@ -468,10 +543,22 @@ class DatapathService:
                         ifindex=ev.ifindex,
                         tcp_flags=ev.tcp_flags,
                         icmp_type=ev.icmp_type,
+                        denied_by=self._denied_by(ev),
                     )
                 )
 
         loop.add_reader(self._reader.fileno(), readable)
+
+    def _denied_by(self, ev: Any) -> tuple[str, ...]:
+        """The rules enforcing the endpoint's policy in an AUDIT or policy
+        drop event's direction (none for others, and for the host's)."""
+        if ev.verdict != L.FlowVerdict.AUDIT and ev.drop_reason not in _POLICY_DROPS:
+            return ()
+        record = self.endpoints.get(ev.endpoint_id)
+        pol = self.identity_policies.get(record.identity) if record is not None else None
+        if pol is None:
+            return ()
+        return pol.ingress_rules if ev.direction == L.Direction.INGRESS else pol.egress_rules
 
     def observe(self, flt: FlowFilter, last: int, follow: bool) -> tuple[list[FlowRecord], Any]:
         """Buffered flows first, then (follow) a live iterator."""
@@ -544,6 +631,7 @@ class DatapathService:
                 mtu=req.mtu,
                 pod_cidrs=list(req.pod_cidrs),
                 named_ports=sorted(req.named_ports),
+                options=dict(req.options),
             )
             # Durable (fsync) before going on; in a thread, so that other
             # endpoints' calls are not held up meanwhile.
@@ -610,6 +698,7 @@ class DatapathService:
         it; not a new endpoint, a resync or a port change)."""
         if not live and pol.revision_time:
             pol = dataclasses.replace(pol, revision_time=0.0)
+        pol = _with_runtime(pol, self.runtime.for_endpoint(record.options))
         if not pol.named:
             return pol
         entries = namedports.resolve(pol.entries, record.named_ports, self.peer_ports)
@@ -637,6 +726,19 @@ class DatapathService:
             want = sorted(named_ports)
             if record.named_ports != want:
                 record.named_ports = want
+                await asyncio.to_thread(self.state.save, record)
+                self._want_policy(record)
+            return record
+
+    async def update_options(self, endpoint_id: int, options: dict[str, str]) -> EndpointRecord:
+        """The endpoint's runtime options changed (its audit mode, its
+        enforcement): its policy is written again as they make it."""
+        async with self._lock(endpoint_id):
+            record = self.endpoints.get(endpoint_id)
+            if record is None:
+                raise NotFound(f"no endpoint {endpoint_id} on this node", field="endpoint_id")
+            if record.options != options:
+                record.options = dict(options)
                 await asyncio.to_thread(self.state.save, record)
                 self._want_policy(record)
             return record

@@ -11,6 +11,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from flagella.api.datapath.v1 import datapath_pb2, datapath_pb2_grpc
 from flagella.common.errors import InvalidArgument
 from flagella.common.portnames import NamedPort, check_named_ports, protocol_name
+from flagella.common.runtimeconfig import validate_endpoint_options
 from flagella.datapath.flows import FlowFilter, FlowRecord
 from flagella.datapath.health import PeerHealth
 from flagella.datapath.service import DatapathService, PolicyMapState, SetupRequest
@@ -69,6 +70,7 @@ def endpoint_to_proto(
         policy_overflow=pm.overflow,
         policy_map_entries=pm.entries,
         policy_map_desired=pm.desired,
+        options=rec.options,
     )
 
 
@@ -102,6 +104,7 @@ def flow_to_proto(f: FlowRecord, node: str) -> datapath_pb2.Flow:
         node=node,
         tcp_flags=f.tcp_flags,
         icmp_type=f.icmp_type,
+        denied_by=f.denied_by,
     )
 
 
@@ -155,7 +158,9 @@ class DatapathServicer(datapath_pb2_grpc.DatapathServiceServicer):
             identity=request.identity,
             pod_cidrs=tuple(request.pod_cidrs),
             named_ports=named_ports_of(request.named_ports, "named_ports"),
+            options=tuple(sorted(request.options.items())),
         )
+        validate_endpoint_options(request.options, "options")
         self.service.check_endpoint_spec(req)
         result, _ = await self.service.setup_endpoint(req)
         return datapath_pb2.SetupEndpointResponse(
@@ -198,12 +203,18 @@ class DatapathServicer(datapath_pb2_grpc.DatapathServiceServicer):
         ports = request.HasField("named_ports")
         if ports:
             named_ports = named_ports_of(request.named_ports.ports, "named_ports.ports")
-        if request.identity or not ports:
+        options = request.HasField("options")
+        if options:
+            validate_endpoint_options(request.options.values, "options.values")
+        if request.identity or not (ports or options):
             if request.identity <= 0:
                 raise InvalidArgument("must be positive", field="identity")
             rec = await self.service.update_identity(request.endpoint_id, request.identity)
         if ports:
             rec = await self.service.update_named_ports(request.endpoint_id, list(named_ports))
+        if options:
+            values = dict(request.options.values)
+            rec = await self.service.update_options(request.endpoint_id, values)
         return await self._describe(rec)
 
     async def GetEndpoint(

@@ -29,6 +29,8 @@ class EndpointRecord:
     pod_cidrs: list[str] = field(default_factory=list)
     # The pod's named ports (ingress rules naming a port resolve against them).
     named_ports: list[NamedPort] = field(default_factory=list)
+    # Per-endpoint runtime options (flagella.common.runtimeconfig).
+    options: dict[str, str] = field(default_factory=dict)
 
 
 class StateDir:

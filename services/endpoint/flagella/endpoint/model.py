@@ -92,6 +92,12 @@ class Endpoint:
     log: list[LogEntry] = field(default_factory=list)
     # Steps done so far, so a crash mid-create can be rolled back exactly.
     steps: list[str] = field(default_factory=list)
+    # Per-endpoint runtime options (PatchEndpointConfig), given to its datapath.
+    options: dict[str, str] = field(default_factory=dict)
+    # Labels added through PatchEndpointLabels ("source:key" -> value), in
+    # the identity; pod labels disabled for identity ("k8s:key"), shown.
+    custom_labels: dict[str, str] = field(default_factory=dict)
+    disabled_labels: list[str] = field(default_factory=list)
 
     @property
     def key(self) -> tuple[str, str]:

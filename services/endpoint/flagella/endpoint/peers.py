@@ -188,7 +188,16 @@ class PeerHealth:
 
 
 def k8s_labels(labels: dict[str, str]) -> list[policy_pb2.Label]:
-    return [policy_pb2.Label(source="k8s", key=k, value=v) for k, v in sorted(labels.items())]
+    """Identity labels as the policy service takes them: k8s, unless the
+    key names its source ("container:key": a custom label)."""
+    out = []
+    for k, v in sorted(labels.items()):
+        source, sep, key = k.partition(":")
+        if sep:
+            out.append(policy_pb2.Label(source=source, key=key, value=v))
+        else:
+            out.append(policy_pb2.Label(source="k8s", key=k, value=v))
+    return out
 
 
 class PolicyPeer:
@@ -213,6 +222,13 @@ class PolicyPeer:
                 policy_pb2.ReleaseIdentityRequest(id=identity, node=node, owner=owner),
                 timeout=CALL_TIMEOUT,
             )
+
+    async def labels_of(self, identity: int) -> set[tuple[str, str, str]]:
+        with calling("policy"):
+            resp = await self.stub.GetIdentity(
+                policy_pb2.GetIdentityRequest(id=identity), timeout=CALL_TIMEOUT
+            )
+        return {(lb.source, lb.key, lb.value) for lb in resp.labels}
 
     async def identity_of(self, labels: dict[str, str]) -> int:
         try:
@@ -295,6 +311,7 @@ class DatapathPeers:
                     identity=ep.identity,
                     pod_cidrs=list(pod_cidrs),
                     named_ports=datapath_named_ports(ep.named_ports),
+                    options=ep.options,
                 ),
                 timeout=CALL_TIMEOUT,
             )
@@ -332,6 +349,16 @@ class DatapathPeers:
                 datapath_pb2.UpdateEndpointRequest(
                     endpoint_id=endpoint_id,
                     named_ports=datapath_pb2.NamedPorts(ports=datapath_named_ports(named_ports)),
+                ),
+                timeout=CALL_TIMEOUT,
+            )
+
+    async def update_options(self, address: str, endpoint_id: int, options: dict[str, str]) -> None:
+        with calling("datapath"):
+            await self._stub(address).UpdateEndpoint(
+                datapath_pb2.UpdateEndpointRequest(
+                    endpoint_id=endpoint_id,
+                    options=datapath_pb2.EndpointOptions(values=options),
                 ),
                 timeout=CALL_TIMEOUT,
             )

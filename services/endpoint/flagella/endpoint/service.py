@@ -43,6 +43,7 @@ from flagella.common.errors import (
 )
 from flagella.common.locks import KeyedLocks
 from flagella.common.portnames import NamedPort
+from flagella.endpoint.labelsources import LabelPatch, LabelSources, label_sources
 from flagella.endpoint.model import Endpoint, State
 from flagella.endpoint.store import EndpointStore
 
@@ -162,6 +163,9 @@ class Policy(Protocol):
     async def identity_of(self, labels: dict[str, str]) -> int:
         """The identity of a label set without allocating; 0 if none."""
 
+    async def labels_of(self, identity: int) -> set[tuple[str, str, str]]:
+        """The labels (source, key, value) of an identity."""
+
     async def upsert_ipcache(
         self,
         prefix: str,
@@ -185,6 +189,10 @@ class Datapath(Protocol):
 
     async def update_named_ports(
         self, address: str, endpoint_id: int, named_ports: Sequence[NamedPort]
+    ) -> None: ...
+
+    async def update_options(
+        self, address: str, endpoint_id: int, options: dict[str, str]
     ) -> None: ...
 
     async def wait_policy(
@@ -234,11 +242,18 @@ def pod_of(ep: Endpoint) -> str:
 
 
 def identity_labels(ep: Endpoint) -> dict[str, str]:
-    """Pod labels plus the namespace label Kubernetes policies select on
-    (labels from Kubernetes carry it already: flagella.endpoint.labels)."""
-    labels = dict(ep.labels)
+    """Pod labels (less those disabled for identity) plus the namespace
+    label Kubernetes policies select on (labels from Kubernetes carry it
+    already: flagella.endpoint.labels), plus the custom labels. Keys of
+    another source than k8s keep it ("container:key"; a Kubernetes label key
+    has no colon)."""
+    disabled = set(ep.disabled_labels)
+    labels = {k: v for k, v in ep.labels.items() if f"k8s:{k}" not in disabled}
     if ep.pod_namespace:
         labels.setdefault("io.kubernetes.pod.namespace", ep.pod_namespace)
+    for key, value in ep.custom_labels.items():
+        source, _, name = key.partition(":")
+        labels[name if source == "k8s" else key] = value
     return labels
 
 
@@ -569,17 +584,26 @@ class EndpointService:
     # --- labels ---
 
     async def patch_labels(
-        self, endpoint_id: int, labels: dict[str, str], *, from_kubernetes: bool = False
+        self,
+        endpoint_id: int,
+        labels: dict[str, str] | None,
+        *,
+        from_kubernetes: bool = False,
+        extra: LabelPatch | None = None,
     ) -> Endpoint:
-        """The endpoint with these labels, moved to their identity.
-        from_kubernetes: the labels are its pod's in Kubernetes (the
-        watchers'); labels that follow Kubernetes change only that way."""
+        """The endpoint with these labels (None: its pod labels kept) and
+        custom and disabled labels changed as extra says, moved to their
+        identity. from_kubernetes: the labels are its pod's in Kubernetes
+        (the watchers'); labels that follow Kubernetes change only that way."""
         found = await self.store.get_by_id(endpoint_id)
         if found is None:
             raise NotFound(f"no endpoint {endpoint_id}", field="id")
         async with self._lock(found[0].container_id, found[0].ifname):
             ep, revision = await self._fresh(found[0])
-            if ep.labels_from_kubernetes and not from_kubernetes:
+            before = (ep.labels, ep.custom_labels, ep.disabled_labels)
+            if labels is None:
+                labels = ep.labels
+            elif ep.labels_from_kubernetes and not from_kubernetes:
                 raise FailedPrecondition(
                     f"endpoint {ep.id}'s labels follow its pod {pod_of(ep)} in Kubernetes: "
                     "change them there",
@@ -587,10 +611,11 @@ class EndpointService:
                 )
             if ep.state is not State.READY:
                 raise FailedPrecondition(f"endpoint {ep.id} is {ep.state.value}, not ready")
-            if ep.labels == labels:
+            custom, disabled = (extra or LabelPatch()).applied(ep, labels)
+            if (labels, custom, disabled) == before:
                 return ep
-            old_identity, old_labels = ep.identity, dict(ep.labels)
-            ep.labels = dict(labels)
+            old_identity = ep.identity
+            ep.labels, ep.custom_labels, ep.disabled_labels = dict(labels), custom, disabled
             new_identity, wanted = await self.policy.allocate_identity(
                 identity_labels(ep), ep.node, owner_of(ep)
             )
@@ -620,12 +645,41 @@ class EndpointService:
                     node.datapath_address, ep.id, wanted, self.settings.policy_wait_s
                 )
             except BaseException:
-                ep.labels = old_labels
+                ep.labels, ep.custom_labels, ep.disabled_labels = before
                 await asyncio.shield(self._switch_back(ep, node, old_identity, revision))
                 raise
             await self.policy.release_identity(old_identity, ep.node, owner_of(ep))
             ep.steps = without_relabel(ep.steps)
             ep.transition(State.READY, f"identity {new_identity} realized")
+            return await self._save(ep, revision)
+
+    async def label_sources(self, endpoint_id: int) -> LabelSources:
+        """The endpoint's labels by source (Cilium's OpLabels): the pod's
+        labels in its identity and those its identity leaves out (the
+        policy service's label filter), custom, disabled."""
+        ep = await self.get_by_id(endpoint_id)
+        in_identity = await self.policy.labels_of(ep.identity) if ep.identity else set()
+        return label_sources(ep, in_identity)
+
+    async def patch_config(
+        self, endpoint_id: int, values: dict[str, str], reset: Sequence[str]
+    ) -> Endpoint:
+        """The endpoint's runtime options changed: its datapath applies them
+        (its policy written again), then its record keeps them."""
+        found = await self.store.get_by_id(endpoint_id)
+        if found is None:
+            raise NotFound(f"no endpoint {endpoint_id}", field="id")
+        async with self._lock(found[0].container_id, found[0].ifname):
+            ep, revision = await self._fresh(found[0])
+            options = {k: v for k, v in ep.options.items() if k not in reset} | values
+            if options == ep.options:
+                return ep
+            if ep.state is not State.READY:
+                raise FailedPrecondition(f"endpoint {ep.id} is {ep.state.value}, not ready")
+            node = await self.ipam.node(ep.node)
+            # The datapath first: a retry after a failed save applies again.
+            await self.datapath.update_options(node.datapath_address, ep.id, options)
+            ep.options = options
             return await self._save(ep, revision)
 
     async def patch_named_ports(self, endpoint_id: int, named_ports: list[NamedPort]) -> Endpoint:

@@ -11,6 +11,8 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from flagella.api.endpoint.v1 import endpoint_pb2, endpoint_pb2_grpc
 from flagella.common.errors import InvalidArgument, NotFound
 from flagella.common.portnames import NamedPort, check_named_ports, protocol_name
+from flagella.common.runtimeconfig import BY_NAME, ENDPOINT_OPTIONS, validate_endpoint_options
+from flagella.endpoint.labelsources import LabelPatch, LabelSources, custom_key, pod_label_key
 from flagella.endpoint.model import Endpoint, State
 from flagella.endpoint.service import CreateRequest, EndpointService
 from flagella.endpoint.status import CniStatus
@@ -83,6 +85,52 @@ def endpoint_to_proto(ep: Endpoint) -> endpoint_pb2.Endpoint:
             endpoint_pb2.NamedPort(name=p.name, port=p.port, protocol=protocol_name(p.protocol))
             for p in ep.named_ports
         ],
+        options=ep.options,
+        custom_labels=ep.custom_labels,
+        disabled_labels=ep.disabled_labels,
+    )
+
+
+def endpoint_config_pb(ep: Endpoint) -> endpoint_pb2.EndpointConfig:
+    return endpoint_pb2.EndpointConfig(
+        id=ep.id,
+        options=ep.options,
+        allowed={name: ",".join(BY_NAME[name].allowed) for name in ENDPOINT_OPTIONS},
+    )
+
+
+def _labels_pb(labels: list[tuple[str, str, str]]) -> list[endpoint_pb2.EndpointLabel]:
+    return [endpoint_pb2.EndpointLabel(source=s, key=k, value=v) for s, k, v in labels]
+
+
+def label_sources_pb(endpoint_id: int, s: LabelSources) -> endpoint_pb2.EndpointLabels:
+    return endpoint_pb2.EndpointLabels(
+        id=endpoint_id,
+        identity=s.identity,
+        orchestration_identity=_labels_pb(s.orchestration_identity),
+        orchestration_info=_labels_pb(s.orchestration_info),
+        custom=_labels_pb(s.custom),
+        disabled=_labels_pb(s.disabled),
+    )
+
+
+def label_patch(request: endpoint_pb2.PatchEndpointLabelsRequest) -> LabelPatch | None:
+    """The custom and disabled changes of a PatchEndpointLabels, checked
+    (None: it has none)."""
+    if not (request.add_custom or request.delete_custom or request.disable or request.enable):
+        return None
+    add = {}
+    for key, value in request.add_custom.items():
+        field = f"add_custom[{key!r}]"
+        validate_labels({"x": value}, field)
+        add[custom_key(key, field)] = value
+    return LabelPatch(
+        add_custom=add,
+        delete_custom=tuple(
+            custom_key(k, f"delete_custom[{i}]") for i, k in enumerate(request.delete_custom)
+        ),
+        disable=tuple(pod_label_key(k, f"disable[{i}]") for i, k in enumerate(request.disable)),
+        enable=tuple(pod_label_key(k, f"enable[{i}]") for i, k in enumerate(request.enable)),
     )
 
 
@@ -246,8 +294,37 @@ class EndpointServicer(endpoint_pb2_grpc.EndpointServiceServicer):
     async def PatchEndpointLabels(
         self, request: endpoint_pb2.PatchEndpointLabelsRequest, context: Any
     ) -> endpoint_pb2.Endpoint:
-        labels = validate_labels(dict(request.labels), "labels")
-        return endpoint_to_proto(await self.service.patch_labels(request.id, labels))
+        extra = label_patch(request)
+        labels = (
+            validate_labels(dict(request.labels), "labels")
+            if request.labels or extra is None
+            else None
+        )
+        return endpoint_to_proto(await self.service.patch_labels(request.id, labels, extra=extra))
+
+    async def GetEndpointLabels(
+        self, request: endpoint_pb2.GetEndpointLabelsRequest, context: Any
+    ) -> endpoint_pb2.EndpointLabels:
+        return label_sources_pb(request.id, await self.service.label_sources(request.id))
+
+    async def GetEndpointConfig(
+        self, request: endpoint_pb2.GetEndpointConfigRequest, context: Any
+    ) -> endpoint_pb2.EndpointConfig:
+        return endpoint_config_pb(await self.service.get_by_id(request.id))
+
+    async def PatchEndpointConfig(
+        self, request: endpoint_pb2.PatchEndpointConfigRequest, context: Any
+    ) -> endpoint_pb2.EndpointConfig:
+        validate_endpoint_options(request.set, "set")
+        for i, name in enumerate(request.reset):
+            if name not in ENDPOINT_OPTIONS or name in request.set:
+                raise InvalidArgument(
+                    f"{name!r}: not an endpoint option, or also set", field=f"reset[{i}]"
+                )
+        if not request.set and not request.reset:
+            raise InvalidArgument("nothing to set or reset", field="set")
+        ep = await self.service.patch_config(request.id, dict(request.set), list(request.reset))
+        return endpoint_config_pb(ep)
 
     async def GetEndpointLog(
         self, request: endpoint_pb2.GetEndpointLogRequest, context: Any

@@ -50,6 +50,7 @@ from flagella.policy.rules.model import (
     TIER_ADMIN,
     TIER_BASELINE,
 )
+from flagella.policy.runtimeconfig import ConfigEvent, ConfigView
 from flagella.policy.selector import Entity
 from flagella.policy.state import FqdnEntry, IPEntry
 from flagella.policy.streams import EventKind, IPCacheEvent, PolicyEvent
@@ -416,6 +417,8 @@ def content_bytes(c: PolicyContent) -> bytes:
         entries=[_entry_pb(e) for e in c.entries],
         error=c.error,
         prefix_entries=[_prefix_pb(e) for e in c.prefix_entries],
+        ingress_rules=c.ingress_rules,
+        egress_rules=c.egress_rules,
     ).SerializeToString()
 
 
@@ -610,4 +613,32 @@ def fqdn_selection_pb(s: Selection) -> pb.FQDNSelection:
         names=[pb.FQDNName(name=n, ips=list(ips)) for n, ips in s.names.items()],
         identities=list(s.identities),
         rules=list(s.rules),
+    )
+
+
+def config_pb(v: ConfigView) -> pb.RuntimeConfig:
+    return pb.RuntimeConfig(
+        node=v.node,
+        options=[
+            pb.ConfigOption(
+                name=spec.name,
+                value=value,
+                default=spec.default,
+                mutable=spec.mutable,
+                allowed=spec.allowed,
+                source=source,
+                description=spec.description,
+            )
+            for spec, value, source in v.options()
+        ],
+        cluster=v.cluster,
+        node_overrides=v.overrides,
+        cluster_revision=v.cluster_revision,
+        node_revision=v.node_revision,
+    )
+
+
+def config_event_pb(e: ConfigEvent) -> pb.ConfigEvent:
+    return pb.ConfigEvent(
+        kind=_EVENT_KINDS[e.kind], scope=e.scope, values=e.values or {}, revision=e.revision
     )

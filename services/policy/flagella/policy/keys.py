@@ -22,6 +22,11 @@ flagella/state/fqdn/v1/<node>/<endpoint>/<name>
 flagella/policy/v1/cidrgroups/<name>   {"cidrs": [...], "labels": {...}}
                                   (a CIDR group, as CiliumCIDRGroup)
 flagella/policy/v1/rules/<namespace>/<name> or .../rules/<name>   rule JSON
+flagella/policy/v1/config/cluster, .../config/nodes/<node>
+                                  {"option": "value", ...} (the runtime
+                                  configuration: runtimeconfig.py follows
+                                  it with a source of its own; the mirror
+                                  ignores it)
 
 <sorted labels> is Cilium's ``source:key=value;`` list with '%' and '/'
 percent-encoded so it is one key segment; so is <owner> (e.g.
@@ -45,6 +50,7 @@ FQDN_PREFIX = "flagella/state/fqdn/v1/"
 POLICY_PREFIX = "flagella/policy/v1/"
 CIDR_GROUPS_PREFIX = POLICY_PREFIX + "cidrgroups/"
 RULES_PREFIX = POLICY_PREFIX + "rules/"
+CONFIG_PREFIX = POLICY_PREFIX + "config/"
 # Everything a replica mirrors, read in one transaction and watched as one
 # key range [CIDR_GROUPS_PREFIX, end of IP_PREFIX) (keys of others in between are
 # ignored).

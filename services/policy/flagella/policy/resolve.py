@@ -93,6 +93,10 @@ class PolicyContent:
     error: str = ""
     # Kubernetes ipBlocks over addresses (prefixes.py).
     prefix_entries: tuple[PrefixEntry, ...] = ()
+    # The rules enforcing each direction: what a packet no entry allows is
+    # denied by (named by the datapath's AUDIT and policy-drop flows).
+    ingress_rules: tuple[str, ...] = ()
+    egress_rules: tuple[str, ...] = ()
     # Rules with Kubernetes ipBlocks select the identity: what it gets
     # depends on --k8s-ipblock-mode, which a resumed stream cannot know the
     # client saw (streams.py resends such policies).
@@ -243,6 +247,13 @@ class SigPolicy:
         self.admin = AdminIndex([r for r in every if r.tier])
         self.ingress_enforced = self.np_enforced[_INGRESS] or _INGRESS in self.admin.directions
         self.egress_enforced = self.np_enforced[_EGRESS] or _EGRESS in self.admin.directions
+        tiered = tuple(r.key for r in every if r.tier)
+        self.enforcing = (
+            tuple(r.key for r in rules if r.enforces_ingress)
+            + (tiered if _INGRESS in self.admin.directions else ()),
+            tuple(r.key for r in rules if r.enforces_egress)
+            + (tiered if _EGRESS in self.admin.directions else ()),
+        )
         self.localhost = resolver.allow_localhost and self.np_enforced[_INGRESS]
         # fromRequires / toRequires of every rule of the signature, which
         # every endpoint selector of every rule of it must meet too.
@@ -391,6 +402,8 @@ class SigPolicy:
                     f"policy needs {self.count} entries, more than the per-endpoint budget "
                     f"of {budget}: failing closed"
                 ),
+                ingress_rules=self.enforcing[0],
+                egress_rules=self.enforcing[1],
             )
             return self._content
         raw: list[tuple[int, int, int, int, int, int, tuple[str, ...], str]] = []
@@ -415,6 +428,8 @@ class SigPolicy:
             self.egress_enforced,
             tuple(entries),
             prefix_entries=self.prefix_entries,
+            ingress_rules=self.enforcing[0],
+            egress_rules=self.enforcing[1],
             ipblock_rules=self.ipblock_rules,
             service_rules=self.service_rules,
         )

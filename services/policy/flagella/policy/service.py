@@ -20,6 +20,7 @@ from flagella.policy.mirror import Mirror
 from flagella.policy.repository import RuleRepository
 from flagella.policy.resolve import ResolvedPolicy, SelectorUse
 from flagella.policy.rules import CIDRGroup, Protocol, Rule
+from flagella.policy.runtimeconfig import ConfigEvent, ConfigView, RuntimeConfig
 from flagella.policy.settings import Settings
 from flagella.policy.state import FqdnEntry, IdentityUse, IPEntry, PolicyState
 from flagella.policy.store import PolicyStore
@@ -77,6 +78,9 @@ class PolicyService:
         self.rules = RuleRepository(store, self.mirror)
         self.streams = Streams(self.mirror, self.leases, s)
         self.gc = GarbageCollector(store, self.mirror, self.leases, interval=s.gc_interval)
+        self.runtime_config = RuntimeConfig(
+            store.etcd, wait_timeout=s.wait_timeout, heartbeat=s.watch_heartbeat
+        )
 
     @property
     def state(self) -> PolicyState:
@@ -85,6 +89,7 @@ class PolicyService:
     async def start(self) -> None:
         await self.mirror.start()
         self.tasks.supervise("policy-gc", self.gc.run)
+        self.runtime_config.start(self.tasks)
         if self.lb is not None:
             self.lb.start(self.tasks, self.mirror.services_changed)
 
@@ -192,6 +197,19 @@ class PolicyService:
 
     def watch_host_policy(self, node: str, labels: Labels) -> AsyncIterator[HostPolicy]:
         return watch_host_policy(self.mirror, node, labels, heartbeat=self.settings.watch_heartbeat)
+
+    # --- runtime configuration ---
+
+    async def get_config(self, node: str) -> ConfigView:
+        return await self.runtime_config.view(node)
+
+    async def patch_config(
+        self, node: str, values: dict[str, str], reset: Sequence[str], expected_revision: int
+    ) -> ConfigView:
+        return await self.runtime_config.patch(node, values, reset, expected_revision)
+
+    def watch_config(self, node: str, since: int) -> AsyncIterator[ConfigEvent]:
+        return self.runtime_config.watch(node, since)
 
     # --- garbage collection ---
 

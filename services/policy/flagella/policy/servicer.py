@@ -18,6 +18,8 @@ from flagella.policy.convert import (
     ContentCache,
     cidr_group_from_pb,
     cidr_group_pb,
+    config_event_pb,
+    config_pb,
     fqdn_entry_from_pb,
     fqdn_entry_pb,
     fqdn_selection_pb,
@@ -372,3 +374,31 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
             raise InvalidArgument(str(exc), field="node_labels") from None
         async for host in self.service.watch_host_policy(request.node, labels):
             yield host_policy_event_pb(host, self.contents)
+
+    # --- runtime configuration ---
+
+    async def GetConfig(self, request: pb.GetConfigRequest, context: Ctx) -> pb.RuntimeConfig:
+        if request.node:
+            check_node(request.node)
+        return config_pb(await self.service.get_config(request.node))
+
+    async def PatchConfig(self, request: pb.PatchConfigRequest, context: Ctx) -> pb.RuntimeConfig:
+        if request.node:
+            check_node(request.node)
+        if request.expected_revision < 0:
+            raise InvalidArgument("must not be negative", field="expected_revision")
+        if not request.set and not request.reset:
+            raise InvalidArgument("nothing to set or reset", field="set")
+        view = await self.service.patch_config(
+            request.node, dict(request.set), list(request.reset), request.expected_revision
+        )
+        return config_pb(view)
+
+    async def WatchConfig(
+        self, request: pb.WatchConfigRequest, context: Ctx
+    ) -> AsyncIterator[pb.ConfigEvent]:
+        check_node(request.node)
+        if request.since_revision < 0:
+            raise InvalidArgument("must not be negative", field="since_revision")
+        async for event in self.service.watch_config(request.node, request.since_revision):
+            yield config_event_pb(event)

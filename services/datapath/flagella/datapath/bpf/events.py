@@ -48,7 +48,7 @@ def decode_event(
     return Flow(
         time_ns=ev.ts + mono_to_wall_ns,
         type=L.FlowType(ev.type) if ev.type in (1, 2, 3, 4) else L.FlowType.UNSPECIFIED,
-        verdict=L.FlowVerdict(ev.verdict) if ev.verdict in (1, 2) else L.FlowVerdict.UNSPECIFIED,
+        verdict=L.FlowVerdict(ev.verdict) if ev.verdict in (1, 2, 4) else L.FlowVerdict.UNSPECIFIED,
         drop_reason=ev.reason,
         direction=L.Direction(ev.direction) if ev.direction in (1, 2) else L.Direction.UNSPECIFIED,
         src_ip=addr(raw[_SADDR : _SADDR + 16]),

@@ -84,6 +84,7 @@ class FlowVerdict(enum.IntEnum):
     UNSPECIFIED = 0
     FORWARDED = 1
     DROPPED = 2
+    AUDIT = 4  # policy audit mode: would be dropped, let through
 
 
 class Verdict(enum.IntEnum):
@@ -123,6 +124,8 @@ EP_F_POLICY_READY = 1 << 0
 EP_F_INGRESS_ENFORCED = 1 << 1
 EP_F_EGRESS_ENFORCED = 1 << 2
 EP_F_PREFIX_POLICY = 1 << 3
+# Additive (no layout bump): programs without it ignore it and enforce.
+EP_F_AUDIT = 1 << 4
 
 # service flags
 SVC_F_NODEPORT = 1 << 0
@@ -550,6 +553,7 @@ _EP_FLAGS = {
     EP_F_INGRESS_ENFORCED: "ingress-enforced",
     EP_F_EGRESS_ENFORCED: "egress-enforced",
     EP_F_PREFIX_POLICY: "prefix-policy",
+    EP_F_AUDIT: "audit",
 }
 _SVC_FLAGS = {
     SVC_F_NODEPORT: "nodeport",

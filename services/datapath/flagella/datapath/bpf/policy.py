@@ -203,6 +203,7 @@ class Policy(BpfMap[L.PolicyKey, L.PolicyValue]):
         egress_enforced: bool = True,
         *,
         prefixes: Sequence[PrefixRule] = (),
+        audit: bool = False,
     ) -> int:
         """Replaces the endpoint's entries, then marks its policy realized
         at revision (traffic flows from then on). Entries are written
@@ -210,7 +211,8 @@ class Policy(BpfMap[L.PolicyKey, L.PolicyValue]):
         map keys the endpoint now has. Only addresses already in the
         endpoints map are marked ready: call it after endpoints.upsert()
         (a new address of an endpoint inherits the state of its others).
-        prefixes: Kubernetes ipBlocks over peer addresses (prefixpolicy)."""
+        prefixes: Kubernetes ipBlocks over peer addresses (prefixpolicy);
+        audit: policy audit mode (what the policy drops passes, reported)."""
         desired = expand(entries)
         try:
             desired_prefixes = expand_prefixes(prefixes)
@@ -230,6 +232,7 @@ class Policy(BpfMap[L.PolicyKey, L.PolicyValue]):
             ingress_enforced,
             egress_enforced,
             prefix_policy=bool(desired_prefixes),
+            audit=audit,
         )
         return total
 

@@ -131,10 +131,12 @@ class Endpoints(BpfMap[L.EndpointKey, L.EndpointInfo]):
         egress_enforced: bool,
         *,
         prefix_policy: bool = False,
+        audit: bool = False,
     ) -> int:
         """Marks the endpoint's policy realized: ready, enforcement, revision,
         and a new policy generation (established connections are checked
-        again against the new policy). Returns the entries updated."""
+        again against the new policy: audit switched off drops at once the
+        connections only audit let through). Returns the entries updated."""
         n = 0
         for k, v in list(self.items()):
             if v.ep_id != endpoint_id:
@@ -146,6 +148,8 @@ class Endpoints(BpfMap[L.EndpointKey, L.EndpointInfo]):
                 flags |= L.EP_F_EGRESS_ENFORCED
             if prefix_policy:
                 flags |= L.EP_F_PREFIX_POLICY
+            if audit:
+                flags |= L.EP_F_AUDIT
             v.flags = flags
             v.policy_revision = revision
             v.policy_gen = (v.policy_gen + 1) & 0xFFFFFFFF

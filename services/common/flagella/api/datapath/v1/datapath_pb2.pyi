@@ -33,12 +33,20 @@ class _FlowVerdictEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FlowVerdi
     FLOW_VERDICT_UNSPECIFIED: _FlowVerdict.ValueType  # 0
     FLOW_VERDICT_FORWARDED: _FlowVerdict.ValueType  # 1
     FLOW_VERDICT_DROPPED: _FlowVerdict.ValueType  # 2
+    FLOW_VERDICT_AUDIT: _FlowVerdict.ValueType  # 4
+    """Policy audit mode: the policy would have dropped it (drop_reason says
+    why); it was let through. Hubble's number.
+    """
 
 class FlowVerdict(_FlowVerdict, metaclass=_FlowVerdictEnumTypeWrapper): ...
 
 FLOW_VERDICT_UNSPECIFIED: FlowVerdict.ValueType  # 0
 FLOW_VERDICT_FORWARDED: FlowVerdict.ValueType  # 1
 FLOW_VERDICT_DROPPED: FlowVerdict.ValueType  # 2
+FLOW_VERDICT_AUDIT: FlowVerdict.ValueType  # 4
+"""Policy audit mode: the policy would have dropped it (drop_reason says
+why); it was let through. Hubble's number.
+"""
 Global___FlowVerdict: _TypeAlias = FlowVerdict  # noqa: Y015
 
 class _FlowType:
@@ -207,6 +215,26 @@ Global___Route: _TypeAlias = Route  # noqa: Y015
 class SetupEndpointRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class OptionsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     ENDPOINT_ID_FIELD_NUMBER: _builtins.int
     CONTAINER_ID_FIELD_NUMBER: _builtins.int
     NETNS_PATH_FIELD_NUMBER: _builtins.int
@@ -217,6 +245,7 @@ class SetupEndpointRequest(_message.Message):
     POLICY_REVISION_FIELD_NUMBER: _builtins.int
     POD_CIDRS_FIELD_NUMBER: _builtins.int
     NAMED_PORTS_FIELD_NUMBER: _builtins.int
+    OPTIONS_FIELD_NUMBER: _builtins.int
     endpoint_id: _builtins.int
     container_id: _builtins.str
     netns_path: _builtins.str
@@ -242,6 +271,10 @@ class SetupEndpointRequest(_message.Message):
         against them).
         """
 
+    @_builtins.property
+    def options(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Per-endpoint runtime options (policy-audit-mode, policy-enforcement)."""
+
     def __init__(
         self,
         *,
@@ -255,10 +288,11 @@ class SetupEndpointRequest(_message.Message):
         policy_revision: _builtins.int = ...,
         pod_cidrs: _abc.Iterable[_builtins.str] | None = ...,
         named_ports: _abc.Iterable[Global___NamedPort] | None = ...,
+        options: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["addresses", b"addresses", "container_id", b"container_id", "endpoint_id", b"endpoint_id", "identity", b"identity", "ifname", b"ifname", "mtu", b"mtu", "named_ports", b"named_ports", "netns_path", b"netns_path", "pod_cidrs", b"pod_cidrs", "policy_revision", b"policy_revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["addresses", b"addresses", "container_id", b"container_id", "endpoint_id", b"endpoint_id", "identity", b"identity", "ifname", b"ifname", "mtu", b"mtu", "named_ports", b"named_ports", "netns_path", b"netns_path", "options", b"options", "pod_cidrs", b"pod_cidrs", "policy_revision", b"policy_revision"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -433,11 +467,16 @@ class UpdateEndpointRequest(_message.Message):
     ENDPOINT_ID_FIELD_NUMBER: _builtins.int
     IDENTITY_FIELD_NUMBER: _builtins.int
     NAMED_PORTS_FIELD_NUMBER: _builtins.int
+    OPTIONS_FIELD_NUMBER: _builtins.int
     endpoint_id: _builtins.int
     identity: _builtins.int
     @_builtins.property
     def named_ports(self) -> Global___NamedPorts:
         """When set: the endpoint's named ports from now on."""
+
+    @_builtins.property
+    def options(self) -> Global___EndpointOptions:
+        """When set: the endpoint's runtime options from now on."""
 
     def __init__(
         self,
@@ -445,18 +484,79 @@ class UpdateEndpointRequest(_message.Message):
         endpoint_id: _builtins.int = ...,
         identity: _builtins.int = ...,
         named_ports: Global___NamedPorts | None = ...,
+        options: Global___EndpointOptions | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["named_ports", b"named_ports"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["named_ports", b"named_ports", "options", b"options"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint_id", b"endpoint_id", "identity", b"identity", "named_ports", b"named_ports"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint_id", b"endpoint_id", "identity", b"identity", "named_ports", b"named_ports", "options", b"options"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___UpdateEndpointRequest: _TypeAlias = UpdateEndpointRequest  # noqa: Y015
 
 @_typing.final
+class EndpointOptions(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ValuesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    VALUES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def values(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        values: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["values", b"values"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EndpointOptions: _TypeAlias = EndpointOptions  # noqa: Y015
+
+@_typing.final
 class DatapathEndpoint(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class OptionsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
 
     ENDPOINT_ID_FIELD_NUMBER: _builtins.int
     CONTAINER_ID_FIELD_NUMBER: _builtins.int
@@ -473,6 +573,7 @@ class DatapathEndpoint(_message.Message):
     POLICY_OVERFLOW_FIELD_NUMBER: _builtins.int
     POLICY_MAP_ENTRIES_FIELD_NUMBER: _builtins.int
     POLICY_MAP_DESIRED_FIELD_NUMBER: _builtins.int
+    OPTIONS_FIELD_NUMBER: _builtins.int
     endpoint_id: _builtins.int
     container_id: _builtins.str
     netns_path: _builtins.str
@@ -500,6 +601,10 @@ class DatapathEndpoint(_message.Message):
     def addresses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
     def named_ports(self) -> _containers.RepeatedCompositeFieldContainer[Global___NamedPort]: ...
+    @_builtins.property
+    def options(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Its runtime options (SetupEndpoint / UpdateEndpoint options)."""
+
     def __init__(
         self,
         *,
@@ -518,10 +623,11 @@ class DatapathEndpoint(_message.Message):
         policy_overflow: _builtins.str = ...,
         policy_map_entries: _builtins.int = ...,
         policy_map_desired: _builtins.int = ...,
+        options: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["addresses", b"addresses", "container_id", b"container_id", "endpoint_id", b"endpoint_id", "host_ifindex", b"host_ifindex", "host_ifname", b"host_ifname", "identity", b"identity", "ifname", b"ifname", "mac", b"mac", "named_ports", b"named_ports", "netns_path", b"netns_path", "policy_map_desired", b"policy_map_desired", "policy_map_entries", b"policy_map_entries", "policy_overflow", b"policy_overflow", "programs_attached", b"programs_attached", "realized_policy_revision", b"realized_policy_revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["addresses", b"addresses", "container_id", b"container_id", "endpoint_id", b"endpoint_id", "host_ifindex", b"host_ifindex", "host_ifname", b"host_ifname", "identity", b"identity", "ifname", b"ifname", "mac", b"mac", "named_ports", b"named_ports", "netns_path", b"netns_path", "options", b"options", "policy_map_desired", b"policy_map_desired", "policy_map_entries", b"policy_map_entries", "policy_overflow", b"policy_overflow", "programs_attached", b"programs_attached", "realized_policy_revision", b"realized_policy_revision"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1117,6 +1223,7 @@ class Flow(_message.Message):
     NODE_FIELD_NUMBER: _builtins.int
     TCP_FLAGS_FIELD_NUMBER: _builtins.int
     ICMP_TYPE_FIELD_NUMBER: _builtins.int
+    DENIED_BY_FIELD_NUMBER: _builtins.int
     type: Global___FlowType.ValueType
     verdict: Global___FlowVerdict.ValueType
     drop_reason: Global___DropReason.ValueType
@@ -1141,6 +1248,12 @@ class Flow(_message.Message):
     """ICMP / ICMPv6 (protocol 1 / 58): the message type."""
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def denied_by(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """AUDIT, and DROPPED by policy: the rules enforcing the endpoint's
+        policy in the flow's direction (the rule set that denies it).
+        """
+
     def __init__(
         self,
         *,
@@ -1161,10 +1274,11 @@ class Flow(_message.Message):
         node: _builtins.str = ...,
         tcp_flags: _builtins.int = ...,
         icmp_type: _builtins.int = ...,
+        denied_by: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["direction", b"direction", "drop_reason", b"drop_reason", "dst_identity", b"dst_identity", "dst_ip", b"dst_ip", "dst_port", b"dst_port", "endpoint_id", b"endpoint_id", "icmp_type", b"icmp_type", "ifindex", b"ifindex", "node", b"node", "protocol", b"protocol", "src_identity", b"src_identity", "src_ip", b"src_ip", "src_port", b"src_port", "tcp_flags", b"tcp_flags", "time", b"time", "type", b"type", "verdict", b"verdict"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["denied_by", b"denied_by", "direction", b"direction", "drop_reason", b"drop_reason", "dst_identity", b"dst_identity", "dst_ip", b"dst_ip", "dst_port", b"dst_port", "endpoint_id", b"endpoint_id", "icmp_type", b"icmp_type", "ifindex", b"ifindex", "node", b"node", "protocol", b"protocol", "src_identity", b"src_identity", "src_ip", b"src_ip", "src_port", b"src_port", "tcp_flags", b"tcp_flags", "time", b"time", "type", b"type", "verdict", b"verdict"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

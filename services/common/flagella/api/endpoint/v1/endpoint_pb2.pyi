@@ -115,6 +115,46 @@ class Endpoint(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class OptionsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class CustomLabelsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     ID_FIELD_NUMBER: _builtins.int
     CONTAINER_ID_FIELD_NUMBER: _builtins.int
     IFNAME_FIELD_NUMBER: _builtins.int
@@ -132,6 +172,9 @@ class Endpoint(_message.Message):
     CREATED_AT_FIELD_NUMBER: _builtins.int
     UPDATED_AT_FIELD_NUMBER: _builtins.int
     NAMED_PORTS_FIELD_NUMBER: _builtins.int
+    OPTIONS_FIELD_NUMBER: _builtins.int
+    CUSTOM_LABELS_FIELD_NUMBER: _builtins.int
+    DISABLED_LABELS_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     container_id: _builtins.str
     ifname: _builtins.str
@@ -159,6 +202,18 @@ class Endpoint(_message.Message):
     def named_ports(self) -> _containers.RepeatedCompositeFieldContainer[Global___NamedPort]:
         """The pod's named container ports."""
 
+    @_builtins.property
+    def options(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Per-endpoint options (PatchEndpointConfig)."""
+
+    @_builtins.property
+    def custom_labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Labels added through PatchEndpointLabels ("source:key" -> value)."""
+
+    @_builtins.property
+    def disabled_labels(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Pod labels ("source:key") left out of the identity, still shown."""
+
     def __init__(
         self,
         *,
@@ -179,10 +234,13 @@ class Endpoint(_message.Message):
         created_at: _timestamp_pb2.Timestamp | None = ...,
         updated_at: _timestamp_pb2.Timestamp | None = ...,
         named_ports: _abc.Iterable[Global___NamedPort] | None = ...,
+        options: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        custom_labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        disabled_labels: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "updated_at", b"updated_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["addresses", b"addresses", "container_id", b"container_id", "created_at", b"created_at", "host_ifname", b"host_ifname", "id", b"id", "identity", b"identity", "ifname", b"ifname", "labels", b"labels", "mac", b"mac", "named_ports", b"named_ports", "netns_path", b"netns_path", "node", b"node", "pod_name", b"pod_name", "pod_namespace", b"pod_namespace", "policy_revision", b"policy_revision", "state", b"state", "updated_at", b"updated_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["addresses", b"addresses", "container_id", b"container_id", "created_at", b"created_at", "custom_labels", b"custom_labels", "disabled_labels", b"disabled_labels", "host_ifname", b"host_ifname", "id", b"id", "identity", b"identity", "ifname", b"ifname", "labels", b"labels", "mac", b"mac", "named_ports", b"named_ports", "netns_path", b"netns_path", "node", b"node", "options", b"options", "pod_name", b"pod_name", "pod_namespace", b"pod_namespace", "policy_revision", b"policy_revision", "state", b"state", "updated_at", b"updated_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -606,22 +664,66 @@ class PatchEndpointLabelsRequest(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class AddCustomEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     ID_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
+    ADD_CUSTOM_FIELD_NUMBER: _builtins.int
+    DELETE_CUSTOM_FIELD_NUMBER: _builtins.int
+    DISABLE_FIELD_NUMBER: _builtins.int
+    ENABLE_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
-        """Replaces the pod labels."""
+        """Replaces the pod labels. Left empty while a field below is set: the
+        pod labels are kept.
+        """
 
+    @_builtins.property
+    def add_custom(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Custom labels ("source:key", source k8s, container or unspec; a bare
+        key is unspec) -> value, added to the identity.
+        """
+
+    @_builtins.property
+    def delete_custom(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def disable(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Pod labels ("k8s:key") left out of the identity, and taken back."""
+
+    @_builtins.property
+    def enable(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
         id: _builtins.int = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        add_custom: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        delete_custom: _abc.Iterable[_builtins.str] | None = ...,
+        disable: _abc.Iterable[_builtins.str] | None = ...,
+        enable: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "labels", b"labels"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_custom", b"add_custom", "delete_custom", b"delete_custom", "disable", b"disable", "enable", b"enable", "id", b"id", "labels", b"labels"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -994,3 +1096,234 @@ class CniResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CniResponse: _TypeAlias = CniResponse  # noqa: Y015
+
+@_typing.final
+class GetEndpointConfigRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetEndpointConfigRequest: _TypeAlias = GetEndpointConfigRequest  # noqa: Y015
+
+@_typing.final
+class EndpointConfig(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class OptionsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class AllowedEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    ID_FIELD_NUMBER: _builtins.int
+    OPTIONS_FIELD_NUMBER: _builtins.int
+    ALLOWED_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    @_builtins.property
+    def options(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """What is set for the endpoint (the rest: its node's values)."""
+
+    @_builtins.property
+    def allowed(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """The options an endpoint takes, and their values."""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        options: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        allowed: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allowed", b"allowed", "id", b"id", "options", b"options"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EndpointConfig: _TypeAlias = EndpointConfig  # noqa: Y015
+
+@_typing.final
+class PatchEndpointConfigRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class SetEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    ID_FIELD_NUMBER: _builtins.int
+    SET_FIELD_NUMBER: _builtins.int
+    RESET_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    @_builtins.property
+    def set(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    @_builtins.property
+    def reset(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Options removed (back to the node's value)."""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        set: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        reset: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "reset", b"reset", "set", b"set"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PatchEndpointConfigRequest: _TypeAlias = PatchEndpointConfigRequest  # noqa: Y015
+
+@_typing.final
+class GetEndpointLabelsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetEndpointLabelsRequest: _TypeAlias = GetEndpointLabelsRequest  # noqa: Y015
+
+@_typing.final
+class EndpointLabel(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SOURCE_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    VALUE_FIELD_NUMBER: _builtins.int
+    source: _builtins.str
+    key: _builtins.str
+    value: _builtins.str
+    def __init__(
+        self,
+        *,
+        source: _builtins.str = ...,
+        key: _builtins.str = ...,
+        value: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "source", b"source", "value", b"value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EndpointLabel: _TypeAlias = EndpointLabel  # noqa: Y015
+
+@_typing.final
+class EndpointLabels(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    IDENTITY_FIELD_NUMBER: _builtins.int
+    ORCHESTRATION_IDENTITY_FIELD_NUMBER: _builtins.int
+    ORCHESTRATION_INFO_FIELD_NUMBER: _builtins.int
+    CUSTOM_FIELD_NUMBER: _builtins.int
+    DISABLED_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    identity: _builtins.int
+    @_builtins.property
+    def orchestration_identity(self) -> _containers.RepeatedCompositeFieldContainer[Global___EndpointLabel]:
+        """The pod's labels the identity is made of (the policy service's label
+        filter keeps them).
+        """
+
+    @_builtins.property
+    def orchestration_info(self) -> _containers.RepeatedCompositeFieldContainer[Global___EndpointLabel]:
+        """The pod's labels not relevant to identity (the filter drops them)."""
+
+    @_builtins.property
+    def custom(self) -> _containers.RepeatedCompositeFieldContainer[Global___EndpointLabel]:
+        """Labels added through PatchEndpointLabels (in the identity)."""
+
+    @_builtins.property
+    def disabled(self) -> _containers.RepeatedCompositeFieldContainer[Global___EndpointLabel]:
+        """Pod labels disabled for identity: shown, not in the identity."""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        identity: _builtins.int = ...,
+        orchestration_identity: _abc.Iterable[Global___EndpointLabel] | None = ...,
+        orchestration_info: _abc.Iterable[Global___EndpointLabel] | None = ...,
+        custom: _abc.Iterable[Global___EndpointLabel] | None = ...,
+        disabled: _abc.Iterable[Global___EndpointLabel] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["custom", b"custom", "disabled", b"disabled", "id", b"id", "identity", b"identity", "orchestration_identity", b"orchestration_identity", "orchestration_info", b"orchestration_info"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EndpointLabels: _TypeAlias = EndpointLabels  # noqa: Y015

@@ -90,6 +90,21 @@ class EndpointServiceStub:
                 request_serializer=flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.CniRequest.SerializeToString,
                 response_deserializer=flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.CniResponse.FromString,
                 _registered_method=True)
+        self.GetEndpointConfig = channel.unary_unary(
+                '/flagella.endpoint.v1.EndpointService/GetEndpointConfig',
+                request_serializer=flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.GetEndpointConfigRequest.SerializeToString,
+                response_deserializer=flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.EndpointConfig.FromString,
+                _registered_method=True)
+        self.PatchEndpointConfig = channel.unary_unary(
+                '/flagella.endpoint.v1.EndpointService/PatchEndpointConfig',
+                request_serializer=flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.PatchEndpointConfigRequest.SerializeToString,
+                response_deserializer=flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.EndpointConfig.FromString,
+                _registered_method=True)
+        self.GetEndpointLabels = channel.unary_unary(
+                '/flagella.endpoint.v1.EndpointService/GetEndpointLabels',
+                request_serializer=flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.GetEndpointLabelsRequest.SerializeToString,
+                response_deserializer=flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.EndpointLabels.FromString,
+                _registered_method=True)
 
 
 class EndpointServiceServicer:
@@ -173,6 +188,28 @@ class EndpointServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetEndpointConfig(self, request, context):
+        """Per-endpoint configuration (Cilium's endpoint config): overrides of
+        the node's runtime options policy-audit-mode and policy-enforcement,
+        stored with the endpoint and applied by its datapath without a restart.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PatchEndpointConfig(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetEndpointLabels(self, request, context):
+        """The endpoint's labels by source, as Cilium's endpoint OpLabels.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EndpointServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -230,6 +267,21 @@ def add_EndpointServiceServicer_to_server(servicer, server):
                     servicer.Cni,
                     request_deserializer=flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.CniRequest.FromString,
                     response_serializer=flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.CniResponse.SerializeToString,
+            ),
+            'GetEndpointConfig': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetEndpointConfig,
+                    request_deserializer=flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.GetEndpointConfigRequest.FromString,
+                    response_serializer=flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.EndpointConfig.SerializeToString,
+            ),
+            'PatchEndpointConfig': grpc.unary_unary_rpc_method_handler(
+                    servicer.PatchEndpointConfig,
+                    request_deserializer=flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.PatchEndpointConfigRequest.FromString,
+                    response_serializer=flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.EndpointConfig.SerializeToString,
+            ),
+            'GetEndpointLabels': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetEndpointLabels,
+                    request_deserializer=flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.GetEndpointLabelsRequest.FromString,
+                    response_serializer=flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.EndpointLabels.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -529,6 +581,87 @@ class EndpointService:
             '/flagella.endpoint.v1.EndpointService/Cni',
             flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.CniRequest.SerializeToString,
             flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.CniResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetEndpointConfig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagella.endpoint.v1.EndpointService/GetEndpointConfig',
+            flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.GetEndpointConfigRequest.SerializeToString,
+            flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.EndpointConfig.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PatchEndpointConfig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagella.endpoint.v1.EndpointService/PatchEndpointConfig',
+            flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.PatchEndpointConfigRequest.SerializeToString,
+            flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.EndpointConfig.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetEndpointLabels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagella.endpoint.v1.EndpointService/GetEndpointLabels',
+            flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.GetEndpointLabelsRequest.SerializeToString,
+            flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.EndpointLabels.FromString,
             options,
             channel_credentials,
             insecure,

@@ -59,6 +59,14 @@ class EndpointServiceStub:
     what the plugin prints and its exit status out (a CNI result, or a CNI
     error object). The endpoints it touches are the calling node's.
     """
+    GetEndpointConfig: _grpc.UnaryUnaryMultiCallable[_endpoint_pb2.GetEndpointConfigRequest, _endpoint_pb2.EndpointConfig]
+    """Per-endpoint configuration (Cilium's endpoint config): overrides of
+    the node's runtime options policy-audit-mode and policy-enforcement,
+    stored with the endpoint and applied by its datapath without a restart.
+    """
+    PatchEndpointConfig: _grpc.UnaryUnaryMultiCallable[_endpoint_pb2.PatchEndpointConfigRequest, _endpoint_pb2.EndpointConfig]
+    GetEndpointLabels: _grpc.UnaryUnaryMultiCallable[_endpoint_pb2.GetEndpointLabelsRequest, _endpoint_pb2.EndpointLabels]
+    """The endpoint's labels by source, as Cilium's endpoint OpLabels."""
 
 @_typing.type_check_only
 class EndpointServiceAsyncStub(EndpointServiceStub):
@@ -88,6 +96,14 @@ class EndpointServiceAsyncStub(EndpointServiceStub):
     what the plugin prints and its exit status out (a CNI result, or a CNI
     error object). The endpoints it touches are the calling node's.
     """
+    GetEndpointConfig: _aio.UnaryUnaryMultiCallable[_endpoint_pb2.GetEndpointConfigRequest, _endpoint_pb2.EndpointConfig]  # type: ignore[assignment]
+    """Per-endpoint configuration (Cilium's endpoint config): overrides of
+    the node's runtime options policy-audit-mode and policy-enforcement,
+    stored with the endpoint and applied by its datapath without a restart.
+    """
+    PatchEndpointConfig: _aio.UnaryUnaryMultiCallable[_endpoint_pb2.PatchEndpointConfigRequest, _endpoint_pb2.EndpointConfig]  # type: ignore[assignment]
+    GetEndpointLabels: _aio.UnaryUnaryMultiCallable[_endpoint_pb2.GetEndpointLabelsRequest, _endpoint_pb2.EndpointLabels]  # type: ignore[assignment]
+    """The endpoint's labels by source, as Cilium's endpoint OpLabels."""
 
 class EndpointServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -180,5 +196,31 @@ class EndpointServiceServicer(metaclass=_abc_1.ABCMeta):
         what the plugin prints and its exit status out (a CNI result, or a CNI
         error object). The endpoints it touches are the calling node's.
         """
+
+    @_abc_1.abstractmethod
+    def GetEndpointConfig(
+        self,
+        request: _endpoint_pb2.GetEndpointConfigRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_endpoint_pb2.EndpointConfig, _abc.Awaitable[_endpoint_pb2.EndpointConfig]]:
+        """Per-endpoint configuration (Cilium's endpoint config): overrides of
+        the node's runtime options policy-audit-mode and policy-enforcement,
+        stored with the endpoint and applied by its datapath without a restart.
+        """
+
+    @_abc_1.abstractmethod
+    def PatchEndpointConfig(
+        self,
+        request: _endpoint_pb2.PatchEndpointConfigRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_endpoint_pb2.EndpointConfig, _abc.Awaitable[_endpoint_pb2.EndpointConfig]]: ...
+
+    @_abc_1.abstractmethod
+    def GetEndpointLabels(
+        self,
+        request: _endpoint_pb2.GetEndpointLabelsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_endpoint_pb2.EndpointLabels, _abc.Awaitable[_endpoint_pb2.EndpointLabels]]:
+        """The endpoint's labels by source, as Cilium's endpoint OpLabels."""
 
 def add_EndpointServiceServicer_to_server(servicer: EndpointServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

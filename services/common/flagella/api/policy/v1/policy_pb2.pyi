@@ -1542,6 +1542,8 @@ class ResolvedPolicy(_message.Message):
     ERROR_FIELD_NUMBER: _builtins.int
     PREFIX_ENTRIES_FIELD_NUMBER: _builtins.int
     REVISION_TIME_FIELD_NUMBER: _builtins.int
+    INGRESS_RULES_FIELD_NUMBER: _builtins.int
+    EGRESS_RULES_FIELD_NUMBER: _builtins.int
     identity: _builtins.int
     revision: _builtins.int
     """Repository revision this policy was computed at."""
@@ -1572,6 +1574,15 @@ class ResolvedPolicy(_message.Message):
         clocks of the nodes are assumed in sync).
         """
 
+    @_builtins.property
+    def ingress_rules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The rules selecting the identity that enforce each direction: the rule
+        set a packet no entry allows is denied by (named by AUDIT and policy
+        DROPPED flows).
+        """
+
+    @_builtins.property
+    def egress_rules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
@@ -1583,10 +1594,12 @@ class ResolvedPolicy(_message.Message):
         error: _builtins.str = ...,
         prefix_entries: _abc.Iterable[Global___PrefixEntry] | None = ...,
         revision_time: _timestamp_pb2.Timestamp | None = ...,
+        ingress_rules: _abc.Iterable[_builtins.str] | None = ...,
+        egress_rules: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["revision_time", b"revision_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["egress_enforced", b"egress_enforced", "entries", b"entries", "error", b"error", "identity", b"identity", "ingress_enforced", b"ingress_enforced", "prefix_entries", b"prefix_entries", "revision", b"revision", "revision_time", b"revision_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["egress_enforced", b"egress_enforced", "egress_rules", b"egress_rules", "entries", b"entries", "error", b"error", "identity", b"identity", "ingress_enforced", b"ingress_enforced", "ingress_rules", b"ingress_rules", "prefix_entries", b"prefix_entries", "revision", b"revision", "revision_time", b"revision_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2345,3 +2358,288 @@ class GetIdentityEndpointsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetIdentityEndpointsResponse: _TypeAlias = GetIdentityEndpointsResponse  # noqa: Y015
+
+@_typing.final
+class ConfigOption(_message.Message):
+    """--- runtime configuration ---"""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    VALUE_FIELD_NUMBER: _builtins.int
+    DEFAULT_FIELD_NUMBER: _builtins.int
+    MUTABLE_FIELD_NUMBER: _builtins.int
+    ALLOWED_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """e.g. "policy-audit-mode"."""
+    value: _builtins.str
+    """The value in force for the node asked about (for an immutable option:
+    empty, each datapath's own start-up flag).
+    """
+    default: _builtins.str
+    """The value when nothing is set; empty: the datapath's own start-up flag."""
+    mutable: _builtins.bool
+    """False: fixed at start-up (a PATCH naming it is refused)."""
+    source: _builtins.str
+    """Where value comes from: "default", "cluster" or "node"."""
+    description: _builtins.str
+    @_builtins.property
+    def allowed(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The values it takes."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        value: _builtins.str = ...,
+        default: _builtins.str = ...,
+        mutable: _builtins.bool = ...,
+        allowed: _abc.Iterable[_builtins.str] | None = ...,
+        source: _builtins.str = ...,
+        description: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allowed", b"allowed", "default", b"default", "description", b"description", "mutable", b"mutable", "name", b"name", "source", b"source", "value", b"value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ConfigOption: _TypeAlias = ConfigOption  # noqa: Y015
+
+@_typing.final
+class GetConfigRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_FIELD_NUMBER: _builtins.int
+    node: _builtins.str
+    """Empty: the cluster-wide values."""
+    def __init__(
+        self,
+        *,
+        node: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node", b"node"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetConfigRequest: _TypeAlias = GetConfigRequest  # noqa: Y015
+
+@_typing.final
+class RuntimeConfig(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ClusterEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class NodeOverridesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    NODE_FIELD_NUMBER: _builtins.int
+    OPTIONS_FIELD_NUMBER: _builtins.int
+    CLUSTER_FIELD_NUMBER: _builtins.int
+    NODE_OVERRIDES_FIELD_NUMBER: _builtins.int
+    CLUSTER_REVISION_FIELD_NUMBER: _builtins.int
+    NODE_REVISION_FIELD_NUMBER: _builtins.int
+    node: _builtins.str
+    cluster_revision: _builtins.int
+    """The etcd revision of the last write of each scope (0: nothing set): a
+    PATCH's expected_revision.
+    """
+    node_revision: _builtins.int
+    @_builtins.property
+    def options(self) -> _containers.RepeatedCompositeFieldContainer[Global___ConfigOption]:
+        """Every option, mutable and immutable, by name."""
+
+    @_builtins.property
+    def cluster(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """What is set cluster-wide, and for the node."""
+
+    @_builtins.property
+    def node_overrides(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        node: _builtins.str = ...,
+        options: _abc.Iterable[Global___ConfigOption] | None = ...,
+        cluster: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        node_overrides: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        cluster_revision: _builtins.int = ...,
+        node_revision: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster", b"cluster", "cluster_revision", b"cluster_revision", "node", b"node", "node_overrides", b"node_overrides", "node_revision", b"node_revision", "options", b"options"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RuntimeConfig: _TypeAlias = RuntimeConfig  # noqa: Y015
+
+@_typing.final
+class PatchConfigRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class SetEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    NODE_FIELD_NUMBER: _builtins.int
+    SET_FIELD_NUMBER: _builtins.int
+    RESET_FIELD_NUMBER: _builtins.int
+    EXPECTED_REVISION_FIELD_NUMBER: _builtins.int
+    node: _builtins.str
+    """Empty: the cluster-wide values; else that node's overrides."""
+    expected_revision: _builtins.int
+    """When set: refused (ABORTED) unless the scope is still at this revision
+    (RuntimeConfig.cluster_revision / node_revision).
+    """
+    @_builtins.property
+    def set(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """option -> value."""
+
+    @_builtins.property
+    def reset(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Options whose value in this scope is removed (back to the cluster's
+        or the default).
+        """
+
+    def __init__(
+        self,
+        *,
+        node: _builtins.str = ...,
+        set: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        reset: _abc.Iterable[_builtins.str] | None = ...,
+        expected_revision: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected_revision", b"expected_revision", "node", b"node", "reset", b"reset", "set", b"set"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PatchConfigRequest: _TypeAlias = PatchConfigRequest  # noqa: Y015
+
+@_typing.final
+class WatchConfigRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_FIELD_NUMBER: _builtins.int
+    SINCE_REVISION_FIELD_NUMBER: _builtins.int
+    node: _builtins.str
+    since_revision: _builtins.int
+    def __init__(
+        self,
+        *,
+        node: _builtins.str = ...,
+        since_revision: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node", b"node", "since_revision", b"since_revision"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchConfigRequest: _TypeAlias = WatchConfigRequest  # noqa: Y015
+
+@_typing.final
+class ConfigEvent(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ValuesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    KIND_FIELD_NUMBER: _builtins.int
+    SCOPE_FIELD_NUMBER: _builtins.int
+    VALUES_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    kind: Global___EventKind.ValueType
+    scope: _builtins.str
+    """"": the cluster's values; else the node's overrides."""
+    revision: _builtins.int
+    @_builtins.property
+    def values(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        kind: Global___EventKind.ValueType = ...,
+        scope: _builtins.str = ...,
+        values: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        revision: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "revision", b"revision", "scope", b"scope", "values", b"values"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ConfigEvent: _TypeAlias = ConfigEvent  # noqa: Y015

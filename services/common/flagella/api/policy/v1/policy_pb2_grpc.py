@@ -160,6 +160,21 @@ class PolicyServiceStub:
                 request_serializer=flagella_dot_policy_dot_v1_dot_policy__pb2.GetIdentityEndpointsRequest.SerializeToString,
                 response_deserializer=flagella_dot_policy_dot_v1_dot_policy__pb2.GetIdentityEndpointsResponse.FromString,
                 _registered_method=True)
+        self.GetConfig = channel.unary_unary(
+                '/flagella.policy.v1.PolicyService/GetConfig',
+                request_serializer=flagella_dot_policy_dot_v1_dot_policy__pb2.GetConfigRequest.SerializeToString,
+                response_deserializer=flagella_dot_policy_dot_v1_dot_policy__pb2.RuntimeConfig.FromString,
+                _registered_method=True)
+        self.PatchConfig = channel.unary_unary(
+                '/flagella.policy.v1.PolicyService/PatchConfig',
+                request_serializer=flagella_dot_policy_dot_v1_dot_policy__pb2.PatchConfigRequest.SerializeToString,
+                response_deserializer=flagella_dot_policy_dot_v1_dot_policy__pb2.RuntimeConfig.FromString,
+                _registered_method=True)
+        self.WatchConfig = channel.unary_stream(
+                '/flagella.policy.v1.PolicyService/WatchConfig',
+                request_serializer=flagella_dot_policy_dot_v1_dot_policy__pb2.WatchConfigRequest.SerializeToString,
+                response_deserializer=flagella_dot_policy_dot_v1_dot_policy__pb2.ConfigEvent.FromString,
+                _registered_method=True)
 
 
 class PolicyServiceServicer:
@@ -342,6 +357,31 @@ class PolicyServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetConfig(self, request, context):
+        """Runtime configuration (Cilium's GetConfig/PatchConfig): cluster-wide
+        values with per-node overrides, stored in etcd. Every datapath follows
+        WatchConfig and applies a change without a restart.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PatchConfig(self, request, context):
+        """Sets or resets mutable options, all or nothing: an unknown or
+        immutable option, or an invalid value, changes nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchConfig(self, request, context):
+        """The values of one node: the cluster's (scope "") and the node's
+        overrides (scope: the node), each sent whole on a change.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PolicyServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -469,6 +509,21 @@ def add_PolicyServiceServicer_to_server(servicer, server):
                     servicer.GetIdentityEndpoints,
                     request_deserializer=flagella_dot_policy_dot_v1_dot_policy__pb2.GetIdentityEndpointsRequest.FromString,
                     response_serializer=flagella_dot_policy_dot_v1_dot_policy__pb2.GetIdentityEndpointsResponse.SerializeToString,
+            ),
+            'GetConfig': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetConfig,
+                    request_deserializer=flagella_dot_policy_dot_v1_dot_policy__pb2.GetConfigRequest.FromString,
+                    response_serializer=flagella_dot_policy_dot_v1_dot_policy__pb2.RuntimeConfig.SerializeToString,
+            ),
+            'PatchConfig': grpc.unary_unary_rpc_method_handler(
+                    servicer.PatchConfig,
+                    request_deserializer=flagella_dot_policy_dot_v1_dot_policy__pb2.PatchConfigRequest.FromString,
+                    response_serializer=flagella_dot_policy_dot_v1_dot_policy__pb2.RuntimeConfig.SerializeToString,
+            ),
+            'WatchConfig': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchConfig,
+                    request_deserializer=flagella_dot_policy_dot_v1_dot_policy__pb2.WatchConfigRequest.FromString,
+                    response_serializer=flagella_dot_policy_dot_v1_dot_policy__pb2.ConfigEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1146,6 +1201,87 @@ class PolicyService:
             '/flagella.policy.v1.PolicyService/GetIdentityEndpoints',
             flagella_dot_policy_dot_v1_dot_policy__pb2.GetIdentityEndpointsRequest.SerializeToString,
             flagella_dot_policy_dot_v1_dot_policy__pb2.GetIdentityEndpointsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetConfig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagella.policy.v1.PolicyService/GetConfig',
+            flagella_dot_policy_dot_v1_dot_policy__pb2.GetConfigRequest.SerializeToString,
+            flagella_dot_policy_dot_v1_dot_policy__pb2.RuntimeConfig.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PatchConfig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagella.policy.v1.PolicyService/PatchConfig',
+            flagella_dot_policy_dot_v1_dot_policy__pb2.PatchConfigRequest.SerializeToString,
+            flagella_dot_policy_dot_v1_dot_policy__pb2.RuntimeConfig.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchConfig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/flagella.policy.v1.PolicyService/WatchConfig',
+            flagella_dot_policy_dot_v1_dot_policy__pb2.WatchConfigRequest.SerializeToString,
+            flagella_dot_policy_dot_v1_dot_policy__pb2.ConfigEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -94,6 +94,19 @@ class PolicyServiceStub:
     """The identities referenced on a node (every node: node empty), with
     their reference counts and the endpoints holding them.
     """
+    GetConfig: _grpc.UnaryUnaryMultiCallable[_policy_pb2.GetConfigRequest, _policy_pb2.RuntimeConfig]
+    """Runtime configuration (Cilium's GetConfig/PatchConfig): cluster-wide
+    values with per-node overrides, stored in etcd. Every datapath follows
+    WatchConfig and applies a change without a restart.
+    """
+    PatchConfig: _grpc.UnaryUnaryMultiCallable[_policy_pb2.PatchConfigRequest, _policy_pb2.RuntimeConfig]
+    """Sets or resets mutable options, all or nothing: an unknown or
+    immutable option, or an invalid value, changes nothing.
+    """
+    WatchConfig: _grpc.UnaryStreamMultiCallable[_policy_pb2.WatchConfigRequest, _policy_pb2.ConfigEvent]
+    """The values of one node: the cluster's (scope "") and the node's
+    overrides (scope: the node), each sent whole on a change.
+    """
 
 @_typing.type_check_only
 class PolicyServiceAsyncStub(PolicyServiceStub):
@@ -158,6 +171,19 @@ class PolicyServiceAsyncStub(PolicyServiceStub):
     GetIdentityEndpoints: _aio.UnaryUnaryMultiCallable[_policy_pb2.GetIdentityEndpointsRequest, _policy_pb2.GetIdentityEndpointsResponse]  # type: ignore[assignment]
     """The identities referenced on a node (every node: node empty), with
     their reference counts and the endpoints holding them.
+    """
+    GetConfig: _aio.UnaryUnaryMultiCallable[_policy_pb2.GetConfigRequest, _policy_pb2.RuntimeConfig]  # type: ignore[assignment]
+    """Runtime configuration (Cilium's GetConfig/PatchConfig): cluster-wide
+    values with per-node overrides, stored in etcd. Every datapath follows
+    WatchConfig and applies a change without a restart.
+    """
+    PatchConfig: _aio.UnaryUnaryMultiCallable[_policy_pb2.PatchConfigRequest, _policy_pb2.RuntimeConfig]  # type: ignore[assignment]
+    """Sets or resets mutable options, all or nothing: an unknown or
+    immutable option, or an invalid value, changes nothing.
+    """
+    WatchConfig: _aio.UnaryStreamMultiCallable[_policy_pb2.WatchConfigRequest, _policy_pb2.ConfigEvent]  # type: ignore[assignment]
+    """The values of one node: the cluster's (scope "") and the node's
+    overrides (scope: the node), each sent whole on a change.
     """
 
 class PolicyServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -370,6 +396,37 @@ class PolicyServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_policy_pb2.GetIdentityEndpointsResponse, _abc.Awaitable[_policy_pb2.GetIdentityEndpointsResponse]]:
         """The identities referenced on a node (every node: node empty), with
         their reference counts and the endpoints holding them.
+        """
+
+    @_abc_1.abstractmethod
+    def GetConfig(
+        self,
+        request: _policy_pb2.GetConfigRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_policy_pb2.RuntimeConfig, _abc.Awaitable[_policy_pb2.RuntimeConfig]]:
+        """Runtime configuration (Cilium's GetConfig/PatchConfig): cluster-wide
+        values with per-node overrides, stored in etcd. Every datapath follows
+        WatchConfig and applies a change without a restart.
+        """
+
+    @_abc_1.abstractmethod
+    def PatchConfig(
+        self,
+        request: _policy_pb2.PatchConfigRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_policy_pb2.RuntimeConfig, _abc.Awaitable[_policy_pb2.RuntimeConfig]]:
+        """Sets or resets mutable options, all or nothing: an unknown or
+        immutable option, or an invalid value, changes nothing.
+        """
+
+    @_abc_1.abstractmethod
+    def WatchConfig(
+        self,
+        request: _policy_pb2.WatchConfigRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_policy_pb2.ConfigEvent], _abc.AsyncIterator[_policy_pb2.ConfigEvent]]:
+        """The values of one node: the cluster's (scope "") and the node's
+        overrides (scope: the node), each sent whole on a change.
         """
 
 def add_PolicyServiceServicer_to_server(servicer: PolicyServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
