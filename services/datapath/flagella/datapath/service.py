@@ -55,6 +55,7 @@ from flagella.datapath.config import DatapathConfig
 from flagella.datapath.flows import FlowFilter, FlowHub, FlowRecord
 from flagella.datapath.health import NodeHealth
 from flagella.datapath.ipcache import IPCacheOps, IPCacheView
+from flagella.datapath.prefilter import Prefilter
 from flagella.datapath.routes import RouteOps
 from flagella.datapath.state import EndpointRecord, HostPolicyState, StateDir
 from flagella.datapath.telemetry import DatapathMetrics
@@ -253,6 +254,7 @@ class DatapathService:
         self._reader: Any = None
         self.uplink_ifindex = 0
         self.tunnel_ifindex = 0
+        self.prefilter = Prefilter(config.state_dir, self.writer.run)
         # Tunnel mode: pods' MTU leaves room for the encapsulation.
         self.pod_mtu = 65535
         self.health = NodeHealth(
@@ -316,6 +318,7 @@ class DatapathService:
                 raise FailedPrecondition(f"uplink {cfg.uplink} not found", field="uplink")
             self.uplink_ifindex = links[cfg.uplink]
             await self.writer.run(self.bpf.attach_netdev, self.uplink_ifindex)
+        await self._start_prefilter()
         with phase("restore"):
             await self._restore()
         for rec in self.reconcilers():
@@ -324,6 +327,21 @@ class DatapathService:
             tasks.supervise("health-listener", self.health.serve)
             tasks.supervise("health-probes", self.health.run)
         self._start_events()
+
+    async def _start_prefilter(self) -> None:
+        """The saved prefilter list into its maps, its program on each
+        prefilter device (--prefilter-devices, else the uplink)."""
+        names = self.config.prefilter_device_names
+        found = await netdev.links(names)
+        for name in names:
+            if name not in found:
+                raise FailedPrecondition(
+                    f"prefilter device {name} not found", field="prefilter_devices"
+                )
+        bpf = self.bpf
+        await self.prefilter.start(
+            bpf.prefilter, bpf.attach_prefilter, bpf.prefilter_attached, found
+        )
 
     async def _setup_routing_mode(self) -> None:
         """Tunnel mode: the VXLAN device with its programs, an MTU below the
