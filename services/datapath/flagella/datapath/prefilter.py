@@ -21,14 +21,26 @@ import tempfile
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from flagella.common.errors import FailedPrecondition, InvalidArgument, NotFound
-from flagella.datapath.bpf.prefilter import MAX_ENTRIES, IPNetwork, PrefilterMaps
+from flagella.datapath.bpf.prefilter import MAX_ENTRIES, IPNetwork
 
 log = logging.getLogger(__name__)
 #: Runs a map operation on the datapath's map thread.
 Run = Callable[..., Awaitable[Any]]
+
+
+class PrefilterTable(Protocol):
+    """The prefilter's maps (flagella.datapath.bpf.prefilter.PrefilterMaps)."""
+
+    def entries(self) -> dict[IPNetwork, int]: ...
+
+    def put(self, net: IPNetwork, slot: int, *, reset: bool) -> None: ...
+
+    def remove(self, net: IPNetwork) -> None: ...
+
+    def counts(self, slots: list[int]) -> dict[int, tuple[int, int]]: ...
 
 
 @dataclass(frozen=True)
@@ -84,7 +96,7 @@ class Prefilter:
         self.revision = 0
         self.slots: dict[IPNetwork, int] = {}
         self.devices: list[PrefilterDevice] = []
-        self.maps: PrefilterMaps | None = None
+        self.maps: PrefilterTable | None = None
         self._attached: Callable[[int], object | None] = lambda _: None
         self._lock = asyncio.Lock()
 
@@ -106,7 +118,7 @@ class Prefilter:
 
     async def start(
         self,
-        maps: PrefilterMaps,
+        maps: PrefilterTable,
         attach: Callable[[int], str],
         attached: Callable[[int], object | None],
         devices: dict[str, int],

@@ -27,8 +27,10 @@ PROGRAMS = (
     "to_tunnel",
     prefilter.PROGRAM,
 )
-# Programs that are not tc classifiers: their BPF program type.
-PROGRAM_TYPES = {prefilter.PROGRAM: syscall.PROG_TYPE_XDP}
+# Programs that are not tc classifiers: their BPF program type and load
+# flags. The prefilter reads only the headers, in a packet's first buffer:
+# it takes multi-buffer packets, so a veth keeps GSO and large MTUs with it.
+PROGRAM_TYPES = {prefilter.PROGRAM: (syscall.PROG_TYPE_XDP, syscall.F_XDP_HAS_FRAGS)}
 
 _LD_IMM64 = 0x18
 _PSEUDO_MAP_FD = 1

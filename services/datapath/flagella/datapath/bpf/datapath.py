@@ -268,10 +268,9 @@ class Datapath:
             if load_programs:
                 progs = programs or progcache.load_programs(program_cache)
                 for name in PROGRAMS:
+                    prog_type, flags = PROGRAM_TYPES.get(name, (syscall.PROG_TYPE_SCHED_CLS, 0))
                     prog_fds[name] = syscall.prog_load(
-                        name,
-                        progs[name].instantiate(fds),
-                        PROGRAM_TYPES.get(name, syscall.PROG_TYPE_SCHED_CLS),
+                        name, progs[name].instantiate(fds), prog_type, flags
                     )
         except BaseException:
             for fd in list(fds.values()) + list(prog_fds.values()):
