@@ -110,6 +110,7 @@ def test_prefilter_drops_listed_sources_in_xdp_and_survives_a_restart(cluster: C
     [dev] = got.devices
     assert (dev.name, dev.attached) == ("up0", True)
     assert dev.mode in ("native", "generic")
+    assert "xdp" in node.netns.link("up0")
     assert send(out, listed4, node.ip, 1, 2.0) == 1
 
     # Refused, naming the field; nothing changes.
@@ -183,3 +184,14 @@ def test_prefilter_drops_listed_sources_in_xdp_and_survives_a_restart(cluster: C
     assert json.loads((node.state_dir / "prefilter.json").read_text())["revision"] == 2
     listed = cli(node, "prefilter", "list")
     assert [e["cidr"] for e in listed["entries"]] == ["198.51.100.0/24", f"{listed6}/128"]
+
+    # Restarted with no prefilter device: the program comes off the uplink
+    # (it would go on dropping), the list stays.
+    node.process.stop()
+    node.args = [*node.args, "--prefilter-devices", "none"]
+    cluster.start_datapath(node)
+    got = stub.GetPrefilter(pb.GetPrefilterRequest(), timeout=10)
+    assert got.revision == 2
+    assert not got.devices
+    assert "xdp" not in node.netns.link("up0")
+    assert send(out, listed6, node6, 1, 2.0) == 1

@@ -89,12 +89,19 @@ def test_revisions_slots_limit_and_restart(tmp_path: Path) -> None:
         assert full.value.field == f"cidrs[{MAX_ENTRIES - 2}]"
         assert pf.revision == 3
         assert pf.totals() == {"ipv4": (1, 0, 0), "ipv6": (1, 0, 0)}
-        # A restart: the file's list is written into (stale) maps.
+        # A restart: the file's list is written into (stale) maps; the
+        # device the last run used and this one does not is detached.
         maps.tries[net("198.51.100.0/24")] = 9
+        detached: list[str] = []
+
+        async def detach(name: str) -> None:
+            detached.append(name)
+
         again = Prefilter(str(tmp_path), _run)
-        await again.start(maps, lambda i: "generic", lambda i: None, {})
+        await again.start(maps, lambda i: "generic", lambda i: None, {}, detach)
         assert again.revision == 3
         assert maps.tries == {net("192.0.2.0/24"): 0, net("fd00::/8"): 1}
+        assert detached == ["up0"]
 
     asyncio.run(scenario())
 

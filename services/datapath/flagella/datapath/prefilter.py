@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from flagella.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from flagella.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from flagella.datapath.bpf.prefilter import MAX_ENTRIES, IPNetwork
 
 log = logging.getLogger(__name__)
@@ -102,13 +102,19 @@ class Prefilter:
 
     # --- start ---
 
-    def _load(self) -> None:
+    def _load(self) -> list[str]:
+        """The saved list; returns the devices it was attached to."""
         try:
             doc = json.loads(self.path.read_text())
             self.revision = int(doc["revision"])
             self.slots = {ipaddress.ip_network(c): int(s) for c, s in doc["cidrs"].items()}
+            if len(set(self.slots.values())) != len(self.slots) or not all(
+                0 <= s < MAX_ENTRIES for s in self.slots.values()
+            ):
+                raise ValueError("counter slots are not distinct or out of range")
+            return [str(d) for d in doc.get("devices", [])]
         except FileNotFoundError:
-            return
+            return []
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             # Not a list we wrote: better an error at start than a guess.
             raise FailedPrecondition(
@@ -122,13 +128,19 @@ class Prefilter:
         attach: Callable[[int], str],
         attached: Callable[[int], object | None],
         devices: dict[str, int],
+        detach: Callable[[str], Awaitable[object]] | None = None,
     ) -> None:
         """The saved list into the maps, then the program on each device
-        (before SERVING). attached(ifindex): the device runs our program."""
+        (before SERVING). attached(ifindex): the device runs our program;
+        detach(name): take it off a device the last run used and this one
+        does not (its program would go on dropping)."""
         self.maps = maps
         self._attached = attached
-        self._load()
+        before = self._load()
         await self.run(self._sync_maps, {})
+        for name in before:
+            if name not in devices and detach is not None:
+                await detach(name)
         for name, ifindex in devices.items():
             try:
                 mode = await self.run(attach, ifindex)
@@ -138,6 +150,8 @@ class Prefilter:
                 raise FailedPrecondition(
                     f"cannot attach the XDP prefilter to {name}: {exc}", field="prefilter_devices"
                 ) from None
+        if before != list(devices):
+            await asyncio.to_thread(self._save, self.revision, self.slots)
         log.info(
             "XDP prefilter ready",
             extra={
@@ -235,11 +249,23 @@ class Prefilter:
         await asyncio.to_thread(self._save, self.revision + 1, after)
         self.revision += 1
         self.slots = after
-        await self.run(self._sync_maps, before)
+        try:
+            await self.run(self._sync_maps, before)
+        except OSError as exc:
+            log.error("prefilter maps not written", extra={"reason": str(exc)})
+            raise Unavailable(
+                f"the list is saved at revision {self.revision} but its maps could not be "
+                f"written ({exc}); the next start writes them",
+                field="cidrs",
+            ) from None
 
     def _save(self, revision: int, slots: dict[IPNetwork, int]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        doc = {"revision": revision, "cidrs": {str(n): s for n, s in slots.items()}}
+        doc = {
+            "revision": revision,
+            "cidrs": {str(n): s for n, s in slots.items()},
+            "devices": [d.name for d in self.devices],
+        }
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".prefilter-")
         try:
             with os.fdopen(fd, "w") as f:

@@ -49,6 +49,7 @@ from flagella.datapath.bpf import (
 from flagella.datapath.bpf import Service as BpfService
 from flagella.datapath.bpf.layout import CT_SCOPE_SERVICE
 from flagella.datapath.bpf.policy import PolicyEntry
+from flagella.datapath.bpf.prefilter import runs_prefilter
 from flagella.datapath.bpf.prefixpolicy import PrefixRule
 from flagella.datapath.bpf.tables import ct_key
 from flagella.datapath.config import DatapathConfig
@@ -339,8 +340,15 @@ class DatapathService:
                     f"prefilter device {name} not found", field="prefilter_devices"
                 )
         bpf = self.bpf
+
+        async def detach(name: str) -> None:
+            ifindex = (await netdev.links([name])).get(name)
+            if ifindex is not None and await self.writer.run(runs_prefilter, ifindex):
+                log.info("XDP prefilter taken off a device", extra={"device": name})
+                await self.writer.run(bpf.detach_prefilter, ifindex)
+
         await self.prefilter.start(
-            bpf.prefilter, bpf.attach_prefilter, bpf.prefilter_attached, found
+            bpf.prefilter, bpf.attach_prefilter, bpf.prefilter_attached, found, detach
         )
 
     async def _setup_routing_mode(self) -> None:

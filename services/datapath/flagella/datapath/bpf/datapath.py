@@ -358,6 +358,9 @@ class Datapath:
         generic)."""
         return prefilter.attach_xdp(ifindex, self._prog_fds[prefilter.PROGRAM])
 
+    def detach_prefilter(self, ifindex: int) -> bool:
+        return prefilter.detach_xdp(ifindex)
+
     def prefilter_attached(self, ifindex: int) -> prefilter.XdpState | None:
         """The device's XDP state when it runs this Datapath's prefilter
         program, else None."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import ipaddress
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -175,6 +176,22 @@ def detach_xdp(ifindex: int) -> bool:
         flags = XDP_FLAGS_SKB_MODE if current.mode == "generic" else XDP_FLAGS_DRV_MODE
         _set(ipr, ifindex, -1, flags)
         return True
+
+
+def runs_prefilter(ifindex: int) -> bool:
+    """The device runs an xdp_prefilter program (this process's or an
+    earlier one's)."""
+    state = xdp_state(ifindex)
+    if not state.prog_id:
+        return False
+    try:
+        fd = syscall.prog_fd_by_id(state.prog_id)
+    except syscall.BpfError:
+        return False  # gone meanwhile
+    try:
+        return syscall.prog_name(fd) == PROGRAM
+    finally:
+        os.close(fd)
 
 
 def xdp_state(ifindex: int) -> XdpState:

@@ -403,6 +403,13 @@ def prog_id(fd: int) -> int:
     return int(info.id)
 
 
+def prog_name(fd: int) -> str:
+    info = _ProgInfo()
+    attr = _InfoAttr(bpf_fd=fd, info_len=ctypes.sizeof(info), info=_addr(info))
+    _call(OBJ_GET_INFO_BY_FD, attr, "program info")
+    return bytes(info.name).decode(errors="replace")
+
+
 def prog_fd_by_id(prog: int) -> int:
     return _call(PROG_GET_FD_BY_ID, _GetIdAttr(id=prog), f"program {prog}")
 
