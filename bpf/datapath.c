@@ -11,6 +11,7 @@
  *                   identity from the VNI, delivery to the local pod
  *   to_tunnel       tc egress of the VXLAN device: the tunnel key of what the
  *                   node's own stack routes into it
+ *   xdp_prefilter   XDP of the node's devices: drops sources in listed CIDRs
  *
  * Layouts and constants: layout.h. Behaviour: docs/datapath-bpf.md.
  */
@@ -1733,4 +1734,52 @@ int to_tunnel(struct __sk_buff *skb)
 	if (set_tunnel(skb, v->tunnel_ip, ID_HOST) < 0)
 		return drop(skb, &p, DROP_INVALID_PACKET, DIR_EGRESS, 0, ID_HOST, 0);
 	return TC_ACT_OK;
+}
+
+/* --- The XDP prefilter (layouts: prefilter.h) --- */
+#include "prefilter.h"
+
+/* CIDR -> its counter slot (index of prefilter_drops). */
+BPF_F_TABLE("lpm_trie", struct prefilter_key4, __u32, prefilter_v4, COMPILE_MAX, BPF_F_NO_PREALLOC);
+BPF_F_TABLE("lpm_trie", struct prefilter_key6, __u32, prefilter_v6, COMPILE_MAX, BPF_F_NO_PREALLOC);
+BPF_TABLE("percpu_array", __u32, struct prefilter_count, prefilter_drops, COMPILE_MAX);
+
+/* XDP of each prefilter device (--prefilter-devices): a packet whose
+ * source is in a listed CIDR is counted and dropped before the stack (and
+ * tc) sees it; everything else passes. */
+int xdp_prefilter(struct xdp_md *ctx)
+{
+	void *data = (void *)(long)ctx->data;
+	void *end = (void *)(long)ctx->data_end;
+	struct ethhdr *eth = data;
+	__u32 *slot = NULL;
+
+	if ((void *)(eth + 1) > end)
+		return XDP_PASS;
+	if (eth->h_proto == bpf_htons(ETH_P_IP)) {
+		struct iphdr *ip = (void *)(eth + 1);
+		struct prefilter_key4 k4 = {.prefixlen = 32};
+
+		if ((void *)(ip + 1) > end)
+			return XDP_PASS;
+		__builtin_memcpy(k4.addr, &ip->saddr, 4);
+		slot = prefilter_v4.lookup(&k4);
+	} else if (eth->h_proto == bpf_htons(ETH_P_IPV6)) {
+		struct ipv6hdr *ip6 = (void *)(eth + 1);
+		struct prefilter_key6 k6 = {.prefixlen = 128};
+
+		if ((void *)(ip6 + 1) > end)
+			return XDP_PASS;
+		__builtin_memcpy(k6.addr, &ip6->saddr, 16);
+		slot = prefilter_v6.lookup(&k6);
+	}
+	if (!slot)
+		return XDP_PASS;
+	__u32 index = *slot;
+	struct prefilter_count *count = prefilter_drops.lookup(&index);
+	if (count) {
+		count->packets++;
+		count->bytes += (__u64)(end - data);
+	}
+	return XDP_DROP;
 }

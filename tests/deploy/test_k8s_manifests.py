@@ -94,7 +94,8 @@ SERVICES = ("ipam", "policy", "endpoint", "lb")
 # has no etcd user).
 TLS_SERVICES = (*SERVICES, "relay")
 OTHER = {
-    "flagella-ipam": set(),
+    # AnnotateNode: the node's CIDR and health annotations (docs/ipam.md).
+    "flagella-ipam": {("", "nodes", "patch", "", ())},
     "flagella-endpoint": {
         *((flagellaendpoint.GROUP, flagellaendpoint.PLURAL, v, "", ()) for v in FE_WRITES),
         ("", "events", "create", "", ()),
@@ -123,7 +124,7 @@ OTHER = {
 }
 # What each account may write at all: (group, resource).
 WRITES = {
-    "flagella-ipam": set(),
+    "flagella-ipam": {("", "nodes")},
     "flagella-policy": {("", "events"), (LEASES, "leases")},
     "flagella-endpoint": {
         ("", "events"),

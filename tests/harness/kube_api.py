@@ -33,6 +33,10 @@ WRITABLE; Pods and Namespaces only tests write, with apply()):
   <name>): PUT only (tests create them with apply()).
 - Events (/api/v1/namespaces/<ns>/events): POST to create; kept in
   `events`, in order.
+- Nodes (/api/v1/nodes/<name>): GET, and PATCH with a merge patch (as
+  ipam's AnnotateNode writes annotations; 404 when absent).
+refuse(method, resource) makes the next such write fail (HTTP 500 unless
+told), changing nothing: a client's retry can be tested.
 One resourceVersion counter covers all objects, as etcd's revision does for
 the real server; a new object gets a metadata.uid; a new Namespace gets the
 kubernetes.io/metadata.name label, as the real server gives it. Deleting an
@@ -119,7 +123,7 @@ OBJECT_PATHS = (
     re.compile(
         r"^/api/v1/namespaces/(?P<ns>[^/]+)/(?P<res>pods|events|secrets)(?:/(?P<name>[^/]+))?$"
     ),
-    re.compile(r"^/api/v1/(?P<res>namespaces)/(?P<name>[^/]+)$"),
+    re.compile(r"^/api/v1/(?P<res>namespaces|nodes)/(?P<name>[^/]+)$"),
     re.compile(
         r"^/apis/(?:coordination\.k8s\.io|flagella\.io)/v1/namespaces/(?P<ns>[^/]+)/"
         r"(?P<res>leases|flagellaendpoints)(?:/(?P<name>[^/]+))?$"
@@ -136,6 +140,8 @@ WRITABLE = {
     "flagellaendpoints": ("FlagellaEndpoint", "flagella.io/v1", ("POST", "PUT", "DELETE")),
     "secrets": ("Secret", "v1", ("POST", "PUT")),
     "roles": ("Role", "rbac.authorization.k8s.io/v1", ("PUT",)),
+    # Nodes: a merge patch (ipam's AnnotateNode); tests create them with apply().
+    "nodes": ("Node", "v1", ("PATCH",)),
 }
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 
@@ -185,6 +191,8 @@ class KubeListWatchServer:
         self._tokens = 0
         self._connections: set[socket.socket] = set()
         self.httpd: _QuietServer | None = None
+        # (method, resource) -> HTTP codes the next such writes get (refuse()).
+        self._refusals: dict[tuple[str, str], list[int]] = {}
 
     @property
     def url(self) -> str:
@@ -238,6 +246,9 @@ class KubeListWatchServer:
 
             def do_DELETE(self) -> None:
                 server._write(self, "DELETE")
+
+            def do_PATCH(self) -> None:
+                server._write(self, "PATCH")
 
         self.httpd = _QuietServer(("127.0.0.1", self.port), Handler)
         self.httpd.daemon_threads = True
@@ -376,6 +387,13 @@ class KubeListWatchServer:
                 and (e.get("involvedObject") or {}).get("name") == name
             ]
 
+    def refuse(self, method: str, resource: str, code: int = 500, times: int = 1) -> None:
+        """The next `times` writes (method, e.g. PATCH) of resource are
+        answered `code` and change nothing, as an API server that is
+        overloaded or restarting refuses them."""
+        with self._lock:
+            self._refusals.setdefault((method, resource), []).extend([code] * times)
+
     def bookmark(self) -> int:
         """A BOOKMARK at the current resourceVersion on every open watch that
         allows them (after the changes before it); returns that version."""
@@ -465,7 +483,15 @@ class KubeListWatchServer:
         name = name or meta.get("name", "")
         key = (namespace, name)
         with self._lock:
+            refusals = self._refusals.get((method, resource))
+            if refusals:
+                code = refusals.pop(0)
+                self._send_json(h, code, _status(code, "InternalError", "refused (test)"))
+                return
             current = self._objects[resource].get(key)
+            if method == "PATCH":
+                self._patch(h, resource, key, current, body)
+                return
             if method == "POST" and current is not None:
                 self._send_json(h, 409, _status(409, "AlreadyExists", f"{resource} {name} exists"))
                 return
@@ -490,6 +516,30 @@ class KubeListWatchServer:
             self._store(resource, body)
             stored = copy.deepcopy(body)
         self._send_json(h, 201 if method == "POST" else 200, stored)
+
+    def _patch(
+        self,
+        h: BaseHTTPRequestHandler,
+        resource: str,
+        key: tuple[str, str],
+        current: dict[str, Any] | None,
+        patch: dict[str, Any],
+    ) -> None:
+        """A JSON merge patch (RFC 7386; also how a strategic merge patch of
+        plain fields such as annotations applies), the lock held."""
+        if h.headers.get("Content-Type", "").split(";")[0] not in (
+            "application/merge-patch+json",
+            "application/strategic-merge-patch+json",
+        ):
+            self._send_json(h, 415, _status(415, "UnsupportedMediaType", "merge patches only"))
+            return
+        if current is None:
+            self._send_json(h, 404, _status(404, "NotFound", f"{resource} {key[1]} not found"))
+            return
+        patch.get("metadata", {}).pop("resourceVersion", None)
+        merged = _merge_patch(copy.deepcopy(current), patch)
+        self._store(resource, merged)
+        self._send_json(h, 200, copy.deepcopy(merged))
 
     def _get_one(self, h: BaseHTTPRequestHandler, resource: str, namespace: str, name: str) -> None:
         obj = self.get(resource, namespace, name) if resource in self._objects else None
@@ -573,6 +623,17 @@ class KubeListWatchServer:
 class _QuietServer(ThreadingHTTPServer):
     def handle_error(self, request: Any, client_address: Any) -> None:
         """Clients going away mid-request are normal here."""
+
+
+def _merge_patch(target: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    for k, v in patch.items():
+        if v is None:
+            target.pop(k, None)
+        elif isinstance(v, dict) and isinstance(target.get(k), dict):
+            target[k] = _merge_patch(target[k], v)
+        else:
+            target[k] = copy.deepcopy(v)
+    return target
 
 
 def _status(code: int, reason: str, message: str) -> dict[str, Any]:

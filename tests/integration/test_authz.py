@@ -158,6 +158,9 @@ EXPECTED: dict[str, set[str]] = {
     "datapath/DumpMap": OP,
     "datapath/GetStatus": OP,
     "datapath/ObserveFlows": OP | RELAY,
+    "datapath/GetPrefilter": OP,
+    "datapath/PatchPrefilter": OP,
+    "datapath/DeletePrefilter": OP,
 }
 
 

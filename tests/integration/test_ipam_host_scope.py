@@ -15,6 +15,8 @@ from pathlib import Path
 import grpc
 import pytest
 from harness.etcd import EtcdServer
+from harness.kube_api import KubeListWatchServer
+from harness.netns import wait_until
 from harness.procs import ServiceProcess
 from ipam_support import V4, V6, expect_error, spawn_ipam
 
@@ -222,3 +224,72 @@ def test_host_scope_reads_pod_cidrs_from_a_local_http_server_speaking_the_kubern
     kube_api.server_close()
     expect_error(Code.UNAVAILABLE, "name", lambda: ipam.register("k-1"))
     assert ipam.revision() == rev + 1  # only the allocation above
+
+
+def test_host_scope_node_cidr_sources_and_annotate_node_against_the_stand_in_kubernetes_api(
+    etcd: EtcdServer, spawn: Callable[..., ServiceProcess], tmp_path: Path
+) -> None:
+    """Cilium's order of sources (spec.podCIDRs, else the pod CIDR
+    annotations, an invalid one logged and ignored) and its AnnotateNode
+    write-back, retried after the API server refused it once."""
+    cilium, flagella = "io.cilium.network.", "flagella.io/"
+    nodes = {
+        # The spec wins over annotations.
+        "a-spec": ({"podCIDRs": ["10.61.1.0/24"]}, {f"{cilium}ipv4-pod-cidr": "10.99.0.0/24"}),
+        # No spec: Cilium's IPv4 annotation, flagella's IPv6 one.
+        "a-annot": ({}, {f"{cilium}ipv4-pod-cidr": "10.61.2.0/24",
+                         f"{flagella}ipv6-pod-cidr": "fd00:61:2::/120"}),
+        # Cilium's is invalid (host bits): ignored, flagella's taken.
+        "a-bad": ({}, {f"{cilium}ipv4-pod-cidr": "10.61.3.1/24",
+                       f"{flagella}ipv4-pod-cidr": "10.61.3.0/24"}),
+        # Only an invalid one (an IPv6 CIDR under the IPv4 name): none.
+        "a-none": ({}, {f"{cilium}ipv4-pod-cidr": "fd00:61:4::/120"}),
+    }  # fmt: skip
+    with KubeListWatchServer() as kube:
+        for name, (spec, annotations) in nodes.items():
+            kube.apply(
+                "nodes", {"metadata": {"name": name, "annotations": annotations}, "spec": spec}
+            )
+        kube.refuse("PATCH", "nodes")  # the first write-back fails
+        kubeconfig = kube.write_kubeconfig(tmp_path / "kubeconfig")
+        proc, ipam = spawn_ipam(
+            spawn, etcd, "--mode", "host-scope", "--kubeconfig", str(kubeconfig)
+        )
+        internal = pb.NodeAddress(type=pb.NodeAddress.TYPE_INTERNAL_IP, ip="192.168.61.1")
+        node = ipam.register("a-spec", addresses=[internal])
+        assert list(node.pod_cidrs) == ["10.61.1.0/24"]
+        assert list(ipam.register("a-annot").pod_cidrs) == ["10.61.2.0/24", "fd00:61:2::/120"]
+        assert list(ipam.register("a-bad").pod_cidrs) == ["10.61.3.0/24"]
+        msg = expect_error(Code.FAILED_PRECONDITION, "name", lambda: ipam.register("a-none"))
+        assert "annotation" in msg
+
+        def annotations_of(name: str) -> dict[str, str]:
+            obj = kube.get("nodes", "", name) or {}
+            return dict(obj.get("metadata", {}).get("annotations") or {})
+
+        # Registration did not wait for the write-back; it comes after the refusal.
+        assert wait_until(lambda: f"{flagella}ipv4-pod-cidr" in annotations_of("a-spec"), 15)
+        written = annotations_of("a-spec")
+        assert written[f"{cilium}ipv4-pod-cidr"] == "10.61.1.0/24"
+        assert written[f"{flagella}ipv4-pod-cidr"] == "10.61.1.0/24"
+        assert written[f"{cilium}ipv4-health-ip"] == "192.168.61.1"
+        assert written[f"{flagella}ipv4-health-ip"] == "192.168.61.1"
+        assert wait_until(lambda: f"{cilium}ipv6-pod-cidr" in annotations_of("a-annot"), 15)
+        assert annotations_of("a-annot")[f"{cilium}ipv6-pod-cidr"] == "fd00:61:2::/120"
+        # The invalid annotation is replaced by the CIDR the node has.
+        assert wait_until(lambda: f"{flagella}ipv4-pod-cidr" in annotations_of("a-bad"), 15)
+        assert annotations_of("a-bad")[f"{cilium}ipv4-pod-cidr"] == "10.61.3.0/24"
+        patches = [r for r in kube.requests if r.startswith("PATCH /api/v1/nodes/")]
+        assert len(patches) == 4  # three nodes, one of them twice (refused once)
+        logs = [json.loads(line) for line in proc.logs().splitlines() if line.startswith("{")]
+        assert any("annotating Kubernetes Node" in str(e) and "retrying" in str(e) for e in logs)
+        assert any(
+            e.get("annotation") == f"{cilium}ipv4-pod-cidr" and e.get("node") == "a-bad"
+            for e in logs
+        )
+        # Counted once the answers are in (just after the server stored them).
+        success = 'operation="annotate_node",outcome="success"} 3.0'
+        assert wait_until(lambda: success in proc.scrape(), 10)
+        scraped = proc.scrape()
+        assert 'operation="annotate_node",outcome="unavailable"} 1.0' in scraped
+        assert 'operation="node_cidr_annotation",outcome="invalid_argument"} 2.0' in scraped

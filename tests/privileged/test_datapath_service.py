@@ -279,7 +279,8 @@ def test_restart_onto_a_new_layout_rewrites_endpoints(cluster: Cluster, node: No
     assert a.ns.request("tcp", b.ip, 8080) == f"b {a.ip} HELLO"
     assert node.process is not None
     node.process.kill9()
-    (current,) = [p for p in Path(node.bpf_root).iterdir() if p.is_dir()]
+    # The layout's folder (the prefilter's maps have a folder of their own).
+    (current,) = [p for p in Path(node.bpf_root).iterdir() if p.name.startswith("v")]
     old = current.with_name("v1-0000000000")
     current.rename(old)
 

@@ -19,7 +19,7 @@ from flagella.api.endpoint.v1 import endpoint_pb2
 from flagella.api.ipam.v1 import ipam_pb2
 from flagella.api.lb.v1 import lb_pb2
 from flagella.api.policy.v1 import policy_pb2
-from flagella.cli import certs, config, etcdauth, fqdn
+from flagella.cli import certs, config, etcdauth, fqdn, prefilter
 from flagella.cli.base import PROTOCOL_NAMES, PROTOCOLS, Clients, CliError, emit, enum_name, to_dict
 from flagella.cli.observe import cmd_monitor, cmd_observe
 from flagella.cli.status import cmd_status
@@ -540,6 +540,7 @@ def build_parser() -> argparse.ArgumentParser:
     observe.add_argument("-f", "--follow", action="store_true", help="keep showing new flows")
     observe.add_argument("--duration", type=float, default=0, help="stop after N seconds")
     observe.set_defaults(func=cmd_observe)
+    prefilter.add_parser(sub)
     return parser
 
 

@@ -216,6 +216,9 @@ TABLE: dict[str, tuple[Grant, ...]] = {
             "GetStatus": (OPERATOR,),
             # The relay merges every node's flows for operators.
             "ObserveFlows": (OPERATOR, RELAY),
+            "GetPrefilter": (OPERATOR,),
+            "PatchPrefilter": (OPERATOR,),
+            "DeletePrefilter": (OPERATOR,),
         },
     ),
     **_methods(

@@ -25,6 +25,13 @@ _LABEL_NAME = re.compile(
 _LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
 
 
+def parse_ifname(value: str) -> str:
+    """A network interface name (IFNAMSIZ: at most 15 bytes), or none."""
+    if not value or len(value.encode()) > 15 or any(c in value for c in "/: \t\n"):
+        raise ValueError(f"{value!r} is not an interface name (1-15 bytes, no '/', ':' or space)")
+    return value
+
+
 def parse_node_label(value: str) -> str:
     """key=value, as a Kubernetes label."""
     key, sep, val = value.partition("=")
@@ -117,6 +124,13 @@ class DatapathConfig(ServiceConfig):
         choices=("on", "off"),
     )
 
+    prefilter_devices: tuple[str, ...] = option(
+        (),
+        "devices the XDP prefilter runs on (comma-separated); empty: the node's devices "
+        "(--uplink); none: no device",
+        parse=parse_ifname,
+    )
+
     def tls_identity(self, service: str) -> Identity:
         # The datapath registers its node (and asks for its node's policy):
         # it holds the node's certificate.
@@ -157,12 +171,22 @@ class DatapathConfig(ServiceConfig):
                     "--node-ip", f"{ip} is a second IPv{version} address (one per family)"
                 )
             versions.add(version)
+        if "none" in self.prefilter_devices and len(self.prefilter_devices) > 1:
+            raise ConfigError("--prefilter-devices", "none stands alone")
         if self.tunnel and versions and 4 not in versions:
             raise ConfigError("--node-ip", "tunnel mode needs an IPv4 node IP (the underlay)")
 
     @property
     def labels(self) -> dict[str, str]:
         return dict(item.partition("=")[::2] for item in self.node_labels)
+
+    @property
+    def prefilter_device_names(self) -> tuple[str, ...]:
+        if self.prefilter_devices == ("none",):
+            return ()
+        if self.prefilter_devices:
+            return self.prefilter_devices
+        return (self.uplink,) if self.uplink else ()
 
     @property
     def tunnel(self) -> bool:

@@ -89,7 +89,32 @@ class DatapathCollector(Collector):
         yield from (drops, drop_bytes, forwards, forward_bytes, safety, lost, endpoints, overflow)
         if bpf is not None:
             yield from map_figures(bpf)
+            yield from self.prefilter_figures()
         yield from self.node_health()
+
+    def prefilter_figures(self) -> Iterator[Metric]:
+        """The XDP prefilter's drops by family (summed over its CIDRs: a
+        CIDR is an operator's input, never a label) and the CIDRs listed."""
+        packets = CounterMetricFamily(
+            "flagella_prefilter_drop_count",
+            "Packets the XDP prefilter dropped (source in a listed CIDR), by family.",
+            labels=("family",),
+        )
+        octets = CounterMetricFamily(
+            "flagella_prefilter_drop_bytes",
+            "Bytes the XDP prefilter dropped, by family.",
+            labels=("family",),
+        )
+        cidrs = GaugeMetricFamily(
+            "flagella_prefilter_cidrs",
+            "CIDRs the XDP prefilter lists, by family.",
+            labels=("family",),
+        )
+        for family, (n, p, b) in self.service.prefilter.totals().items():
+            packets.add_metric((family,), p)
+            octets.add_metric((family,), b)
+            cidrs.add_metric((family,), n)
+        yield from (packets, octets, cidrs)
 
     def node_health(self) -> Iterator[Metric]:
         status = GaugeMetricFamily(

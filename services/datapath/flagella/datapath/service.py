@@ -51,12 +51,14 @@ from flagella.datapath.bpf import Service as BpfService
 from flagella.datapath.bpf import layout as L
 from flagella.datapath.bpf.layout import CT_SCOPE_SERVICE
 from flagella.datapath.bpf.policy import PolicyEntry
+from flagella.datapath.bpf.prefilter import runs_prefilter
 from flagella.datapath.bpf.prefixpolicy import PrefixRule
 from flagella.datapath.bpf.tables import ct_key
 from flagella.datapath.config import DatapathConfig
 from flagella.datapath.flows import FlowFilter, FlowHub, FlowRecord
 from flagella.datapath.health import NodeHealth
 from flagella.datapath.ipcache import IPCacheOps, IPCacheView
+from flagella.datapath.prefilter import Prefilter
 from flagella.datapath.routes import RouteOps
 from flagella.datapath.state import EndpointRecord, HostPolicyState, StateDir
 from flagella.datapath.telemetry import DatapathMetrics
@@ -298,6 +300,7 @@ class DatapathService:
         self._reader: Any = None
         self.uplink_ifindex = 0
         self.tunnel_ifindex = 0
+        self.prefilter = Prefilter(config.state_dir, self.writer.run)
         # Tunnel mode: pods' MTU leaves room for the encapsulation.
         self.pod_mtu = 65535
         self.health = NodeHealth(
@@ -361,6 +364,7 @@ class DatapathService:
                 raise FailedPrecondition(f"uplink {cfg.uplink} not found", field="uplink")
             self.uplink_ifindex = links[cfg.uplink]
             await self.writer.run(self.bpf.attach_netdev, self.uplink_ifindex)
+        await self._start_prefilter()
         with phase("restore"):
             await self._restore()
         for rec in self.reconcilers():
@@ -369,6 +373,28 @@ class DatapathService:
             tasks.supervise("health-listener", self.health.serve)
             tasks.supervise("health-probes", self.health.run)
         self._start_events()
+
+    async def _start_prefilter(self) -> None:
+        """The saved prefilter list into its maps, its program on each
+        prefilter device (--prefilter-devices, else the uplink)."""
+        names = self.config.prefilter_device_names
+        found = await netdev.links(names)
+        for name in names:
+            if name not in found:
+                raise FailedPrecondition(
+                    f"prefilter device {name} not found", field="prefilter_devices"
+                )
+        bpf = self.bpf
+
+        async def detach(name: str) -> None:
+            ifindex = (await netdev.links([name])).get(name)
+            if ifindex is not None and await self.writer.run(runs_prefilter, ifindex):
+                log.info("XDP prefilter taken off a device", extra={"device": name})
+                await self.writer.run(bpf.detach_prefilter, ifindex)
+
+        await self.prefilter.start(
+            bpf.prefilter, bpf.attach_prefilter, bpf.prefilter_attached, found, detach
+        )
 
     async def _setup_routing_mode(self) -> None:
         """Tunnel mode: the VXLAN device with its programs, an MTU below the

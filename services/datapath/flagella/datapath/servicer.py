@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 from google.protobuf.duration_pb2 import Duration
@@ -12,8 +12,10 @@ from flagella.api.datapath.v1 import datapath_pb2, datapath_pb2_grpc
 from flagella.common.errors import InvalidArgument
 from flagella.common.portnames import NamedPort, check_named_ports, protocol_name
 from flagella.common.runtimeconfig import validate_endpoint_options
+from flagella.datapath.bpf.prefilter import MAX_ENTRIES, IPNetwork
 from flagella.datapath.flows import FlowFilter, FlowRecord
 from flagella.datapath.health import PeerHealth
+from flagella.datapath.prefilter import PrefilterState, parse_cidrs
 from flagella.datapath.service import DatapathService, PolicyMapState, SetupRequest
 from flagella.datapath.state import EndpointRecord, HostPolicyState
 
@@ -327,3 +329,51 @@ class DatapathServicer(datapath_pb2_grpc.DatapathServiceServicer):
                     yield flow_to_proto(f, node)
             finally:
                 await live.aclose()
+
+    # --- the XDP prefilter ---
+
+    async def GetPrefilter(
+        self, request: datapath_pb2.GetPrefilterRequest, context: Any
+    ) -> datapath_pb2.Prefilter:
+        return prefilter_to_proto(await self.service.prefilter.get())
+
+    async def PatchPrefilter(
+        self, request: datapath_pb2.PatchPrefilterRequest, context: Any
+    ) -> datapath_pb2.Prefilter:
+        cidrs = _prefilter_cidrs(request.cidrs)
+        return prefilter_to_proto(await self.service.prefilter.patch(cidrs, request.revision))
+
+    async def DeletePrefilter(
+        self, request: datapath_pb2.DeletePrefilterRequest, context: Any
+    ) -> datapath_pb2.Prefilter:
+        cidrs = _prefilter_cidrs(request.cidrs)
+        return prefilter_to_proto(await self.service.prefilter.delete(cidrs, request.revision))
+
+
+def _prefilter_cidrs(texts: Sequence[str]) -> list[IPNetwork]:
+    if not texts:
+        raise InvalidArgument("at least one CIDR is required", field="cidrs")
+    if len(texts) > MAX_ENTRIES:
+        raise InvalidArgument(
+            f"the prefilter holds at most {MAX_ENTRIES} CIDRs", field=f"cidrs[{MAX_ENTRIES}]"
+        )
+    return parse_cidrs(texts)
+
+
+def prefilter_to_proto(state: PrefilterState) -> datapath_pb2.Prefilter:
+    return datapath_pb2.Prefilter(
+        revision=state.revision,
+        entries=[
+            datapath_pb2.PrefilterEntry(
+                cidr=str(e.cidr), dropped_packets=e.packets, dropped_bytes=e.bytes
+            )
+            for e in state.entries
+        ],
+        devices=[
+            datapath_pb2.PrefilterDevice(
+                name=d.name, ifindex=d.ifindex, mode=d.mode, attached=d.attached
+            )
+            for d in state.devices
+        ],
+        max_entries=state.max_entries,
+    )

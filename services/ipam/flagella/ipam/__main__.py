@@ -51,7 +51,9 @@ class IpamApp:
 
             try:
                 self.service.kube = KubeNodeCidrs.from_kubeconfig(
-                    cfg.kubeconfig, timeout=cfg.etcd_timeout
+                    cfg.kubeconfig,
+                    timeout=cfg.etcd_timeout,
+                    invalid=self.service.invalid_annotation,
                 )
             except ValueError as exc:
                 raise FatalError(f"--kubeconfig: {exc}") from exc

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from flagella.common.backoff import Backoff, retry
 from flagella.common.errors import (
     Aborted,
     AlreadyExists,
@@ -31,7 +32,9 @@ from flagella.common.errors import (
 from flagella.common.outcomes import Outcomes, counted
 from flagella.common.sync import Subscription
 from flagella.common.tasks import TaskGroup
+from flagella.ipam.kube import node_annotations
 from flagella.ipam.model import (
+    AddressType,
     Allocation,
     Family,
     Mode,
@@ -93,8 +96,12 @@ class NodeCidrSource(Protocol):
     """Where host-scope mode reads a node's pod CIDRs (the Kubernetes Node)."""
 
     async def pod_cidrs(self, name: str) -> list[str]:
-        """The Node's spec.podCIDRs. NotFound, FailedPrecondition or
-        Unavailable, each naming the field "name"."""
+        """The Node's spec.podCIDRs (else its pod CIDR annotations).
+        NotFound, FailedPrecondition or Unavailable, each naming the field
+        "name"."""
+
+    async def annotate_node(self, name: str, annotations: dict[str, str]) -> None:
+        """Merge annotations into the Node's (NotFound, Unavailable)."""
 
 
 def _cidrs_text(cidrs: Sequence[IPNetwork]) -> str:
@@ -138,6 +145,11 @@ class IpamService:
         self._learned_blocks: dict[IPNetwork, int] = {}
         # (operation, outcome) of allocations and releases, for the metrics.
         self.outcomes = Outcomes()
+        # Node -> the annotations last written back to its Kubernetes Node,
+        # and the write-back still retrying.
+        self._annotated: dict[str, dict[str, str]] = {}
+        self._annotating: dict[str, asyncio.Task[None]] = {}
+        self.annotate_backoff = Backoff(0.2, 10.0)
 
     # --- lifecycle ---
 
@@ -194,6 +206,7 @@ class IpamService:
                             await self.store.revoke_lease(current[1])
                     if new_blocks:
                         self.cache.set_node(reg.name, NodeCidrs(node.pod_cidrs, out.revision))
+                    self._annotate_later(node)
                     log.info(
                         "node registered",
                         extra={
@@ -215,6 +228,54 @@ class IpamService:
             with contextlib.suppress(Unavailable):
                 await self.store.revoke_lease(lease)
             raise
+
+    # --- AnnotateNode: the write-back to Kubernetes ---
+
+    def invalid_annotation(self, annotation: str) -> None:
+        """A Node's pod CIDR annotation was ignored (kube.py logged it)."""
+        self.outcomes.record("node_cidr_annotation", outcome="invalid_argument")
+
+    def _annotate_later(self, node: Node) -> None:
+        """Write the node's CIDRs and health addresses to its Kubernetes
+        Node in the background, retried until it succeeds (registration
+        never waits on the API server). A newer registration's write-back
+        replaces a pending one."""
+        if self.kube is None:
+            return
+        annotations = node_annotations(
+            [str(c) for c in node.pod_cidrs],
+            [a.ip for a in node.addresses if a.type is AddressType.INTERNAL_IP],
+        )
+        if self._annotated.get(node.name) == annotations:
+            return
+        pending = self._annotating.pop(node.name, None)
+        if pending is not None:
+            pending.cancel()
+        self._annotating[node.name] = self.tasks.spawn(
+            f"annotate-node-{node.name}", self._annotate(node.name, annotations)
+        )
+
+    async def _annotate(self, name: str, annotations: dict[str, str]) -> None:
+        kube = self.kube
+        assert kube is not None
+
+        async def once() -> None:
+            with self.outcomes.counting("annotate_node"):
+                await kube.annotate_node(name, annotations)
+
+        backoff = Backoff(self.annotate_backoff.initial, self.annotate_backoff.maximum)
+        try:
+            await retry(
+                once,
+                what=f"annotating Kubernetes Node {name}",
+                retry_on=(Unavailable, NotFound),
+                backoff=backoff,
+            )
+        finally:
+            if self._annotating.get(name) is asyncio.current_task():
+                del self._annotating[name]
+        self._annotated[name] = annotations
+        log.info("Kubernetes Node annotated", extra={"node": name, "annotations": annotations})
 
     async def _free_node_id(self) -> int:
         """The lowest node id no node holds (the registration's transaction

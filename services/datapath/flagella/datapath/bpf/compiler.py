@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from flagella.datapath.bpf import layout
+from flagella.datapath.bpf import layout, prefilter, syscall
 
 PROGRAMS = (
     "from_container",
@@ -25,7 +25,12 @@ PROGRAMS = (
     "to_netdev",
     "from_tunnel",
     "to_tunnel",
+    prefilter.PROGRAM,
 )
+# Programs that are not tc classifiers: their BPF program type and load
+# flags. The prefilter reads only the headers, in a packet's first buffer:
+# it takes multi-buffer packets, so a veth keeps GSO and large MTUs with it.
+PROGRAM_TYPES = {prefilter.PROGRAM: (syscall.PROG_TYPE_XDP, syscall.F_XDP_HAS_FRAGS)}
 
 _LD_IMM64 = 0x18
 _PSEUDO_MAP_FD = 1
@@ -90,7 +95,10 @@ def compile_programs(source_dir: Path | None = None) -> Programs:
     except Exception as e:  # bcc raises bare Exception on compile errors
         raise CompileError(f"bcc failed to compile {src / 'datapath.c'}: {e}") from e
     try:
-        specs = {spec.name: spec for spec in layout.map_specs(layout.MapSizes())}
+        specs = {
+            spec.name: spec
+            for spec in (*layout.map_specs(layout.MapSizes()), *prefilter.map_specs())
+        }
         fd_names: dict[int, str] = {}
         for name, spec in specs.items():
             fd = int(libbcc.lib.bpf_table_fd(b.module, name.encode()))

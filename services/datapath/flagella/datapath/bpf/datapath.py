@@ -5,14 +5,15 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from flagella.datapath.bpf import layout as L
-from flagella.datapath.bpf import progcache, syscall, tc
-from flagella.datapath.bpf.compiler import PROGRAMS, Programs
+from flagella.datapath.bpf import prefilter, progcache, syscall, tc
+from flagella.datapath.bpf.compiler import PROGRAM_TYPES, PROGRAMS, Programs
 from flagella.datapath.bpf.events import EventReader
 from flagella.datapath.bpf.lb import (
     Affinity,
@@ -39,6 +40,8 @@ from flagella.datapath.bpf.tables import (
 )
 
 DEFAULT_PIN_ROOT = "/sys/fs/bpf/flagella"
+# Folders of layout versions (layout_version); others (the prefilter's) are not.
+_LAYOUT_FOLDER = re.compile(r"^v\d+-")
 
 
 class LayoutMismatch(RuntimeError):
@@ -201,6 +204,8 @@ class Datapath:
         self.frags: BpfMap[L.FragKey, L.FragValue] = BpfMap(
             specs["frags"], fds["frags"], pin("frags")
         )
+        # Outside the layout (its own folder): not in self.maps either.
+        self.prefilter = prefilter.PrefilterMaps(folder.parent / prefilter.PIN_FOLDER, fds)
         self.maps: dict[str, BpfMap] = {  # type: ignore[type-arg]
             "endpoints": self.endpoints,
             "ipcache": self.ipcache,
@@ -256,10 +261,17 @@ class Datapath:
                 if spec.name == "config" and created:
                     Config(spec, fd, str(folder / spec.name)).write(NodeConfig())
                 created_any = created_any or created
+            prefilter_folder = Path(pin_root) / prefilter.PIN_FOLDER
+            prefilter_folder.mkdir(exist_ok=True)
+            for spec in prefilter.map_specs():
+                fds[spec.name] = _open_map(prefilter_folder, spec)[0]
             if load_programs:
                 progs = programs or progcache.load_programs(program_cache)
                 for name in PROGRAMS:
-                    prog_fds[name] = syscall.prog_load(name, progs[name].instantiate(fds))
+                    prog_type, flags = PROGRAM_TYPES.get(name, (syscall.PROG_TYPE_SCHED_CLS, 0))
+                    prog_fds[name] = syscall.prog_load(
+                        name, progs[name].instantiate(fds), prog_type, flags
+                    )
         except BaseException:
             for fd in list(fds.values()) + list(prog_fds.values()):
                 os.close(fd)
@@ -296,7 +308,11 @@ class Datapath:
         root = Path(pin_root)
         if not root.is_dir():
             return []
-        return sorted(p for p in root.iterdir() if p.is_dir() and p.name != current)
+        return sorted(
+            p
+            for p in root.iterdir()
+            if p.is_dir() and p.name != current and _LAYOUT_FOLDER.match(p.name)
+        )
 
     # --- programs ---
 
@@ -336,6 +352,21 @@ class Datapath:
                 (self._prog_fds["to_tunnel"], "to_tunnel", tc.EGRESS),
             ],
         )
+
+    def attach_prefilter(self, ifindex: int) -> str:
+        """xdp_prefilter on a node device; returns its XDP mode (native or
+        generic)."""
+        return prefilter.attach_xdp(ifindex, self._prog_fds[prefilter.PROGRAM])
+
+    def detach_prefilter(self, ifindex: int) -> bool:
+        return prefilter.detach_xdp(ifindex)
+
+    def prefilter_attached(self, ifindex: int) -> prefilter.XdpState | None:
+        """The device's XDP state when it runs this Datapath's prefilter
+        program, else None."""
+        state = prefilter.xdp_state(ifindex)
+        mine = syscall.prog_id(self._prog_fds[prefilter.PROGRAM]) if self._prog_fds else -1
+        return state if state.prog_id == mine else None
 
     def detach(self, ifindex: int) -> bool:
         """Removes the programs from both hooks (works for attach and

@@ -56,6 +56,9 @@ MAP_TYPE_NAMES = {
 }
 
 PROG_TYPE_SCHED_CLS = 3
+PROG_TYPE_XDP = 6
+# An XDP program that copes with multi-buffer packets (it reads the first).
+F_XDP_HAS_FRAGS = 1 << 5
 
 # flags
 F_NO_PREALLOC = 1
@@ -330,7 +333,7 @@ def map_lookup_batch(
     return int(attr.count), True
 
 
-def prog_load(name: str, insns: bytes, prog_type: int = PROG_TYPE_SCHED_CLS) -> int:
+def prog_load(name: str, insns: bytes, prog_type: int = PROG_TYPE_SCHED_CLS, flags: int = 0) -> int:
     buf = ctypes.create_string_buffer(insns, len(insns))
     lic = ctypes.create_string_buffer(b"GPL")
     attr = _ProgLoadAttr(
@@ -338,6 +341,7 @@ def prog_load(name: str, insns: bytes, prog_type: int = PROG_TYPE_SCHED_CLS) -> 
         insn_cnt=len(insns) // 8,
         insns=_addr(buf),
         license=_addr(lic),
+        prog_flags=flags,
         prog_name=name.encode()[: OBJ_NAME_LEN - 1],
     )
     try:
@@ -397,6 +401,13 @@ def prog_id(fd: int) -> int:
     attr = _InfoAttr(bpf_fd=fd, info_len=ctypes.sizeof(info), info=_addr(info))
     _call(OBJ_GET_INFO_BY_FD, attr, "program info")
     return int(info.id)
+
+
+def prog_name(fd: int) -> str:
+    info = _ProgInfo()
+    attr = _InfoAttr(bpf_fd=fd, info_len=ctypes.sizeof(info), info=_addr(info))
+    _call(OBJ_GET_INFO_BY_FD, attr, "program info")
+    return bytes(info.name).decode(errors="replace")
 
 
 def prog_fd_by_id(prog: int) -> int:

@@ -1345,3 +1345,154 @@ class ObserveFlowsRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ObserveFlowsRequest: _TypeAlias = ObserveFlowsRequest  # noqa: Y015
+
+@_typing.final
+class GetPrefilterRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetPrefilterRequest: _TypeAlias = GetPrefilterRequest  # noqa: Y015
+
+@_typing.final
+class PatchPrefilterRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CIDRS_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    revision: _builtins.int
+    @_builtins.property
+    def cidrs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """CIDRs without host bits, IPv4 or IPv6 (e.g. 192.0.2.0/24, 2001:db8::/32)."""
+
+    def __init__(
+        self,
+        *,
+        cidrs: _abc.Iterable[_builtins.str] | None = ...,
+        revision: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cidrs", b"cidrs", "revision", b"revision"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PatchPrefilterRequest: _TypeAlias = PatchPrefilterRequest  # noqa: Y015
+
+@_typing.final
+class DeletePrefilterRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CIDRS_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    revision: _builtins.int
+    @_builtins.property
+    def cidrs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        cidrs: _abc.Iterable[_builtins.str] | None = ...,
+        revision: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cidrs", b"cidrs", "revision", b"revision"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeletePrefilterRequest: _TypeAlias = DeletePrefilterRequest  # noqa: Y015
+
+@_typing.final
+class PrefilterEntry(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CIDR_FIELD_NUMBER: _builtins.int
+    DROPPED_PACKETS_FIELD_NUMBER: _builtins.int
+    DROPPED_BYTES_FIELD_NUMBER: _builtins.int
+    cidr: _builtins.str
+    dropped_packets: _builtins.int
+    """Packets (and their bytes) dropped for this CIDR, summed over CPUs."""
+    dropped_bytes: _builtins.int
+    def __init__(
+        self,
+        *,
+        cidr: _builtins.str = ...,
+        dropped_packets: _builtins.int = ...,
+        dropped_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cidr", b"cidr", "dropped_bytes", b"dropped_bytes", "dropped_packets", b"dropped_packets"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrefilterEntry: _TypeAlias = PrefilterEntry  # noqa: Y015
+
+@_typing.final
+class PrefilterDevice(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    IFINDEX_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
+    ATTACHED_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    ifindex: _builtins.int
+    mode: _builtins.str
+    """XDP mode the program runs in: native (the driver's) or generic."""
+    attached: _builtins.bool
+    """The device runs this datapath's prefilter program now."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        ifindex: _builtins.int = ...,
+        mode: _builtins.str = ...,
+        attached: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attached", b"attached", "ifindex", b"ifindex", "mode", b"mode", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrefilterDevice: _TypeAlias = PrefilterDevice  # noqa: Y015
+
+@_typing.final
+class Prefilter(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REVISION_FIELD_NUMBER: _builtins.int
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    DEVICES_FIELD_NUMBER: _builtins.int
+    MAX_ENTRIES_FIELD_NUMBER: _builtins.int
+    revision: _builtins.int
+    """Bumped by every change; the list is empty at revision 0."""
+    max_entries: _builtins.int
+    """CIDRs the prefilter holds at most (both families together)."""
+    @_builtins.property
+    def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___PrefilterEntry]: ...
+    @_builtins.property
+    def devices(self) -> _containers.RepeatedCompositeFieldContainer[Global___PrefilterDevice]: ...
+    def __init__(
+        self,
+        *,
+        revision: _builtins.int = ...,
+        entries: _abc.Iterable[Global___PrefilterEntry] | None = ...,
+        devices: _abc.Iterable[Global___PrefilterDevice] | None = ...,
+        max_entries: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["devices", b"devices", "entries", b"entries", "max_entries", b"max_entries", "revision", b"revision"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Prefilter: _TypeAlias = Prefilter  # noqa: Y015

@@ -85,6 +85,21 @@ class DatapathServiceStub:
                 request_serializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.ObserveFlowsRequest.SerializeToString,
                 response_deserializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.Flow.FromString,
                 _registered_method=True)
+        self.GetPrefilter = channel.unary_unary(
+                '/flagella.datapath.v1.DatapathService/GetPrefilter',
+                request_serializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.GetPrefilterRequest.SerializeToString,
+                response_deserializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.Prefilter.FromString,
+                _registered_method=True)
+        self.PatchPrefilter = channel.unary_unary(
+                '/flagella.datapath.v1.DatapathService/PatchPrefilter',
+                request_serializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.PatchPrefilterRequest.SerializeToString,
+                response_deserializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.Prefilter.FromString,
+                _registered_method=True)
+        self.DeletePrefilter = channel.unary_unary(
+                '/flagella.datapath.v1.DatapathService/DeletePrefilter',
+                request_serializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.DeletePrefilterRequest.SerializeToString,
+                response_deserializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.Prefilter.FromString,
+                _registered_method=True)
 
 
 class DatapathServiceServicer:
@@ -158,6 +173,29 @@ class DatapathServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetPrefilter(self, request, context):
+        """The XDP prefilter (Cilium's GetPrefilter): source CIDRs dropped on the
+        node's devices before the stack, with per-CIDR drop counters.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PatchPrefilter(self, request, context):
+        """Adds CIDRs to the prefilter (listed ones stay). revision: the one the
+        caller read; another is refused (FAILED_PRECONDITION, field revision).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeletePrefilter(self, request, context):
+        """Removes CIDRs from the prefilter (each must be listed); revision as above.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DatapathServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -210,6 +248,21 @@ def add_DatapathServiceServicer_to_server(servicer, server):
                     servicer.ObserveFlows,
                     request_deserializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.ObserveFlowsRequest.FromString,
                     response_serializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.Flow.SerializeToString,
+            ),
+            'GetPrefilter': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPrefilter,
+                    request_deserializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.GetPrefilterRequest.FromString,
+                    response_serializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.Prefilter.SerializeToString,
+            ),
+            'PatchPrefilter': grpc.unary_unary_rpc_method_handler(
+                    servicer.PatchPrefilter,
+                    request_deserializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.PatchPrefilterRequest.FromString,
+                    response_serializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.Prefilter.SerializeToString,
+            ),
+            'DeletePrefilter': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeletePrefilter,
+                    request_deserializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.DeletePrefilterRequest.FromString,
+                    response_serializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.Prefilter.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -482,6 +535,87 @@ class DatapathService:
             '/flagella.datapath.v1.DatapathService/ObserveFlows',
             flagella_dot_datapath_dot_v1_dot_datapath__pb2.ObserveFlowsRequest.SerializeToString,
             flagella_dot_datapath_dot_v1_dot_datapath__pb2.Flow.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPrefilter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagella.datapath.v1.DatapathService/GetPrefilter',
+            flagella_dot_datapath_dot_v1_dot_datapath__pb2.GetPrefilterRequest.SerializeToString,
+            flagella_dot_datapath_dot_v1_dot_datapath__pb2.Prefilter.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PatchPrefilter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagella.datapath.v1.DatapathService/PatchPrefilter',
+            flagella_dot_datapath_dot_v1_dot_datapath__pb2.PatchPrefilterRequest.SerializeToString,
+            flagella_dot_datapath_dot_v1_dot_datapath__pb2.Prefilter.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeletePrefilter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagella.datapath.v1.DatapathService/DeletePrefilter',
+            flagella_dot_datapath_dot_v1_dot_datapath__pb2.DeletePrefilterRequest.SerializeToString,
+            flagella_dot_datapath_dot_v1_dot_datapath__pb2.Prefilter.FromString,
             options,
             channel_credentials,
             insecure,

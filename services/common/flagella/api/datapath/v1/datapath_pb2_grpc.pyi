@@ -53,6 +53,16 @@ class DatapathServiceStub:
     GetStatus: _grpc.UnaryUnaryMultiCallable[_datapath_pb2.GetStatusRequest, _datapath_pb2.DatapathStatus]
     ObserveFlows: _grpc.UnaryStreamMultiCallable[_datapath_pb2.ObserveFlowsRequest, _datapath_pb2.Flow]
     """Drop, forward and policy-verdict events, filtered."""
+    GetPrefilter: _grpc.UnaryUnaryMultiCallable[_datapath_pb2.GetPrefilterRequest, _datapath_pb2.Prefilter]
+    """The XDP prefilter (Cilium's GetPrefilter): source CIDRs dropped on the
+    node's devices before the stack, with per-CIDR drop counters.
+    """
+    PatchPrefilter: _grpc.UnaryUnaryMultiCallable[_datapath_pb2.PatchPrefilterRequest, _datapath_pb2.Prefilter]
+    """Adds CIDRs to the prefilter (listed ones stay). revision: the one the
+    caller read; another is refused (FAILED_PRECONDITION, field revision).
+    """
+    DeletePrefilter: _grpc.UnaryUnaryMultiCallable[_datapath_pb2.DeletePrefilterRequest, _datapath_pb2.Prefilter]
+    """Removes CIDRs from the prefilter (each must be listed); revision as above."""
 
 @_typing.type_check_only
 class DatapathServiceAsyncStub(DatapathServiceStub):
@@ -76,6 +86,16 @@ class DatapathServiceAsyncStub(DatapathServiceStub):
     GetStatus: _aio.UnaryUnaryMultiCallable[_datapath_pb2.GetStatusRequest, _datapath_pb2.DatapathStatus]  # type: ignore[assignment]
     ObserveFlows: _aio.UnaryStreamMultiCallable[_datapath_pb2.ObserveFlowsRequest, _datapath_pb2.Flow]  # type: ignore[assignment]
     """Drop, forward and policy-verdict events, filtered."""
+    GetPrefilter: _aio.UnaryUnaryMultiCallable[_datapath_pb2.GetPrefilterRequest, _datapath_pb2.Prefilter]  # type: ignore[assignment]
+    """The XDP prefilter (Cilium's GetPrefilter): source CIDRs dropped on the
+    node's devices before the stack, with per-CIDR drop counters.
+    """
+    PatchPrefilter: _aio.UnaryUnaryMultiCallable[_datapath_pb2.PatchPrefilterRequest, _datapath_pb2.Prefilter]  # type: ignore[assignment]
+    """Adds CIDRs to the prefilter (listed ones stay). revision: the one the
+    caller read; another is refused (FAILED_PRECONDITION, field revision).
+    """
+    DeletePrefilter: _aio.UnaryUnaryMultiCallable[_datapath_pb2.DeletePrefilterRequest, _datapath_pb2.Prefilter]  # type: ignore[assignment]
+    """Removes CIDRs from the prefilter (each must be listed); revision as above."""
 
 class DatapathServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -156,5 +176,33 @@ class DatapathServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_datapath_pb2.Flow], _abc.AsyncIterator[_datapath_pb2.Flow]]:
         """Drop, forward and policy-verdict events, filtered."""
+
+    @_abc_1.abstractmethod
+    def GetPrefilter(
+        self,
+        request: _datapath_pb2.GetPrefilterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_datapath_pb2.Prefilter, _abc.Awaitable[_datapath_pb2.Prefilter]]:
+        """The XDP prefilter (Cilium's GetPrefilter): source CIDRs dropped on the
+        node's devices before the stack, with per-CIDR drop counters.
+        """
+
+    @_abc_1.abstractmethod
+    def PatchPrefilter(
+        self,
+        request: _datapath_pb2.PatchPrefilterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_datapath_pb2.Prefilter, _abc.Awaitable[_datapath_pb2.Prefilter]]:
+        """Adds CIDRs to the prefilter (listed ones stay). revision: the one the
+        caller read; another is refused (FAILED_PRECONDITION, field revision).
+        """
+
+    @_abc_1.abstractmethod
+    def DeletePrefilter(
+        self,
+        request: _datapath_pb2.DeletePrefilterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_datapath_pb2.Prefilter, _abc.Awaitable[_datapath_pb2.Prefilter]]:
+        """Removes CIDRs from the prefilter (each must be listed); revision as above."""
 
 def add_DatapathServiceServicer_to_server(servicer: DatapathServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
