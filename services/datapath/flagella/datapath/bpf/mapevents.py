@@ -64,6 +64,16 @@ class EventRing:
         self._seq = seq
         self._listeners = listeners
 
+    def one(
+        self, action: int, key: bytes, value: bytes = b"", *, ok: bool = True, err: int = 0
+    ) -> None:
+        """One write (the common case, kept short: it is on every write)."""
+        self._ring.append(
+            _HEAD.pack(self._seq(), time.time_ns(), action, ok, min(err, 0xFFFF)) + key + value
+        )
+        for wake in self._listeners:
+            wake()
+
     def record(
         self,
         action: int,
@@ -73,8 +83,8 @@ class EventRing:
         ok: bool = True,
         err: int = 0,
     ) -> None:
-        """One event per key, all at one time (values: one per key, or
-        none for deletes)."""
+        """One event per key, all at one time (a batch; values: one per
+        key, or none for deletes)."""
         now = time.time_ns()
         pack = _HEAD.pack
         seq = self._seq

@@ -104,14 +104,14 @@ class BpfMap(Generic[K, V]):
         except syscall.BpfError as e:
             self.stats.count("update", False)
             if self.events is not None:
-                self.events.record(UPDATE, (raw,), (bytes(value),), ok=False, err=e.errno or 0)
+                self.events.one(UPDATE, raw, bytes(value), ok=False, err=e.errno or 0)
             if e.errno in (errno.E2BIG, errno.ENOSPC, errno.ENOMEM):
                 raise MapFullError(e.errno, f"map {self.name} is full ({self.max_entries})") from e
             raise
         self.stats.count("update", True)
         self.stats.added((raw,))
         if self.events is not None:
-            self.events.record(UPDATE, (raw,), (bytes(value),))
+            self.events.one(UPDATE, raw, bytes(value))
 
     def delete(self, key: K) -> bool:
         """False when the key was absent (not an error)."""
@@ -121,12 +121,12 @@ class BpfMap(Generic[K, V]):
         except syscall.BpfError as e:
             self.stats.count("delete", False)
             if self.events is not None:
-                self.events.record(DELETE, (raw,), ok=False, err=e.errno or 0)
+                self.events.one(DELETE, raw, ok=False, err=e.errno or 0)
             raise
         self.stats.count("delete", True)
         self.stats.removed(raw, present)
         if self.events is not None:
-            self.events.record(DELETE, (raw,), err=0 if present else errno.ENOENT)
+            self.events.one(DELETE, raw, err=0 if present else errno.ENOENT)
         return present
 
     def update_batch(self, pairs: Sequence[tuple[K, V]]) -> int:
@@ -311,12 +311,10 @@ class PerCpuArray(BpfMap[K, V]):
             syscall.map_update(self.fd, key, values, flags)
         except syscall.BpfError as e:
             if self.events is not None:
-                self.events.record(
-                    UPDATE, (bytes(key),), (bytes(value),), ok=False, err=e.errno or 0
-                )
+                self.events.one(UPDATE, bytes(key), bytes(value), ok=False, err=e.errno or 0)
             raise
         if self.events is not None:
-            self.events.record(UPDATE, (bytes(key),), (bytes(value),))
+            self.events.one(UPDATE, bytes(key), bytes(value))
 
     def items(self) -> Iterator[tuple[K, V]]:
         """Every slot, summed over CPUs: one batch lookup (a scrape reads
