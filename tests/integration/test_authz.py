@@ -94,6 +94,7 @@ EXPECTED: dict[str, set[str]] = {
     "ipam/Reconcile": EP,
     "ipam/GetStatus": OP,
     "ipam/GetNodeIds": NODES | OP,
+    "ipam/GetDebuginfo": OP,
     "policy/AllocateIdentity": EP,
     "policy/ReleaseIdentity": EP,
     "policy/GetIdentity": EP | OP,
@@ -121,6 +122,7 @@ EXPECTED: dict[str, set[str]] = {
     "policy/ListFQDNSelectors": NODES | OP,
     "policy/GetPolicySelectors": NODES | OP,
     "policy/GetIdentityEndpoints": {"node-a", "operator"},
+    "policy/GetDebuginfo": OP,
     "lb/UpsertService": OP,
     "lb/UpsertServices": OP,
     "lb/GetService": NODES | OP,
@@ -128,6 +130,7 @@ EXPECTED: dict[str, set[str]] = {
     "lb/ListServices": NODES | OP | {"policy"} | RELAY,
     "lb/WatchServices": NODES | OP | {"policy"},
     "lb/GetMaglevTable": NODES | OP,
+    "lb/GetDebuginfo": OP,
     # A node's datapath relays its CNI plugin's invocations, for itself.
     "endpoint/Cni": {"node-a"},
     "endpoint/CreateEndpoint": {"node-a"},
@@ -141,6 +144,7 @@ EXPECTED: dict[str, set[str]] = {
     "endpoint/CheckEndpoint": NODES,
     "endpoint/GarbageCollect": {"node-a"},
     "endpoint/GetStatus": NODES | OP,
+    "endpoint/GetDebuginfo": OP,
     "datapath/SetupEndpoint": EP,
     "datapath/TeardownEndpoint": EP,
     "datapath/UpdateEndpoint": EP,
@@ -151,6 +155,9 @@ EXPECTED: dict[str, set[str]] = {
     "datapath/DumpMap": OP,
     "datapath/GetStatus": OP,
     "datapath/ObserveFlows": OP | RELAY,
+    "datapath/GetMapEvents": OP,
+    "datapath/GetDebuginfo": OP,
+    "datapath/GetCgroupDumpMetadata": OP,
 }
 
 

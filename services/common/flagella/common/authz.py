@@ -118,6 +118,8 @@ TABLE: dict[str, tuple[Grant, ...]] = {
             "GetStatus": (OPERATOR,),
             # Nodes number each other (e.g. tunnel peers) by node id.
             "GetNodeIds": READERS,
+            # Debuginfo: configuration, state and recent errors, for operators.
+            "GetDebuginfo": (OPERATOR,),
         },
     ),
     **_methods(
@@ -156,6 +158,7 @@ TABLE: dict[str, tuple[Grant, ...]] = {
             # Introspection: a node asks about its own identities.
             "GetPolicySelectors": READERS,
             "GetIdentityEndpoints": (own_node("node"), OPERATOR),
+            "GetDebuginfo": (OPERATOR,),
         },
     ),
     **_methods(
@@ -171,6 +174,7 @@ TABLE: dict[str, tuple[Grant, ...]] = {
             "ListServices": (*READERS, POLICY, RELAY),
             "WatchServices": (*READERS, POLICY),
             "GetMaglevTable": READERS,
+            "GetDebuginfo": (OPERATOR,),
         },
     ),
     **_methods(
@@ -191,6 +195,7 @@ TABLE: dict[str, tuple[Grant, ...]] = {
             "PatchEndpointLabels": (OPERATOR,),
             "GetEndpointLog": (OPERATOR,),
             "GetEndpointHealth": (OPERATOR,),
+            "GetDebuginfo": (OPERATOR,),
         },
     ),
     **_methods(
@@ -208,11 +213,15 @@ TABLE: dict[str, tuple[Grant, ...]] = {
             "GetStatus": (OPERATOR,),
             # The relay merges every node's flows for operators.
             "ObserveFlows": (OPERATOR, RELAY),
+            # A map's writes show its keys and values, as DumpMap does.
+            "GetMapEvents": (OPERATOR,),
+            "GetDebuginfo": (OPERATOR,),
+            "GetCgroupDumpMetadata": (OPERATOR,),
         },
     ),
     **_methods(
         "flagella.relay.v1.RelayService",
-        {"ObserveFlows": (OPERATOR,), "GetNodes": (OPERATOR,)},
+        {"ObserveFlows": (OPERATOR,), "GetNodes": (OPERATOR,), "GetDebuginfo": (OPERATOR,)},
     ),
 }
 

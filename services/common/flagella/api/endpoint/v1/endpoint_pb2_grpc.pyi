@@ -59,6 +59,10 @@ class EndpointServiceStub:
     what the plugin prints and its exit status out (a CNI result, or a CNI
     error object). The endpoints it touches are the calling node's.
     """
+    GetDebuginfo: _grpc.UnaryUnaryMultiCallable[_endpoint_pb2.GetDebuginfoRequest, _endpoint_pb2.Debuginfo]
+    """This service's part of `flagella debuginfo`: configuration (secrets
+    left out), versions, its own state and recent errors.
+    """
 
 @_typing.type_check_only
 class EndpointServiceAsyncStub(EndpointServiceStub):
@@ -87,6 +91,10 @@ class EndpointServiceAsyncStub(EndpointServiceStub):
     ran on relays it: the raw CNI environment and network configuration in,
     what the plugin prints and its exit status out (a CNI result, or a CNI
     error object). The endpoints it touches are the calling node's.
+    """
+    GetDebuginfo: _aio.UnaryUnaryMultiCallable[_endpoint_pb2.GetDebuginfoRequest, _endpoint_pb2.Debuginfo]  # type: ignore[assignment]
+    """This service's part of `flagella debuginfo`: configuration (secrets
+    left out), versions, its own state and recent errors.
     """
 
 class EndpointServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -179,6 +187,16 @@ class EndpointServiceServicer(metaclass=_abc_1.ABCMeta):
         ran on relays it: the raw CNI environment and network configuration in,
         what the plugin prints and its exit status out (a CNI result, or a CNI
         error object). The endpoints it touches are the calling node's.
+        """
+
+    @_abc_1.abstractmethod
+    def GetDebuginfo(
+        self,
+        request: _endpoint_pb2.GetDebuginfoRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_endpoint_pb2.Debuginfo, _abc.Awaitable[_endpoint_pb2.Debuginfo]]:
+        """This service's part of `flagella debuginfo`: configuration (secrets
+        left out), versions, its own state and recent errors.
         """
 
 def add_EndpointServiceServicer_to_server(servicer: EndpointServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

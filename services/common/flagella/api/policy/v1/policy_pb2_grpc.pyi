@@ -94,6 +94,10 @@ class PolicyServiceStub:
     """The identities referenced on a node (every node: node empty), with
     their reference counts and the endpoints holding them.
     """
+    GetDebuginfo: _grpc.UnaryUnaryMultiCallable[_policy_pb2.GetDebuginfoRequest, _policy_pb2.Debuginfo]
+    """This service's part of `flagella debuginfo`: configuration (secrets
+    left out), versions, its own state and recent errors.
+    """
 
 @_typing.type_check_only
 class PolicyServiceAsyncStub(PolicyServiceStub):
@@ -158,6 +162,10 @@ class PolicyServiceAsyncStub(PolicyServiceStub):
     GetIdentityEndpoints: _aio.UnaryUnaryMultiCallable[_policy_pb2.GetIdentityEndpointsRequest, _policy_pb2.GetIdentityEndpointsResponse]  # type: ignore[assignment]
     """The identities referenced on a node (every node: node empty), with
     their reference counts and the endpoints holding them.
+    """
+    GetDebuginfo: _aio.UnaryUnaryMultiCallable[_policy_pb2.GetDebuginfoRequest, _policy_pb2.Debuginfo]  # type: ignore[assignment]
+    """This service's part of `flagella debuginfo`: configuration (secrets
+    left out), versions, its own state and recent errors.
     """
 
 class PolicyServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -370,6 +378,16 @@ class PolicyServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_policy_pb2.GetIdentityEndpointsResponse, _abc.Awaitable[_policy_pb2.GetIdentityEndpointsResponse]]:
         """The identities referenced on a node (every node: node empty), with
         their reference counts and the endpoints holding them.
+        """
+
+    @_abc_1.abstractmethod
+    def GetDebuginfo(
+        self,
+        request: _policy_pb2.GetDebuginfoRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_policy_pb2.Debuginfo, _abc.Awaitable[_policy_pb2.Debuginfo]]:
+        """This service's part of `flagella debuginfo`: configuration (secrets
+        left out), versions, its own state and recent errors.
         """
 
 def add_PolicyServiceServicer_to_server(servicer: PolicyServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
