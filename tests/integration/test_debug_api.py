@@ -64,15 +64,23 @@ def add_pod(cluster: Cluster, node: Node, name: str) -> tuple[str, str]:
     return ns.path, str(result["ips"][0]["address"]).split("/")[0]
 
 
-def cli(cluster: Cluster, node: Node, relay: str, *args: str) -> subprocess.CompletedProcess[str]:
+def cli_flags(cluster: Cluster, node: Node, relay: str) -> list[str]:
     flags = [f"--{s}-address={cluster.services[s].address}" for s in ("ipam", "policy", "lb")]
-    flags += [
+    return [
+        *flags,
         f"--endpoint-address={cluster.services['endpoint'].address}",
         f"--relay-address={relay}",
         f"--datapath-address={node.address}",
     ]
+
+
+def cli(cluster: Cluster, node: Node, relay: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [CLI, *flags, *args], capture_output=True, text=True, timeout=60, check=False
+        [CLI, *cli_flags(cluster, node, relay), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
 
 
@@ -169,9 +177,33 @@ def test_map_events_debuginfo_and_cgroups_of_a_small_cluster(
     assert [json.loads(line)["seq"] for line in lines.stdout.splitlines()] == [
         str(e.seq) for e in after
     ]
+    check_cli_follow(cluster, node, relay.address, web_ip, after[-1].seq)
 
     check_cgroups(cluster, node, relay.address, web_ns, idle_ns)
-    check_debuginfo(cluster, node, relay.address, web_ip)
+    check_debuginfo(cluster, node, relay.address)
+
+
+def check_cli_follow(cluster: Cluster, node: Node, relay: str, web_ip: str, last: int) -> None:
+    """`flagella map events services --follow`: the history, then the
+    writes of a service upserted while it runs, as they are made."""
+    flags = cli_flags(cluster, node, relay)
+    with subprocess.Popen(
+        [CLI, *flags, "-o", "json", "map", "events", "services", "--follow", "--duration", "60"],
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as proc:
+        assert proc.stdout is not None
+        try:
+            seen = [json.loads(proc.stdout.readline()) for _ in range(HISTORY)]
+            assert seen[-1]["seq"] == str(last)
+            upsert(cluster, "shop/api", "10.96.0.31", [web_ip])
+            new = [json.loads(proc.stdout.readline()) for _ in range(2)]
+        finally:
+            proc.terminate()
+    assert [(e["action"], e["key"]["slot"], e["key"]["address"]) for e in new] == [
+        ("MAP_EVENT_ACTION_UPDATE", "1", "10.96.0.31"),
+        ("MAP_EVENT_ACTION_UPDATE", "0", "10.96.0.31"),
+    ]
 
 
 def check_cgroups(cluster: Cluster, node: Node, relay: str, web_ns: str, idle_ns: str) -> None:
@@ -208,7 +240,7 @@ def check_cgroups(cluster: Cluster, node: Node, relay: str, web_ns: str, idle_ns
         group.rmdir()
 
 
-def check_debuginfo(cluster: Cluster, node: Node, relay: str, web_ip: str) -> None:
+def check_debuginfo(cluster: Cluster, node: Node, relay: str) -> None:
     """One document: every service's part and the node's; the pod, the
     rule, the (deleted) service's absence, a recent warning of lb; no key
     material, key files named by path only."""
@@ -221,7 +253,6 @@ def check_debuginfo(cluster: Cluster, node: Node, relay: str, web_ip: str) -> No
             await client.close()
 
     asyncio.run(plant())
-    upsert(cluster, "shop/api", "10.96.0.31", [web_ip])
 
     keys = [*tls.session().root.rglob("*.key"), *etcd_pki().root.rglob("*.key")]
     assert keys
