@@ -3,8 +3,9 @@ events): per map, a ring of its last N writes.
 
 BpfMap records every update and delete it makes, batches included, here
 (the one place the datapath's writers go through). A write is kept as one
-packed bytes object (a small header, the raw key and value), decoded only
-when read: about 60 bytes plus the key and value, no copy of a map. The
+packed bytes object (a 20-byte header, the raw key and value), decoded only
+when read: 61 bytes with Python's overhead plus the key and value, never a
+copy of a map. The
 rings fill on the map-writer thread and are read on the event loop; a
 follower is woken through the loop it gave (call_soon_threadsafe), once
 per write or batch, and only while someone follows.
