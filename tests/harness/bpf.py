@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from flagella.datapath.bpf import Datapath, MapSizes, Programs
 
@@ -29,12 +30,16 @@ def new_pin_root() -> str:
 
 @contextmanager
 def private_datapath(
-    programs: Programs, sizes: MapSizes | None = None, pin_root: str | None = None
+    programs: Programs,
+    sizes: MapSizes | None = None,
+    pin_root: str | None = None,
+    **load: Any,
 ) -> Iterator[Datapath]:
-    """A Datapath on its own pin folder, removed at the end even on failure."""
+    """A Datapath on its own pin folder, removed at the end even on failure
+    (load: more arguments of Datapath.load)."""
     root = pin_root or new_pin_root()
     try:
-        dp = Datapath.load(root, programs=programs, sizes=sizes)
+        dp = Datapath.load(root, programs=programs, sizes=sizes, **load)
         try:
             yield dp
         finally:

@@ -95,6 +95,7 @@ EXPECTED: dict[str, set[str]] = {
     "ipam/Reconcile": EP,
     "ipam/GetStatus": OP,
     "ipam/GetNodeIds": NODES | OP,
+    "ipam/GetDebuginfo": OP,
     "policy/AllocateIdentity": EP,
     "policy/ReleaseIdentity": EP,
     "policy/GetIdentity": EP | OP,
@@ -125,6 +126,7 @@ EXPECTED: dict[str, set[str]] = {
     "policy/GetConfig": NODES | OP,
     "policy/PatchConfig": OP,
     "policy/WatchConfig": {"node-a", "operator"},
+    "policy/GetDebuginfo": OP,
     "lb/UpsertService": OP,
     "lb/UpsertServices": OP,
     "lb/GetService": NODES | OP,
@@ -132,6 +134,7 @@ EXPECTED: dict[str, set[str]] = {
     "lb/ListServices": NODES | OP | {"policy"} | RELAY,
     "lb/WatchServices": NODES | OP | {"policy"},
     "lb/GetMaglevTable": NODES | OP,
+    "lb/GetDebuginfo": OP,
     # A node's datapath relays its CNI plugin's invocations, for itself.
     "endpoint/Cni": {"node-a"},
     "endpoint/CreateEndpoint": {"node-a"},
@@ -148,6 +151,7 @@ EXPECTED: dict[str, set[str]] = {
     "endpoint/GetEndpointConfig": OP,
     "endpoint/PatchEndpointConfig": OP,
     "endpoint/GetEndpointLabels": OP,
+    "endpoint/GetDebuginfo": OP,
     "datapath/SetupEndpoint": EP,
     "datapath/TeardownEndpoint": EP,
     "datapath/UpdateEndpoint": EP,
@@ -161,6 +165,9 @@ EXPECTED: dict[str, set[str]] = {
     "datapath/GetPrefilter": OP,
     "datapath/PatchPrefilter": OP,
     "datapath/DeletePrefilter": OP,
+    "datapath/GetMapEvents": OP,
+    "datapath/GetDebuginfo": OP,
+    "datapath/GetCgroupDumpMetadata": OP,
 }
 
 

@@ -3,6 +3,7 @@ budgets, events."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 
@@ -25,6 +26,7 @@ from flagella.datapath.bpf import (
 )
 from flagella.datapath.bpf import layout as L
 from flagella.datapath.bpf import packets as P
+from flagella.datapath.bpf.mapevents import DELETE, UPDATE
 from flagella.datapath.bpf.tables import Tuple, ct_key, monotonic_ns
 
 pytestmark = pytest.mark.privileged
@@ -245,3 +247,62 @@ def test_writers_keep_map_entries_ops_and_gc_families(dp: Datapath) -> None:
         assert batch[slot] == (one.packets, one.bytes)
     assert batch[3] == (5, 500)
     assert batch[300] == (7, 700)
+
+
+def test_every_write_is_a_map_event_in_order_with_its_outcome(bpf_programs: Programs) -> None:
+    """The map layer records each write (single, batch, delete) with its
+    key, value and outcome, in one order over every map, decoded as DumpMap
+    decodes entries; a refused write is an error with the kernel's errno;
+    each map keeps its last N writes only."""
+    with private_datapath(bpf_programs, map_event_history=4) as dp:
+        backends = [Backend(1, "10.5.0.1", 8080), Backend(2, "10.5.0.2", 8080)]
+        fe = Frontend("10.96.5.1", 80, L.PROTO_TCP, 7)
+        dp.upsert_service(Service(service_id=7, frontends=(fe,), backends=tuple(backends)))
+
+        def events(name: str) -> list[tuple[int, int, bool, int, dict[str, str], dict[str, str]]]:
+            m = dp.maps[name]
+            assert m.events is not None
+            out = []
+            for e in m.events.after(0):
+                key, value = m.decode_raw(e.key, e.value)
+                out.append((e.seq, e.action, e.ok, e.errno, key, value))
+            return out
+
+        written = events("backends")
+        assert [(v["address"], v["port"]) for *_, v in written] == [
+            ("10.5.0.1", "8080"),
+            ("10.5.0.2", "8080"),
+        ]
+        svc = events("services")
+        # The backend slots, then the service entry (what packets look up first).
+        assert [(k["slot"], v["count"]) for *_, k, v in svc] == [("1", "0"), ("2", "0"), ("0", "2")]
+        assert all(a == UPDATE and ok and not err for _, a, ok, err, _, _ in svc)
+        assert max(s for s, *_ in written) < svc[-1][0]
+        assert events("revnat")[0][0] < svc[0][0]
+
+        dp.backends.remove(2)
+        dp.backends.remove(2)  # absent: an ok delete that names ENOENT
+        assert [
+            (a, ok, err, k["backend_id"]) for _, a, ok, err, k, _ in events("backends")[-2:]
+        ] == [
+            (DELETE, True, 0, "2"),
+            (DELETE, True, errno.ENOENT, "2"),
+        ]
+
+        dp.ipcache.upsert("10.9.0.0/16", 300)
+        k = next(iter(dp.ipcache.keys()))
+        v = dp.ipcache.get(k)
+        assert v is not None
+        with pytest.raises(syscall.BpfError):
+            dp.ipcache.update(k, v, flags=syscall.NOEXIST)
+        _, action, ok, err, key, value = events("ipcache")[-1]
+        assert (action, ok, err) == (UPDATE, False, errno.EEXIST)
+        assert key["prefix"] == "10.9.0.0/16"
+        assert value["identity"] == "300"
+
+        # A batch of 10: each entry an event; only the last 4 are kept.
+        dp.backends.upsert_many(Backend(i, f"10.6.0.{i}", 80) for i in range(10, 20))
+        kept = events("backends")
+        assert [k["backend_id"] for *_, k, _ in kept] == ["16", "17", "18", "19"]
+        assert [s for s, *_ in kept] == sorted(s for s, *_ in kept)
+        assert len(dp.backends.events or ()) == 4

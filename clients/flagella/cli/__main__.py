@@ -19,7 +19,7 @@ from flagella.api.endpoint.v1 import endpoint_pb2
 from flagella.api.ipam.v1 import ipam_pb2
 from flagella.api.lb.v1 import lb_pb2
 from flagella.api.policy.v1 import policy_pb2
-from flagella.cli import certs, config, etcdauth, fqdn, prefilter
+from flagella.cli import certs, config, debug, etcdauth, fqdn, prefilter
 from flagella.cli.base import PROTOCOL_NAMES, PROTOCOLS, Clients, CliError, emit, enum_name, to_dict
 from flagella.cli.observe import cmd_monitor, cmd_observe
 from flagella.cli.status import cmd_status
@@ -346,6 +346,8 @@ def cmd_ipam(args: argparse.Namespace, clients: Clients) -> int:
 
 
 def cmd_map(args: argparse.Namespace, clients: Clients) -> int:
+    if args.action == "events":
+        return debug.cmd_map_events(args, clients)
     (dp,) = clients.datapaths(args.node or "", one=True)
     if args.action == "list":
         resp = clients.call_datapath(dp, "ListMaps", datapath_pb2.ListMapsRequest())
@@ -485,6 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("name")
     dump.add_argument("--node", help=node_help)
     bpf_map.set_defaults(func=cmd_map)
+    debug.add_parsers(sub, msub, node_help)
 
     monitor = sub.add_parser(
         "monitor", help="live flows, as before observe (JSON: the datapath's Flow message)"

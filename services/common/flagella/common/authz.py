@@ -118,6 +118,8 @@ TABLE: dict[str, tuple[Grant, ...]] = {
             "GetStatus": (OPERATOR,),
             # Nodes number each other (e.g. tunnel peers) by node id.
             "GetNodeIds": READERS,
+            # Debuginfo: configuration, state and recent errors, for operators.
+            "GetDebuginfo": (OPERATOR,),
         },
     ),
     **_methods(
@@ -161,6 +163,7 @@ TABLE: dict[str, tuple[Grant, ...]] = {
             "GetConfig": READERS,
             "PatchConfig": (OPERATOR,),
             "WatchConfig": (own_node("node"), OPERATOR),
+            "GetDebuginfo": (OPERATOR,),
         },
     ),
     **_methods(
@@ -176,6 +179,7 @@ TABLE: dict[str, tuple[Grant, ...]] = {
             "ListServices": (*READERS, POLICY, RELAY),
             "WatchServices": (*READERS, POLICY),
             "GetMaglevTable": READERS,
+            "GetDebuginfo": (OPERATOR,),
         },
     ),
     **_methods(
@@ -199,6 +203,7 @@ TABLE: dict[str, tuple[Grant, ...]] = {
             "GetEndpointConfig": (OPERATOR,),
             "PatchEndpointConfig": (OPERATOR,),
             "GetEndpointLabels": (OPERATOR,),
+            "GetDebuginfo": (OPERATOR,),
         },
     ),
     **_methods(
@@ -219,11 +224,15 @@ TABLE: dict[str, tuple[Grant, ...]] = {
             "GetPrefilter": (OPERATOR,),
             "PatchPrefilter": (OPERATOR,),
             "DeletePrefilter": (OPERATOR,),
+            # A map's writes show its keys and values, as DumpMap does.
+            "GetMapEvents": (OPERATOR,),
+            "GetDebuginfo": (OPERATOR,),
+            "GetCgroupDumpMetadata": (OPERATOR,),
         },
     ),
     **_methods(
         "flagella.relay.v1.RelayService",
-        {"ObserveFlows": (OPERATOR,), "GetNodes": (OPERATOR,)},
+        {"ObserveFlows": (OPERATOR,), "GetNodes": (OPERATOR,), "GetDebuginfo": (OPERATOR,)},
     ),
 }
 

@@ -29,11 +29,12 @@ from grpc_reflection.v1alpha import reflection
 from flagella.common import addresses, tls
 from flagella.common.authz import AuthInterceptor, Authorizer
 from flagella.common.config import ServiceConfig, load_config
+from flagella.common.debuginfo import Debuginfo
 from flagella.common.errors import ConfigError, FlagellaError
 from flagella.common.etcd import Etcd
 from flagella.common.handlers import WrappingInterceptor, relay, rewrap
 from flagella.common.keepalive import Keepalive
-from flagella.common.logs import setup_logging
+from flagella.common.logs import RecentRecords, setup_logging
 from flagella.common.metrics import Metrics, MetricsServer
 from flagella.common.pki import TlsFileError
 from flagella.common.tasks import TaskGroup
@@ -336,6 +337,8 @@ class Runtime(Generic[C]):
     authorizer: Authorizer = field(default_factory=Authorizer)
     # This process's Prometheus metrics; services add their own to its registry.
     metrics: Metrics = field(default_factory=lambda: Metrics("flagella"))
+    # Its last warnings and errors (GetDebuginfo).
+    recent_errors: RecentRecords = field(default_factory=RecentRecords)
     _channels: list[grpc.aio.Channel] = field(default_factory=list)
 
     def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
@@ -360,6 +363,10 @@ class Runtime(Generic[C]):
         """Waits for etcd, timed as the phase etcd_connect."""
         with self.phase("etcd_connect"):
             await client.wait_connected()
+
+    def debuginfo(self, **extra_versions: str) -> Debuginfo:
+        """What the service's GetDebuginfo answers besides its own state."""
+        return Debuginfo(self.name, self.config, self.recent_errors, extra_versions)
 
     @property
     def keepalive(self) -> Keepalive:
@@ -634,7 +641,8 @@ def main(
     except ConfigError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
-    setup_logging(prog, cfg.log_level)
+    recent = RecentRecords()
+    setup_logging(prog, cfg.log_level, recent)
     if files is None:
         log.warning(
             "INSECURE: --insecure is set: plaintext gRPC, no authentication, no authorization; "
@@ -656,6 +664,7 @@ def main(
             environ=env,
             tls=files,
             etcd_tls=etcd_files,
+            recent_errors=recent,
         )
         await serve(runtime, make_service(runtime))
 

@@ -61,7 +61,7 @@ class DatapathApp:
 
     def register(self, server: grpc.aio.Server) -> None:
         datapath_pb2_grpc.add_DatapathServiceServicer_to_server(
-            DatapathServicer(self.service), server
+            DatapathServicer(self.service, self.runtime.debuginfo()), server
         )
 
     async def start(self) -> None:

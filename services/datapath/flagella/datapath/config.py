@@ -12,11 +12,14 @@ from flagella.common.config import ServiceConfig, option, parse_host_port, parse
 from flagella.common.errors import ConfigError
 from flagella.common.pki import Identity
 from flagella.datapath.bpf.layout import MapSizes
+from flagella.datapath.bpf.mapevents import DEFAULT_MAP_EVENT_HISTORY
 
 ROUTING_MODES = ("tunnel", "native")
 VERDICT_EVENT_LEVELS = ("all", "enforced", "none")
 # One endpoint may fill at most the whole policy map.
 MAX_POLICY_BUDGET = MapSizes().policy
+# Writes kept per map: the history stays a few MiB at most.
+MAX_MAP_EVENT_HISTORY = 65536
 
 # A Kubernetes label: an optional DNS prefix and a name; a value of up to 63.
 _LABEL_NAME = re.compile(
@@ -123,6 +126,11 @@ class DatapathConfig(ServiceConfig):
         "with passes before any host policy (off: the host policy alone decides)",
         choices=("on", "off"),
     )
+    map_event_history: int = option(
+        DEFAULT_MAP_EVENT_HISTORY,
+        "writes kept per BPF map for GetMapEvents (`flagella map events`), each about "
+        "60 bytes plus the map's key and value; 0: none kept",
+    )
 
     prefilter_devices: tuple[str, ...] = option(
         (),
@@ -148,6 +156,11 @@ class DatapathConfig(ServiceConfig):
             raise ConfigError("--node-name", str(exc)) from None
         if self.gc_interval_seconds <= 0:
             raise ConfigError("--gc-interval-seconds", "must be positive")
+        if not 0 <= self.map_event_history <= MAX_MAP_EVENT_HISTORY:
+            raise ConfigError(
+                "--map-event-history",
+                f"{self.map_event_history} is not in 0..{MAX_MAP_EVENT_HISTORY}",
+            )
         if not 1 <= self.policy_map_max_entries <= MAX_POLICY_BUDGET:
             raise ConfigError(
                 "--policy-map-max-entries",

@@ -39,7 +39,7 @@ from flagella.common.portnames import NamedPort
 from flagella.common.reconcile import Reconciler, ReconcilerStatus
 from flagella.common.runtimeconfig import RuntimeOptions
 from flagella.common.tasks import TaskGroup
-from flagella.datapath import namedports, netdev, tunnel
+from flagella.datapath import cgroups, namedports, netdev, tunnel
 from flagella.datapath.bpf import (
     Datapath,
     MapSizes,
@@ -50,6 +50,7 @@ from flagella.datapath.bpf import (
 from flagella.datapath.bpf import Service as BpfService
 from flagella.datapath.bpf import layout as L
 from flagella.datapath.bpf.layout import CT_SCOPE_SERVICE
+from flagella.datapath.bpf.mapevents import MapEvent
 from flagella.datapath.bpf.policy import PolicyEntry
 from flagella.datapath.bpf.prefilter import runs_prefilter
 from flagella.datapath.bpf.prefixpolicy import PrefixRule
@@ -148,6 +149,15 @@ class PolicyMapState:
     entries: int
     desired: int
     overflow: str = ""
+
+
+@dataclass(frozen=True)
+class DecodedMapEvent:
+    """A map event with its key and value decoded as DumpMap decodes them."""
+
+    event: MapEvent
+    key: dict[str, str]
+    value: dict[str, str]
 
 
 @dataclass(frozen=True)
@@ -350,6 +360,7 @@ class DatapathService:
                     cfg.bpf_root,
                     program_cache=cfg.bpf_cache_dir,
                     sizes=MapSizes(policy_per_endpoint=cfg.policy_map_max_entries),
+                    map_event_history=cfg.map_event_history,
                 )
             )
         log.info(
@@ -926,16 +937,62 @@ class DatapathService:
     async def map_status(self) -> list[MapStatus]:
         return await self.writer.run(self.bpf.map_status)
 
-    async def dump_map(self, name: str, limit: int) -> tuple[MapStatus, list[Any]]:
+    async def _entry_map(self, name: str, what: str) -> MapStatus:
+        """The status of pinned map `name`, one with entries (not the
+        events ring, which ObserveFlows reads)."""
         statuses = {m.name: m for m in await self.map_status()}
         if name not in statuses:
             raise NotFound(f"no map {name!r}; maps: {', '.join(sorted(statuses))}", field="name")
-        if name not in self.bpf.maps:  # the events ring: ObserveFlows reads it
-            raise FailedPrecondition(
-                f"{name!r} is a {statuses[name].type}: nothing to dump", field="name"
-            )
+        if name not in self.bpf.maps:
+            raise FailedPrecondition(f"{name!r} is a {statuses[name].type}: {what}", field="name")
+        return statuses[name]
+
+    async def dump_map(self, name: str, limit: int) -> tuple[MapStatus, list[Any]]:
+        status = await self._entry_map(name, "nothing to dump")
         entries = await self.writer.run(self.bpf.dump, name, limit)
-        return statuses[name], entries
+        return status, entries
+
+    async def map_events(self, name: str, follow: bool) -> AsyncIterator[DecodedMapEvent]:
+        """The writes kept of map `name`, oldest first, decoded; with follow,
+        then every new one as it is made (until the caller stops)."""
+        await self._entry_map(name, "no writes of this process to show")
+        m = self.bpf.maps[name]
+        ring = m.events
+        if ring is None:
+            raise FailedPrecondition(
+                "no map events are kept (--map-event-history is 0)", field="name"
+            )
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+
+        def woken() -> None:  # on the map-writer thread
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
+                loop.call_soon_threadsafe(wake.set)
+
+        stop = self.bpf.map_events.listen(name, woken) if follow else None
+        last = 0
+        try:
+            while True:
+                wake.clear()
+                for ev in ring.after(last):
+                    last = ev.seq
+                    key, value = m.decode_raw(ev.key, ev.value)
+                    yield DecodedMapEvent(ev, key, value)
+                if stop is None:
+                    return
+                await wake.wait()
+        finally:
+            if stop is not None:
+                stop()
+
+    async def cgroups(self) -> tuple[str, list[cgroups.PodCgroups]]:
+        """The cgroup v2 root and each endpoint's cgroups (a /proc walk, on
+        a thread of its own: not the map writer's)."""
+        pods = [
+            cgroups.PodRef(r.endpoint_id, r.container_id, r.netns_path, tuple(r.addresses))
+            for r in sorted(self.endpoints.values(), key=lambda r: r.endpoint_id)
+        ]
+        return await asyncio.to_thread(cgroups.dump, pods)
 
     def reconciler_status(self) -> list[ReconcilerStatus]:
         return [rec.status() for rec in self.reconcilers()]

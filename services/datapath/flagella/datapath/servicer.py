@@ -9,14 +9,21 @@ from google.protobuf.duration_pb2 import Duration
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from flagella.api.datapath.v1 import datapath_pb2, datapath_pb2_grpc
+from flagella.common.debuginfo import Debuginfo, answer
 from flagella.common.errors import InvalidArgument
 from flagella.common.portnames import NamedPort, check_named_ports, protocol_name
 from flagella.common.runtimeconfig import validate_endpoint_options
+from flagella.datapath.bpf.mapevents import UPDATE
 from flagella.datapath.bpf.prefilter import MAX_ENTRIES, IPNetwork
 from flagella.datapath.flows import FlowFilter, FlowRecord
 from flagella.datapath.health import PeerHealth
 from flagella.datapath.prefilter import PrefilterState, parse_cidrs
-from flagella.datapath.service import DatapathService, PolicyMapState, SetupRequest
+from flagella.datapath.service import (
+    DatapathService,
+    DecodedMapEvent,
+    PolicyMapState,
+    SetupRequest,
+)
 from flagella.datapath.state import EndpointRecord, HostPolicyState
 
 MAX_WAIT_S = 300.0
@@ -110,6 +117,29 @@ def flow_to_proto(f: FlowRecord, node: str) -> datapath_pb2.Flow:
     )
 
 
+def map_event_to_proto(d: DecodedMapEvent) -> datapath_pb2.MapEvent:
+    ev = d.event
+    ts = Timestamp()
+    ts.FromNanoseconds(ev.time_ns)
+    return datapath_pb2.MapEvent(
+        map=ev.map,
+        seq=ev.seq,
+        time=ts,
+        action=(
+            datapath_pb2.MAP_EVENT_ACTION_UPDATE
+            if ev.action == UPDATE
+            else datapath_pb2.MAP_EVENT_ACTION_DELETE
+        ),
+        key=d.key,
+        value=d.value,
+        outcome=datapath_pb2.MAP_EVENT_OUTCOME_OK
+        if ev.ok
+        else datapath_pb2.MAP_EVENT_OUTCOME_ERROR,
+        errno=ev.errno,
+        error=ev.error,
+    )
+
+
 def _host_policy_status(h: HostPolicyState) -> datapath_pb2.HostPolicyStatus:
     return datapath_pb2.HostPolicyStatus(
         present=h.present,
@@ -144,8 +174,9 @@ def _peer_health(p: PeerHealth) -> datapath_pb2.NodeHealth:
 
 
 class DatapathServicer(datapath_pb2_grpc.DatapathServiceServicer):
-    def __init__(self, service: DatapathService) -> None:
+    def __init__(self, service: DatapathService, debuginfo: Debuginfo | None = None) -> None:
         self.service = service
+        self.debuginfo = debuginfo
 
     async def SetupEndpoint(
         self, request: datapath_pb2.SetupEndpointRequest, context: Any
@@ -348,6 +379,61 @@ class DatapathServicer(datapath_pb2_grpc.DatapathServiceServicer):
     ) -> datapath_pb2.Prefilter:
         cidrs = _prefilter_cidrs(request.cidrs)
         return prefilter_to_proto(await self.service.prefilter.delete(cidrs, request.revision))
+
+    async def GetMapEvents(
+        self, request: datapath_pb2.GetMapEventsRequest, context: Any
+    ) -> AsyncIterator[datapath_pb2.MapEvent]:
+        if not request.name:
+            raise InvalidArgument("is required", field="name")
+        async for d in self.service.map_events(request.name, request.follow):
+            yield map_event_to_proto(d)
+
+    async def GetDebuginfo(
+        self, request: datapath_pb2.GetDebuginfoRequest, context: Any
+    ) -> datapath_pb2.Debuginfo:
+        status = await self.GetStatus(datapath_pb2.GetStatusRequest(), context)
+        maps = [
+            {
+                "name": m.name,
+                "type": m.type,
+                "entries": m.entries,
+                "max_entries": m.max_entries,
+                "pressure": round(m.entries / m.max_entries, 4) if m.max_entries else 0.0,
+            }
+            for m in status.maps
+        ]
+        bpf = self.service.loaded
+        state = {
+            "status": status,
+            "endpoints": await self.ListEndpoints(datapath_pb2.ListEndpointsRequest(), context),
+            "maps": maps,
+            "bpf": {"folder": str(bpf.folder), "layout": bpf.layout_version} if bpf else {},
+        }
+        return answer(self.debuginfo, datapath_pb2.Debuginfo(), state)
+
+    async def GetCgroupDumpMetadata(
+        self, request: datapath_pb2.GetCgroupDumpMetadataRequest, context: Any
+    ) -> datapath_pb2.CgroupDumpMetadata:
+        root, pods = await self.service.cgroups()
+        return datapath_pb2.CgroupDumpMetadata(
+            cgroup_root=root,
+            pods=[
+                datapath_pb2.CgroupPod(
+                    endpoint_id=p.endpoint_id,
+                    container_id=p.container_id,
+                    netns_path=p.netns_path,
+                    addresses=list(p.addresses),
+                    containers=[
+                        datapath_pb2.CgroupContainer(
+                            cgroup_id=c.cgroup_id, cgroup_path=c.path, pids=list(c.pids)
+                        )
+                        for c in p.containers
+                    ],
+                    error=p.error,
+                )
+                for p in pods
+            ],
+        )
 
 
 def _prefilter_cidrs(texts: Sequence[str]) -> list[IPNetwork]:

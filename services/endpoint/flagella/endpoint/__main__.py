@@ -90,7 +90,10 @@ class EndpointApp:
         runtime.metrics.registry.register(EndpointCollector(self.endpoints))
         latency = CniLatency(runtime.metrics.registry)
         self.servicer = EndpointServicer(
-            self.service, self.status, CniRunner(self.service, self.status, latency.observe)
+            self.service,
+            self.status,
+            CniRunner(self.service, self.status, latency.observe),
+            runtime.debuginfo(),
         )
         # Nodes delete and check only the endpoints on them.
         runtime.authorizer.resolvers["endpoint"] = self.servicer.node_of

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from flagella.api.endpoint.v1 import endpoint_pb2, endpoint_pb2_grpc
+from flagella.common.debuginfo import Debuginfo, answer
 from flagella.common.errors import InvalidArgument, NotFound
 from flagella.common.portnames import NamedPort, check_named_ports, protocol_name
 from flagella.common.runtimeconfig import BY_NAME, ENDPOINT_OPTIONS, validate_endpoint_options
@@ -231,8 +232,15 @@ def caller_node(request: endpoint_pb2.CniRequest, context: Any) -> str:
 
 
 class EndpointServicer(endpoint_pb2_grpc.EndpointServiceServicer):
-    def __init__(self, service: EndpointService, status: CniStatus, cni: CniRun) -> None:
+    def __init__(
+        self,
+        service: EndpointService,
+        status: CniStatus,
+        cni: CniRun,
+        debuginfo: Debuginfo | None = None,
+    ) -> None:
         self.service = service
+        self.debuginfo = debuginfo
         self.status = status
         self.cni = cni
 
@@ -393,3 +401,12 @@ class EndpointServicer(endpoint_pb2_grpc.EndpointServiceServicer):
             environ, request.config, netns_exists=request.netns_exists, node=node
         )
         return endpoint_pb2.CniResponse(stdout=stdout.encode(), exit_code=exit_code)
+
+    async def GetDebuginfo(
+        self, request: endpoint_pb2.GetDebuginfoRequest, context: Any
+    ) -> endpoint_pb2.Debuginfo:
+        state = {
+            "status": await self.GetStatus(endpoint_pb2.GetStatusRequest(), context),
+            "endpoints": await self.ListEndpoints(endpoint_pb2.ListEndpointsRequest(), context),
+        }
+        return answer(self.debuginfo, endpoint_pb2.Debuginfo(), state)

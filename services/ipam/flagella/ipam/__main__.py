@@ -42,7 +42,9 @@ class IpamApp:
         runtime.metrics.registry.register(IpamCollector(self.service))
 
     def register(self, server: grpc.aio.Server) -> None:
-        ipam_pb2_grpc.add_IpamServiceServicer_to_server(IpamServicer(self.service), server)
+        ipam_pb2_grpc.add_IpamServiceServicer_to_server(
+            IpamServicer(self.service, self.runtime.debuginfo()), server
+        )
 
     async def start(self) -> None:
         cfg = self.config

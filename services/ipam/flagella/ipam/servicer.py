@@ -17,6 +17,7 @@ from google.protobuf import duration_pb2, timestamp_pb2
 
 from flagella.api.ipam.v1 import ipam_pb2, ipam_pb2_grpc
 from flagella.common.config import parse_host_port
+from flagella.common.debuginfo import Debuginfo, answer
 from flagella.common.errors import InvalidArgument
 from flagella.common.sync import Change, serve_watch
 from flagella.ipam.model import (
@@ -256,7 +257,8 @@ class NodeEvents:
 
 
 class IpamServicer(ipam_pb2_grpc.IpamServiceServicer):
-    def __init__(self, service: IpamService) -> None:
+    def __init__(self, service: IpamService, debuginfo: Debuginfo | None = None) -> None:
+        self.debuginfo = debuginfo
         self.service = service
 
     # --- node registry ---
@@ -395,3 +397,12 @@ class IpamServicer(ipam_pb2_grpc.IpamServiceServicer):
         return ipam_pb2.GetNodeIdsResponse(
             ids=[ipam_pb2.NodeId(id=i, node=name, ips=list(ips)) for i, name, ips in ids]
         )
+
+    async def GetDebuginfo(
+        self, request: ipam_pb2.GetDebuginfoRequest, context: Context
+    ) -> ipam_pb2.Debuginfo:
+        state = {
+            "status": await self.GetStatus(ipam_pb2.GetStatusRequest(), context),
+            "nodes": await self.ListNodes(ipam_pb2.ListNodesRequest(), context),
+        }
+        return answer(self.debuginfo, ipam_pb2.Debuginfo(), state)

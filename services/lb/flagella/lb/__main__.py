@@ -39,7 +39,12 @@ class LbApp:
 
     def register(self, server: grpc.aio.Server) -> None:
         lb_pb2_grpc.add_LoadBalancerServiceServicer_to_server(
-            LbServicer(self.service, self.config.limits, heartbeat=self.config.watch_heartbeat),
+            LbServicer(
+                self.service,
+                self.config.limits,
+                heartbeat=self.config.watch_heartbeat,
+                debuginfo=self.runtime.debuginfo(),
+            ),
             server,
         )
 

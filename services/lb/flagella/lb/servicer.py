@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 import grpc
 
 from flagella.api.lb.v1 import lb_pb2, lb_pb2_grpc
+from flagella.common.debuginfo import Debuginfo, answer
 from flagella.common.errors import FlagellaError, InvalidArgument
 from flagella.common.sync import Change, serve_watch
 from flagella.lb.model import (
@@ -202,8 +203,16 @@ class ServiceEvents:
 
 
 class LbServicer(lb_pb2_grpc.LoadBalancerServiceServicer):
-    def __init__(self, service: LbService, limits: Limits, *, heartbeat: float = 30.0) -> None:
+    def __init__(
+        self,
+        service: LbService,
+        limits: Limits,
+        *,
+        heartbeat: float = 30.0,
+        debuginfo: Debuginfo | None = None,
+    ) -> None:
         self.service = service
+        self.debuginfo = debuginfo
         self.limits = limits
         # Seconds between SYNCED heartbeats on an idle WatchServices stream.
         self.heartbeat = heartbeat
@@ -288,3 +297,9 @@ class LbServicer(lb_pb2_grpc.LoadBalancerServiceServicer):
         lookup_name(request.name)
         record, table = await self.service.maglev_table(request.name)
         return table_to_proto(record.id, record.maglev_table_size, table)
+
+    async def GetDebuginfo(
+        self, request: lb_pb2.GetDebuginfoRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> lb_pb2.Debuginfo:
+        state = {"services": await self.ListServices(pb.ListServicesRequest(), context)}
+        return answer(self.debuginfo, pb.Debuginfo(), state)

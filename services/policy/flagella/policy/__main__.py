@@ -53,7 +53,9 @@ class PolicyApp:
         self.kube: PolicyWatchers | None = None
 
     def register(self, server: grpc.aio.Server) -> None:
-        policy_pb2_grpc.add_PolicyServiceServicer_to_server(PolicyServicer(self.service), server)
+        policy_pb2_grpc.add_PolicyServiceServicer_to_server(
+            PolicyServicer(self.service, self.runtime.debuginfo()), server
+        )
 
     async def start(self) -> None:
         await self.runtime.etcd_connected(self.etcd)

@@ -11,6 +11,7 @@ from typing import Any
 
 from flagella.api.policy.v1 import policy_pb2 as pb
 from flagella.api.policy.v1 import policy_pb2_grpc
+from flagella.common.debuginfo import Debuginfo, answer
 from flagella.common.errors import InvalidArgument
 from flagella.common.portnames import protocol_name
 from flagella.policy.convert import (
@@ -79,8 +80,9 @@ def _cache_filter(node: str, endpoint: str, pattern: str, cidr: str) -> CacheFil
 
 
 class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
-    def __init__(self, service: PolicyService) -> None:
+    def __init__(self, service: PolicyService, debuginfo: Debuginfo | None = None) -> None:
         self.service = service
+        self.debuginfo = debuginfo
         self.contents = ContentCache()
 
     # --- identities ---
@@ -402,3 +404,11 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
             raise InvalidArgument("must not be negative", field="since_revision")
         async for event in self.service.watch_config(request.node, request.since_revision):
             yield config_event_pb(event)
+
+    async def GetDebuginfo(self, request: pb.GetDebuginfoRequest, context: Ctx) -> pb.Debuginfo:
+        state = {
+            "identities": await self.ListIdentities(pb.ListIdentitiesRequest(), context),
+            "rules": await self.ListRules(pb.ListRulesRequest(), context),
+            "cidr_groups": await self.ListCIDRGroups(pb.ListCIDRGroupsRequest(), context),
+        }
+        return answer(self.debuginfo, pb.Debuginfo(), state)

@@ -43,7 +43,9 @@ class RelayApp:
         )
 
     def register(self, server: grpc.aio.Server) -> None:
-        relay_pb2_grpc.add_RelayServiceServicer_to_server(RelayServicer(self.relay), server)
+        relay_pb2_grpc.add_RelayServiceServicer_to_server(
+            RelayServicer(self.relay, self.runtime.debuginfo()), server
+        )
 
     async def start(self) -> None:
         # Serving does not wait for the registry: a request does, briefly,

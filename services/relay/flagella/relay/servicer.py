@@ -7,6 +7,7 @@ from typing import Any
 
 from flagella.api.datapath.v1 import datapath_pb2
 from flagella.api.relay.v1 import relay_pb2, relay_pb2_grpc
+from flagella.common.debuginfo import Debuginfo, answer
 from flagella.common.errors import InvalidArgument
 from flagella.relay.service import Event, Lost, NodeStatus, NodeView, Relay
 
@@ -49,8 +50,9 @@ def check_filter(f: datapath_pb2.ObserveFlowsRequest) -> None:
 
 
 class RelayServicer(relay_pb2_grpc.RelayServiceServicer):
-    def __init__(self, relay: Relay) -> None:
+    def __init__(self, relay: Relay, debuginfo: Debuginfo | None = None) -> None:
         self.relay = relay
+        self.debuginfo = debuginfo
 
     async def ObserveFlows(
         self, request: relay_pb2.ObserveRequest, context: Any
@@ -66,3 +68,9 @@ class RelayServicer(relay_pb2_grpc.RelayServiceServicer):
         self, request: relay_pb2.GetNodesRequest, context: Any
     ) -> pb.GetNodesResponse:
         return pb.GetNodesResponse(nodes=[node_pb(v) for v in self.relay.node_views()])
+
+    async def GetDebuginfo(
+        self, request: datapath_pb2.GetDebuginfoRequest, context: Any
+    ) -> datapath_pb2.Debuginfo:
+        state = {"nodes": await self.GetNodes(relay_pb2.GetNodesRequest(), context)}
+        return answer(self.debuginfo, datapath_pb2.Debuginfo(), state)

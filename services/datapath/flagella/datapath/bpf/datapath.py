@@ -25,6 +25,7 @@ from flagella.datapath.bpf.lb import (
     Services,
     SourceRanges,
 )
+from flagella.datapath.bpf.mapevents import DEFAULT_MAP_EVENT_HISTORY, MapEventLog
 from flagella.datapath.bpf.maps import BpfMap
 from flagella.datapath.bpf.policy import Policy
 from flagella.datapath.bpf.prefixpolicy import PrefixPolicy
@@ -165,6 +166,8 @@ class Datapath:
         fds: Mapping[str, int],
         created: bool,
         prog_fds: Mapping[str, int],
+        *,
+        map_event_history: int = DEFAULT_MAP_EVENT_HISTORY,
     ) -> None:
         self.folder = folder
         self.sizes = sizes
@@ -227,6 +230,9 @@ class Datapath:
         for name in TRACKED_MAPS:
             self.maps[name].track()
         self.count_filled()
+        self.map_events = MapEventLog(map_event_history)
+        for name, m in self.maps.items():
+            m.events = self.map_events.ring(name, m.spec.key_size)
 
     # --- lifecycle ---
 
@@ -239,12 +245,14 @@ class Datapath:
         programs: Programs | None = None,
         load_programs: bool = True,
         program_cache: str | None = None,
+        map_event_history: int = DEFAULT_MAP_EVENT_HISTORY,
     ) -> Datapath:
         """Opens (or creates and pins) every map under
         <pin_root>/<layout version>/ and loads the programs against them
         (compiling bpf/ first, through the program cache folder if given,
         unless programs is given). A new folder gets
-        the default NodeConfig. Nothing is attached here: call attach()
+        the default NodeConfig. Each map keeps its last map_event_history
+        writes (0: none). Nothing is attached here: call attach()
         for each endpoint (replacing whatever an earlier process attached)."""
         sizes = sizes or L.MapSizes()
         folder = Path(pin_root) / L.layout_version(sizes)
@@ -276,7 +284,7 @@ class Datapath:
             for fd in list(fds.values()) + list(prog_fds.values()):
                 os.close(fd)
             raise
-        return cls(folder, sizes, fds, created_any, prog_fds)
+        return cls(folder, sizes, fds, created_any, prog_fds, map_event_history=map_event_history)
 
     def close(self) -> None:
         """Closes this process's descriptors. Pinned maps and attached

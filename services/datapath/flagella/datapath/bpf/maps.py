@@ -1,5 +1,7 @@
 """Typed access to one pinned map: get/update/delete/items, batches, counts,
-and what this process did to it (MapStats: operations by outcome, entries)."""
+and what this process did to it (MapStats: operations by outcome, entries;
+its EventRing: the last writes, for GetMapEvents). Every write the datapath
+makes to a pinned map goes through update, delete or update_batch here."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from typing import Generic, TypeVar
 
 from flagella.datapath.bpf import syscall
 from flagella.datapath.bpf.layout import Fields, MapSpec
+from flagella.datapath.bpf.mapevents import DELETE, UPDATE, EventRing
 
 K = TypeVar("K", bound=ctypes.Structure)
 V = TypeVar("V", bound=ctypes.Structure)
@@ -72,6 +75,8 @@ class BpfMap(Generic[K, V]):
         self.key_type: type[K] = spec.key  # type: ignore[assignment]
         self.value_type: type[V] = spec.value  # type: ignore[assignment]
         self.stats = MapStats()
+        # Its writes, when the history is on (Datapath gives the ring).
+        self.events: EventRing | None = None
         self._batch_updates = spec.map_type in _UPDATE_BATCH_TYPES
 
     def track(self) -> None:
@@ -93,25 +98,35 @@ class BpfMap(Generic[K, V]):
         return value if syscall.map_lookup(self.fd, key, value) else None
 
     def update(self, key: K, value: V, flags: int = syscall.ANY) -> None:
+        raw = bytes(key)
         try:
             syscall.map_update(self.fd, key, value, flags)
         except syscall.BpfError as e:
             self.stats.count("update", False)
+            if self.events is not None:
+                self.events.one(UPDATE, raw, bytes(value), ok=False, err=e.errno or 0)
             if e.errno in (errno.E2BIG, errno.ENOSPC, errno.ENOMEM):
                 raise MapFullError(e.errno, f"map {self.name} is full ({self.max_entries})") from e
             raise
         self.stats.count("update", True)
-        self.stats.added((bytes(key),))
+        self.stats.added((raw,))
+        if self.events is not None:
+            self.events.one(UPDATE, raw, bytes(value))
 
     def delete(self, key: K) -> bool:
         """False when the key was absent (not an error)."""
+        raw = bytes(key)
         try:
             present = syscall.map_delete(self.fd, key)
-        except syscall.BpfError:
+        except syscall.BpfError as e:
             self.stats.count("delete", False)
+            if self.events is not None:
+                self.events.one(DELETE, raw, ok=False, err=e.errno or 0)
             raise
         self.stats.count("delete", True)
-        self.stats.removed(bytes(key), present)
+        self.stats.removed(raw, present)
+        if self.events is not None:
+            self.events.one(DELETE, raw, err=0 if present else errno.ENOENT)
         return present
 
     def update_batch(self, pairs: Sequence[tuple[K, V]]) -> int:
@@ -128,10 +143,9 @@ class BpfMap(Generic[K, V]):
         for start in range(0, len(pairs), _BATCH):
             chunk = pairs[start : start + _BATCH]
             key_bytes = [bytes(k) for k, _ in chunk]
+            value_bytes = [bytes(v) for _, v in chunk]
             keys = (self.key_type * len(chunk)).from_buffer_copy(b"".join(key_bytes))
-            values = (self.value_type * len(chunk)).from_buffer_copy(
-                b"".join([bytes(v) for _, v in chunk])
-            )
+            values = (self.value_type * len(chunk)).from_buffer_copy(b"".join(value_bytes))
             try:
                 n = syscall.map_update_batch(self.fd, keys, values, len(chunk))
             except syscall.BpfError as e:
@@ -139,6 +153,8 @@ class BpfMap(Generic[K, V]):
                     self._batch_updates = False  # this kernel's LPM trie has none
                     return done + self.update_batch(pairs[start:])
                 self.stats.count("update", False, len(chunk))
+                if self.events is not None:  # which of the batch got in is unknown
+                    self.events.record(UPDATE, key_bytes, value_bytes, ok=False, err=e.errno or 0)
                 if self.stats.keys is not None:
                     self.track()  # part of the batch may be in: read what is
                 if e.errno in (errno.E2BIG, errno.ENOSPC, errno.ENOMEM):
@@ -147,6 +163,8 @@ class BpfMap(Generic[K, V]):
             done += n
             self.stats.count("update", True, n)
             self.stats.added(key_bytes[:n])
+            if self.events is not None:
+                self.events.record(UPDATE, key_bytes[:n], value_bytes[:n])
             for k, v in chunk[n:]:  # a batch cut short: the rest, each raising its error
                 self.update(k, v)
                 done += 1
@@ -244,6 +262,15 @@ class BpfMap(Generic[K, V]):
         assert self.spec.decode_value is not None
         return self.spec.decode_key(key), self.spec.decode_value(value)
 
+    def decode_raw(self, key: bytes, value: bytes) -> tuple[Fields, Fields]:
+        """A key and value as bytes (a map event's), decoded; no value: {}."""
+        assert self.spec.decode_key is not None
+        assert self.spec.decode_value is not None
+        fields = self.spec.decode_key(self.key_type.from_buffer_copy(key))
+        if not value:
+            return fields, {}
+        return fields, self.spec.decode_value(self.value_type.from_buffer_copy(value))
+
     def dump(self, limit: int = 0) -> list[tuple[Fields, Fields]]:
         """Entries decoded to named fields (DumpMap); limit 0: all."""
         out = []
@@ -280,7 +307,14 @@ class PerCpuArray(BpfMap[K, V]):
         ncpu = syscall.possible_cpus()
         values = (self.value_type * ncpu)()
         values[0] = value
-        syscall.map_update(self.fd, key, values, flags)
+        try:
+            syscall.map_update(self.fd, key, values, flags)
+        except syscall.BpfError as e:
+            if self.events is not None:
+                self.events.one(UPDATE, bytes(key), bytes(value), ok=False, err=e.errno or 0)
+            raise
+        if self.events is not None:
+            self.events.one(UPDATE, bytes(key), bytes(value))
 
     def items(self) -> Iterator[tuple[K, V]]:
         """Every slot, summed over CPUs: one batch lookup (a scrape reads

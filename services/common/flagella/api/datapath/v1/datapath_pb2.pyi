@@ -10,6 +10,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import message as _message
+from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -188,6 +189,42 @@ FLOW_DIRECTION_UNSPECIFIED: FlowDirection.ValueType  # 0
 FLOW_DIRECTION_INGRESS: FlowDirection.ValueType  # 1
 FLOW_DIRECTION_EGRESS: FlowDirection.ValueType  # 2
 Global___FlowDirection: _TypeAlias = FlowDirection  # noqa: Y015
+
+class _MapEventAction:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _MapEventActionEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_MapEventAction.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    MAP_EVENT_ACTION_UNSPECIFIED: _MapEventAction.ValueType  # 0
+    MAP_EVENT_ACTION_UPDATE: _MapEventAction.ValueType  # 1
+    MAP_EVENT_ACTION_DELETE: _MapEventAction.ValueType  # 2
+
+class MapEventAction(_MapEventAction, metaclass=_MapEventActionEnumTypeWrapper): ...
+
+MAP_EVENT_ACTION_UNSPECIFIED: MapEventAction.ValueType  # 0
+MAP_EVENT_ACTION_UPDATE: MapEventAction.ValueType  # 1
+MAP_EVENT_ACTION_DELETE: MapEventAction.ValueType  # 2
+Global___MapEventAction: _TypeAlias = MapEventAction  # noqa: Y015
+
+class _MapEventOutcome:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _MapEventOutcomeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_MapEventOutcome.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    MAP_EVENT_OUTCOME_UNSPECIFIED: _MapEventOutcome.ValueType  # 0
+    MAP_EVENT_OUTCOME_OK: _MapEventOutcome.ValueType  # 1
+    MAP_EVENT_OUTCOME_ERROR: _MapEventOutcome.ValueType  # 2
+    """The kernel refused the write: errno says why."""
+
+class MapEventOutcome(_MapEventOutcome, metaclass=_MapEventOutcomeEnumTypeWrapper): ...
+
+MAP_EVENT_OUTCOME_UNSPECIFIED: MapEventOutcome.ValueType  # 0
+MAP_EVENT_OUTCOME_OK: MapEventOutcome.ValueType  # 1
+MAP_EVENT_OUTCOME_ERROR: MapEventOutcome.ValueType  # 2
+"""The kernel refused the write: errno says why."""
+Global___MapEventOutcome: _TypeAlias = MapEventOutcome  # noqa: Y015
 
 @_typing.final
 class Route(_message.Message):
@@ -1496,3 +1533,356 @@ class Prefilter(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Prefilter: _TypeAlias = Prefilter  # noqa: Y015
+
+@_typing.final
+class GetMapEventsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    FOLLOW_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """A map of ListMaps (e.g. "services")."""
+    follow: _builtins.bool
+    """Keep streaming new writes; false: the history, then the stream ends."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        follow: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["follow", b"follow", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetMapEventsRequest: _TypeAlias = GetMapEventsRequest  # noqa: Y015
+
+@_typing.final
+class MapEvent(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class KeyEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class ValueEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    MAP_FIELD_NUMBER: _builtins.int
+    SEQ_FIELD_NUMBER: _builtins.int
+    TIME_FIELD_NUMBER: _builtins.int
+    ACTION_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    VALUE_FIELD_NUMBER: _builtins.int
+    OUTCOME_FIELD_NUMBER: _builtins.int
+    ERRNO_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    map: _builtins.str
+    seq: _builtins.int
+    """Order of the datapath's writes, over every map (gaps: other maps'
+    writes, or writes the history no longer holds).
+    """
+    action: Global___MapEventAction.ValueType
+    outcome: Global___MapEventOutcome.ValueType
+    errno: _builtins.int
+    """ERROR: the kernel's errno; an OK delete with 2 (ENOENT): the key was
+    absent already.
+    """
+    error: _builtins.str
+    """errno's text."""
+    @_builtins.property
+    def time(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def key(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Decoded as DumpMap decodes entries."""
+
+    @_builtins.property
+    def value(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """The value written (empty for a delete)."""
+
+    def __init__(
+        self,
+        *,
+        map: _builtins.str = ...,
+        seq: _builtins.int = ...,
+        time: _timestamp_pb2.Timestamp | None = ...,
+        action: Global___MapEventAction.ValueType = ...,
+        key: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        value: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        outcome: Global___MapEventOutcome.ValueType = ...,
+        errno: _builtins.int = ...,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["time", b"time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "errno", b"errno", "error", b"error", "key", b"key", "map", b"map", "outcome", b"outcome", "seq", b"seq", "time", b"time", "value", b"value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MapEvent: _TypeAlias = MapEvent  # noqa: Y015
+
+@_typing.final
+class GetDebuginfoRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetDebuginfoRequest: _TypeAlias = GetDebuginfoRequest  # noqa: Y015
+
+@_typing.final
+class DebugLogRecord(_message.Message):
+    """One log record at WARNING or above (the service's last ones)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIME_FIELD_NUMBER: _builtins.int
+    LEVEL_FIELD_NUMBER: _builtins.int
+    LOGGER_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    FIELDS_FIELD_NUMBER: _builtins.int
+    level: _builtins.str
+    logger: _builtins.str
+    message: _builtins.str
+    @_builtins.property
+    def time(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def fields(self) -> _struct_pb2.Struct:
+        """What the record carried besides (its `extra=` fields)."""
+
+    def __init__(
+        self,
+        *,
+        time: _timestamp_pb2.Timestamp | None = ...,
+        level: _builtins.str = ...,
+        logger: _builtins.str = ...,
+        message: _builtins.str = ...,
+        fields: _struct_pb2.Struct | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fields", b"fields", "time", b"time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fields", b"fields", "level", b"level", "logger", b"logger", "message", b"message", "time", b"time"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DebugLogRecord: _TypeAlias = DebugLogRecord  # noqa: Y015
+
+@_typing.final
+class Debuginfo(_message.Message):
+    """One service's part of `flagella debuginfo`."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class VersionsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    SERVICE_FIELD_NUMBER: _builtins.int
+    CONFIG_FIELD_NUMBER: _builtins.int
+    REDACTED_FIELD_NUMBER: _builtins.int
+    VERSIONS_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    RECENT_ERRORS_FIELD_NUMBER: _builtins.int
+    service: _builtins.str
+    """The service's name (ipam, policy, ...)."""
+    @_builtins.property
+    def config(self) -> _struct_pb2.Struct:
+        """Its options as parsed (flag names with dashes as underscores)."""
+
+    @_builtins.property
+    def redacted(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """What was left out of config, and why (secrets, key files' contents)."""
+
+    @_builtins.property
+    def versions(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """flagella, python, kernel and library versions."""
+
+    @_builtins.property
+    def state(self) -> _struct_pb2.Struct:
+        """The service's own state: what it owns, as its List calls answer."""
+
+    @_builtins.property
+    def recent_errors(self) -> _containers.RepeatedCompositeFieldContainer[Global___DebugLogRecord]:
+        """Its last log records at WARNING or above, oldest first."""
+
+    def __init__(
+        self,
+        *,
+        service: _builtins.str = ...,
+        config: _struct_pb2.Struct | None = ...,
+        redacted: _abc.Iterable[_builtins.str] | None = ...,
+        versions: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        state: _struct_pb2.Struct | None = ...,
+        recent_errors: _abc.Iterable[Global___DebugLogRecord] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "state", b"state"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "recent_errors", b"recent_errors", "redacted", b"redacted", "service", b"service", "state", b"state", "versions", b"versions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Debuginfo: _TypeAlias = Debuginfo  # noqa: Y015
+
+@_typing.final
+class GetCgroupDumpMetadataRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetCgroupDumpMetadataRequest: _TypeAlias = GetCgroupDumpMetadataRequest  # noqa: Y015
+
+@_typing.final
+class CgroupContainer(_message.Message):
+    """One cgroup holding processes of a pod (a container, or the sandbox)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CGROUP_ID_FIELD_NUMBER: _builtins.int
+    CGROUP_PATH_FIELD_NUMBER: _builtins.int
+    PIDS_FIELD_NUMBER: _builtins.int
+    cgroup_id: _builtins.int
+    """The cgroup v2 id (the inode of its folder), what bpf_get_current_cgroup_id answers."""
+    cgroup_path: _builtins.str
+    """Relative to the cgroup v2 root (cgroup_root)."""
+    @_builtins.property
+    def pids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        cgroup_id: _builtins.int = ...,
+        cgroup_path: _builtins.str = ...,
+        pids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cgroup_id", b"cgroup_id", "cgroup_path", b"cgroup_path", "pids", b"pids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CgroupContainer: _TypeAlias = CgroupContainer  # noqa: Y015
+
+@_typing.final
+class CgroupPod(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENDPOINT_ID_FIELD_NUMBER: _builtins.int
+    CONTAINER_ID_FIELD_NUMBER: _builtins.int
+    NETNS_PATH_FIELD_NUMBER: _builtins.int
+    ADDRESSES_FIELD_NUMBER: _builtins.int
+    CONTAINERS_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    endpoint_id: _builtins.int
+    container_id: _builtins.str
+    netns_path: _builtins.str
+    error: _builtins.str
+    """Why containers is empty (no process holds the pod's netns, no cgroup
+    v2 hierarchy, ...).
+    """
+    @_builtins.property
+    def addresses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def containers(self) -> _containers.RepeatedCompositeFieldContainer[Global___CgroupContainer]: ...
+    def __init__(
+        self,
+        *,
+        endpoint_id: _builtins.int = ...,
+        container_id: _builtins.str = ...,
+        netns_path: _builtins.str = ...,
+        addresses: _abc.Iterable[_builtins.str] | None = ...,
+        containers: _abc.Iterable[Global___CgroupContainer] | None = ...,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["addresses", b"addresses", "container_id", b"container_id", "containers", b"containers", "endpoint_id", b"endpoint_id", "error", b"error", "netns_path", b"netns_path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CgroupPod: _TypeAlias = CgroupPod  # noqa: Y015
+
+@_typing.final
+class CgroupDumpMetadata(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CGROUP_ROOT_FIELD_NUMBER: _builtins.int
+    PODS_FIELD_NUMBER: _builtins.int
+    cgroup_root: _builtins.str
+    """Where the cgroup v2 hierarchy is mounted (empty: none)."""
+    @_builtins.property
+    def pods(self) -> _containers.RepeatedCompositeFieldContainer[Global___CgroupPod]: ...
+    def __init__(
+        self,
+        *,
+        cgroup_root: _builtins.str = ...,
+        pods: _abc.Iterable[Global___CgroupPod] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cgroup_root", b"cgroup_root", "pods", b"pods"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CgroupDumpMetadata: _TypeAlias = CgroupDumpMetadata  # noqa: Y015

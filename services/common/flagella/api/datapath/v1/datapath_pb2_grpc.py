@@ -100,6 +100,21 @@ class DatapathServiceStub:
                 request_serializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.DeletePrefilterRequest.SerializeToString,
                 response_deserializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.Prefilter.FromString,
                 _registered_method=True)
+        self.GetMapEvents = channel.unary_stream(
+                '/flagella.datapath.v1.DatapathService/GetMapEvents',
+                request_serializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.GetMapEventsRequest.SerializeToString,
+                response_deserializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.MapEvent.FromString,
+                _registered_method=True)
+        self.GetDebuginfo = channel.unary_unary(
+                '/flagella.datapath.v1.DatapathService/GetDebuginfo',
+                request_serializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.GetDebuginfoRequest.SerializeToString,
+                response_deserializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.Debuginfo.FromString,
+                _registered_method=True)
+        self.GetCgroupDumpMetadata = channel.unary_unary(
+                '/flagella.datapath.v1.DatapathService/GetCgroupDumpMetadata',
+                request_serializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.GetCgroupDumpMetadataRequest.SerializeToString,
+                response_deserializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.CgroupDumpMetadata.FromString,
+                _registered_method=True)
 
 
 class DatapathServiceServicer:
@@ -196,6 +211,31 @@ class DatapathServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetMapEvents(self, request, context):
+        """The writes this datapath made to one pinned map, oldest first: the
+        history it keeps (the last --map-event-history per map), then with
+        follow new writes as they are made.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetDebuginfo(self, request, context):
+        """This service's part of `flagella debuginfo`: configuration (secrets
+        left out), versions, its own state and recent errors.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetCgroupDumpMetadata(self, request, context):
+        """The pods of this node with their cgroup (v2) ids and paths, found
+        through the processes that hold each pod's network namespace.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DatapathServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -263,6 +303,21 @@ def add_DatapathServiceServicer_to_server(servicer, server):
                     servicer.DeletePrefilter,
                     request_deserializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.DeletePrefilterRequest.FromString,
                     response_serializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.Prefilter.SerializeToString,
+            ),
+            'GetMapEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetMapEvents,
+                    request_deserializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.GetMapEventsRequest.FromString,
+                    response_serializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.MapEvent.SerializeToString,
+            ),
+            'GetDebuginfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetDebuginfo,
+                    request_deserializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.GetDebuginfoRequest.FromString,
+                    response_serializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.Debuginfo.SerializeToString,
+            ),
+            'GetCgroupDumpMetadata': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetCgroupDumpMetadata,
+                    request_deserializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.GetCgroupDumpMetadataRequest.FromString,
+                    response_serializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.CgroupDumpMetadata.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -616,6 +671,87 @@ class DatapathService:
             '/flagella.datapath.v1.DatapathService/DeletePrefilter',
             flagella_dot_datapath_dot_v1_dot_datapath__pb2.DeletePrefilterRequest.SerializeToString,
             flagella_dot_datapath_dot_v1_dot_datapath__pb2.Prefilter.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetMapEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/flagella.datapath.v1.DatapathService/GetMapEvents',
+            flagella_dot_datapath_dot_v1_dot_datapath__pb2.GetMapEventsRequest.SerializeToString,
+            flagella_dot_datapath_dot_v1_dot_datapath__pb2.MapEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetDebuginfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagella.datapath.v1.DatapathService/GetDebuginfo',
+            flagella_dot_datapath_dot_v1_dot_datapath__pb2.GetDebuginfoRequest.SerializeToString,
+            flagella_dot_datapath_dot_v1_dot_datapath__pb2.Debuginfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetCgroupDumpMetadata(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagella.datapath.v1.DatapathService/GetCgroupDumpMetadata',
+            flagella_dot_datapath_dot_v1_dot_datapath__pb2.GetCgroupDumpMetadataRequest.SerializeToString,
+            flagella_dot_datapath_dot_v1_dot_datapath__pb2.CgroupDumpMetadata.FromString,
             options,
             channel_credentials,
             insecure,

@@ -63,6 +63,19 @@ class DatapathServiceStub:
     """
     DeletePrefilter: _grpc.UnaryUnaryMultiCallable[_datapath_pb2.DeletePrefilterRequest, _datapath_pb2.Prefilter]
     """Removes CIDRs from the prefilter (each must be listed); revision as above."""
+    GetMapEvents: _grpc.UnaryStreamMultiCallable[_datapath_pb2.GetMapEventsRequest, _datapath_pb2.MapEvent]
+    """The writes this datapath made to one pinned map, oldest first: the
+    history it keeps (the last --map-event-history per map), then with
+    follow new writes as they are made.
+    """
+    GetDebuginfo: _grpc.UnaryUnaryMultiCallable[_datapath_pb2.GetDebuginfoRequest, _datapath_pb2.Debuginfo]
+    """This service's part of `flagella debuginfo`: configuration (secrets
+    left out), versions, its own state and recent errors.
+    """
+    GetCgroupDumpMetadata: _grpc.UnaryUnaryMultiCallable[_datapath_pb2.GetCgroupDumpMetadataRequest, _datapath_pb2.CgroupDumpMetadata]
+    """The pods of this node with their cgroup (v2) ids and paths, found
+    through the processes that hold each pod's network namespace.
+    """
 
 @_typing.type_check_only
 class DatapathServiceAsyncStub(DatapathServiceStub):
@@ -96,6 +109,19 @@ class DatapathServiceAsyncStub(DatapathServiceStub):
     """
     DeletePrefilter: _aio.UnaryUnaryMultiCallable[_datapath_pb2.DeletePrefilterRequest, _datapath_pb2.Prefilter]  # type: ignore[assignment]
     """Removes CIDRs from the prefilter (each must be listed); revision as above."""
+    GetMapEvents: _aio.UnaryStreamMultiCallable[_datapath_pb2.GetMapEventsRequest, _datapath_pb2.MapEvent]  # type: ignore[assignment]
+    """The writes this datapath made to one pinned map, oldest first: the
+    history it keeps (the last --map-event-history per map), then with
+    follow new writes as they are made.
+    """
+    GetDebuginfo: _aio.UnaryUnaryMultiCallable[_datapath_pb2.GetDebuginfoRequest, _datapath_pb2.Debuginfo]  # type: ignore[assignment]
+    """This service's part of `flagella debuginfo`: configuration (secrets
+    left out), versions, its own state and recent errors.
+    """
+    GetCgroupDumpMetadata: _aio.UnaryUnaryMultiCallable[_datapath_pb2.GetCgroupDumpMetadataRequest, _datapath_pb2.CgroupDumpMetadata]  # type: ignore[assignment]
+    """The pods of this node with their cgroup (v2) ids and paths, found
+    through the processes that hold each pod's network namespace.
+    """
 
 class DatapathServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -204,5 +230,36 @@ class DatapathServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_datapath_pb2.Prefilter, _abc.Awaitable[_datapath_pb2.Prefilter]]:
         """Removes CIDRs from the prefilter (each must be listed); revision as above."""
+
+    @_abc_1.abstractmethod
+    def GetMapEvents(
+        self,
+        request: _datapath_pb2.GetMapEventsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_datapath_pb2.MapEvent], _abc.AsyncIterator[_datapath_pb2.MapEvent]]:
+        """The writes this datapath made to one pinned map, oldest first: the
+        history it keeps (the last --map-event-history per map), then with
+        follow new writes as they are made.
+        """
+
+    @_abc_1.abstractmethod
+    def GetDebuginfo(
+        self,
+        request: _datapath_pb2.GetDebuginfoRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_datapath_pb2.Debuginfo, _abc.Awaitable[_datapath_pb2.Debuginfo]]:
+        """This service's part of `flagella debuginfo`: configuration (secrets
+        left out), versions, its own state and recent errors.
+        """
+
+    @_abc_1.abstractmethod
+    def GetCgroupDumpMetadata(
+        self,
+        request: _datapath_pb2.GetCgroupDumpMetadataRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_datapath_pb2.CgroupDumpMetadata, _abc.Awaitable[_datapath_pb2.CgroupDumpMetadata]]:
+        """The pods of this node with their cgroup (v2) ids and paths, found
+        through the processes that hold each pod's network namespace.
+        """
 
 def add_DatapathServiceServicer_to_server(servicer: DatapathServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -9,6 +9,7 @@ orchestrates ipam, policy and the datapath of the endpoint's node.
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -1327,3 +1328,127 @@ class EndpointLabels(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___EndpointLabels: _TypeAlias = EndpointLabels  # noqa: Y015
+
+@_typing.final
+class GetDebuginfoRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetDebuginfoRequest: _TypeAlias = GetDebuginfoRequest  # noqa: Y015
+
+@_typing.final
+class DebugLogRecord(_message.Message):
+    """One log record at WARNING or above (the service's last ones)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIME_FIELD_NUMBER: _builtins.int
+    LEVEL_FIELD_NUMBER: _builtins.int
+    LOGGER_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    FIELDS_FIELD_NUMBER: _builtins.int
+    level: _builtins.str
+    logger: _builtins.str
+    message: _builtins.str
+    @_builtins.property
+    def time(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def fields(self) -> _struct_pb2.Struct:
+        """What the record carried besides (its `extra=` fields)."""
+
+    def __init__(
+        self,
+        *,
+        time: _timestamp_pb2.Timestamp | None = ...,
+        level: _builtins.str = ...,
+        logger: _builtins.str = ...,
+        message: _builtins.str = ...,
+        fields: _struct_pb2.Struct | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fields", b"fields", "time", b"time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fields", b"fields", "level", b"level", "logger", b"logger", "message", b"message", "time", b"time"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DebugLogRecord: _TypeAlias = DebugLogRecord  # noqa: Y015
+
+@_typing.final
+class Debuginfo(_message.Message):
+    """One service's part of `flagella debuginfo`."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class VersionsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    SERVICE_FIELD_NUMBER: _builtins.int
+    CONFIG_FIELD_NUMBER: _builtins.int
+    REDACTED_FIELD_NUMBER: _builtins.int
+    VERSIONS_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    RECENT_ERRORS_FIELD_NUMBER: _builtins.int
+    service: _builtins.str
+    """The service's name (ipam, policy, ...)."""
+    @_builtins.property
+    def config(self) -> _struct_pb2.Struct:
+        """Its options as parsed (flag names with dashes as underscores)."""
+
+    @_builtins.property
+    def redacted(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """What was left out of config, and why (secrets, key files' contents)."""
+
+    @_builtins.property
+    def versions(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """flagella, python, kernel and library versions."""
+
+    @_builtins.property
+    def state(self) -> _struct_pb2.Struct:
+        """The service's own state: what it owns, as its List calls answer."""
+
+    @_builtins.property
+    def recent_errors(self) -> _containers.RepeatedCompositeFieldContainer[Global___DebugLogRecord]:
+        """Its last log records at WARNING or above, oldest first."""
+
+    def __init__(
+        self,
+        *,
+        service: _builtins.str = ...,
+        config: _struct_pb2.Struct | None = ...,
+        redacted: _abc.Iterable[_builtins.str] | None = ...,
+        versions: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        state: _struct_pb2.Struct | None = ...,
+        recent_errors: _abc.Iterable[Global___DebugLogRecord] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "state", b"state"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "recent_errors", b"recent_errors", "redacted", b"redacted", "service", b"service", "state", b"state", "versions", b"versions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Debuginfo: _TypeAlias = Debuginfo  # noqa: Y015

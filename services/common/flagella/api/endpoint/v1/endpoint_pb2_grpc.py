@@ -105,6 +105,11 @@ class EndpointServiceStub:
                 request_serializer=flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.GetEndpointLabelsRequest.SerializeToString,
                 response_deserializer=flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.EndpointLabels.FromString,
                 _registered_method=True)
+        self.GetDebuginfo = channel.unary_unary(
+                '/flagella.endpoint.v1.EndpointService/GetDebuginfo',
+                request_serializer=flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.GetDebuginfoRequest.SerializeToString,
+                response_deserializer=flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.Debuginfo.FromString,
+                _registered_method=True)
 
 
 class EndpointServiceServicer:
@@ -210,6 +215,14 @@ class EndpointServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetDebuginfo(self, request, context):
+        """This service's part of `flagella debuginfo`: configuration (secrets
+        left out), versions, its own state and recent errors.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EndpointServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -282,6 +295,11 @@ def add_EndpointServiceServicer_to_server(servicer, server):
                     servicer.GetEndpointLabels,
                     request_deserializer=flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.GetEndpointLabelsRequest.FromString,
                     response_serializer=flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.EndpointLabels.SerializeToString,
+            ),
+            'GetDebuginfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetDebuginfo,
+                    request_deserializer=flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.GetDebuginfoRequest.FromString,
+                    response_serializer=flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.Debuginfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -662,6 +680,33 @@ class EndpointService:
             '/flagella.endpoint.v1.EndpointService/GetEndpointLabels',
             flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.GetEndpointLabelsRequest.SerializeToString,
             flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.EndpointLabels.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetDebuginfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagella.endpoint.v1.EndpointService/GetDebuginfo',
+            flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.GetDebuginfoRequest.SerializeToString,
+            flagella_dot_endpoint_dot_v1_dot_endpoint__pb2.Debuginfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -67,6 +67,10 @@ class EndpointServiceStub:
     PatchEndpointConfig: _grpc.UnaryUnaryMultiCallable[_endpoint_pb2.PatchEndpointConfigRequest, _endpoint_pb2.EndpointConfig]
     GetEndpointLabels: _grpc.UnaryUnaryMultiCallable[_endpoint_pb2.GetEndpointLabelsRequest, _endpoint_pb2.EndpointLabels]
     """The endpoint's labels by source, as Cilium's endpoint OpLabels."""
+    GetDebuginfo: _grpc.UnaryUnaryMultiCallable[_endpoint_pb2.GetDebuginfoRequest, _endpoint_pb2.Debuginfo]
+    """This service's part of `flagella debuginfo`: configuration (secrets
+    left out), versions, its own state and recent errors.
+    """
 
 @_typing.type_check_only
 class EndpointServiceAsyncStub(EndpointServiceStub):
@@ -104,6 +108,10 @@ class EndpointServiceAsyncStub(EndpointServiceStub):
     PatchEndpointConfig: _aio.UnaryUnaryMultiCallable[_endpoint_pb2.PatchEndpointConfigRequest, _endpoint_pb2.EndpointConfig]  # type: ignore[assignment]
     GetEndpointLabels: _aio.UnaryUnaryMultiCallable[_endpoint_pb2.GetEndpointLabelsRequest, _endpoint_pb2.EndpointLabels]  # type: ignore[assignment]
     """The endpoint's labels by source, as Cilium's endpoint OpLabels."""
+    GetDebuginfo: _aio.UnaryUnaryMultiCallable[_endpoint_pb2.GetDebuginfoRequest, _endpoint_pb2.Debuginfo]  # type: ignore[assignment]
+    """This service's part of `flagella debuginfo`: configuration (secrets
+    left out), versions, its own state and recent errors.
+    """
 
 class EndpointServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -222,5 +230,15 @@ class EndpointServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_endpoint_pb2.EndpointLabels, _abc.Awaitable[_endpoint_pb2.EndpointLabels]]:
         """The endpoint's labels by source, as Cilium's endpoint OpLabels."""
+
+    @_abc_1.abstractmethod
+    def GetDebuginfo(
+        self,
+        request: _endpoint_pb2.GetDebuginfoRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_endpoint_pb2.Debuginfo, _abc.Awaitable[_endpoint_pb2.Debuginfo]]:
+        """This service's part of `flagella debuginfo`: configuration (secrets
+        left out), versions, its own state and recent errors.
+        """
 
 def add_EndpointServiceServicer_to_server(servicer: EndpointServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

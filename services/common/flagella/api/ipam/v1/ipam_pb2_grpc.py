@@ -105,6 +105,11 @@ class IpamServiceStub:
                 request_serializer=flagella_dot_ipam_dot_v1_dot_ipam__pb2.GetNodeIdsRequest.SerializeToString,
                 response_deserializer=flagella_dot_ipam_dot_v1_dot_ipam__pb2.GetNodeIdsResponse.FromString,
                 _registered_method=True)
+        self.GetDebuginfo = channel.unary_unary(
+                '/flagella.ipam.v1.IpamService/GetDebuginfo',
+                request_serializer=flagella_dot_ipam_dot_v1_dot_ipam__pb2.GetDebuginfoRequest.SerializeToString,
+                response_deserializer=flagella_dot_ipam_dot_v1_dot_ipam__pb2.Debuginfo.FromString,
+                _registered_method=True)
 
 
 class IpamServiceServicer:
@@ -215,6 +220,14 @@ class IpamServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetDebuginfo(self, request, context):
+        """This service's part of `flagella debuginfo`: configuration (secrets
+        left out), versions, its own state and recent errors.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_IpamServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -287,6 +300,11 @@ def add_IpamServiceServicer_to_server(servicer, server):
                     servicer.GetNodeIds,
                     request_deserializer=flagella_dot_ipam_dot_v1_dot_ipam__pb2.GetNodeIdsRequest.FromString,
                     response_serializer=flagella_dot_ipam_dot_v1_dot_ipam__pb2.GetNodeIdsResponse.SerializeToString,
+            ),
+            'GetDebuginfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetDebuginfo,
+                    request_deserializer=flagella_dot_ipam_dot_v1_dot_ipam__pb2.GetDebuginfoRequest.FromString,
+                    response_serializer=flagella_dot_ipam_dot_v1_dot_ipam__pb2.Debuginfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -667,6 +685,33 @@ class IpamService:
             '/flagella.ipam.v1.IpamService/GetNodeIds',
             flagella_dot_ipam_dot_v1_dot_ipam__pb2.GetNodeIdsRequest.SerializeToString,
             flagella_dot_ipam_dot_v1_dot_ipam__pb2.GetNodeIdsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetDebuginfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagella.ipam.v1.IpamService/GetDebuginfo',
+            flagella_dot_ipam_dot_v1_dot_ipam__pb2.GetDebuginfoRequest.SerializeToString,
+            flagella_dot_ipam_dot_v1_dot_ipam__pb2.Debuginfo.FromString,
             options,
             channel_credentials,
             insecure,

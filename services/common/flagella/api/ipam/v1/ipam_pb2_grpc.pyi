@@ -76,6 +76,10 @@ class IpamServiceStub:
     """Every node id with its node and the node's addresses (none while the
     node is not registered: its id is kept).
     """
+    GetDebuginfo: _grpc.UnaryUnaryMultiCallable[_ipam_pb2.GetDebuginfoRequest, _ipam_pb2.Debuginfo]
+    """This service's part of `flagella debuginfo`: configuration (secrets
+    left out), versions, its own state and recent errors.
+    """
 
 @_typing.type_check_only
 class IpamServiceAsyncStub(IpamServiceStub):
@@ -122,6 +126,10 @@ class IpamServiceAsyncStub(IpamServiceStub):
     GetNodeIds: _aio.UnaryUnaryMultiCallable[_ipam_pb2.GetNodeIdsRequest, _ipam_pb2.GetNodeIdsResponse]  # type: ignore[assignment]
     """Every node id with its node and the node's addresses (none while the
     node is not registered: its id is kept).
+    """
+    GetDebuginfo: _aio.UnaryUnaryMultiCallable[_ipam_pb2.GetDebuginfoRequest, _ipam_pb2.Debuginfo]  # type: ignore[assignment]
+    """This service's part of `flagella debuginfo`: configuration (secrets
+    left out), versions, its own state and recent errors.
     """
 
 class IpamServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -250,6 +258,16 @@ class IpamServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_ipam_pb2.GetNodeIdsResponse, _abc.Awaitable[_ipam_pb2.GetNodeIdsResponse]]:
         """Every node id with its node and the node's addresses (none while the
         node is not registered: its id is kept).
+        """
+
+    @_abc_1.abstractmethod
+    def GetDebuginfo(
+        self,
+        request: _ipam_pb2.GetDebuginfoRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ipam_pb2.Debuginfo, _abc.Awaitable[_ipam_pb2.Debuginfo]]:
+        """This service's part of `flagella debuginfo`: configuration (secrets
+        left out), versions, its own state and recent errors.
         """
 
 def add_IpamServiceServicer_to_server(servicer: IpamServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

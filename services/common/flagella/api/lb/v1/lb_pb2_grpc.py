@@ -70,6 +70,11 @@ class LoadBalancerServiceStub:
                 request_serializer=flagella_dot_lb_dot_v1_dot_lb__pb2.GetMaglevTableRequest.SerializeToString,
                 response_deserializer=flagella_dot_lb_dot_v1_dot_lb__pb2.MaglevTable.FromString,
                 _registered_method=True)
+        self.GetDebuginfo = channel.unary_unary(
+                '/flagella.lb.v1.LoadBalancerService/GetDebuginfo',
+                request_serializer=flagella_dot_lb_dot_v1_dot_lb__pb2.GetDebuginfoRequest.SerializeToString,
+                response_deserializer=flagella_dot_lb_dot_v1_dot_lb__pb2.Debuginfo.FromString,
+                _registered_method=True)
 
 
 class LoadBalancerServiceServicer:
@@ -125,6 +130,14 @@ class LoadBalancerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetDebuginfo(self, request, context):
+        """This service's part of `flagella debuginfo`: configuration (secrets
+        left out), versions, its own state and recent errors.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LoadBalancerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -162,6 +175,11 @@ def add_LoadBalancerServiceServicer_to_server(servicer, server):
                     servicer.GetMaglevTable,
                     request_deserializer=flagella_dot_lb_dot_v1_dot_lb__pb2.GetMaglevTableRequest.FromString,
                     response_serializer=flagella_dot_lb_dot_v1_dot_lb__pb2.MaglevTable.SerializeToString,
+            ),
+            'GetDebuginfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetDebuginfo,
+                    request_deserializer=flagella_dot_lb_dot_v1_dot_lb__pb2.GetDebuginfoRequest.FromString,
+                    response_serializer=flagella_dot_lb_dot_v1_dot_lb__pb2.Debuginfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -353,6 +371,33 @@ class LoadBalancerService:
             '/flagella.lb.v1.LoadBalancerService/GetMaglevTable',
             flagella_dot_lb_dot_v1_dot_lb__pb2.GetMaglevTableRequest.SerializeToString,
             flagella_dot_lb_dot_v1_dot_lb__pb2.MaglevTable.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetDebuginfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagella.lb.v1.LoadBalancerService/GetDebuginfo',
+            flagella_dot_lb_dot_v1_dot_lb__pb2.GetDebuginfoRequest.SerializeToString,
+            flagella_dot_lb_dot_v1_dot_lb__pb2.Debuginfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -51,6 +51,10 @@ class LoadBalancerServiceStub:
     """Snapshot (RESET, UPSERT..., SYNCED), then deltas; resumable by revision."""
     GetMaglevTable: _grpc.UnaryUnaryMultiCallable[_lb_pb2.GetMaglevTableRequest, _lb_pb2.MaglevTable]
     """The Maglev lookup table of a service (backend id per slot)."""
+    GetDebuginfo: _grpc.UnaryUnaryMultiCallable[_lb_pb2.GetDebuginfoRequest, _lb_pb2.Debuginfo]
+    """This service's part of `flagella debuginfo`: configuration (secrets
+    left out), versions, its own state and recent errors.
+    """
 
 @_typing.type_check_only
 class LoadBalancerServiceAsyncStub(LoadBalancerServiceStub):
@@ -71,6 +75,10 @@ class LoadBalancerServiceAsyncStub(LoadBalancerServiceStub):
     """Snapshot (RESET, UPSERT..., SYNCED), then deltas; resumable by revision."""
     GetMaglevTable: _aio.UnaryUnaryMultiCallable[_lb_pb2.GetMaglevTableRequest, _lb_pb2.MaglevTable]  # type: ignore[assignment]
     """The Maglev lookup table of a service (backend id per slot)."""
+    GetDebuginfo: _aio.UnaryUnaryMultiCallable[_lb_pb2.GetDebuginfoRequest, _lb_pb2.Debuginfo]  # type: ignore[assignment]
+    """This service's part of `flagella debuginfo`: configuration (secrets
+    left out), versions, its own state and recent errors.
+    """
 
 class LoadBalancerServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -130,5 +138,15 @@ class LoadBalancerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_lb_pb2.MaglevTable, _abc.Awaitable[_lb_pb2.MaglevTable]]:
         """The Maglev lookup table of a service (backend id per slot)."""
+
+    @_abc_1.abstractmethod
+    def GetDebuginfo(
+        self,
+        request: _lb_pb2.GetDebuginfoRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_lb_pb2.Debuginfo, _abc.Awaitable[_lb_pb2.Debuginfo]]:
+        """This service's part of `flagella debuginfo`: configuration (secrets
+        left out), versions, its own state and recent errors.
+        """
 
 def add_LoadBalancerServiceServicer_to_server(servicer: LoadBalancerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -175,6 +175,11 @@ class PolicyServiceStub:
                 request_serializer=flagella_dot_policy_dot_v1_dot_policy__pb2.WatchConfigRequest.SerializeToString,
                 response_deserializer=flagella_dot_policy_dot_v1_dot_policy__pb2.ConfigEvent.FromString,
                 _registered_method=True)
+        self.GetDebuginfo = channel.unary_unary(
+                '/flagella.policy.v1.PolicyService/GetDebuginfo',
+                request_serializer=flagella_dot_policy_dot_v1_dot_policy__pb2.GetDebuginfoRequest.SerializeToString,
+                response_deserializer=flagella_dot_policy_dot_v1_dot_policy__pb2.Debuginfo.FromString,
+                _registered_method=True)
 
 
 class PolicyServiceServicer:
@@ -382,6 +387,14 @@ class PolicyServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetDebuginfo(self, request, context):
+        """This service's part of `flagella debuginfo`: configuration (secrets
+        left out), versions, its own state and recent errors.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PolicyServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -524,6 +537,11 @@ def add_PolicyServiceServicer_to_server(servicer, server):
                     servicer.WatchConfig,
                     request_deserializer=flagella_dot_policy_dot_v1_dot_policy__pb2.WatchConfigRequest.FromString,
                     response_serializer=flagella_dot_policy_dot_v1_dot_policy__pb2.ConfigEvent.SerializeToString,
+            ),
+            'GetDebuginfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetDebuginfo,
+                    request_deserializer=flagella_dot_policy_dot_v1_dot_policy__pb2.GetDebuginfoRequest.FromString,
+                    response_serializer=flagella_dot_policy_dot_v1_dot_policy__pb2.Debuginfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1282,6 +1300,33 @@ class PolicyService:
             '/flagella.policy.v1.PolicyService/WatchConfig',
             flagella_dot_policy_dot_v1_dot_policy__pb2.WatchConfigRequest.SerializeToString,
             flagella_dot_policy_dot_v1_dot_policy__pb2.ConfigEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetDebuginfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagella.policy.v1.PolicyService/GetDebuginfo',
+            flagella_dot_policy_dot_v1_dot_policy__pb2.GetDebuginfoRequest.SerializeToString,
+            flagella_dot_policy_dot_v1_dot_policy__pb2.Debuginfo.FromString,
             options,
             channel_credentials,
             insecure,

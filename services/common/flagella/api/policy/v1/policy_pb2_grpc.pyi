@@ -107,6 +107,10 @@ class PolicyServiceStub:
     """The values of one node: the cluster's (scope "") and the node's
     overrides (scope: the node), each sent whole on a change.
     """
+    GetDebuginfo: _grpc.UnaryUnaryMultiCallable[_policy_pb2.GetDebuginfoRequest, _policy_pb2.Debuginfo]
+    """This service's part of `flagella debuginfo`: configuration (secrets
+    left out), versions, its own state and recent errors.
+    """
 
 @_typing.type_check_only
 class PolicyServiceAsyncStub(PolicyServiceStub):
@@ -184,6 +188,10 @@ class PolicyServiceAsyncStub(PolicyServiceStub):
     WatchConfig: _aio.UnaryStreamMultiCallable[_policy_pb2.WatchConfigRequest, _policy_pb2.ConfigEvent]  # type: ignore[assignment]
     """The values of one node: the cluster's (scope "") and the node's
     overrides (scope: the node), each sent whole on a change.
+    """
+    GetDebuginfo: _aio.UnaryUnaryMultiCallable[_policy_pb2.GetDebuginfoRequest, _policy_pb2.Debuginfo]  # type: ignore[assignment]
+    """This service's part of `flagella debuginfo`: configuration (secrets
+    left out), versions, its own state and recent errors.
     """
 
 class PolicyServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -427,6 +435,16 @@ class PolicyServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_policy_pb2.ConfigEvent], _abc.AsyncIterator[_policy_pb2.ConfigEvent]]:
         """The values of one node: the cluster's (scope "") and the node's
         overrides (scope: the node), each sent whole on a change.
+        """
+
+    @_abc_1.abstractmethod
+    def GetDebuginfo(
+        self,
+        request: _policy_pb2.GetDebuginfoRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_policy_pb2.Debuginfo, _abc.Awaitable[_policy_pb2.Debuginfo]]:
+        """This service's part of `flagella debuginfo`: configuration (secrets
+        left out), versions, its own state and recent errors.
         """
 
 def add_PolicyServiceServicer_to_server(servicer: PolicyServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -4,6 +4,7 @@
 import grpc
 import warnings
 
+from flagella.api.datapath.v1 import datapath_pb2 as flagella_dot_datapath_dot_v1_dot_datapath__pb2
 from flagella.api.relay.v1 import relay_pb2 as flagella_dot_relay_dot_v1_dot_relay__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -45,6 +46,11 @@ class RelayServiceStub:
                 request_serializer=flagella_dot_relay_dot_v1_dot_relay__pb2.GetNodesRequest.SerializeToString,
                 response_deserializer=flagella_dot_relay_dot_v1_dot_relay__pb2.GetNodesResponse.FromString,
                 _registered_method=True)
+        self.GetDebuginfo = channel.unary_unary(
+                '/flagella.relay.v1.RelayService/GetDebuginfo',
+                request_serializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.GetDebuginfoRequest.SerializeToString,
+                response_deserializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.Debuginfo.FromString,
+                _registered_method=True)
 
 
 class RelayServiceServicer:
@@ -68,6 +74,13 @@ class RelayServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetDebuginfo(self, request, context):
+        """The relay's part of `flagella debuginfo` (the datapath's message shape).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RelayServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -80,6 +93,11 @@ def add_RelayServiceServicer_to_server(servicer, server):
                     servicer.GetNodes,
                     request_deserializer=flagella_dot_relay_dot_v1_dot_relay__pb2.GetNodesRequest.FromString,
                     response_serializer=flagella_dot_relay_dot_v1_dot_relay__pb2.GetNodesResponse.SerializeToString,
+            ),
+            'GetDebuginfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetDebuginfo,
+                    request_deserializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.GetDebuginfoRequest.FromString,
+                    response_serializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.Debuginfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -136,6 +154,33 @@ class RelayService:
             '/flagella.relay.v1.RelayService/GetNodes',
             flagella_dot_relay_dot_v1_dot_relay__pb2.GetNodesRequest.SerializeToString,
             flagella_dot_relay_dot_v1_dot_relay__pb2.GetNodesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetDebuginfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagella.relay.v1.RelayService/GetDebuginfo',
+            flagella_dot_datapath_dot_v1_dot_datapath__pb2.GetDebuginfoRequest.SerializeToString,
+            flagella_dot_datapath_dot_v1_dot_datapath__pb2.Debuginfo.FromString,
             options,
             channel_credentials,
             insecure,

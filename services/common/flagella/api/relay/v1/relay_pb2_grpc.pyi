@@ -6,6 +6,7 @@ time order, each tagged with its node (as Hubble Relay is to Cilium).
 """
 
 from collections import abc as _abc
+from flagella.api.datapath.v1 import datapath_pb2 as _datapath_pb2
 from flagella.api.relay.v1 import relay_pb2 as _relay_pb2
 from grpc import aio as _aio
 import abc as _abc_1
@@ -42,6 +43,8 @@ class RelayServiceStub:
     """
     GetNodes: _grpc.UnaryUnaryMultiCallable[_relay_pb2.GetNodesRequest, _relay_pb2.GetNodesResponse]
     """Every node the registry knows, with the relay's view of it."""
+    GetDebuginfo: _grpc.UnaryUnaryMultiCallable[_datapath_pb2.GetDebuginfoRequest, _datapath_pb2.Debuginfo]
+    """The relay's part of `flagella debuginfo` (the datapath's message shape)."""
 
 @_typing.type_check_only
 class RelayServiceAsyncStub(RelayServiceStub):
@@ -55,6 +58,8 @@ class RelayServiceAsyncStub(RelayServiceStub):
     """
     GetNodes: _aio.UnaryUnaryMultiCallable[_relay_pb2.GetNodesRequest, _relay_pb2.GetNodesResponse]  # type: ignore[assignment]
     """Every node the registry knows, with the relay's view of it."""
+    GetDebuginfo: _aio.UnaryUnaryMultiCallable[_datapath_pb2.GetDebuginfoRequest, _datapath_pb2.Debuginfo]  # type: ignore[assignment]
+    """The relay's part of `flagella debuginfo` (the datapath's message shape)."""
 
 class RelayServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -77,5 +82,13 @@ class RelayServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_relay_pb2.GetNodesResponse, _abc.Awaitable[_relay_pb2.GetNodesResponse]]:
         """Every node the registry knows, with the relay's view of it."""
+
+    @_abc_1.abstractmethod
+    def GetDebuginfo(
+        self,
+        request: _datapath_pb2.GetDebuginfoRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_datapath_pb2.Debuginfo, _abc.Awaitable[_datapath_pb2.Debuginfo]]:
+        """The relay's part of `flagella debuginfo` (the datapath's message shape)."""
 
 def add_RelayServiceServicer_to_server(servicer: RelayServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
