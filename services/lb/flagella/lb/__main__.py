@@ -14,6 +14,7 @@ from flagella.common.server import FatalError, Probes, Runtime
 from flagella.common.server import main as serve_main
 from flagella.lb.config import LbConfig
 from flagella.lb.k8s import KubernetesWatcher
+from flagella.lb.lrpstore import LrpStore
 from flagella.lb.metrics import LbCollector
 from flagella.lb.service import LbService
 from flagella.lb.servicer import LbServicer
@@ -31,6 +32,7 @@ class LbApp:
         self.etcd = runtime.etcd()
         self.probes = Probes(runtime.readiness, runtime.tasks)
         self.store = LbStore(self.etcd)
+        self.lrps = LrpStore(self.etcd)
         self.service = LbService(
             self.store, cfg.limits, cfg.seed, cache_slots=cfg.table_cache_slots
         )
@@ -39,7 +41,12 @@ class LbApp:
 
     def register(self, server: grpc.aio.Server) -> None:
         lb_pb2_grpc.add_LoadBalancerServiceServicer_to_server(
-            LbServicer(self.service, self.config.limits, heartbeat=self.config.watch_heartbeat),
+            LbServicer(
+                self.service,
+                self.config.limits,
+                self.lrps,
+                heartbeat=self.config.watch_heartbeat,
+            ),
             server,
         )
 
@@ -55,6 +62,7 @@ class LbApp:
             raise FatalError(str(exc)) from exc
         self.probes.add("etcd", self.etcd.connect)
         self.tasks.spawn("services-table", self.store.run())
+        self.tasks.spawn("lrps-table", self.lrps.run())
         self.runtime.phase_ends_with("first_sync", self.store.services.wait_initialized())
         if self.config.kubeconfig:
             self.k8s = KubernetesWatcher(self.service, self.config.kubeconfig, self.config.limits)

@@ -8,8 +8,11 @@ from typing import Any, TypeVar
 import grpc
 
 from flagella.api.lb.v1 import lb_pb2, lb_pb2_grpc
-from flagella.common.errors import FlagellaError, InvalidArgument
+from flagella.common.errors import FlagellaError, InvalidArgument, NotFound
 from flagella.common.sync import Change, serve_watch
+from flagella.lb.lrp import build_lrp, validate_key
+from flagella.lb.lrpservicer import LrpEvents, lrp_to_proto, raw_lrp
+from flagella.lb.lrpstore import LrpStore
 from flagella.lb.model import (
     Algorithm,
     BackendState,
@@ -202,9 +205,12 @@ class ServiceEvents:
 
 
 class LbServicer(lb_pb2_grpc.LoadBalancerServiceServicer):
-    def __init__(self, service: LbService, limits: Limits, *, heartbeat: float = 30.0) -> None:
+    def __init__(
+        self, service: LbService, limits: Limits, lrps: LrpStore, *, heartbeat: float = 30.0
+    ) -> None:
         self.service = service
         self.limits = limits
+        self.lrps = lrps
         # Seconds between SYNCED heartbeats on an idle WatchServices stream.
         self.heartbeat = heartbeat
 
@@ -288,3 +294,46 @@ class LbServicer(lb_pb2_grpc.LoadBalancerServiceServicer):
         lookup_name(request.name)
         record, table = await self.service.maglev_table(request.name)
         return table_to_proto(record.id, record.maglev_table_size, table)
+
+    # --- local redirect policies (flagella.lb.lrp) ---
+
+    async def CreateLrp(
+        self, request: lb_pb2.CreateLrpRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> lb_pb2.CreateLrpResponse:
+        if not request.HasField("lrp"):
+            raise InvalidArgument("a policy is required", field="lrp")
+        lrp, created = await self.lrps.put(build_lrp(raw_lrp(request.lrp)))
+        return pb.CreateLrpResponse(lrp=lrp_to_proto(lrp), created=created)
+
+    async def DeleteLrp(
+        self, request: lb_pb2.DeleteLrpRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> lb_pb2.DeleteLrpResponse:
+        validate_key(request.namespace, request.name, prefix="")
+        return pb.DeleteLrpResponse(deleted=await self.lrps.delete(request.namespace, request.name))
+
+    async def GetLrp(
+        self, request: lb_pb2.GetLrpRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> lb_pb2.GetLrpResponse:
+        if request.name:
+            validate_key(request.namespace, request.name, prefix="")
+            lrp = await self.lrps.get(request.namespace, request.name)
+            if lrp is None:
+                raise NotFound(
+                    f"no local redirect policy {request.namespace}/{request.name}", field="name"
+                )
+            return pb.GetLrpResponse(lrps=[lrp_to_proto(lrp)], revision=lrp.revision)
+        if request.namespace:
+            validate_key(request.namespace, "x", prefix="")
+        lrps, revision = await self.lrps.list(request.namespace)
+        return pb.GetLrpResponse(lrps=[lrp_to_proto(r) for r in lrps], revision=revision)
+
+    async def WatchLrps(
+        self, request: lb_pb2.WatchLrpsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[lb_pb2.LrpEvent]:
+        since = request.since_revision
+        if since < 0:
+            raise InvalidArgument("must not be negative", field="since_revision")
+        async for event in serve_watch(
+            self.lrps.subscribe(since), LrpEvents(), since=since, heartbeat=self.heartbeat
+        ):
+            yield event

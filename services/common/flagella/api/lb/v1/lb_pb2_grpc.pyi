@@ -51,6 +51,18 @@ class LoadBalancerServiceStub:
     """Snapshot (RESET, UPSERT..., SYNCED), then deltas; resumable by revision."""
     GetMaglevTable: _grpc.UnaryUnaryMultiCallable[_lb_pb2.GetMaglevTableRequest, _lb_pb2.MaglevTable]
     """The Maglev lookup table of a service (backend id per slot)."""
+    CreateLrp: _grpc.UnaryUnaryMultiCallable[_lb_pb2.CreateLrpRequest, _lb_pb2.CreateLrpResponse]
+    """Local redirect policies (Cilium's CiliumLocalRedirectPolicy): traffic
+    from a pod to the frontend goes to a backend pod on the pod's own node.
+    Creates the policy, or replaces the one of the same namespace/name.
+    """
+    DeleteLrp: _grpc.UnaryUnaryMultiCallable[_lb_pb2.DeleteLrpRequest, _lb_pb2.DeleteLrpResponse]
+    GetLrp: _grpc.UnaryUnaryMultiCallable[_lb_pb2.GetLrpRequest, _lb_pb2.GetLrpResponse]
+    """One policy (name given) or every policy (of a namespace, if given)."""
+    WatchLrps: _grpc.UnaryStreamMultiCallable[_lb_pb2.WatchLrpsRequest, _lb_pb2.LrpEvent]
+    """Snapshot (RESET, UPSERT..., SYNCED), then deltas; resumable by revision.
+    Every datapath follows it and picks its own local backends.
+    """
 
 @_typing.type_check_only
 class LoadBalancerServiceAsyncStub(LoadBalancerServiceStub):
@@ -71,6 +83,18 @@ class LoadBalancerServiceAsyncStub(LoadBalancerServiceStub):
     """Snapshot (RESET, UPSERT..., SYNCED), then deltas; resumable by revision."""
     GetMaglevTable: _aio.UnaryUnaryMultiCallable[_lb_pb2.GetMaglevTableRequest, _lb_pb2.MaglevTable]  # type: ignore[assignment]
     """The Maglev lookup table of a service (backend id per slot)."""
+    CreateLrp: _aio.UnaryUnaryMultiCallable[_lb_pb2.CreateLrpRequest, _lb_pb2.CreateLrpResponse]  # type: ignore[assignment]
+    """Local redirect policies (Cilium's CiliumLocalRedirectPolicy): traffic
+    from a pod to the frontend goes to a backend pod on the pod's own node.
+    Creates the policy, or replaces the one of the same namespace/name.
+    """
+    DeleteLrp: _aio.UnaryUnaryMultiCallable[_lb_pb2.DeleteLrpRequest, _lb_pb2.DeleteLrpResponse]  # type: ignore[assignment]
+    GetLrp: _aio.UnaryUnaryMultiCallable[_lb_pb2.GetLrpRequest, _lb_pb2.GetLrpResponse]  # type: ignore[assignment]
+    """One policy (name given) or every policy (of a namespace, if given)."""
+    WatchLrps: _aio.UnaryStreamMultiCallable[_lb_pb2.WatchLrpsRequest, _lb_pb2.LrpEvent]  # type: ignore[assignment]
+    """Snapshot (RESET, UPSERT..., SYNCED), then deltas; resumable by revision.
+    Every datapath follows it and picks its own local backends.
+    """
 
 class LoadBalancerServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -130,5 +154,41 @@ class LoadBalancerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_lb_pb2.MaglevTable, _abc.Awaitable[_lb_pb2.MaglevTable]]:
         """The Maglev lookup table of a service (backend id per slot)."""
+
+    @_abc_1.abstractmethod
+    def CreateLrp(
+        self,
+        request: _lb_pb2.CreateLrpRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_lb_pb2.CreateLrpResponse, _abc.Awaitable[_lb_pb2.CreateLrpResponse]]:
+        """Local redirect policies (Cilium's CiliumLocalRedirectPolicy): traffic
+        from a pod to the frontend goes to a backend pod on the pod's own node.
+        Creates the policy, or replaces the one of the same namespace/name.
+        """
+
+    @_abc_1.abstractmethod
+    def DeleteLrp(
+        self,
+        request: _lb_pb2.DeleteLrpRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_lb_pb2.DeleteLrpResponse, _abc.Awaitable[_lb_pb2.DeleteLrpResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def GetLrp(
+        self,
+        request: _lb_pb2.GetLrpRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_lb_pb2.GetLrpResponse, _abc.Awaitable[_lb_pb2.GetLrpResponse]]:
+        """One policy (name given) or every policy (of a namespace, if given)."""
+
+    @_abc_1.abstractmethod
+    def WatchLrps(
+        self,
+        request: _lb_pb2.WatchLrpsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_lb_pb2.LrpEvent], _abc.AsyncIterator[_lb_pb2.LrpEvent]]:
+        """Snapshot (RESET, UPSERT..., SYNCED), then deltas; resumable by revision.
+        Every datapath follows it and picks its own local backends.
+        """
 
 def add_LoadBalancerServiceServicer_to_server(servicer: LoadBalancerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
