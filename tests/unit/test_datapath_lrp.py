@@ -9,7 +9,8 @@ from collections.abc import Iterable
 from flagella.api.lb.v1 import lb_pb2 as pb
 from flagella.common.reconcile import Reconciler
 from flagella.datapath.bpf import Backend, Frontend, Service
-from flagella.datapath.lrp import LOCAL_ID_BASE, LocalEndpoint, LocalRedirects, LrpCodec
+from flagella.datapath.lrp import LOCAL_ID_BASE, LocalEndpoint, LocalRedirects
+from flagella.datapath.lrpcodec import LrpCodec
 
 TCP, UDP = 6, 17
 

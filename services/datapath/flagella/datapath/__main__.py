@@ -33,7 +33,8 @@ from flagella.datapath.handlers import (
 )
 from flagella.datapath.hostfw import HostFirewall
 from flagella.datapath.ipcache import node_entries, policy_entries
-from flagella.datapath.lrp import LocalRedirects, LrpCodec
+from flagella.datapath.lrp import LocalRedirects
+from flagella.datapath.lrpcodec import LrpCodec
 from flagella.datapath.metrics import DatapathCollector
 from flagella.datapath.node import NodeRegistration
 from flagella.datapath.routes import NodeRoutes, NodeRoutesCodec

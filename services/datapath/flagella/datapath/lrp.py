@@ -29,10 +29,10 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Generic, TypeVar
 
-from flagella.api.lb.v1 import lb_pb2
 from flagella.common.backoff import Backoff
 from flagella.common.reconcile import Reconciler
 from flagella.datapath.bpf import Backend, Frontend, Service
+from flagella.datapath.lrpcodec import Port, Redirect, backend_port
 
 log = logging.getLogger(__name__)
 
@@ -41,98 +41,10 @@ log = logging.getLogger(__name__)
 # index < 255), its backend ids below this (flagella.lb.ids).
 LOCAL_ID_BASE = 0xFF000000
 LOCAL_ID_MAX = 0xFFFFFFFE
-NAMESPACE_LABEL = "io.kubernetes.pod.namespace"
 
 FrontendKey = tuple[str, int, int]  # (address, port, protocol)
 K = TypeVar("K")
 V = TypeVar("V")
-
-
-@dataclass(frozen=True, slots=True)
-class Port:
-    name: str
-    port: int
-    protocol: int  # 6 or 17
-
-
-@dataclass(frozen=True)
-class Redirect:
-    """A policy as this node needs it."""
-
-    namespace: str
-    name: str
-    address: str  # addressMatcher ("" for a serviceMatcher)
-    service: str  # serviceMatcher: the service's name in namespace
-    frontend_ports: tuple[Port, ...]
-    match_labels: tuple[tuple[str, str], ...]
-    match_expressions: tuple[tuple[str, str, frozenset[str]], ...]
-    backend_ports: tuple[Port, ...]
-
-    def selects(self, labels: Mapping[str, str]) -> bool:
-        """Whether a pod with these labels is one of its backends: in the
-        policy's namespace, and matched by the selector (a key without a
-        source, `app`, matches the label of any source)."""
-        if labels.get(NAMESPACE_LABEL) != self.namespace:
-            return False
-        for key, value in self.match_labels:
-            if labels.get(key) != value:
-                return False
-        for key, op, values in self.match_expressions:
-            present = key in labels
-            if op == "In" and (not present or labels[key] not in values):
-                return False
-            if op == "NotIn" and present and labels[key] in values:
-                return False
-            if op == "Exists" and not present:
-                return False
-            if op == "DoesNotExist" and present:
-                return False
-        return True
-
-
-def _ports(ports: Iterable[lb_pb2.LrpPort]) -> tuple[Port, ...]:
-    return tuple(Port(p.name, p.port, int(p.protocol) or 6) for p in ports)
-
-
-class LrpCodec:
-    """WatchLrps events -> namespace/name: the policy."""
-
-    def key(self, event: lb_pb2.LrpEvent) -> str:
-        return f"{event.lrp.namespace}/{event.lrp.name}"
-
-    def decode(self, event: lb_pb2.LrpEvent) -> Redirect | None:
-        p = event.lrp
-        fe = p.redirect_frontend
-        matcher = fe.WhichOneof("matcher")
-        sel = p.redirect_backend.local_endpoint_selector
-        if matcher is None or not (sel.match_labels or sel.match_expressions):
-            log.warning("local redirect policy not usable", extra={"lrp": self.key(event)})
-            return None
-        return Redirect(
-            namespace=p.namespace,
-            name=p.name,
-            address=fe.address_matcher.ip if matcher == "address_matcher" else "",
-            service=fe.service_matcher.service_name if matcher == "service_matcher" else "",
-            frontend_ports=_ports(
-                fe.address_matcher.to_ports
-                if matcher == "address_matcher"
-                else fe.service_matcher.to_ports
-            ),
-            match_labels=tuple(sorted(sel.match_labels.items())),
-            match_expressions=tuple(
-                (r.key, r.operator, frozenset(r.values)) for r in sel.match_expressions
-            ),
-            backend_ports=_ports(p.redirect_backend.to_ports),
-        )
-
-
-def backend_port(fe: Port, backends: tuple[Port, ...]) -> Port | None:
-    """The backend port of a frontend port: the one of its name, or the
-    only one (as the lb validated it: flagella.lb.lrp.backend_port_for)."""
-    named = [b for b in backends if fe.name and b.name == fe.name]
-    if named:
-        return named[0]
-    return backends[0] if len(backends) == 1 else None
 
 
 @dataclass(frozen=True)
@@ -168,6 +80,8 @@ class LocalRedirects:
         self.pushed: dict[int, Service] = {}
         self._local_services: dict[tuple[str, int], int] = {}
         self._local_backends: dict[tuple[str, int, int], int] = {}
+        # Address matchers' frontends that a service has (logged once).
+        self._blocked: set[tuple[str, FrontendKey]] = set()
         # Local backend ids no redirect uses any more, to remove.
         self.released: set[int] = set()
         self.changed = asyncio.Event()
@@ -282,6 +196,7 @@ class LocalRedirects:
         want: dict[int, Service] = {}
         used_services: set[tuple[str, int]] = set()
         claimed: dict[int, set[FrontendKey]] = {}
+        blocked: set[tuple[str, FrontendKey]] = set()
         for key in sorted(self.redirects):
             r = self.redirects[key]
             if r.address:
@@ -289,12 +204,10 @@ class LocalRedirects:
                 for fp in r.frontend_ports:
                     bp = backend_port(fp, r.backend_ports)
                     fe_key = (r.address, fp.port, fp.protocol)
-                    if bp is None or fe_key in self._frontends:
-                        if fe_key in self._frontends:
-                            log.warning(
-                                "address matcher names a service's frontend: not redirected",
-                                extra={"lrp": key, "frontend": f"{r.address}:{fp.port}"},
-                            )
+                    if fe_key in self._frontends:
+                        blocked.add((key, fe_key))
+                        continue
+                    if bp is None:
                         continue
                     backends = self._backends(r, family, bp)
                     if not backends:
@@ -339,6 +252,12 @@ class LocalRedirects:
                     want[sid] = replace(
                         svc, backends=tuple(backends), maglev=False, maglev_table=()
                     )
+        for lrp, (address, port, _) in sorted(blocked - self._blocked):
+            log.warning(
+                "address matcher names a service's frontend: not redirected",
+                extra={"lrp": lrp, "frontend": f"{address}:{port}"},
+            )
+        self._blocked = blocked
         for sk in set(self._local_services) - used_services:
             del self._local_services[sk]
         in_use = {b.id for s in want.values() for b in s.backends if b.id >= LOCAL_ID_BASE}
