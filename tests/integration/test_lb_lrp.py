@@ -1,16 +1,22 @@
 """Local redirect policies on the lb service, against a real etcd and a real
 lb process: validation (code, field, nothing stored), storage (create,
-replace, get, list, delete) and the WatchLrps stream (snapshot, changes,
-resume)."""
+replace, get, list, delete), the WatchLrps stream (snapshot, changes,
+resume), CiliumLocalRedirectPolicy documents and objects from a stand-in
+Kubernetes API server (harness/kube_api.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 from harness.etcd import EtcdServer
-from harness.lb import LbClient, etcd_dump, lb_with_etcd, rpc_error
+from harness.kube_api import KubeListWatchServer
+from harness.lb import LbClient, etcd_dump, lb_with_etcd, rpc_error, wait_for
+from harness.procs import ServiceProcess
 
 from flagella.api.lb.v1 import lb_pb2 as pb
 
@@ -234,3 +240,96 @@ def test_create_replace_get_list_delete_and_watch(lb: tuple[EtcdServer, LbClient
     assert ev.kind == pb.LrpEvent.KIND_DELETE
     assert ev.lrp.name == "metadata"
     resumed.cancel()
+
+
+def cilium_lrp(name: str, ip: str) -> dict[str, Any]:
+    """A CiliumLocalRedirectPolicy object as Kubernetes serves it (ports as
+    strings, as Cilium's schema has them)."""
+    return {
+        "apiVersion": "cilium.io/v2",
+        "kind": "CiliumLocalRedirectPolicy",
+        "metadata": {"namespace": "shop", "name": name},
+        "spec": {
+            "redirectFrontend": {
+                "addressMatcher": {"ip": ip, "toPorts": [{"port": "80", "protocol": "TCP"}]}
+            },
+            "redirectBackend": {
+                "localEndpointSelector": {"matchLabels": {"app": "proxy"}},
+                "toPorts": [{"port": "8080", "protocol": "TCP"}],
+            },
+        },
+    }
+
+
+def lrps_of(c: LbClient) -> dict[str, tuple[str, str]]:
+    """namespace/name: (address, source) of every policy."""
+    return {
+        f"{p.namespace}/{p.name}": (p.redirect_frontend.address_matcher.ip, p.source)
+        for p in c.stub.GetLrp(pb.GetLrpRequest()).lrps
+    }
+
+
+def test_documents_and_kubernetes_objects(
+    etcd: EtcdServer,
+    spawn: Callable[..., ServiceProcess],
+    tmp_path: Path,
+) -> None:
+    """CiliumLocalRedirectPolicy documents through CreateLrp, and objects
+    from the stand-in API server: stored as policies of their source, which
+    the other source can neither replace nor delete; an object gone or
+    refused takes its policy with it."""
+    kube_api = KubeListWatchServer().start()
+    try:
+        kube_api.apply("ciliumlocalredirectpolicies", cilium_lrp("from-k8s", "169.254.1.1"))
+        kube_api.apply("ciliumlocalredirectpolicies", cilium_lrp("stale", "169.254.1.2"))
+        kubeconfig = kube_api.write_kubeconfig(tmp_path / "kubeconfig")
+        lb = spawn("lb", "--etcd-endpoints", etcd.endpoint, "--kubeconfig", str(kubeconfig))
+        c = LbClient(lb.address)
+        wait_for(lambda: len(lrps_of(c)) == 2)
+        assert lrps_of(c) == {
+            "shop/from-k8s": ("169.254.1.1", "kubernetes"),
+            "shop/stale": ("169.254.1.2", "kubernetes"),
+        }
+
+        # A document through the API: the same shape, source api.
+        made = c.stub.CreateLrp(
+            pb.CreateLrpRequest(document=json.dumps(cilium_lrp("from-api", "169.254.1.3")))
+        )
+        assert made.created
+        assert made.lrp.source == "api"
+        assert made.lrp.redirect_backend.to_ports[0].port == 8080
+        bad = cilium_lrp("bad", "169.254.1.4")
+        bad["spec"]["redirectBackend"]["toPorts"][0]["port"] = "http"
+        err = rpc_error(c.stub.CreateLrp, pb.CreateLrpRequest(document=json.dumps(bad)))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (err.details() or "").startswith("document.spec.redirectBackend.toPorts[0].port: ")
+        err = rpc_error(c.stub.CreateLrp, pb.CreateLrpRequest(document="{not json"))
+        assert (err.details() or "").startswith("document: ")
+
+        # Neither source touches the other's.
+        err = rpc_error(c.stub.DeleteLrp, pb.DeleteLrpRequest(namespace="shop", name="from-k8s"))
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert (err.details() or "").startswith("name: ")
+        err = rpc_error(
+            c.stub.CreateLrp,
+            pb.CreateLrpRequest(document=json.dumps(cilium_lrp("from-k8s", "169.254.9.9"))),
+        )
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+        kube_api.apply("ciliumlocalredirectpolicies", cilium_lrp("from-api", "169.254.9.9"))
+
+        # Changed, deleted and refused objects.
+        kube_api.apply("ciliumlocalredirectpolicies", cilium_lrp("from-k8s", "169.254.1.9"))
+        kube_api.delete("ciliumlocalredirectpolicies", "shop", "stale")
+        refused = cilium_lrp("refused", "169.254.1.5")
+        refused["spec"]["skipRedirectFromBackend"] = True
+        kube_api.apply("ciliumlocalredirectpolicies", refused)
+        kube_api.apply("ciliumlocalredirectpolicies", cilium_lrp("later", "169.254.1.6"))
+        want = {
+            "shop/from-api": ("169.254.1.3", "api"),
+            "shop/from-k8s": ("169.254.1.9", "kubernetes"),
+            "shop/later": ("169.254.1.6", "kubernetes"),
+        }
+        assert wait_for(lambda: lrps_of(c) == want), lrps_of(c)
+        assert c.stub.DeleteLrp(pb.DeleteLrpRequest(namespace="shop", name="from-api")).deleted
+    finally:
+        kube_api.stop()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -16,86 +15,20 @@ import yaml
 from flagella.api.lb.v1 import lb_pb2
 from flagella.cli.base import PROTOCOL_NAMES, Clients, CliError, emit, to_dict
 
-_PROTOCOLS = {"TCP": lb_pb2.PROTOCOL_TCP, "UDP": lb_pb2.PROTOCOL_UDP}
 
-
-def _map(doc: Any, path: str) -> Mapping[str, Any]:
-    if doc is None:
-        return {}
-    if not isinstance(doc, Mapping):
-        raise CliError(f"{path}: must be an object")
-    return doc
-
-
-def _ports(items: Any, path: str) -> list[lb_pb2.LrpPort]:
-    if items is None:
-        return []
-    if not isinstance(items, list):
-        raise CliError(f"{path}: must be a list")
+def documents(text: str, namespace: str) -> list[str]:
+    """Each CiliumLocalRedirectPolicy of a YAML or JSON text, as the JSON
+    the lb takes (which checks it and names the field); one that names no
+    namespace gets namespace."""
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as exc:
+        raise CliError(f"not YAML or JSON: {exc}") from None
     out = []
-    for i, item in enumerate(items):
-        at = f"{path}[{i}]"
-        p = _map(item, at)
-        try:
-            port = int(p.get("port", 0))  # Cilium writes it as a string
-        except (TypeError, ValueError):
-            raise CliError(f"{at}.port: {p.get('port')!r} is not a port number") from None
-        proto = str(p.get("protocol", "TCP")).upper()
-        if proto not in _PROTOCOLS:
-            raise CliError(f"{at}.protocol: {p.get('protocol')!r} is not TCP or UDP")
-        out.append(
-            lb_pb2.LrpPort(name=str(p.get("name", "")), port=port, protocol=_PROTOCOLS[proto])
-        )
-    return out
-
-
-def from_cilium(doc: Any, namespace: str = "") -> lb_pb2.LocalRedirectPolicy:
-    """A CiliumLocalRedirectPolicy document as the lb's message (the lb
-    validates the rest and names the field)."""
-    doc = _map(doc, "document")
-    if doc.get("kind") != "CiliumLocalRedirectPolicy":
-        raise CliError(f"kind: {doc.get('kind')!r} is not CiliumLocalRedirectPolicy")
-    meta = _map(doc.get("metadata"), "metadata")
-    spec = _map(doc.get("spec"), "spec")
-    out = lb_pb2.LocalRedirectPolicy(
-        name=str(meta.get("name", "")),
-        namespace=str(meta.get("namespace") or namespace or "default"),
-        description=str(spec.get("description", "")),
-        skip_redirect_from_backend=bool(spec.get("skipRedirectFromBackend", False)),
-    )
-    fe = _map(spec.get("redirectFrontend"), "spec.redirectFrontend")
-    given = [k for k in ("addressMatcher", "serviceMatcher") if k in fe]
-    if len(given) != 1:
-        raise CliError("spec.redirectFrontend: give exactly one of addressMatcher, serviceMatcher")
-    path = f"spec.redirectFrontend.{given[0]}"
-    m = _map(fe[given[0]], path)
-    if given[0] == "addressMatcher":
-        out.redirect_frontend.address_matcher.ip = str(m.get("ip", ""))
-        out.redirect_frontend.address_matcher.to_ports.extend(
-            _ports(m.get("toPorts"), f"{path}.toPorts")
-        )
-    else:
-        sm = out.redirect_frontend.service_matcher
-        sm.service_name = str(m.get("serviceName", ""))
-        sm.namespace = str(m.get("namespace", ""))
-        sm.to_ports.extend(_ports(m.get("toPorts"), f"{path}.toPorts"))
-    be = _map(spec.get("redirectBackend"), "spec.redirectBackend")
-    if be:
-        out.redirect_backend.SetInParent()
-    if "localEndpointSelector" in be:
-        sel_doc = _map(be["localEndpointSelector"], "spec.redirectBackend.localEndpointSelector")
-        sel = out.redirect_backend.local_endpoint_selector
-        sel.SetInParent()
-        labels = _map(sel_doc.get("matchLabels"), "spec.redirectBackend.localEndpointSelector")
-        sel.match_labels.update({str(k): str(v) for k, v in labels.items()})
-        for i, item in enumerate(sel_doc.get("matchExpressions") or []):
-            e = _map(item, f"spec.redirectBackend.localEndpointSelector.matchExpressions[{i}]")
-            sel.match_expressions.add(
-                key=str(e.get("key", "")),
-                operator=str(e.get("operator", "")),
-                values=[str(v) for v in e.get("values") or []],
-            )
-    out.redirect_backend.to_ports.extend(_ports(be.get("toPorts"), "spec.redirectBackend.toPorts"))
+    for doc in docs:
+        if isinstance(doc, dict) and isinstance(doc.get("metadata"), dict):
+            doc["metadata"].setdefault("namespace", namespace)
+        out.append(json.dumps(doc))
     return out
 
 
@@ -128,21 +61,20 @@ def cmd_lrp(args: argparse.Namespace, clients: Clients) -> int:
                     front,
                     json.dumps(dict(sel.match_labels)),
                     _ports_str(p.redirect_backend.to_ports),
+                    p.source,
                 ]
             )
-        emit(args, to_dict(resp).get("lrps", []), ["NAME", "FRONTEND", "SELECTOR", "TO"], rows)
+        header = ["NAME", "FRONTEND", "SELECTOR", "TO", "SOURCE"]
+        emit(args, to_dict(resp).get("lrps", []), header, rows)
     elif args.action == "create":
         try:
             text = Path(args.file).read_text() if args.file != "-" else sys.stdin.read()
-            docs = [d for d in yaml.safe_load_all(text) if d is not None]
         except OSError as exc:
             raise CliError(f"cannot read {args.file}: {exc.strerror}") from None
-        except yaml.YAMLError as exc:
-            raise CliError(f"{args.file}: not YAML or JSON: {exc}") from None
-        policies = [from_cilium(d, args.namespace or "") for d in docs]
+        policies = documents(text, args.namespace or "default")
         created = []
         for p in policies:
-            resp = clients.call("lb", stub.CreateLrp, lb_pb2.CreateLrpRequest(lrp=p))
+            resp = clients.call("lb", stub.CreateLrp, lb_pb2.CreateLrpRequest(document=p))
             created.append(resp)
         emit(
             args,

@@ -13,7 +13,8 @@ from flagella.common.leader import Election
 from flagella.common.server import FatalError, Probes, Runtime
 from flagella.common.server import main as serve_main
 from flagella.lb.config import LbConfig
-from flagella.lb.k8s import KubernetesWatcher
+from flagella.lb.k8s import WATCH_TIMEOUT_S, KubernetesWatcher
+from flagella.lb.lrpk8s import LrpKubeWatcher
 from flagella.lb.lrpstore import LrpStore
 from flagella.lb.metrics import LbCollector
 from flagella.lb.service import LbService
@@ -65,7 +66,12 @@ class LbApp:
         self.tasks.spawn("lrps-table", self.lrps.run())
         self.runtime.phase_ends_with("first_sync", self.store.services.wait_initialized())
         if self.config.kubeconfig:
-            self.k8s = KubernetesWatcher(self.service, self.config.kubeconfig, self.config.limits)
+            self.k8s = KubernetesWatcher(
+                self.service,
+                self.config.kubeconfig,
+                self.config.limits,
+                LrpKubeWatcher(self.lrps, watch_timeout=WATCH_TIMEOUT_S),
+            )
             await self.k8s.start(self.tasks, Election.of(self.config))
 
     async def stop(self) -> None:

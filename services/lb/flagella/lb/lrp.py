@@ -63,6 +63,8 @@ class Lrp:
     match_expressions: tuple[Requirement, ...] = ()
     backend_ports: tuple[LrpPort, ...] = ()
     description: str = ""
+    # "api", or "kubernetes" (a CiliumLocalRedirectPolicy: flagella.lb.lrpk8s).
+    source: str = "api"
     # etcd mod revision (not stored in the value).
     revision: int = field(default=0, compare=False)
 
@@ -88,6 +90,8 @@ class Lrp:
             "backend_ports": ports(self.backend_ports),
             "description": self.description,
         }
+        if self.source != "api":
+            doc["source"] = self.source
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
@@ -110,6 +114,7 @@ class Lrp:
             ),
             backend_ports=ports(doc.get("backend_ports", ())),
             description=doc.get("description", ""),
+            source=doc.get("source", "api"),
             revision=revision,
         )
 
@@ -136,6 +141,7 @@ class RawLrp:
     description: str = ""
     has_backend: bool = True
     has_selector: bool = True
+    source: str = "api"
 
 
 def validate_key(namespace: str, name: str, prefix: str = "lrp.") -> None:
@@ -291,4 +297,102 @@ def build_lrp(raw: RawLrp) -> Lrp:
         match_expressions=exprs,
         backend_ports=be_ports,
         description=raw.description,
+        source=raw.source,
+    )
+
+
+# --- Cilium's document ---
+
+_PROTOCOL_NAMES = {"TCP": Protocol.TCP, "UDP": Protocol.UDP}
+
+
+def _obj(value: Any, path: str) -> Mapping[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise InvalidArgument("must be an object", field=path)
+    return value
+
+
+def _list(value: Any, path: str) -> list[Any]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise InvalidArgument("must be a list", field=path)
+    return value
+
+
+def _doc_ports(value: Any, path: str) -> list[tuple[str, int, Protocol | None]]:
+    out: list[tuple[str, int, Protocol | None]] = []
+    for i, item in enumerate(_list(value, path)):
+        p = _obj(item, f"{path}[{i}]")
+        try:
+            port = int(p.get("port", 0))  # a string in Cilium's schema
+        except (TypeError, ValueError, OverflowError):
+            raise InvalidArgument(
+                f"{p.get('port')!r} is not a port number", field=f"{path}[{i}].port"
+            ) from None
+        proto = str(p.get("protocol") or "TCP").upper()
+        if proto not in _PROTOCOL_NAMES:
+            raise InvalidArgument(
+                f"{p.get('protocol')!r} is not TCP or UDP", field=f"{path}[{i}].protocol"
+            )
+        out.append((str(p.get("name") or ""), port, _PROTOCOL_NAMES[proto]))
+    return out
+
+
+def raw_from_cilium(doc: Any, *, source: str = "api") -> RawLrp:
+    """A CiliumLocalRedirectPolicy object (cilium.io/v2, as YAML or JSON
+    decodes it) as plain values; its structure's errors name the field by
+    the document's path, the values' by the policy's (build_lrp)."""
+    doc = _obj(doc, "document")
+    if doc.get("kind") != "CiliumLocalRedirectPolicy":
+        raise InvalidArgument(
+            f"{doc.get('kind')!r} is not CiliumLocalRedirectPolicy", field="document.kind"
+        )
+    meta = _obj(doc.get("metadata"), "document.metadata")
+    spec = _obj(doc.get("spec"), "document.spec")
+    fe = _obj(spec.get("redirectFrontend"), "document.spec.redirectFrontend")
+    given = [k for k in ("addressMatcher", "serviceMatcher") if k in fe]
+    if len(given) > 1:
+        raise InvalidArgument(
+            "give exactly one of addressMatcher, serviceMatcher",
+            field="document.spec.redirectFrontend",
+        )
+    matcher = _obj(
+        fe.get(given[0]) if given else None,
+        f"document.spec.redirectFrontend.{given[0] if given else ''}",
+    )
+    be_doc = spec.get("redirectBackend")
+    be = _obj(be_doc, "document.spec.redirectBackend")
+    sel_doc = be.get("localEndpointSelector")
+    sel = _obj(sel_doc, "document.spec.redirectBackend.localEndpointSelector")
+    labels = _obj(
+        sel.get("matchLabels"), "document.spec.redirectBackend.localEndpointSelector.matchLabels"
+    )
+    exprs = []
+    path = "document.spec.redirectBackend.localEndpointSelector.matchExpressions"
+    for i, item in enumerate(_list(sel.get("matchExpressions"), path)):
+        e = _obj(item, f"{path}[{i}]")
+        values = _list(e.get("values"), f"{path}[{i}].values")
+        exprs.append((str(e.get("key", "")), str(e.get("operator", "")), [str(v) for v in values]))
+    fe_path = f"document.spec.redirectFrontend.{given[0] if given else ''}.toPorts"
+    return RawLrp(
+        namespace=str(meta.get("namespace") or ""),
+        name=str(meta.get("name") or ""),
+        matcher={"addressMatcher": "address_matcher", "serviceMatcher": "service_matcher"}.get(
+            given[0] if given else "", ""
+        ),
+        address=str(matcher.get("ip") or ""),
+        service=str(matcher.get("serviceName") or ""),
+        service_namespace=str(matcher.get("namespace") or ""),
+        frontend_ports=_doc_ports(matcher.get("toPorts"), fe_path),
+        match_labels={str(k): str(v) for k, v in labels.items()},
+        match_expressions=exprs,
+        backend_ports=_doc_ports(be.get("toPorts"), "document.spec.redirectBackend.toPorts"),
+        skip_redirect_from_backend=bool(spec.get("skipRedirectFromBackend", False)),
+        description=str(spec.get("description") or ""),
+        has_backend=be_doc is not None,
+        has_selector=sel_doc is not None,
+        source=source,
     )

@@ -3,6 +3,7 @@ and the WatchLrps messages. The handlers are LbServicer's."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 from flagella.api.lb.v1 import lb_pb2
@@ -57,6 +58,19 @@ def raw_lrp(msg: lb_pb2.LocalRedirectPolicy) -> RawLrp:
     )
 
 
+MAX_DOCUMENT = 1 << 20
+
+
+def parse_document(text: str) -> object:
+    """CreateLrp's document: JSON, at most a MiB."""
+    if len(text) > MAX_DOCUMENT:
+        raise InvalidArgument(f"at most {MAX_DOCUMENT} characters", field="document")
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise InvalidArgument(f"not JSON: {exc}", field="document") from None
+
+
 def _ports_pb(ports: Sequence[LrpPort]) -> list[lb_pb2.LrpPort]:
     return [pb.LrpPort(name=p.name, port=p.port, protocol=_PROTOCOL_PB[p.protocol]) for p in ports]
 
@@ -67,6 +81,7 @@ def lrp_to_proto(lrp: Lrp) -> lb_pb2.LocalRedirectPolicy:
         namespace=lrp.namespace,
         description=lrp.description,
         revision=lrp.revision,
+        source=lrp.source,
     )
     fe = out.redirect_frontend
     if lrp.address:

@@ -10,8 +10,16 @@ from __future__ import annotations
 
 import logging
 
-from flagella.common.errors import Aborted, Unavailable
-from flagella.common.etcd import Compacted, Etcd, KeyValue, absent, mod_revision_is, put_op
+from flagella.common.errors import Aborted, FailedPrecondition, Unavailable
+from flagella.common.etcd import (
+    Compacted,
+    Etcd,
+    KeyValue,
+    absent,
+    delete_op,
+    mod_revision_is,
+    put_op,
+)
 from flagella.common.sync import EtcdSource, Subscription, Table
 from flagella.lb.lrp import Lrp
 from flagella.lb.store import PREFIX
@@ -62,8 +70,11 @@ class LrpStore:
         value = lrp.to_json()
         for _ in range(MAX_ATTEMPTS):
             kv = await self.etcd.get(key)
-            if kv is not None and kv.value == value:
-                return Lrp.from_json(kv.value, kv.mod_revision), False
+            if kv is not None:
+                stored = Lrp.from_json(kv.value, kv.mod_revision)
+                _owned(stored, lrp.source, "lrp.name")
+                if kv.value == value:
+                    return stored, False
             compare = absent(key) if kv is None else mod_revision_is(key, kv.mod_revision)
             result = await self.etcd.txn([compare], [put_op(key, value)])
             if result.succeeded:
@@ -71,12 +82,19 @@ class LrpStore:
                 return Lrp.from_json(value, result.revision), kv is None
         raise Aborted(f"policy {lrp.key!r} kept changing concurrently; retry", field="lrp.name")
 
-    async def delete(self, namespace: str, name: str) -> bool:
+    async def delete(self, namespace: str, name: str, source: str = "api") -> bool:
+        """Delete the policy (of that source: another's is refused)."""
         key = lrp_key(namespace, name)
-        deleted = await self.etcd.delete(key)
-        if deleted:
-            await self._visible(await self.etcd.current_revision())
-        return bool(deleted)
+        for _ in range(MAX_ATTEMPTS):
+            kv = await self.etcd.get(key)
+            if kv is None:
+                return False
+            _owned(Lrp.from_json(kv.value, kv.mod_revision), source, "name")
+            result = await self.etcd.txn([mod_revision_is(key, kv.mod_revision)], [delete_op(key)])
+            if result.succeeded:
+                await self._visible(result.revision)
+                return True
+        raise Aborted(f"policy {namespace}/{name} kept changing concurrently; retry", field="name")
 
     async def get(self, namespace: str, name: str) -> Lrp | None:
         kv = await self.etcd.get(lrp_key(namespace, name))
@@ -100,3 +118,12 @@ class LrpStore:
             await self.table.wait_for(revision, VISIBLE_TIMEOUT)
         except TimeoutError:
             log.warning("lrp table lags behind a write", extra={"revision": revision})
+
+
+def _owned(stored: Lrp, source: str, field: str) -> None:
+    """A policy is changed only by the source that made it: the API never
+    touches Kubernetes' (it would come back), the watcher never the API's."""
+    if stored.source != source:
+        raise FailedPrecondition(
+            f"local redirect policy {stored.key!r} is managed by {stored.source}", field=field
+        )

@@ -10,8 +10,8 @@ import grpc
 from flagella.api.lb.v1 import lb_pb2, lb_pb2_grpc
 from flagella.common.errors import FlagellaError, InvalidArgument, NotFound
 from flagella.common.sync import Change, serve_watch
-from flagella.lb.lrp import build_lrp, validate_key
-from flagella.lb.lrpservicer import LrpEvents, lrp_to_proto, raw_lrp
+from flagella.lb.lrp import build_lrp, raw_from_cilium, validate_key
+from flagella.lb.lrpservicer import LrpEvents, lrp_to_proto, parse_document, raw_lrp
 from flagella.lb.lrpstore import LrpStore
 from flagella.lb.model import (
     Algorithm,
@@ -300,9 +300,15 @@ class LbServicer(lb_pb2_grpc.LoadBalancerServiceServicer):
     async def CreateLrp(
         self, request: lb_pb2.CreateLrpRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> lb_pb2.CreateLrpResponse:
-        if not request.HasField("lrp"):
+        if request.document and request.HasField("lrp"):
+            raise InvalidArgument("give lrp or document, not both", field="document")
+        if request.document:
+            raw = raw_from_cilium(parse_document(request.document))
+        elif request.HasField("lrp"):
+            raw = raw_lrp(request.lrp)
+        else:
             raise InvalidArgument("a policy is required", field="lrp")
-        lrp, created = await self.lrps.put(build_lrp(raw_lrp(request.lrp)))
+        lrp, created = await self.lrps.put(build_lrp(raw))
         return pb.CreateLrpResponse(lrp=lrp_to_proto(lrp), created=created)
 
     async def DeleteLrp(

@@ -850,6 +850,7 @@ class LocalRedirectPolicy(_message.Message):
     SKIP_REDIRECT_FROM_BACKEND_FIELD_NUMBER: _builtins.int
     DESCRIPTION_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     namespace: _builtins.str
     skip_redirect_from_backend: _builtins.bool
@@ -859,6 +860,10 @@ class LocalRedirectPolicy(_message.Message):
     description: _builtins.str
     revision: _builtins.int
     """Output only."""
+    source: _builtins.str
+    """Output only: "api", or "kubernetes" (a CiliumLocalRedirectPolicy object,
+    which the API can neither replace nor delete).
+    """
     @_builtins.property
     def redirect_frontend(self) -> Global___LrpFrontend: ...
     @_builtins.property
@@ -873,10 +878,11 @@ class LocalRedirectPolicy(_message.Message):
         skip_redirect_from_backend: _builtins.bool = ...,
         description: _builtins.str = ...,
         revision: _builtins.int = ...,
+        source: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["redirect_backend", b"redirect_backend", "redirect_frontend", b"redirect_frontend"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "name", b"name", "namespace", b"namespace", "redirect_backend", b"redirect_backend", "redirect_frontend", b"redirect_frontend", "revision", b"revision", "skip_redirect_from_backend", b"skip_redirect_from_backend"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "name", b"name", "namespace", b"namespace", "redirect_backend", b"redirect_backend", "redirect_frontend", b"redirect_frontend", "revision", b"revision", "skip_redirect_from_backend", b"skip_redirect_from_backend", "source", b"source"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -887,16 +893,22 @@ class CreateLrpRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     LRP_FIELD_NUMBER: _builtins.int
+    DOCUMENT_FIELD_NUMBER: _builtins.int
+    document: _builtins.str
+    """A CiliumLocalRedirectPolicy (cilium.io/v2) object as JSON."""
     @_builtins.property
-    def lrp(self) -> Global___LocalRedirectPolicy: ...
+    def lrp(self) -> Global___LocalRedirectPolicy:
+        """The policy; or, instead, document."""
+
     def __init__(
         self,
         *,
         lrp: Global___LocalRedirectPolicy | None = ...,
+        document: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lrp", b"lrp"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lrp", b"lrp"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["document", b"document", "lrp", b"lrp"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
