@@ -298,6 +298,8 @@ class LocalRedirects:
         cache: dict[int, Mapping[str, str]] = {}
         backoff = Backoff(0.2, 5.0)
         endpoints_changed.set()
+        if self.released:
+            self.changed.set()  # started again after a failed removal
         while True:
             waits = [
                 asyncio.ensure_future(endpoints_changed.wait()),
@@ -330,10 +332,18 @@ class LocalRedirects:
             if self.changed.is_set():
                 self.changed.clear()
                 gone = sorted(self.released)
-                self.released.clear()
                 if gone:
-                    await self.target.wait_until_reconciled(self.target.revision, timeout=10)
+                    try:
+                        await self.target.wait_until_reconciled(self.target.revision, timeout=10)
+                    except TimeoutError:
+                        # No redirect uses them: they go even if a service waits.
+                        log.warning(
+                            "services not applied before removing local backends",
+                            extra={"backends": len(gone)},
+                        )
                     await remove_backends(gone)
+                    # Only now: until removed, no new backend takes their ids.
+                    self.released -= set(gone)
 
 
 class _Target(Generic[K, V]):
