@@ -71,7 +71,11 @@ READS = {
         ("", "namespaces"),
         (flagellaendpoint.GROUP, flagellaendpoint.PLURAL),
     },
-    "flagella-lb": {("", "services"), ("discovery.k8s.io", "endpointslices")},
+    "flagella-lb": {
+        ("", "services"),
+        ("discovery.k8s.io", "endpointslices"),
+        ("cilium.io", "ciliumlocalredirectpolicies"),
+    },
     # Which nodes need a certificate, with their addresses.
     "flagella-certgen": {("", "nodes")},
     # Nothing as shipped: certgen names the node Secrets in its Role (see
@@ -383,8 +387,9 @@ def test_policy_crds_are_structural_have_printer_columns_and_take_the_documented
         if k.group not in ("networking.k8s.io", ADMIN_GROUP) and not k.cidr_groups
     }
     others = {k.kind for k in POLICY_KINDS if k.group == ADMIN_GROUP or k.cidr_groups}
-    assert set(crds) == {*kinds, *others, flagellaendpoint.KIND}
+    assert set(crds) == {*kinds, *others, flagellaendpoint.KIND, LRP_KIND}
     crds.pop(flagellaendpoint.KIND)
+    crds.pop(LRP_KIND)  # the lb's, tested below
     for kind in others:
         crds.pop(kind)
     docs = _documented(kinds)
@@ -974,3 +979,17 @@ def test_the_prometheus_operator_overlay_is_the_base_and_a_pod_monitor_per_servi
         assert monitor["spec"]["jobLabel"] == "app.kubernetes.io/name"
         [endpoint] = monitor["spec"]["podMetricsEndpoints"]
         assert (endpoint["port"], endpoint["path"]) == ("metrics", "/metrics"), svc
+
+
+LRP_KIND = "CiliumLocalRedirectPolicy"
+
+
+def test_the_local_redirect_policy_crd_is_structural(rendered: dict[str, Path]) -> None:
+    """Cilium's kind, which the lb follows (docs/lb.md): namespaced, and its
+    schema structural."""
+    crd = _crds_by_kind(rendered)[LRP_KIND]
+    assert crd["metadata"]["name"] == "ciliumlocalredirectpolicies.cilium.io"
+    assert crd["spec"]["scope"] == "Namespaced"
+    [version] = crd["spec"]["versions"]
+    assert version["name"] == "v2"
+    _structural(version["schema"]["openAPIV3Schema"], LRP_KIND)

@@ -116,6 +116,12 @@ COLLECTIONS = {
         "flagella.io/v1",
     ),
     "/api/v1/nodes": ("nodes", "NodeList", "v1"),
+    # The lb's local redirect policies.
+    "/apis/cilium.io/v2/ciliumlocalredirectpolicies": (
+        "ciliumlocalredirectpolicies",
+        "CiliumLocalRedirectPolicyList",
+        "cilium.io/v2",
+    ),
 }
 # One object's path (or a namespaced collection's, for POST): its resource,
 # namespace ("" when cluster-scoped) and name (None: the collection).

@@ -98,7 +98,8 @@ EXPECTED: dict[str, set[str]] = {
     "ipam/GetDebuginfo": OP,
     "policy/AllocateIdentity": EP,
     "policy/ReleaseIdentity": EP,
-    "policy/GetIdentity": EP | OP,
+    # Nodes read their endpoints' labels: local redirect policies' selectors.
+    "policy/GetIdentity": EP | OP | NODES,
     # The relay names the ends of its web page's flows.
     "policy/ListIdentities": OP | RELAY,
     "policy/UpsertIPCache": EP,
@@ -135,6 +136,11 @@ EXPECTED: dict[str, set[str]] = {
     "lb/WatchServices": NODES | OP | {"policy"},
     "lb/GetMaglevTable": NODES | OP,
     "lb/GetDebuginfo": OP,
+    # Local redirect policies: written by operators, followed by every node.
+    "lb/CreateLrp": OP,
+    "lb/DeleteLrp": OP,
+    "lb/GetLrp": NODES | OP,
+    "lb/WatchLrps": NODES | OP,
     # A node's datapath relays its CNI plugin's invocations, for itself.
     "endpoint/Cni": {"node-a"},
     "endpoint/CreateEndpoint": {"node-a"},

@@ -127,7 +127,9 @@ TABLE: dict[str, tuple[Grant, ...]] = {
         {
             "AllocateIdentity": (ENDPOINT,),
             "ReleaseIdentity": (ENDPOINT,),
-            "GetIdentity": (ENDPOINT, OPERATOR),
+            # Nodes read their endpoints' identities' labels (what local
+            # redirect policies select backends by).
+            "GetIdentity": (ENDPOINT, OPERATOR, NODES),
             # The relay names the ends of its web page's flows (labels).
             "ListIdentities": (OPERATOR, RELAY),
             # The ipcache maps pod IPs to identities: written for endpoints only.
@@ -180,6 +182,12 @@ TABLE: dict[str, tuple[Grant, ...]] = {
             "WatchServices": (*READERS, POLICY),
             "GetMaglevTable": READERS,
             "GetDebuginfo": (OPERATOR,),
+            # Local redirect policies come from operators; every node
+            # follows them and picks its own local backends.
+            "CreateLrp": (OPERATOR,),
+            "DeleteLrp": (OPERATOR,),
+            "GetLrp": READERS,
+            "WatchLrps": READERS,
         },
     ),
     **_methods(

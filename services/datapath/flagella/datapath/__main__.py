@@ -33,6 +33,8 @@ from flagella.datapath.handlers import (
 )
 from flagella.datapath.hostfw import HostFirewall
 from flagella.datapath.ipcache import node_entries, policy_entries
+from flagella.datapath.lrp import LocalRedirects
+from flagella.datapath.lrpcodec import LrpCodec
 from flagella.datapath.metrics import DatapathCollector
 from flagella.datapath.node import NodeRegistration
 from flagella.datapath.routes import NodeRoutes, NodeRoutesCodec
@@ -58,6 +60,7 @@ class DatapathApp:
         self.registration: NodeRegistration | None = None
         self.relay: CniRelay | None = None
         self.hostfw: HostFirewall | None = None
+        self.policy: policy_pb2_grpc.PolicyServiceAsyncStub | None = None
 
     def register(self, server: grpc.aio.Server) -> None:
         datapath_pb2_grpc.add_DatapathServiceServicer_to_server(
@@ -99,7 +102,7 @@ class DatapathApp:
             self._reconcile(nodes, NodeRoutes(cfg.node_name, self.service.routes, device=device))
             self._reconcile(nodes, node_entries(self.service.ipcache_view), what="node-ipcache")
         if cfg.policy_address:
-            policy = policy_pb2_grpc.PolicyServiceStub(
+            policy = self.policy = policy_pb2_grpc.PolicyServiceStub(
                 self.runtime.channel(cfg.policy_address, "policy")
             )
             ipcache, _ = self._stream(
@@ -156,7 +159,23 @@ class DatapathApp:
                 ServicesCodec(cfg.node_ip),
                 keep_prev=True,  # RemoveBackends: the backends a change took out
             )
-            self._reconcile(services, self.service.services, RemoveBackends(self.service))
+            redirects = LocalRedirects(self.service.services)
+            self._reconcile(services, redirects.services_target, RemoveBackends(self.service))
+            lrps, _ = self._stream(
+                "lrps",
+                lambda since: lb.WatchLrps(lb_pb2.WatchLrpsRequest(since_revision=since)),
+                LrpCodec(),
+            )
+            self._reconcile(lrps, redirects.lrps_target)
+            tasks.supervise(
+                "local-redirects",
+                lambda: redirects.run(
+                    self._local_endpoints,
+                    self._identity_labels,
+                    lambda ids: self.service.writer.run(self.service.bpf.remove_backends, ids),
+                    self.service.endpoints_changed,
+                ),
+            )
         if self.registration is not None:
             # Not ready before the node is registered: its pod CIDRs come from ipam.
             await self.registration.registered.wait()
@@ -173,6 +192,26 @@ class DatapathApp:
             except (OSError, UnsafeSocket) as exc:
                 raise FatalError(f"cannot serve the CNI socket {cfg.cni_socket}: {exc}") from exc
             self.relay = relay
+
+    def _local_endpoints(self) -> list[tuple[tuple[str, ...], int]]:
+        """(addresses, identity) of this node's endpoints."""
+        return [
+            (tuple(a.split("/")[0] for a in rec.addresses), rec.identity)
+            for rec in self.service.endpoints.values()
+        ]
+
+    async def _identity_labels(self, identity: int) -> dict[str, str]:
+        """An identity's labels, each by its key and by source:key (what a
+        local redirect policy's selector matches); none without a policy
+        service (no pod is then selected)."""
+        if self.policy is None or identity <= 0:
+            return {}
+        got = await self.policy.GetIdentity(policy_pb2.GetIdentityRequest(id=identity), timeout=10)
+        labels: dict[str, str] = {}
+        for label in got.labels:
+            labels[label.key] = label.value
+            labels[f"{label.source}:{label.key}"] = label.value
+        return labels
 
     async def _node_labels(self) -> dict[str, str]:
         """This node's labels as its registration in the node registry has

@@ -243,6 +243,7 @@ def bpf_service(
         maglev_table=tuple(table.backend_ids) if maglev and table is not None else (),
         affinity_timeout=affinity,
         source_ranges=tuple(svc.source_ranges),
+        name=svc.name,
     )
 
 

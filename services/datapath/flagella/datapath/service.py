@@ -282,6 +282,9 @@ class DatapathService:
         self.flows = FlowHub()
         self._bpf: Datapath | None = None
         self.endpoints: dict[int, EndpointRecord] = {}
+        # Set whenever an endpoint comes, goes or changes identity (local
+        # redirect policies pick their backends among them: lrp.py).
+        self.endpoints_changed = asyncio.Event()
         self.identity_policies: dict[int, IdentityPolicy] = {}
         # Named ports of every endpoint of the cluster, by identity (from the
         # ipcache): what egress entries naming a port resolve against.
@@ -517,6 +520,7 @@ class DatapathService:
             log.info("removing a veth with no endpoint", extra={"link": name})
             await netdev.delete_link(name)
         log.info("endpoints restored", extra={"endpoints": sorted(self.endpoints)})
+        self.endpoints_changed.set()
         # Every hook now runs this layout's programs: the maps of other
         # layout versions (an older datapath's) are no longer used.
         for folder in Datapath.stale_layouts(self.config.bpf_root):
@@ -524,6 +528,7 @@ class DatapathService:
             await self.writer.run(shutil.rmtree, folder, True)
 
     async def _forget(self, rec: EndpointRecord) -> None:
+        self.endpoints_changed.set()
         await self.writer.run(self.bpf.remove_endpoint, rec.endpoint_id)
         await self.writer.run(self._purge_conntrack, rec.addresses)
         self.state.remove(rec.endpoint_id)
@@ -707,6 +712,7 @@ class DatapathService:
                 await self.writer.run(self.bpf.attach, result.host.ifindex)
             self.endpoints[req.endpoint_id] = record
             self._want_policy(record)
+            self.endpoints_changed.set()
             return result, record
 
     @contextlib.asynccontextmanager
@@ -806,6 +812,7 @@ class DatapathService:
             if record.identity == identity:
                 return record
             record.identity = identity
+            self.endpoints_changed.set()
             self.state.save(record)
             await self.writer.run(
                 self.bpf.endpoints.upsert,

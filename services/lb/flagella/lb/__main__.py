@@ -13,7 +13,9 @@ from flagella.common.leader import Election
 from flagella.common.server import FatalError, Probes, Runtime
 from flagella.common.server import main as serve_main
 from flagella.lb.config import LbConfig
-from flagella.lb.k8s import KubernetesWatcher
+from flagella.lb.k8s import WATCH_TIMEOUT_S, KubernetesWatcher
+from flagella.lb.lrpk8s import LrpKubeWatcher
+from flagella.lb.lrpstore import LrpStore
 from flagella.lb.metrics import LbCollector
 from flagella.lb.service import LbService
 from flagella.lb.servicer import LbServicer
@@ -31,6 +33,7 @@ class LbApp:
         self.etcd = runtime.etcd()
         self.probes = Probes(runtime.readiness, runtime.tasks)
         self.store = LbStore(self.etcd)
+        self.lrps = LrpStore(self.etcd)
         self.service = LbService(
             self.store, cfg.limits, cfg.seed, cache_slots=cfg.table_cache_slots
         )
@@ -42,6 +45,7 @@ class LbApp:
             LbServicer(
                 self.service,
                 self.config.limits,
+                self.lrps,
                 heartbeat=self.config.watch_heartbeat,
                 debuginfo=self.runtime.debuginfo(),
             ),
@@ -60,9 +64,15 @@ class LbApp:
             raise FatalError(str(exc)) from exc
         self.probes.add("etcd", self.etcd.connect)
         self.tasks.spawn("services-table", self.store.run())
+        self.tasks.spawn("lrps-table", self.lrps.run())
         self.runtime.phase_ends_with("first_sync", self.store.services.wait_initialized())
         if self.config.kubeconfig:
-            self.k8s = KubernetesWatcher(self.service, self.config.kubeconfig, self.config.limits)
+            self.k8s = KubernetesWatcher(
+                self.service,
+                self.config.kubeconfig,
+                self.config.limits,
+                LrpKubeWatcher(self.lrps, watch_timeout=WATCH_TIMEOUT_S),
+            )
             await self.k8s.start(self.tasks, Election.of(self.config))
 
     async def stop(self) -> None:

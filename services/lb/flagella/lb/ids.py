@@ -24,8 +24,10 @@ from flagella.lb.model import Backend, BackendSpec
 
 BLOCK_SIZE = 64
 # Backend ids are u32; block 0 is never handed out so that id 0 means "none".
+# Ids from 0xFF000000 up are each datapath's own (local redirect policies'
+# local backends: flagella.datapath.lrp).
 BACKEND_BLOCK_MIN = 1
-BACKEND_BLOCK_MAX = (2**32 - 1) // BLOCK_SIZE
+BACKEND_BLOCK_MAX = 0xFF000000 // BLOCK_SIZE - 1
 # Service and rev-NAT ids are u16 in the datapath, as Cilium's.
 SERVICE_ID_MIN = 1
 SERVICE_ID_MAX = 65535

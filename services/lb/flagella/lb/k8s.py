@@ -45,6 +45,7 @@ from flagella.common.sync import Batch, KubeSource, Table
 from flagella.common.sync.dirty import DirtyKeys
 from flagella.common.sync.kube import Obj
 from flagella.common.tasks import TaskGroup
+from flagella.lb.lrpk8s import LrpKubeWatcher
 from flagella.lb.model import Algorithm, BackendState, Protocol, ServiceSpec, ServiceType, Source
 from flagella.lb.service import LbService
 from flagella.lb.validation import (
@@ -194,10 +195,18 @@ class KubernetesWatcher:
     KubeSource: list, watch, relist on 410 Gone) and keeps the flagella
     services in step with them."""
 
-    def __init__(self, service: LbService, kubeconfig: str, limits: Limits) -> None:
+    def __init__(
+        self,
+        service: LbService,
+        kubeconfig: str,
+        limits: Limits,
+        lrps: LrpKubeWatcher | None = None,
+    ) -> None:
         self.service = service
         self.kubeconfig = kubeconfig
         self.limits = limits
+        # CiliumLocalRedirectPolicies, written under the same Lease.
+        self.lrps = lrps
         self.services: Table[str, Obj] = Table("k8s-services")
         self.slices: Table[str, Obj] = Table("k8s-endpointslices")
         # EndpointSlice keys by the Service they belong to, and the reverse,
@@ -239,6 +248,8 @@ class KubernetesWatcher:
             watch_timeout=WATCH_TIMEOUT_S,
         )
         tasks.spawn("k8s-services", services.run())
+        if self.lrps is not None:
+            tasks.spawn("k8s-lrps", self.lrps.source(self._api).run())
         tasks.spawn("k8s-endpointslices", slices.run())
         tasks.spawn(
             "k8s-services-follow",
@@ -251,7 +262,7 @@ class KubernetesWatcher:
         # Only the leader writes; a bug in its sync ends its term (logged)
         # and the replicas elect again, so it never stops syncing for good.
         self.elector = election.elector(self._api, LEASE_NAME)
-        tasks.spawn("k8s-leader", self.elector.run(self._sync_loop))
+        tasks.spawn("k8s-leader", self.elector.run(self._lead))
         log.info(
             "watching kubernetes",
             extra={"kubeconfig": self.kubeconfig, "identity": election.identity},
@@ -305,6 +316,13 @@ class KubernetesWatcher:
         return affected
 
     # --- syncing them ---
+
+    async def _lead(self) -> None:
+        """A term's jobs: the services, and the local redirect policies."""
+        if self.lrps is None:
+            await self._sync_loop()
+        else:
+            await asyncio.gather(self._sync_loop(), self.lrps.lead())
 
     async def _sync_loop(self) -> None:
         """The leader's job: sync everything, then what changes."""

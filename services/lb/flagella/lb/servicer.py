@@ -9,8 +9,11 @@ import grpc
 
 from flagella.api.lb.v1 import lb_pb2, lb_pb2_grpc
 from flagella.common.debuginfo import Debuginfo, answer
-from flagella.common.errors import FlagellaError, InvalidArgument
+from flagella.common.errors import FlagellaError, InvalidArgument, NotFound
 from flagella.common.sync import Change, serve_watch
+from flagella.lb.lrp import build_lrp, raw_from_cilium, validate_key
+from flagella.lb.lrpservicer import LrpEvents, lrp_to_proto, parse_document, raw_lrp
+from flagella.lb.lrpstore import LrpStore
 from flagella.lb.model import (
     Algorithm,
     BackendState,
@@ -207,6 +210,7 @@ class LbServicer(lb_pb2_grpc.LoadBalancerServiceServicer):
         self,
         service: LbService,
         limits: Limits,
+        lrps: LrpStore,
         *,
         heartbeat: float = 30.0,
         debuginfo: Debuginfo | None = None,
@@ -214,6 +218,7 @@ class LbServicer(lb_pb2_grpc.LoadBalancerServiceServicer):
         self.service = service
         self.debuginfo = debuginfo
         self.limits = limits
+        self.lrps = lrps
         # Seconds between SYNCED heartbeats on an idle WatchServices stream.
         self.heartbeat = heartbeat
 
@@ -303,3 +308,52 @@ class LbServicer(lb_pb2_grpc.LoadBalancerServiceServicer):
     ) -> lb_pb2.Debuginfo:
         state = {"services": await self.ListServices(pb.ListServicesRequest(), context)}
         return answer(self.debuginfo, pb.Debuginfo(), state)
+
+    # --- local redirect policies (flagella.lb.lrp) ---
+
+    async def CreateLrp(
+        self, request: lb_pb2.CreateLrpRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> lb_pb2.CreateLrpResponse:
+        if request.document and request.HasField("lrp"):
+            raise InvalidArgument("give lrp or document, not both", field="document")
+        if request.document:
+            raw = raw_from_cilium(parse_document(request.document))
+        elif request.HasField("lrp"):
+            raw = raw_lrp(request.lrp)
+        else:
+            raise InvalidArgument("a policy is required", field="lrp")
+        lrp, created = await self.lrps.put(build_lrp(raw))
+        return pb.CreateLrpResponse(lrp=lrp_to_proto(lrp), created=created)
+
+    async def DeleteLrp(
+        self, request: lb_pb2.DeleteLrpRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> lb_pb2.DeleteLrpResponse:
+        validate_key(request.namespace, request.name, prefix="")
+        return pb.DeleteLrpResponse(deleted=await self.lrps.delete(request.namespace, request.name))
+
+    async def GetLrp(
+        self, request: lb_pb2.GetLrpRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> lb_pb2.GetLrpResponse:
+        if request.name:
+            validate_key(request.namespace, request.name, prefix="")
+            lrp = await self.lrps.get(request.namespace, request.name)
+            if lrp is None:
+                raise NotFound(
+                    f"no local redirect policy {request.namespace}/{request.name}", field="name"
+                )
+            return pb.GetLrpResponse(lrps=[lrp_to_proto(lrp)], revision=lrp.revision)
+        if request.namespace:
+            validate_key(request.namespace, "x", prefix="")
+        lrps, revision = await self.lrps.list(request.namespace)
+        return pb.GetLrpResponse(lrps=[lrp_to_proto(r) for r in lrps], revision=revision)
+
+    async def WatchLrps(
+        self, request: lb_pb2.WatchLrpsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[lb_pb2.LrpEvent]:
+        since = request.since_revision
+        if since < 0:
+            raise InvalidArgument("must not be negative", field="since_revision")
+        async for event in serve_watch(
+            self.lrps.subscribe(since), LrpEvents(), since=since, heartbeat=self.heartbeat
+        ):
+            yield event

@@ -31,10 +31,10 @@ MIN_WEIGHT = 1
 MAX_WEIGHT = 100
 MAX_SOURCE_RANGES = 256
 # DNS-1123 label, as Kubernetes namespaces.
-_NAMESPACE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+NAMESPACE_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 # A DNS-1123 subdomain, plus ':' (the Kubernetes watcher names a service
 # "<namespace>/<service>:<port name>").
-_SHORT_NAME = re.compile(r"^[a-z0-9]([a-z0-9.:_-]{0,251}[a-z0-9])?$")
+SHORT_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9.:_-]{0,251}[a-z0-9])?$")
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ class RawService:
     labels: Mapping[str, str] | None = None
 
 
-def _ip(value: str, field: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+def check_ip(value: str, field: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
     if not value:
         raise InvalidArgument("an IPv4 or IPv6 address is required", field=field)
     try:
@@ -95,7 +95,7 @@ def _ip(value: str, field: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address
     return ip
 
 
-def _port(value: int, field: str) -> int:
+def check_port(value: int, field: str) -> int:
     if not 1 <= value <= 65535:
         raise InvalidArgument(f"{value} is not a port (1-65535)", field=field)
     return value
@@ -105,8 +105,8 @@ def validate_frontend(
     address: str, port: int, protocol: Protocol | None, field: str = "service.frontend"
 ) -> Frontend:
     """A frontend in canonical form (protocol unspecified: TCP)."""
-    ip = _ip(address, f"{field}.address")
-    return Frontend(str(ip), _port(port, f"{field}.port"), protocol or Protocol.TCP)
+    ip = check_ip(address, f"{field}.address")
+    return Frontend(str(ip), check_port(port, f"{field}.port"), protocol or Protocol.TCP)
 
 
 def lookup_name(name: str, field: str = "name") -> str:
@@ -132,12 +132,12 @@ def validate_name(name: str, namespace: str) -> tuple[str, str]:
             )
     else:
         ns, short = namespace, name
-    if ns and not _NAMESPACE.match(ns):
+    if ns and not NAMESPACE_RE.match(ns):
         raise InvalidArgument(
             f"{ns!r} is not a valid namespace (lowercase letters, digits and '-', at most 63)",
             field="service.namespace" if not sep else "service.name",
         )
-    if not _SHORT_NAME.match(short):
+    if not SHORT_NAME_RE.match(short):
         raise InvalidArgument(
             f"{short!r} is not a valid service name (lowercase letters, digits, "
             "'-', '.', ':', '_'; at most 253; in the form namespace/name or name)",
@@ -174,13 +174,13 @@ def build_spec(raw: RawService, limits: Limits) -> ServiceSpec:
     ordered: list[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, BackendSpec]] = []
     for i, rb in enumerate(raw.backends):
         path = f"service.backends[{i}]"
-        ip = _ip(rb.address, f"{path}.address")
+        ip = check_ip(rb.address, f"{path}.address")
         if ip.version != fe_ip.version:
             raise InvalidArgument(
                 f"{rb.address!r} is IPv{ip.version} but the frontend is IPv{fe_ip.version}",
                 field=f"{path}.address",
             )
-        port = _port(rb.port, f"{path}.port")
+        port = check_port(rb.port, f"{path}.port")
         weight = rb.weight or MIN_WEIGHT
         if not MIN_WEIGHT <= weight <= MAX_WEIGHT:
             raise InvalidArgument(
@@ -266,17 +266,17 @@ def build_spec(raw: RawService, limits: Limits) -> ServiceSpec:
 MAX_LABELS = 64
 # Kubernetes label syntax: an optional DNS-subdomain prefix, then a name.
 _LABEL_NAME = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
-_LABEL_KEY_RE = re.compile(rf"^([a-z0-9]([-a-z0-9.]{{0,251}}[a-z0-9])?/)?{_LABEL_NAME}$")
-_LABEL_VALUE_RE = re.compile(rf"^({_LABEL_NAME})?$")
+LABEL_KEY_RE = re.compile(rf"^([a-z0-9]([-a-z0-9.]{{0,251}}[a-z0-9])?/)?{_LABEL_NAME}$")
+LABEL_VALUE_RE = re.compile(rf"^({_LABEL_NAME})?$")
 
 
 def _labels(labels: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
     if len(labels) > MAX_LABELS:
         raise InvalidArgument(f"at most {MAX_LABELS} labels", field="service.labels")
     for key, value in labels.items():
-        if not _LABEL_KEY_RE.match(key):
+        if not LABEL_KEY_RE.match(key):
             raise InvalidArgument(f"{key!r} is not a label key", field=f"service.labels[{key}]")
-        if not _LABEL_VALUE_RE.match(value):
+        if not LABEL_VALUE_RE.match(value):
             raise InvalidArgument(f"{value!r} is not a label value", field=f"service.labels[{key}]")
     return tuple(sorted(labels.items()))
 

@@ -59,6 +59,7 @@ class Service:
     maglev_table: tuple[int, ...] = ()  # backend id per slot (lb.v1.MaglevTable)
     affinity_timeout: int = 0  # seconds of ClientIP affinity; 0: none
     source_ranges: tuple[str, ...] = ()  # loadBalancerSourceRanges; empty: all
+    name: str = ""  # the lb service's name (what local redirect policies match)
 
 
 def svc_key(address: str, port: int, protocol: int, slot: int = 0) -> L.SvcKey:

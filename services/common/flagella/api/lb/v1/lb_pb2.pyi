@@ -753,3 +753,466 @@ class Debuginfo(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Debuginfo: _TypeAlias = Debuginfo  # noqa: Y015
+
+@_typing.final
+class LrpPort(_message.Message):
+    """A port of a local redirect policy's frontend or backend. Named when the
+    policy has several (a frontend port goes to the backend port of its name).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    PORT_FIELD_NUMBER: _builtins.int
+    PROTOCOL_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    port: _builtins.int
+    protocol: Global___Protocol.ValueType
+    """TCP or UDP."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        port: _builtins.int = ...,
+        protocol: Global___Protocol.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "port", b"port", "protocol", b"protocol"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LrpPort: _TypeAlias = LrpPort  # noqa: Y015
+
+@_typing.final
+class LrpAddressMatcher(_message.Message):
+    """addressMatcher: an IP (any, not only a service's) and its ports."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IP_FIELD_NUMBER: _builtins.int
+    TO_PORTS_FIELD_NUMBER: _builtins.int
+    ip: _builtins.str
+    @_builtins.property
+    def to_ports(self) -> _containers.RepeatedCompositeFieldContainer[Global___LrpPort]: ...
+    def __init__(
+        self,
+        *,
+        ip: _builtins.str = ...,
+        to_ports: _abc.Iterable[Global___LrpPort] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ip", b"ip", "to_ports", b"to_ports"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LrpAddressMatcher: _TypeAlias = LrpAddressMatcher  # noqa: Y015
+
+@_typing.final
+class LrpServiceMatcher(_message.Message):
+    """serviceMatcher: a service of the policy's namespace, by name; its ports
+    (empty: all of them).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SERVICE_NAME_FIELD_NUMBER: _builtins.int
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    TO_PORTS_FIELD_NUMBER: _builtins.int
+    service_name: _builtins.str
+    namespace: _builtins.str
+    """The policy's namespace (empty means it too)."""
+    @_builtins.property
+    def to_ports(self) -> _containers.RepeatedCompositeFieldContainer[Global___LrpPort]: ...
+    def __init__(
+        self,
+        *,
+        service_name: _builtins.str = ...,
+        namespace: _builtins.str = ...,
+        to_ports: _abc.Iterable[Global___LrpPort] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace", "service_name", b"service_name", "to_ports", b"to_ports"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LrpServiceMatcher: _TypeAlias = LrpServiceMatcher  # noqa: Y015
+
+@_typing.final
+class LrpFrontend(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADDRESS_MATCHER_FIELD_NUMBER: _builtins.int
+    SERVICE_MATCHER_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def address_matcher(self) -> Global___LrpAddressMatcher: ...
+    @_builtins.property
+    def service_matcher(self) -> Global___LrpServiceMatcher: ...
+    def __init__(
+        self,
+        *,
+        address_matcher: Global___LrpAddressMatcher | None = ...,
+        service_matcher: Global___LrpServiceMatcher | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["address_matcher", b"address_matcher", "matcher", b"matcher", "service_matcher", b"service_matcher"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address_matcher", b"address_matcher", "matcher", b"matcher", "service_matcher", b"service_matcher"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_matcher: _TypeAlias = _typing.Literal["address_matcher", "service_matcher"]  # noqa: Y015
+    _WhichOneofArgType_matcher: _TypeAlias = _typing.Literal["matcher", b"matcher"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_matcher) -> _WhichOneofReturnType_matcher | None: ...
+
+Global___LrpFrontend: _TypeAlias = LrpFrontend  # noqa: Y015
+
+@_typing.final
+class LrpSelectorRequirement(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    OPERATOR_FIELD_NUMBER: _builtins.int
+    VALUES_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    operator: _builtins.str
+    """In, NotIn, Exists, DoesNotExist."""
+    @_builtins.property
+    def values(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        operator: _builtins.str = ...,
+        values: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "operator", b"operator", "values", b"values"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LrpSelectorRequirement: _TypeAlias = LrpSelectorRequirement  # noqa: Y015
+
+@_typing.final
+class LrpSelector(_message.Message):
+    """A Kubernetes label selector over the pod's labels."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class MatchLabelsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    MATCH_LABELS_FIELD_NUMBER: _builtins.int
+    MATCH_EXPRESSIONS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def match_labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    @_builtins.property
+    def match_expressions(self) -> _containers.RepeatedCompositeFieldContainer[Global___LrpSelectorRequirement]: ...
+    def __init__(
+        self,
+        *,
+        match_labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        match_expressions: _abc.Iterable[Global___LrpSelectorRequirement] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["match_expressions", b"match_expressions", "match_labels", b"match_labels"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LrpSelector: _TypeAlias = LrpSelector  # noqa: Y015
+
+@_typing.final
+class LrpBackend(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LOCAL_ENDPOINT_SELECTOR_FIELD_NUMBER: _builtins.int
+    TO_PORTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def local_endpoint_selector(self) -> Global___LrpSelector:
+        """Pods of the policy's namespace on the same node as the client."""
+
+    @_builtins.property
+    def to_ports(self) -> _containers.RepeatedCompositeFieldContainer[Global___LrpPort]: ...
+    def __init__(
+        self,
+        *,
+        local_endpoint_selector: Global___LrpSelector | None = ...,
+        to_ports: _abc.Iterable[Global___LrpPort] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["local_endpoint_selector", b"local_endpoint_selector"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["local_endpoint_selector", b"local_endpoint_selector", "to_ports", b"to_ports"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LrpBackend: _TypeAlias = LrpBackend  # noqa: Y015
+
+@_typing.final
+class LocalRedirectPolicy(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    REDIRECT_FRONTEND_FIELD_NUMBER: _builtins.int
+    REDIRECT_BACKEND_FIELD_NUMBER: _builtins.int
+    SKIP_REDIRECT_FROM_BACKEND_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    namespace: _builtins.str
+    skip_redirect_from_backend: _builtins.bool
+    """Not supported (refused): traffic of the backends themselves would need
+    a per-socket exemption the datapath does not have.
+    """
+    description: _builtins.str
+    revision: _builtins.int
+    """Output only."""
+    source: _builtins.str
+    """Output only: "api", or "kubernetes" (a CiliumLocalRedirectPolicy object,
+    which the API can neither replace nor delete).
+    """
+    @_builtins.property
+    def redirect_frontend(self) -> Global___LrpFrontend: ...
+    @_builtins.property
+    def redirect_backend(self) -> Global___LrpBackend: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        namespace: _builtins.str = ...,
+        redirect_frontend: Global___LrpFrontend | None = ...,
+        redirect_backend: Global___LrpBackend | None = ...,
+        skip_redirect_from_backend: _builtins.bool = ...,
+        description: _builtins.str = ...,
+        revision: _builtins.int = ...,
+        source: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["redirect_backend", b"redirect_backend", "redirect_frontend", b"redirect_frontend"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "name", b"name", "namespace", b"namespace", "redirect_backend", b"redirect_backend", "redirect_frontend", b"redirect_frontend", "revision", b"revision", "skip_redirect_from_backend", b"skip_redirect_from_backend", "source", b"source"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LocalRedirectPolicy: _TypeAlias = LocalRedirectPolicy  # noqa: Y015
+
+@_typing.final
+class CreateLrpRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LRP_FIELD_NUMBER: _builtins.int
+    DOCUMENT_FIELD_NUMBER: _builtins.int
+    document: _builtins.str
+    """A CiliumLocalRedirectPolicy (cilium.io/v2) object as JSON."""
+    @_builtins.property
+    def lrp(self) -> Global___LocalRedirectPolicy:
+        """The policy; or, instead, document."""
+
+    def __init__(
+        self,
+        *,
+        lrp: Global___LocalRedirectPolicy | None = ...,
+        document: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lrp", b"lrp"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["document", b"document", "lrp", b"lrp"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateLrpRequest: _TypeAlias = CreateLrpRequest  # noqa: Y015
+
+@_typing.final
+class CreateLrpResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LRP_FIELD_NUMBER: _builtins.int
+    CREATED_FIELD_NUMBER: _builtins.int
+    created: _builtins.bool
+    """False when a policy of that name was replaced (or was the same)."""
+    @_builtins.property
+    def lrp(self) -> Global___LocalRedirectPolicy: ...
+    def __init__(
+        self,
+        *,
+        lrp: Global___LocalRedirectPolicy | None = ...,
+        created: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lrp", b"lrp"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "lrp", b"lrp"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateLrpResponse: _TypeAlias = CreateLrpResponse  # noqa: Y015
+
+@_typing.final
+class DeleteLrpRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    namespace: _builtins.str
+    name: _builtins.str
+    def __init__(
+        self,
+        *,
+        namespace: _builtins.str = ...,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "namespace", b"namespace"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteLrpRequest: _TypeAlias = DeleteLrpRequest  # noqa: Y015
+
+@_typing.final
+class DeleteLrpResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DELETED_FIELD_NUMBER: _builtins.int
+    deleted: _builtins.bool
+    def __init__(
+        self,
+        *,
+        deleted: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deleted", b"deleted"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteLrpResponse: _TypeAlias = DeleteLrpResponse  # noqa: Y015
+
+@_typing.final
+class GetLrpRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    namespace: _builtins.str
+    """Empty: every policy of the namespace (or of all, namespace empty too)."""
+    name: _builtins.str
+    def __init__(
+        self,
+        *,
+        namespace: _builtins.str = ...,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "namespace", b"namespace"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetLrpRequest: _TypeAlias = GetLrpRequest  # noqa: Y015
+
+@_typing.final
+class GetLrpResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LRPS_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    revision: _builtins.int
+    @_builtins.property
+    def lrps(self) -> _containers.RepeatedCompositeFieldContainer[Global___LocalRedirectPolicy]: ...
+    def __init__(
+        self,
+        *,
+        lrps: _abc.Iterable[Global___LocalRedirectPolicy] | None = ...,
+        revision: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lrps", b"lrps", "revision", b"revision"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetLrpResponse: _TypeAlias = GetLrpResponse  # noqa: Y015
+
+@_typing.final
+class WatchLrpsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SINCE_REVISION_FIELD_NUMBER: _builtins.int
+    since_revision: _builtins.int
+    def __init__(
+        self,
+        *,
+        since_revision: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["since_revision", b"since_revision"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchLrpsRequest: _TypeAlias = WatchLrpsRequest  # noqa: Y015
+
+@_typing.final
+class LrpEvent(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    class _Kind:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _KindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[LrpEvent._Kind.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        KIND_UNSPECIFIED: LrpEvent._Kind.ValueType  # 0
+        KIND_RESET: LrpEvent._Kind.ValueType  # 1
+        KIND_UPSERT: LrpEvent._Kind.ValueType  # 2
+        KIND_DELETE: LrpEvent._Kind.ValueType  # 3
+        """lrp carries namespace and name only."""
+        KIND_SYNCED: LrpEvent._Kind.ValueType  # 4
+
+    class Kind(_Kind, metaclass=_KindEnumTypeWrapper): ...
+    KIND_UNSPECIFIED: LrpEvent.Kind.ValueType  # 0
+    KIND_RESET: LrpEvent.Kind.ValueType  # 1
+    KIND_UPSERT: LrpEvent.Kind.ValueType  # 2
+    KIND_DELETE: LrpEvent.Kind.ValueType  # 3
+    """lrp carries namespace and name only."""
+    KIND_SYNCED: LrpEvent.Kind.ValueType  # 4
+
+    KIND_FIELD_NUMBER: _builtins.int
+    LRP_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    kind: Global___LrpEvent.Kind.ValueType
+    revision: _builtins.int
+    @_builtins.property
+    def lrp(self) -> Global___LocalRedirectPolicy: ...
+    def __init__(
+        self,
+        *,
+        kind: Global___LrpEvent.Kind.ValueType = ...,
+        lrp: Global___LocalRedirectPolicy | None = ...,
+        revision: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lrp", b"lrp"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "lrp", b"lrp", "revision", b"revision"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LrpEvent: _TypeAlias = LrpEvent  # noqa: Y015

@@ -75,6 +75,26 @@ class LoadBalancerServiceStub:
                 request_serializer=flagella_dot_lb_dot_v1_dot_lb__pb2.GetDebuginfoRequest.SerializeToString,
                 response_deserializer=flagella_dot_lb_dot_v1_dot_lb__pb2.Debuginfo.FromString,
                 _registered_method=True)
+        self.CreateLrp = channel.unary_unary(
+                '/flagella.lb.v1.LoadBalancerService/CreateLrp',
+                request_serializer=flagella_dot_lb_dot_v1_dot_lb__pb2.CreateLrpRequest.SerializeToString,
+                response_deserializer=flagella_dot_lb_dot_v1_dot_lb__pb2.CreateLrpResponse.FromString,
+                _registered_method=True)
+        self.DeleteLrp = channel.unary_unary(
+                '/flagella.lb.v1.LoadBalancerService/DeleteLrp',
+                request_serializer=flagella_dot_lb_dot_v1_dot_lb__pb2.DeleteLrpRequest.SerializeToString,
+                response_deserializer=flagella_dot_lb_dot_v1_dot_lb__pb2.DeleteLrpResponse.FromString,
+                _registered_method=True)
+        self.GetLrp = channel.unary_unary(
+                '/flagella.lb.v1.LoadBalancerService/GetLrp',
+                request_serializer=flagella_dot_lb_dot_v1_dot_lb__pb2.GetLrpRequest.SerializeToString,
+                response_deserializer=flagella_dot_lb_dot_v1_dot_lb__pb2.GetLrpResponse.FromString,
+                _registered_method=True)
+        self.WatchLrps = channel.unary_stream(
+                '/flagella.lb.v1.LoadBalancerService/WatchLrps',
+                request_serializer=flagella_dot_lb_dot_v1_dot_lb__pb2.WatchLrpsRequest.SerializeToString,
+                response_deserializer=flagella_dot_lb_dot_v1_dot_lb__pb2.LrpEvent.FromString,
+                _registered_method=True)
 
 
 class LoadBalancerServiceServicer:
@@ -138,6 +158,36 @@ class LoadBalancerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateLrp(self, request, context):
+        """Local redirect policies (Cilium's CiliumLocalRedirectPolicy): traffic
+        from a pod to the frontend goes to a backend pod on the pod's own node.
+        Creates the policy, or replaces the one of the same namespace/name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteLrp(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetLrp(self, request, context):
+        """One policy (name given) or every policy (of a namespace, if given).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchLrps(self, request, context):
+        """Snapshot (RESET, UPSERT..., SYNCED), then deltas; resumable by revision.
+        Every datapath follows it and picks its own local backends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LoadBalancerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -180,6 +230,26 @@ def add_LoadBalancerServiceServicer_to_server(servicer, server):
                     servicer.GetDebuginfo,
                     request_deserializer=flagella_dot_lb_dot_v1_dot_lb__pb2.GetDebuginfoRequest.FromString,
                     response_serializer=flagella_dot_lb_dot_v1_dot_lb__pb2.Debuginfo.SerializeToString,
+            ),
+            'CreateLrp': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateLrp,
+                    request_deserializer=flagella_dot_lb_dot_v1_dot_lb__pb2.CreateLrpRequest.FromString,
+                    response_serializer=flagella_dot_lb_dot_v1_dot_lb__pb2.CreateLrpResponse.SerializeToString,
+            ),
+            'DeleteLrp': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteLrp,
+                    request_deserializer=flagella_dot_lb_dot_v1_dot_lb__pb2.DeleteLrpRequest.FromString,
+                    response_serializer=flagella_dot_lb_dot_v1_dot_lb__pb2.DeleteLrpResponse.SerializeToString,
+            ),
+            'GetLrp': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLrp,
+                    request_deserializer=flagella_dot_lb_dot_v1_dot_lb__pb2.GetLrpRequest.FromString,
+                    response_serializer=flagella_dot_lb_dot_v1_dot_lb__pb2.GetLrpResponse.SerializeToString,
+            ),
+            'WatchLrps': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchLrps,
+                    request_deserializer=flagella_dot_lb_dot_v1_dot_lb__pb2.WatchLrpsRequest.FromString,
+                    response_serializer=flagella_dot_lb_dot_v1_dot_lb__pb2.LrpEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -398,6 +468,114 @@ class LoadBalancerService:
             '/flagella.lb.v1.LoadBalancerService/GetDebuginfo',
             flagella_dot_lb_dot_v1_dot_lb__pb2.GetDebuginfoRequest.SerializeToString,
             flagella_dot_lb_dot_v1_dot_lb__pb2.Debuginfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateLrp(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagella.lb.v1.LoadBalancerService/CreateLrp',
+            flagella_dot_lb_dot_v1_dot_lb__pb2.CreateLrpRequest.SerializeToString,
+            flagella_dot_lb_dot_v1_dot_lb__pb2.CreateLrpResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteLrp(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagella.lb.v1.LoadBalancerService/DeleteLrp',
+            flagella_dot_lb_dot_v1_dot_lb__pb2.DeleteLrpRequest.SerializeToString,
+            flagella_dot_lb_dot_v1_dot_lb__pb2.DeleteLrpResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLrp(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagella.lb.v1.LoadBalancerService/GetLrp',
+            flagella_dot_lb_dot_v1_dot_lb__pb2.GetLrpRequest.SerializeToString,
+            flagella_dot_lb_dot_v1_dot_lb__pb2.GetLrpResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchLrps(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/flagella.lb.v1.LoadBalancerService/WatchLrps',
+            flagella_dot_lb_dot_v1_dot_lb__pb2.WatchLrpsRequest.SerializeToString,
+            flagella_dot_lb_dot_v1_dot_lb__pb2.LrpEvent.FromString,
             options,
             channel_credentials,
             insecure,

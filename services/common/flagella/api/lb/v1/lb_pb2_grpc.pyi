@@ -55,6 +55,18 @@ class LoadBalancerServiceStub:
     """This service's part of `flagella debuginfo`: configuration (secrets
     left out), versions, its own state and recent errors.
     """
+    CreateLrp: _grpc.UnaryUnaryMultiCallable[_lb_pb2.CreateLrpRequest, _lb_pb2.CreateLrpResponse]
+    """Local redirect policies (Cilium's CiliumLocalRedirectPolicy): traffic
+    from a pod to the frontend goes to a backend pod on the pod's own node.
+    Creates the policy, or replaces the one of the same namespace/name.
+    """
+    DeleteLrp: _grpc.UnaryUnaryMultiCallable[_lb_pb2.DeleteLrpRequest, _lb_pb2.DeleteLrpResponse]
+    GetLrp: _grpc.UnaryUnaryMultiCallable[_lb_pb2.GetLrpRequest, _lb_pb2.GetLrpResponse]
+    """One policy (name given) or every policy (of a namespace, if given)."""
+    WatchLrps: _grpc.UnaryStreamMultiCallable[_lb_pb2.WatchLrpsRequest, _lb_pb2.LrpEvent]
+    """Snapshot (RESET, UPSERT..., SYNCED), then deltas; resumable by revision.
+    Every datapath follows it and picks its own local backends.
+    """
 
 @_typing.type_check_only
 class LoadBalancerServiceAsyncStub(LoadBalancerServiceStub):
@@ -78,6 +90,18 @@ class LoadBalancerServiceAsyncStub(LoadBalancerServiceStub):
     GetDebuginfo: _aio.UnaryUnaryMultiCallable[_lb_pb2.GetDebuginfoRequest, _lb_pb2.Debuginfo]  # type: ignore[assignment]
     """This service's part of `flagella debuginfo`: configuration (secrets
     left out), versions, its own state and recent errors.
+    """
+    CreateLrp: _aio.UnaryUnaryMultiCallable[_lb_pb2.CreateLrpRequest, _lb_pb2.CreateLrpResponse]  # type: ignore[assignment]
+    """Local redirect policies (Cilium's CiliumLocalRedirectPolicy): traffic
+    from a pod to the frontend goes to a backend pod on the pod's own node.
+    Creates the policy, or replaces the one of the same namespace/name.
+    """
+    DeleteLrp: _aio.UnaryUnaryMultiCallable[_lb_pb2.DeleteLrpRequest, _lb_pb2.DeleteLrpResponse]  # type: ignore[assignment]
+    GetLrp: _aio.UnaryUnaryMultiCallable[_lb_pb2.GetLrpRequest, _lb_pb2.GetLrpResponse]  # type: ignore[assignment]
+    """One policy (name given) or every policy (of a namespace, if given)."""
+    WatchLrps: _aio.UnaryStreamMultiCallable[_lb_pb2.WatchLrpsRequest, _lb_pb2.LrpEvent]  # type: ignore[assignment]
+    """Snapshot (RESET, UPSERT..., SYNCED), then deltas; resumable by revision.
+    Every datapath follows it and picks its own local backends.
     """
 
 class LoadBalancerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -147,6 +171,42 @@ class LoadBalancerServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_lb_pb2.Debuginfo, _abc.Awaitable[_lb_pb2.Debuginfo]]:
         """This service's part of `flagella debuginfo`: configuration (secrets
         left out), versions, its own state and recent errors.
+        """
+
+    @_abc_1.abstractmethod
+    def CreateLrp(
+        self,
+        request: _lb_pb2.CreateLrpRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_lb_pb2.CreateLrpResponse, _abc.Awaitable[_lb_pb2.CreateLrpResponse]]:
+        """Local redirect policies (Cilium's CiliumLocalRedirectPolicy): traffic
+        from a pod to the frontend goes to a backend pod on the pod's own node.
+        Creates the policy, or replaces the one of the same namespace/name.
+        """
+
+    @_abc_1.abstractmethod
+    def DeleteLrp(
+        self,
+        request: _lb_pb2.DeleteLrpRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_lb_pb2.DeleteLrpResponse, _abc.Awaitable[_lb_pb2.DeleteLrpResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def GetLrp(
+        self,
+        request: _lb_pb2.GetLrpRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_lb_pb2.GetLrpResponse, _abc.Awaitable[_lb_pb2.GetLrpResponse]]:
+        """One policy (name given) or every policy (of a namespace, if given)."""
+
+    @_abc_1.abstractmethod
+    def WatchLrps(
+        self,
+        request: _lb_pb2.WatchLrpsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_lb_pb2.LrpEvent], _abc.AsyncIterator[_lb_pb2.LrpEvent]]:
+        """Snapshot (RESET, UPSERT..., SYNCED), then deltas; resumable by revision.
+        Every datapath follows it and picks its own local backends.
         """
 
 def add_LoadBalancerServiceServicer_to_server(servicer: LoadBalancerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
