@@ -415,6 +415,7 @@ def content_bytes(c: PolicyContent) -> bytes:
         entries=[_entry_pb(e) for e in c.entries],
         error=c.error,
         prefix_entries=[_prefix_pb(e) for e in c.prefix_entries],
+        dns_proxy=c.dns_proxy,
     ).SerializeToString()
 
 

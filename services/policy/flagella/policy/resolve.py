@@ -99,6 +99,9 @@ class PolicyContent:
     # the lb services, which etcd's history does not hold (a resumed stream
     # resends such policies too).
     service_rules: bool = False
+    # Egress toFQDNs select the identity: its DNS goes through the node's
+    # DNS proxy (which learns what the names resolve to).
+    dns_proxy: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,6 +272,7 @@ class SigPolicy:
         # Kubernetes ipBlocks over addresses depend on the rules only.
         self.ipblock_rules = any(r.has_ipblocks for r in rules)
         self.service_rules = any(r.has_services for r in rules)
+        self.dns_proxy = any(r.fqdns for r in rules)
         self.prefix_entries = flatten(c for r in rules for c in r.clauses if c.blocks)
         self.raw_allow0 = _freeze(allow0)
         self.raw_deny0 = _freeze(deny0)
@@ -415,6 +419,7 @@ class SigPolicy:
             prefix_entries=self.prefix_entries,
             ipblock_rules=self.ipblock_rules,
             service_rules=self.service_rules,
+            dns_proxy=self.dns_proxy,
         )
         return self._content
 

@@ -1542,6 +1542,7 @@ class ResolvedPolicy(_message.Message):
     ERROR_FIELD_NUMBER: _builtins.int
     PREFIX_ENTRIES_FIELD_NUMBER: _builtins.int
     REVISION_TIME_FIELD_NUMBER: _builtins.int
+    DNS_PROXY_FIELD_NUMBER: _builtins.int
     identity: _builtins.int
     revision: _builtins.int
     """Repository revision this policy was computed at."""
@@ -1552,6 +1553,11 @@ class ResolvedPolicy(_message.Message):
     """Set when the entries would exceed the per-endpoint budget: the policy is
     then fail-closed (both directions enforced, no entries) and this says
     why. Never a partial policy.
+    """
+    dns_proxy: _builtins.bool
+    """Egress rules with toFQDNs select the identity: its endpoints' DNS
+    (port 53, UDP and TCP, to any server) goes through their node's DNS
+    proxy, which learns the answers into the FQDN cache.
     """
     @_builtins.property
     def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___PolicyEntry]: ...
@@ -1583,10 +1589,11 @@ class ResolvedPolicy(_message.Message):
         error: _builtins.str = ...,
         prefix_entries: _abc.Iterable[Global___PrefixEntry] | None = ...,
         revision_time: _timestamp_pb2.Timestamp | None = ...,
+        dns_proxy: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["revision_time", b"revision_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["egress_enforced", b"egress_enforced", "entries", b"entries", "error", b"error", "identity", b"identity", "ingress_enforced", b"ingress_enforced", "prefix_entries", b"prefix_entries", "revision", b"revision", "revision_time", b"revision_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dns_proxy", b"dns_proxy", "egress_enforced", b"egress_enforced", "entries", b"entries", "error", b"error", "identity", b"identity", "ingress_enforced", b"ingress_enforced", "prefix_entries", b"prefix_entries", "revision", b"revision", "revision_time", b"revision_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1970,15 +1977,22 @@ class UpsertFQDNCacheResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     REVISION_FIELD_NUMBER: _builtins.int
+    SELECTED_FIELD_NUMBER: _builtins.int
     revision: _builtins.int
+    selected: _builtins.bool
+    """Some address of the entries has a CIDR identity at revision (a toFQDNs
+    selector or a CIDR rule selects it). False: no policy depends on them,
+    and a DNS proxy has nothing to wait for.
+    """
     def __init__(
         self,
         *,
         revision: _builtins.int = ...,
+        selected: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["revision", b"revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["revision", b"revision", "selected", b"selected"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
