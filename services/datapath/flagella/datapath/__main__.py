@@ -22,6 +22,8 @@ from flagella.common.sync.reconcile import AfterBatch, Target, reconcile_table
 from flagella.common.sync.stream import OpenStream
 from flagella.datapath.cnirelay import CniRelay, UnsafeSocket
 from flagella.datapath.config import DatapathConfig
+from flagella.datapath.dnsproxy.server import DnsProxy
+from flagella.datapath.dnsproxy.teach import Teacher
 from flagella.datapath.handlers import (
     Identities,
     IdentityPolicies,
@@ -34,6 +36,7 @@ from flagella.datapath.handlers import (
 from flagella.datapath.hostfw import HostFirewall
 from flagella.datapath.ipcache import node_entries, policy_entries
 from flagella.datapath.metrics import DatapathCollector
+from flagella.datapath.namedports import IPCacheValue
 from flagella.datapath.node import NodeRegistration
 from flagella.datapath.routes import NodeRoutes, NodeRoutesCodec
 from flagella.datapath.service import DatapathService
@@ -57,6 +60,7 @@ class DatapathApp:
         self.registration: NodeRegistration | None = None
         self.relay: CniRelay | None = None
         self.hostfw: HostFirewall | None = None
+        self.dnsproxy: DnsProxy | None = None
 
     def register(self, server: grpc.aio.Server) -> None:
         datapath_pb2_grpc.add_DatapathServiceServicer_to_server(
@@ -66,6 +70,9 @@ class DatapathApp:
     async def start(self) -> None:
         cfg = self.runtime.config
         tasks = self.runtime.tasks
+        if cfg.dns_proxy_port:
+            # Listening before the BPF is told its port (config in start).
+            await self._open_dns_proxy()
         try:
             await self.service.start(tasks, self.runtime.phase)
         except FlagellaError as exc:
@@ -101,7 +108,7 @@ class DatapathApp:
             policy = policy_pb2_grpc.PolicyServiceStub(
                 self.runtime.channel(cfg.policy_address, "policy")
             )
-            ipcache, _ = self._stream(
+            ipcache, ipcache_source = self._stream(
                 "ipcache",
                 lambda since: policy.WatchIPCache(
                     policy_pb2.WatchIPCacheRequest(since_revision=since)
@@ -109,7 +116,15 @@ class DatapathApp:
                 IPCacheEntryCodec(),
                 acknowledges_resume=False,  # policy's streams answer with the changes alone
             )
-            self._reconcile(ipcache, Identities(policy_entries(self.service.ipcache_view)))
+
+            async def ipcache_applied(batch: Batch[str, IPCacheValue], revision: int) -> None:
+                # The stream's last SYNCED (read before awaiting): what a
+                # DNS answer waits for (DatapathService.wait_applied).
+                await self.service.stream_applied("ipcache", ipcache_source.revision)
+
+            self._reconcile(
+                ipcache, Identities(policy_entries(self.service.ipcache_view)), ipcache_applied
+            )
             self._reconcile(ipcache, self.service.peer_ports, what="ipcache-named-ports")
             policies, source = self._stream(
                 "policy",
@@ -155,6 +170,33 @@ class DatapathApp:
             except (OSError, UnsafeSocket) as exc:
                 raise FatalError(f"cannot serve the CNI socket {cfg.cni_socket}: {exc}") from exc
             self.relay = relay
+
+    async def _open_dns_proxy(self) -> None:
+        cfg = self.runtime.config
+        teach = None
+        if cfg.policy_address:
+            policy = policy_pb2_grpc.PolicyServiceStub(
+                self.runtime.channel(cfg.policy_address, "policy")
+            )
+            teach = Teacher(
+                policy, cfg.node_name, self.service.wait_applied, cfg.dns_proxy_response_max_delay
+            )
+        proxy = DnsProxy(
+            cfg.dns_proxy_port,
+            self.service.endpoint_of,
+            teach,
+            self.service.has_identity,
+            upstream_timeout=cfg.dns_proxy_upstream_timeout,
+            min_ttl=cfg.tofqdns_min_ttl,
+        )
+        try:
+            await proxy.open()
+        except OSError as exc:
+            await proxy.close()
+            raise FatalError(
+                f"cannot open the DNS proxy on port {cfg.dns_proxy_port}: {exc}"
+            ) from exc
+        self.dnsproxy = proxy
 
     async def _node_labels(self) -> dict[str, str]:
         """This node's labels as its registration in the node registry has
@@ -221,6 +263,8 @@ class DatapathApp:
         # The runtime stopped the tasks (streams, reconcilers, GC) already.
         if self.relay is not None:
             await self.relay.close()
+        if self.dnsproxy is not None:
+            await self.dnsproxy.close()
         await self.service.stop()
 
 

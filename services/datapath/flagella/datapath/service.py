@@ -97,6 +97,8 @@ class IdentityPolicy:
     revision_time: float = dataclasses.field(default=0.0, compare=False)
     # The policy service sent it fail-closed (over its own budget): why.
     error: str = ""
+    # Egress toFQDNs select it: its DNS goes through the node's DNS proxy.
+    dns_proxy: bool = False
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,7 @@ class PolicyOps:
                     ingress_enforced=value.ingress_enforced,
                     egress_enforced=value.egress_enforced,
                     prefixes=value.prefixes,
+                    dns_proxy=value.dns_proxy and bool(self.svc.config.dns_proxy_port),
                 )
             state = PolicyMapState(entries, entries, value.error)
         except PolicyBudgetExceeded as exc:
@@ -238,6 +241,8 @@ class DatapathService:
         # Revision of the last SYNCED of this node's policy stream.
         self.policy_synced_revision = 0
         self._realized_changed = asyncio.Condition()
+        # Each stream's last revision in the maps (stream_applied).
+        self.applied: dict[str, int] = {}
         self.ipcache = Reconciler("ipcache", IPCacheOps(self))
         # The policy's ipcache and the node registry, merged into the map.
         self.ipcache_view = IPCacheView(self.ipcache, config.node_name, tunnel=config.tunnel)
@@ -361,6 +366,7 @@ class DatapathService:
                 host_policy=current.host_policy,
                 host_ingress=current.host_ingress,
                 host_egress=current.host_egress,
+                dns_proxy_port=self.config.dns_proxy_port,
             ),
         )
 
@@ -741,6 +747,44 @@ class DatapathService:
             for endpoint_id in ready & set(self.realized):
                 self.realized[endpoint_id] = max(self.realized[endpoint_id], revision)
             self._realized_changed.notify_all()
+
+    async def stream_applied(self, name: str, revision: int) -> None:
+        """A stream's batch at revision is in the maps."""
+        async with self._realized_changed:
+            self.applied[name] = max(self.applied.get(name, 0), revision)
+            self._realized_changed.notify_all()
+
+    async def wait_applied(self, endpoint_id: int, revision: int, timeout: float) -> bool:
+        """Whether, within timeout, the ipcache and the endpoint's policy
+        reached revision (what a DNS answer waits for: the DNS proxy)."""
+
+        def done() -> bool:
+            return (
+                self.applied.get("ipcache", 0) >= revision
+                and self.realized.get(endpoint_id, -1) >= revision
+            )
+
+        async def wait() -> None:
+            async with self._realized_changed:
+                await self._realized_changed.wait_for(done)
+
+        try:
+            await asyncio.wait_for(wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    def has_identity(self, ip: str) -> bool:
+        """The policy's ipcache gives the address an identity of its own."""
+        ids = self.ipcache_view.identities
+        return f"{ip}/{128 if ':' in ip else 32}" in ids or ip in ids
+
+    def endpoint_of(self, ip: str) -> int | None:
+        """The local endpoint with address ip."""
+        for record in self.endpoints.values():
+            if any(a.partition("/")[0] == ip for a in record.addresses):
+                return record.endpoint_id
+        return None
 
     async def wait_for_policy(self, endpoint_id: int, min_revision: int, timeout: float) -> int:
         if endpoint_id not in self.endpoints:

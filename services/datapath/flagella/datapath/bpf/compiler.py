@@ -25,6 +25,7 @@ PROGRAMS = (
     "to_netdev",
     "from_tunnel",
     "to_tunnel",
+    "to_proxy",
 )
 
 _LD_IMM64 = 0x18

@@ -315,6 +315,7 @@ class Datapath:
                 (self._prog_fds["from_container"], "from_container", tc.INGRESS),
                 (self._prog_fds["to_container"], "to_container", tc.EGRESS),
             ],
+            proxy=self._prog_fds["to_proxy"],
         )
 
     def attach_netdev(self, ifindex: int) -> None:

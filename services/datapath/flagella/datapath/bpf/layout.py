@@ -123,6 +123,7 @@ EP_F_POLICY_READY = 1 << 0
 EP_F_INGRESS_ENFORCED = 1 << 1
 EP_F_EGRESS_ENFORCED = 1 << 2
 EP_F_PREFIX_POLICY = 1 << 3
+EP_F_DNS_PROXY = 1 << 12
 
 # service flags
 SVC_F_NODEPORT = 1 << 0
@@ -506,7 +507,7 @@ class DpConfig(ctypes.Structure):
         ("nat_port_max", ctypes.c_uint16),
         ("tunnel_ifindex", ctypes.c_uint32),
         ("tunnel_port", ctypes.c_uint16),  # network order
-        ("pad", ctypes.c_uint16),
+        ("dns_proxy_port", ctypes.c_uint16),  # host order; 0: none
     ]
 
 

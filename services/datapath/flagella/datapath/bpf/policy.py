@@ -203,6 +203,7 @@ class Policy(BpfMap[L.PolicyKey, L.PolicyValue]):
         egress_enforced: bool = True,
         *,
         prefixes: Sequence[PrefixRule] = (),
+        dns_proxy: bool = False,
     ) -> int:
         """Replaces the endpoint's entries, then marks its policy realized
         at revision (traffic flows from then on). Entries are written
@@ -230,6 +231,7 @@ class Policy(BpfMap[L.PolicyKey, L.PolicyValue]):
             ingress_enforced,
             egress_enforced,
             prefix_policy=bool(desired_prefixes),
+            dns_proxy=dns_proxy,
         )
         return total
 

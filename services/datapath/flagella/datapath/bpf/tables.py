@@ -131,6 +131,7 @@ class Endpoints(BpfMap[L.EndpointKey, L.EndpointInfo]):
         egress_enforced: bool,
         *,
         prefix_policy: bool = False,
+        dns_proxy: bool = False,
     ) -> int:
         """Marks the endpoint's policy realized: ready, enforcement, revision,
         and a new policy generation (established connections are checked
@@ -146,6 +147,8 @@ class Endpoints(BpfMap[L.EndpointKey, L.EndpointInfo]):
                 flags |= L.EP_F_EGRESS_ENFORCED
             if prefix_policy:
                 flags |= L.EP_F_PREFIX_POLICY
+            if dns_proxy:
+                flags |= L.EP_F_DNS_PROXY
             v.flags = flags
             v.policy_revision = revision
             v.policy_gen = (v.policy_gen + 1) & 0xFFFFFFFF
@@ -229,6 +232,8 @@ class NodeConfig:
     host_policy: bool = False
     host_ingress: bool = False
     host_egress: bool = False
+    # The DNS proxy's port (0: none; no pod's DNS is redirected).
+    dns_proxy_port: int = 0
 
 
 class Config(BpfMap[L.U32, L.DpConfig]):
@@ -252,6 +257,7 @@ class Config(BpfMap[L.U32, L.DpConfig]):
             host_policy=bool(v.flags & L.CFG_HOST_POLICY),
             host_ingress=bool(v.flags & L.CFG_HOST_INGRESS),
             host_egress=bool(v.flags & L.CFG_HOST_EGRESS),
+            dns_proxy_port=v.dns_proxy_port,
         )
 
     def write(self, cfg: NodeConfig) -> None:
@@ -262,6 +268,7 @@ class Config(BpfMap[L.U32, L.DpConfig]):
             nat_port_max=cfg.nat_port_max,
             tunnel_ifindex=cfg.tunnel_ifindex,
             tunnel_port=socket.htons(cfg.tunnel_port),
+            dns_proxy_port=cfg.dns_proxy_port,
         )
         if cfg.node_ip4:
             if L.ip_family(cfg.node_ip4) != 4:

@@ -20,6 +20,9 @@ from pyroute2.netlink.exceptions import NetlinkError
 INGRESS = 0xFFFFFFF2  # TC_H_MAKE(TC_H_CLSACT, TC_H_MIN_INGRESS)
 EGRESS = 0xFFFFFFF3
 PRIO = 1
+# A pod veth's ingress: to_proxy after from_container (which passes DNS for
+# the proxy on with TC_ACT_UNSPEC, the next filter's turn).
+PRIO_PROXY = 2
 HANDLE = 1
 ETH_P_ALL = 0x0003
 _TCA_OPTIONS = "TCA_OPTIONS"
@@ -47,12 +50,18 @@ def attach(ifindex: int, prog_fd: int, name: str, parent: int) -> None:
     attach_all(ifindex, [(prog_fd, name, parent)])
 
 
-def attach_all(ifindex: int, hooks: Sequence[tuple[int, str, int]]) -> None:
+def attach_all(
+    ifindex: int, hooks: Sequence[tuple[int, str, int]], *, proxy: int | None = None
+) -> None:
     """attach() for several (prog_fd, name, parent) hooks of one interface,
-    on one netlink socket and with one clsact."""
+    on one netlink socket and with one clsact; proxy: a program for the
+    ingress after the first (PRIO_PROXY)."""
     with IPRoute() as ipr:
         _ensure_clsact(ipr, ifindex)
-        for prog_fd, name, parent in hooks:
+        for prog_fd, name, parent, prio in [
+            *((fd, n, p, PRIO) for fd, n, p in hooks),
+            *(() if proxy is None else ((proxy, "to_proxy", INGRESS, PRIO_PROXY),)),
+        ]:
             ipr.tc(
                 "replace-filter",
                 "bpf",
@@ -61,7 +70,7 @@ def attach_all(ifindex: int, hooks: Sequence[tuple[int, str, int]]) -> None:
                 fd=prog_fd,
                 name=name,
                 parent=parent,
-                prio=PRIO,
+                prio=prio,
                 protocol=ETH_P_ALL,
                 classid=1,
                 direct_action=True,
@@ -73,7 +82,7 @@ def detach(ifindex: int) -> bool:
     filters and the clsact qdisc stay. False if none was there."""
     removed = False
     with IPRoute() as ipr:
-        for parent in (INGRESS, EGRESS):
+        for parent, prio in ((INGRESS, PRIO), (EGRESS, PRIO), (INGRESS, PRIO_PROXY)):
             try:
                 ipr.tc(
                     "del-filter",
@@ -81,10 +90,10 @@ def detach(ifindex: int) -> bool:
                     ifindex,
                     HANDLE,
                     parent=parent,
-                    prio=PRIO,
+                    prio=prio,
                     protocol=ETH_P_ALL,
                 )
-                removed = True
+                removed = removed or prio == PRIO
             except NetlinkError as e:
                 if e.code not in (errno.ENOENT, errno.EINVAL, errno.ENODEV):
                     raise
