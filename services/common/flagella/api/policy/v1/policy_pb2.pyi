@@ -867,6 +867,7 @@ class PeerRule(_message.Message):
     ACTION_FIELD_NUMBER: _builtins.int
     NAME_FIELD_NUMBER: _builtins.int
     FQDNS_FIELD_NUMBER: _builtins.int
+    DNS_FIELD_NUMBER: _builtins.int
     action: Global___AdminAction.ValueType
     """(Baseline)AdminNetworkPolicy gress rules (Rule.tier set): the rule's
     action (required there, unset elsewhere) and its name.
@@ -899,6 +900,13 @@ class PeerRule(_message.Message):
         the nodes' DNS proxies learned them (the FQDN cache).
         """
 
+    @_builtins.property
+    def dns(self) -> _containers.RepeatedCompositeFieldContainer[Global___FQDNSelector]:
+        """rules.dns of the clause's toPorts (egress, port 53): the names its
+        endpoints may look up through their node's DNS proxy (others get
+        REFUSED); a name as match_name, else match_pattern ("*": any).
+        """
+
     def __init__(
         self,
         *,
@@ -911,10 +919,11 @@ class PeerRule(_message.Message):
         action: Global___AdminAction.ValueType = ...,
         name: _builtins.str = ...,
         fqdns: _abc.Iterable[Global___FQDNSelector] | None = ...,
+        dns: _abc.Iterable[Global___FQDNSelector] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "cidrs", b"cidrs", "endpoints", b"endpoints", "entities", b"entities", "fqdns", b"fqdns", "name", b"name", "requires", b"requires", "services", b"services", "to_ports", b"to_ports"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "cidrs", b"cidrs", "dns", b"dns", "endpoints", b"endpoints", "entities", b"entities", "fqdns", b"fqdns", "name", b"name", "requires", b"requires", "services", b"services", "to_ports", b"to_ports"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1543,6 +1552,7 @@ class ResolvedPolicy(_message.Message):
     PREFIX_ENTRIES_FIELD_NUMBER: _builtins.int
     REVISION_TIME_FIELD_NUMBER: _builtins.int
     DNS_PROXY_FIELD_NUMBER: _builtins.int
+    DNS_RULES_FIELD_NUMBER: _builtins.int
     identity: _builtins.int
     revision: _builtins.int
     """Repository revision this policy was computed at."""
@@ -1578,6 +1588,13 @@ class ResolvedPolicy(_message.Message):
         clocks of the nodes are assumed in sync).
         """
 
+    @_builtins.property
+    def dns_rules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """rules.dns of the egress rules selecting the identity (FQDNSelector keys:
+        a name, or a pattern with `*`): the names it may look up. Empty with
+        dns_proxy set: any name.
+        """
+
     def __init__(
         self,
         *,
@@ -1590,10 +1607,11 @@ class ResolvedPolicy(_message.Message):
         prefix_entries: _abc.Iterable[Global___PrefixEntry] | None = ...,
         revision_time: _timestamp_pb2.Timestamp | None = ...,
         dns_proxy: _builtins.bool = ...,
+        dns_rules: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["revision_time", b"revision_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dns_proxy", b"dns_proxy", "egress_enforced", b"egress_enforced", "entries", b"entries", "error", b"error", "identity", b"identity", "ingress_enforced", b"ingress_enforced", "prefix_entries", b"prefix_entries", "revision", b"revision", "revision_time", b"revision_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dns_proxy", b"dns_proxy", "dns_rules", b"dns_rules", "egress_enforced", b"egress_enforced", "entries", b"entries", "error", b"error", "identity", b"identity", "ingress_enforced", b"ingress_enforced", "prefix_entries", b"prefix_entries", "revision", b"revision", "revision_time", b"revision_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
