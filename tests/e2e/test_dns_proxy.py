@@ -7,72 +7,27 @@ before releasing them. One set-up, the issue's acceptance in order."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-from harness import tls
-from harness.cluster import OUTSIDE_IP, Cluster, Node
+from harness.cluster import OUTSIDE_IP, Cluster, Node, cli
 from harness.cnipods import CniPod, cni_pod
+from harness.dns import serve_dns
 from harness.netns import Netns, wait_until
 
+from flagella.api.datapath.v1 import datapath_pb2
 from flagella.api.policy.v1 import policy_pb2
 
 pytestmark = [pytest.mark.privileged, pytest.mark.integration]
 
-CLI = shutil.which("flagella", path=str(Path(sys.executable).parent)) or "flagella"
 DNS = OUTSIDE_IP.format(n=101)  # the first node's outside host serves DNS
 NET = DNS.rsplit(".", 1)[0]  # its /24: the addresses the names resolve to
 API, OTHER, BARE, UNASSIGNED = f"{NET}.10", f"{NET}.11", f"{NET}.12", f"{NET}.99"
 REPEATS = 100
 PORT = 443
 
-# A DNS server (dnspython) on UDP and TCP 53: a few names, a wildcard zone
-# r<N>.example.test -> NET.(100+N); anything else NXDOMAIN.
-SERVER = r"""
-import socket, struct, sys, threading
-import dns.message, dns.rcode, dns.rrset
-net = sys.argv[1]
-names = {"api.example.test.": f"{net}.10", "other.example.test.": f"{net}.11",
-         "example.test.": f"{net}.12"}
-def address(name):
-    if name in names:
-        return names[name]
-    first = name.split(".")[0]
-    if name.endswith(".example.test.") and first[:1] == "r" and first[1:].isdigit():
-        return f"{net}.{100 + int(first[1:])}"
-def answer(wire):
-    q = dns.message.from_wire(wire)
-    r = dns.message.make_response(q)
-    name = q.question[0].name.to_text().lower()
-    ip = address(name)
-    if ip is None:
-        r.set_rcode(dns.rcode.NXDOMAIN)
-    else:
-        r.answer.append(dns.rrset.from_text(name, 60, "IN", "A", ip))
-    return r.to_wire()
-udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); udp.bind(("0.0.0.0", 53))
-tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); tcp.bind(("0.0.0.0", 53)); tcp.listen(64)
-def serve_tcp():
-    while True:
-        c, _ = tcp.accept()
-        with c:
-            n = struct.unpack("!H", c.recv(2))[0]
-            data = b""
-            while len(data) < n:
-                data += c.recv(n - len(data))
-            out = answer(data)
-            c.sendall(struct.pack("!H", len(out)) + out)
-threading.Thread(target=serve_tcp, daemon=True).start()
-print("ready", flush=True)
-while True:
-    data, peer = udp.recvfrom(4096)
-    udp.sendto(answer(data), peer)
-"""
 
 # In the pod: each step is [what, name or address, option]; prints one JSON
 # result per step. resolve: the A records (or the rcode), over UDP or TCP;
@@ -123,7 +78,8 @@ print(json.dumps(out))
 """
 
 
-def policy(fqdn: str) -> str:
+def policy(fqdn: str, dns: str = "") -> str:
+    rules = f"\n      rules: {{dns: [{dns}]}}" if dns else ""
     return f"""
 apiVersion: cilium.io/v2
 kind: CiliumNetworkPolicy
@@ -132,7 +88,8 @@ spec:
   endpointSelector: {{matchLabels: {{app: web}}}}
   egress:
   - toCIDR: [{NET}.0/24]
-    toPorts: [{{ports: [{{port: "53", protocol: UDP}}, {{port: "53", protocol: TCP}}]}}]
+    toPorts:
+    - ports: [{{port: "53", protocol: UDP}}, {{port: "53", protocol: TCP}}]{rules}
   - toFQDNs: [{{{fqdn}}}]
     toPorts: [{{ports: [{{port: "{PORT}", protocol: TCP}}]}}]
 """
@@ -141,26 +98,16 @@ spec:
 @pytest.fixture
 def node(cluster: Cluster) -> Node:
     cluster.start(services=("ipam", "policy", "lb", "endpoint"))
-    node = cluster.add_node("n1", extra=["--dns-proxy-upstream-timeout", "1"])
+    node = cluster.add_node(
+        "n1", extra=["--dns-proxy-upstream-timeout", "1", "--tofqdns-gc-interval-seconds", "1"]
+    )
     batch = "".join(
-        f"addr add {NET}.{i}/24 dev eth0\n" for i in (10, 11, 12, *range(101, 101 + REPEATS))
+        f"addr add {NET}.{i}/24 dev eth0\n" for i in (10, 11, 12, 13, *range(101, 101 + REPEATS))
     )
     subprocess.run(
         ["ip", "-n", node.outside.name, "-batch", "-"], input=batch, text=True, check=True
     )
     return node
-
-
-def cli(cluster: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [
-            CLI,
-            "--tls-dir", str(tls.session().bundle(tls.OPERATOR)),
-            "--policy-address", cluster.services["policy"].address,
-            *args,
-        ],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
 
 
 def in_pod(pod: Netns, *steps: tuple[str, str, str]) -> list[dict[str, object]]:
@@ -169,14 +116,13 @@ def in_pod(pod: Netns, *steps: tuple[str, str, str]) -> list[dict[str, object]]:
     return results
 
 
-def serve_dns(outside: Netns) -> None:
-    proc = outside.popen(sys.executable, "-c", SERVER, NET)
-    assert proc.stdout is not None
-    assert proc.stdout.readline().strip() == "ready"
+def flows(cluster: Cluster, node: Node, verdict: int) -> list[datapath_pb2.Flow]:
+    request = datapath_pb2.ObserveFlowsRequest(verdicts=[verdict], last=500, follow=False)
+    return list(cluster.datapath(node).ObserveFlows(request, timeout=10))
 
 
 def test_dns_aware_egress_through_the_node_proxy(cluster: Cluster, node: Node) -> None:
-    serve_dns(node.outside)
+    serve_dns(node.outside, NET)
     node.outside.serve("tcp", PORT, "outside")
     web: CniPod = cni_pod(cluster, node, "web", {"app": "web"})
     pod = web.ns
@@ -202,6 +148,10 @@ def test_dns_aware_egress_through_the_node_proxy(cluster: Cluster, node: Node) -
     assert other["connected"] is False
     assert by_tcp["ips"] == [API]
     assert direct["connected"] is False
+    # Dropped by policy, with the reason (its /24 is allowed on port 53 only).
+    dropped = flows(cluster, node, datapath_pb2.FLOW_VERDICT_DROPPED)
+    reasons = {f.drop_reason for f in dropped if f.dst_ip in (OTHER, BARE)}
+    assert reasons == {datapath_pb2.DROP_REASON_POLICY_L4}, dropped
 
     # The cache shows what the proxy learned, per endpoint (CLI and gRPC).
     listed = cli(cluster, "fqdn", "cache", "list", "--node", "n1")
@@ -226,6 +176,41 @@ def test_dns_aware_egress_through_the_node_proxy(cluster: Cluster, node: Node) -
     bare = results[REPEATS]
     assert bare["ips"] == [BARE]
     assert bare["connected"] is False
+
+    # DNS rules: a name outside them gets REFUSED, with an L7 flow of its
+    # own (DROPPED); the names inside resolve and connect as before.
+    cluster.policy().PutRules(
+        policy_pb2.PutRulesRequest(
+            document=policy('matchPattern: "*.example.test"', '{matchPattern: "r*.example.test"}')
+        ),
+        timeout=10,
+    )
+    assert wait_until(
+        lambda: in_pod(pod, ("resolve", "api.example.test", "udp"))[0].get("rcode") == "REFUSED"
+    )
+    (allowed,) = in_pod(pod, ("resolve_connect", "r7.example.test", "tcp"))
+    assert allowed["connected"] is True
+    refused = [
+        f
+        for f in flows(cluster, node, datapath_pb2.FLOW_VERDICT_DROPPED)
+        if f.type == datapath_pb2.FLOW_TYPE_L7
+    ]
+    assert refused
+    assert {(f.dns.query, f.dns.rcode, f.src_ip) for f in refused} == {
+        ("api.example.test", 5, web.ip4)
+    }
+    answered = [
+        f
+        for f in flows(cluster, node, datapath_pb2.FLOW_VERDICT_FORWARDED)
+        if f.type == datapath_pb2.FLOW_TYPE_L7 and f.dns.query == "r7.example.test"
+    ]
+    assert [list(f.dns.ips) for f in answered][-1:] == [[f"{NET}.107"]]
+    cluster.policy().PutRules(
+        policy_pb2.PutRulesRequest(document=policy('matchPattern: "*.example.test"')), timeout=10
+    )
+    assert wait_until(
+        lambda: in_pod(pod, ("resolve", "api.example.test", "udp"))[0].get("rcode") == "NOERROR"
+    )
 
     # Errors: an unreachable server gives SERVFAIL promptly; an unparsable
     # datagram is dropped and the proxy keeps serving.
@@ -253,6 +238,27 @@ def test_dns_aware_egress_through_the_node_proxy(cluster: Cluster, node: Node) -
     lines = hold.stdout.read().split("\n")
     assert [line for line in lines if line.startswith("fail")] == [], lines
     assert sum(line.startswith("ok ") for line in lines) > 5, lines
+
+    # TTL: an expired entry stays while a connection uses its address, and
+    # goes (with the address's identity: no new connection) once none does.
+    short = f"{NET}.13"
+    assert in_pod(pod, ("resolve_connect", "short.example.test", "udp"))[0]["connected"] is True
+    hold = pod.stream(short, PORT, 0.05, hello=True)
+    assert hold.stdout is not None
+    assert hold.stdout.readline().strip() == "outside"
+    assert wait_until(
+        lambda: any(
+            "expired, kept" in line and "short.example.test" in line
+            for line in node.process.logs().splitlines()  # type: ignore[union-attr]
+        )
+    )
+    assert "short.example.test" in cli(cluster, "fqdn", "cache", "list", "--node", "n1").stdout
+    hold.kill()
+    # A closed connection's conntrack entry lives 10 s more.
+    assert wait_until(
+        lambda: "short.example.test" not in cli(cluster, "fqdn", "cache", "list").stdout, 30
+    )
+    assert in_pod(pod, ("connect", short, ""))[0]["connected"] is False
 
     # Deleting the cache's entries: the policy follows (no new connection).
     gone = cli(cluster, "fqdn", "cache", "delete", "--node", "n1", "--match-pattern", "*")

@@ -11,6 +11,7 @@ import dns.message
 import dns.rcode
 import dns.rrset
 
+from flagella.datapath.dnsproxy.expiry import Cached, due
 from flagella.datapath.dnsproxy.learn import Learned, Taught, learned
 from flagella.datapath.dnsproxy.sockets import (
     IP_ORIGDSTADDR,
@@ -73,3 +74,12 @@ def test_the_original_destination_of_a_query() -> None:
     got = original_destination([(socket.IPPROTO_IPV6, IPV6_ORIGDSTADDR, v6)])
     assert got == ("2001:db8::53", 5353)
     assert original_destination([]) is None
+
+
+def test_expired_entries_go_unless_a_connection_uses_them() -> None:
+    fresh = Cached("7", "a.test", ("192.0.2.1",), expires=200.0)
+    used = Cached("7", "b.test", ("192.0.2.2", "192.0.2.3"), expires=50.0)
+    unused = Cached("8", "c.test", ("192.0.2.4",), expires=99.0)
+    gone, kept = due([fresh, used, unused], now=100.0, in_use={"192.0.2.3", "192.0.2.1"})
+    assert gone == [unused]
+    assert kept == [used]

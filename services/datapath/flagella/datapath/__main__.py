@@ -22,6 +22,7 @@ from flagella.common.sync.reconcile import AfterBatch, Target, reconcile_table
 from flagella.common.sync.stream import OpenStream
 from flagella.datapath.cnirelay import CniRelay, UnsafeSocket
 from flagella.datapath.config import DatapathConfig
+from flagella.datapath.dnsproxy.expiry import Expiry
 from flagella.datapath.dnsproxy.server import DnsProxy
 from flagella.datapath.dnsproxy.teach import Teacher
 from flagella.datapath.handlers import (
@@ -181,11 +182,16 @@ class DatapathApp:
             teach = Teacher(
                 policy, cfg.node_name, self.service.wait_applied, cfg.dns_proxy_response_max_delay
             )
+            expiry = Expiry(policy, cfg.node_name, self.service.live_peers, self._forget_taught)
+            self.runtime.tasks.supervise(
+                "fqdn-expiry", lambda: expiry.run(cfg.tofqdns_gc_interval_seconds)
+            )
         proxy = DnsProxy(
             cfg.dns_proxy_port,
-            self.service.endpoint_of,
+            self.service.dns_asker,
             teach,
             self.service.has_identity,
+            self.service.flows.publish,
             upstream_timeout=cfg.dns_proxy_upstream_timeout,
             min_ttl=cfg.tofqdns_min_ttl,
         )
@@ -197,6 +203,10 @@ class DatapathApp:
                 f"cannot open the DNS proxy on port {cfg.dns_proxy_port}: {exc}"
             ) from exc
         self.dnsproxy = proxy
+
+    def _forget_taught(self, endpoint: int, name: str) -> None:
+        if self.dnsproxy is not None:
+            self.dnsproxy.taught.forget(endpoint, name)
 
     async def _node_labels(self) -> dict[str, str]:
         """This node's labels as its registration in the node registry has

@@ -130,6 +130,10 @@ class DatapathConfig(ServiceConfig):
         "seconds at most a DNS answer is held until this node applied what it taught the "
         "policy service (as Cilium's tofqdns-proxy-response-max-delay)",
     )
+    tofqdns_gc_interval_seconds: float = option(
+        10.0,
+        "how often this node's expired FQDN cache entries without a live connection are deleted",
+    )
     tofqdns_min_ttl: int = option(
         0, "minimum seconds an answer's addresses stay in the FQDN cache (Cilium's tofqdns-min-ttl)"
     )
@@ -170,6 +174,8 @@ class DatapathConfig(ServiceConfig):
             raise ConfigError("--dns-proxy-upstream-timeout", "must be positive")
         if self.dns_proxy_response_max_delay <= 0:
             raise ConfigError("--dns-proxy-response-max-delay", "must be positive")
+        if self.tofqdns_gc_interval_seconds <= 0:
+            raise ConfigError("--tofqdns-gc-interval-seconds", "must be positive")
         if not 0 <= self.tofqdns_min_ttl <= 7 * 86400:
             raise ConfigError("--tofqdns-min-ttl", f"{self.tofqdns_min_ttl} is not in 0..604800")
         if self.health_interval_seconds <= 0:

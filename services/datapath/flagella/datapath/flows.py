@@ -29,6 +29,17 @@ class FlowRecord:
     ifindex: int
     tcp_flags: int = 0
     icmp_type: int = 0
+    # FLOW_TYPE_L7: the DNS proxy's record.
+    dns: DnsRecord | None = None
+
+
+@dataclass(frozen=True)
+class DnsRecord:
+    query: str
+    ips: tuple[str, ...] = ()
+    ttl: int = 0
+    rcode: int = 0
+    qtypes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

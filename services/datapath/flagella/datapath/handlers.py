@@ -141,6 +141,7 @@ def identity_policy(p: policy_pb2.ResolvedPolicy) -> IdentityPolicy:
         revision_time=p.revision_time.ToNanoseconds() / 1e9 if p.HasField("revision_time") else 0.0,
         error=p.error,
         dns_proxy=p.dns_proxy,
+        dns_rules=tuple(p.dns_rules),
     )
 
 

@@ -102,6 +102,15 @@ def flow_to_proto(f: FlowRecord, node: str) -> datapath_pb2.Flow:
         node=node,
         tcp_flags=f.tcp_flags,
         icmp_type=f.icmp_type,
+        dns=None
+        if f.dns is None
+        else datapath_pb2.DNSRecord(
+            query=f.dns.query,
+            ips=f.dns.ips,
+            ttl=f.dns.ttl,
+            rcode=f.dns.rcode,
+            qtypes=f.dns.qtypes,
+        ),
     )
 
 

@@ -50,18 +50,12 @@ def attach(ifindex: int, prog_fd: int, name: str, parent: int) -> None:
     attach_all(ifindex, [(prog_fd, name, parent)])
 
 
-def attach_all(
-    ifindex: int, hooks: Sequence[tuple[int, str, int]], *, proxy: int | None = None
-) -> None:
+def attach_all(ifindex: int, hooks: Sequence[tuple[int, str, int]], *, prio: int = PRIO) -> None:
     """attach() for several (prog_fd, name, parent) hooks of one interface,
-    on one netlink socket and with one clsact; proxy: a program for the
-    ingress after the first (PRIO_PROXY)."""
+    on one netlink socket and with one clsact."""
     with IPRoute() as ipr:
         _ensure_clsact(ipr, ifindex)
-        for prog_fd, name, parent, prio in [
-            *((fd, n, p, PRIO) for fd, n, p in hooks),
-            *(() if proxy is None else ((proxy, "to_proxy", INGRESS, PRIO_PROXY),)),
-        ]:
+        for prog_fd, name, parent in hooks:
             ipr.tc(
                 "replace-filter",
                 "bpf",
@@ -77,27 +71,31 @@ def attach_all(
             )
 
 
-def detach(ifindex: int) -> bool:
-    """Removes our filters (fixed prio and handle) from both hooks; other
-    filters and the clsact qdisc stay. False if none was there."""
-    removed = False
+def _del_filter(ipr: IPRoute, ifindex: int, parent: int, prio: int) -> bool:
+    """Deletes our filter at prio on one hook; False if it was not there."""
+    try:
+        ipr.tc("del-filter", "bpf", ifindex, HANDLE, parent=parent, prio=prio, protocol=ETH_P_ALL)
+    except NetlinkError as e:
+        if e.code not in (errno.ENOENT, errno.EINVAL, errno.ENODEV):
+            raise
+        return False
+    return True
+
+
+def detach_proxy(ifindex: int) -> None:
+    """Removes the to_proxy filter (PRIO_PROXY) from a pod veth's ingress."""
     with IPRoute() as ipr:
-        for parent, prio in ((INGRESS, PRIO), (EGRESS, PRIO), (INGRESS, PRIO_PROXY)):
-            try:
-                ipr.tc(
-                    "del-filter",
-                    "bpf",
-                    ifindex,
-                    HANDLE,
-                    parent=parent,
-                    prio=prio,
-                    protocol=ETH_P_ALL,
-                )
-                removed = removed or prio == PRIO
-            except NetlinkError as e:
-                if e.code not in (errno.ENOENT, errno.EINVAL, errno.ENODEV):
-                    raise
-    return removed
+        _del_filter(ipr, ifindex, INGRESS, PRIO_PROXY)
+
+
+def detach(ifindex: int) -> bool:
+    """Removes our filters (fixed prio and handle) from both hooks, and
+    to_proxy; other filters and the clsact qdisc stay. False if none of the
+    first two was there."""
+    with IPRoute() as ipr:
+        removed = [_del_filter(ipr, ifindex, parent, PRIO) for parent in (INGRESS, EGRESS)]
+        _del_filter(ipr, ifindex, INGRESS, PRIO_PROXY)
+    return any(removed)
 
 
 def filters(ifindex: int, parent: int) -> list[Filter]:

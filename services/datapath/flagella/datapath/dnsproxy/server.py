@@ -11,6 +11,7 @@ import contextlib
 import logging
 import socket
 import struct
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -18,18 +19,41 @@ import dns.asyncquery
 import dns.exception
 import dns.message
 import dns.rcode
+import dns.rdatatype
 
+from flagella.common.fqdn import canonical_name, matcher
 from flagella.datapath.dnsproxy import sockets
 from flagella.datapath.dnsproxy.learn import Learned, Taught, learned
+from flagella.datapath.flows import DnsRecord, FlowRecord
 
 log = logging.getLogger(__name__)
 
 MAX_UDP = 65535
 
+# datapath.v1 FlowType / FlowVerdict / FlowDirection
+FLOW_TYPE_L7 = 5
+FORWARDED, DROPPED = 1, 2
+EGRESS = 2
+
+
+@dataclass(frozen=True)
+class Asker:
+    """The local endpoint a query came from."""
+
+    endpoint: int
+    identity: int
+    # rules.dns of its policy (names and patterns); empty: any name.
+    rules: tuple[str, ...] = ()
+
+    def may_ask(self, name: str) -> bool:
+        return not self.rules or any(matcher(k)(name) for k in self.rules)
+
+
 # endpoint id, what it learned -> once the node applies it (or gives up).
 Teach = Callable[[int, list[Learned]], Awaitable[None]]
-EndpointOf = Callable[[str], int | None]
+AskerOf = Callable[[str], Asker | None]
 HasIdentity = Callable[[str], bool]
+Publish = Callable[[FlowRecord], None]
 
 
 @dataclass
@@ -37,6 +61,7 @@ class ProxyStats:
     """Counts since start (metrics read them)."""
 
     forwarded: int = 0
+    refused: int = 0
     servfail: int = 0
     unparsable: int = 0
     learned: int = 0
@@ -47,15 +72,17 @@ class DnsProxy:
     def __init__(
         self,
         port: int,
-        endpoint_of: EndpointOf,
+        asker_of: AskerOf,
         teach: Teach | None,
         has_identity: HasIdentity,
+        publish: Publish,
         *,
         upstream_timeout: float = 2.0,
         min_ttl: int = 0,
     ) -> None:
         self.port = port
-        self.endpoint_of = endpoint_of
+        self.asker_of = asker_of
+        self.publish = publish
         self.teach = teach
         self.has_identity = has_identity
         self.upstream_timeout = upstream_timeout
@@ -159,20 +186,36 @@ class DnsProxy:
         self, data: bytes, client: sockets.Address, server: sockets.Address, *, tcp: bool
     ) -> bytes | None:
         """The reply to one query (None: dropped)."""
-        try:
-            query = dns.message.from_wire(data)
-        except dns.exception.DNSException as exc:
-            self.stats.unparsable += 1
-            log.info(
-                "DNS query dropped: unparsable",
-                extra={"client": client[0], "server": server[0], "reason": str(exc)[:200]},
-            )
-            return None
-        endpoint = self.endpoint_of(client[0])
-        if endpoint is None:
+        asker = self.asker_of(client[0])
+        if asker is None:
             # Only pods' traffic is redirected here: a stray packet.
             self.stats.unknown_source += 1
             return None
+        flow = _Flow(self.publish, asker, client, server, tcp)
+        query: dns.message.Message | None = None
+        try:
+            query = dns.message.from_wire(data)
+            reason = "" if len(query.question) == 1 else "not one question"
+        except dns.exception.DNSException as exc:
+            reason = str(exc)[:200] or type(exc).__name__
+        if query is None or reason:
+            self.stats.unparsable += 1
+            log.info(
+                "DNS query dropped: unparsable",
+                extra={"client": client[0], "server": server[0], "reason": reason},
+            )
+            flow(DROPPED, DnsRecord(""))
+            return None
+        question = query.question[0]
+        name = canonical_name(question.name.to_text())
+        qtypes = (dns.rdatatype.to_text(question.rdtype),)
+        if not asker.may_ask(name):
+            self.stats.refused += 1
+            refused = dns.message.make_response(query)
+            refused.set_rcode(dns.rcode.REFUSED)
+            flow(DROPPED, DnsRecord(name, rcode=dns.rcode.REFUSED, qtypes=qtypes))
+            return refused.to_wire()
+        endpoint = asker.endpoint
         try:
             if tcp:
                 reply = await dns.asyncquery.tcp(
@@ -194,11 +237,15 @@ class DnsProxy:
             )
             fail = dns.message.make_response(query)
             fail.set_rcode(dns.rcode.SERVFAIL)
+            flow(FORWARDED, DnsRecord(name, rcode=dns.rcode.SERVFAIL, qtypes=qtypes))
             return fail.to_wire()
         self.stats.forwarded += 1
         items = learned(reply, self.min_ttl)
         if items and self.teach is not None:
             await self._teach(endpoint, items)
+        ips = tuple(ip for i in items if i.name == name for ip in i.ips)
+        ttl = next((i.ttl for i in items if i.name == name), 0)
+        flow(FORWARDED, DnsRecord(name, ips, ttl, reply.rcode(), qtypes))
         return reply.to_wire()
 
     async def _teach(self, endpoint: int, items: list[Learned]) -> None:
@@ -223,3 +270,42 @@ class DnsProxy:
             await self.teach(endpoint, items)
         except Exception as exc:  # logged; the next answer retries
             log.warning("DNS cache refresh failed", extra={"reason": str(exc)[:300]})
+
+
+class _Flow:
+    """The L7 flow of one query (Hubble's DNS record), published once."""
+
+    def __init__(
+        self,
+        publish: Publish,
+        asker: Asker,
+        client: sockets.Address,
+        server: sockets.Address,
+        tcp: bool,
+    ) -> None:
+        self.publish = publish
+        self.asker = asker
+        self.client = client
+        self.server = server
+        self.tcp = tcp
+
+    def __call__(self, verdict: int, record: DnsRecord) -> None:
+        self.publish(
+            FlowRecord(
+                time=time.time(),
+                type=FLOW_TYPE_L7,
+                verdict=verdict,
+                drop_reason=0,
+                direction=EGRESS,
+                src_ip=self.client[0],
+                dst_ip=self.server[0],
+                src_port=self.client[1],
+                dst_port=self.server[1],
+                protocol=6 if self.tcp else 17,
+                src_identity=self.asker.identity,
+                dst_identity=0,
+                endpoint_id=self.asker.endpoint,
+                ifindex=0,
+                dns=record,
+            )
+        )
