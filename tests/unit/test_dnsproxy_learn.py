@@ -83,3 +83,15 @@ def test_expired_entries_go_unless_a_connection_uses_them() -> None:
     gone, kept = due([fresh, used, unused], now=100.0, in_use={"192.0.2.3", "192.0.2.1"})
     assert gone == [unused]
     assert kept == [used]
+
+
+def test_a_known_answer_is_refreshed_once_half_its_ttl_has_passed() -> None:
+    now = [100.0]
+    taught = Taught(clock=lambda: now[0])
+    items = [Learned("a.test", ("192.0.2.1",), 60)]
+    assert taught.stale(7, items) == items
+    taught.add(7, items)
+    now[0] = 129.0
+    assert taught.stale(7, items) == []
+    now[0] = 130.0
+    assert taught.stale(7, items) == items

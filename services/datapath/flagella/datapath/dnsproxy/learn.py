@@ -5,6 +5,8 @@ no wait before the answer goes out)."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import dns.message
@@ -62,20 +64,35 @@ def learned(answer: dns.message.Message, min_ttl: int) -> list[Learned]:
 class Taught:
     """Per endpoint, each name's addresses the policy service already has
     from this node and its policies were waited for: an answer within them
-    only refreshes the entry (its TTL), in the background."""
+    needs no wait, and its entry is refreshed (its TTL, in the background)
+    only once half of the TTL last taught has passed."""
 
-    def __init__(self) -> None:
-        self._known: dict[tuple[int, str], frozenset[str]] = {}
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        # (endpoint, name) -> (addresses, when taught, TTL taught)
+        self._known: dict[tuple[int, str], tuple[frozenset[str], float, int]] = {}
 
     def new(self, endpoint: int, items: list[Learned]) -> list[Learned]:
-        return [
-            i for i in items if not set(i.ips) <= self._known.get((endpoint, i.name), frozenset())
-        ]
+        """The items with addresses not taught yet."""
+        empty: tuple[frozenset[str], float, int] = (frozenset(), 0.0, 0)
+        return [i for i in items if not set(i.ips) <= self._known.get((endpoint, i.name), empty)[0]]
+
+    def stale(self, endpoint: int, items: list[Learned]) -> list[Learned]:
+        """The items last taught more than half their TTL ago."""
+        now = self.clock()
+        out = []
+        for i in items:
+            known = self._known.get((endpoint, i.name))
+            if known is None or now - known[1] >= known[2] / 2:
+                out.append(i)
+        return out
 
     def add(self, endpoint: int, items: list[Learned]) -> None:
+        now = self.clock()
         for i in items:
             key = (endpoint, i.name)
-            self._known[key] = self._known.get(key, frozenset()) | frozenset(i.ips)
+            ips = self._known[key][0] if key in self._known else frozenset()
+            self._known[key] = (ips | frozenset(i.ips), now, i.ttl)
 
     def forget(self, endpoint: int, name: str | None = None) -> None:
         """An endpoint gone (name None), or an entry deleted."""

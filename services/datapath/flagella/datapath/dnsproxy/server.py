@@ -253,8 +253,10 @@ class DnsProxy:
         new = self.taught.new(endpoint, items)
         if not new and all(self.has_identity(ip) for i in items for ip in i.ips):
             # Known already, and still in the ipcache (not deleted since):
-            # the entries' TTLs are refreshed meanwhile.
-            self._spawn(self._refresh(endpoint, items))
+            # the entries' TTLs are refreshed meanwhile, when half gone.
+            if stale := self.taught.stale(endpoint, items):
+                self.taught.add(endpoint, stale)
+                self._spawn(self._refresh(endpoint, stale))
             return
         try:
             await self.teach(endpoint, items)
