@@ -76,7 +76,7 @@ def parse_selectors(value: Any, path: str) -> tuple[FQDNSelector, ...]:
 
 DNS_PORT = 53
 DNS_PORT_ONLY = "DNS rules need the clause's ports to include port 53 (UDP or TCP)"
-DNS_EGRESS_ONLY = "DNS rules only apply to egress allow rules (not ingress, not a deny)"
+DNS_EGRESS_ONLY = "L7 rules are not supported here: DNS rules only in egress allow rules"
 
 
 def has_dns_port(ports: tuple[PortSpec, ...]) -> bool:
