@@ -3,6 +3,8 @@
  *
  *   from_container  tc ingress of a pod's host-side veth (traffic leaving the pod)
  *   to_container    tc egress of a pod's host-side veth (traffic entering the pod)
+ *   to_proxy        tc ingress of a pod's host-side veth, after from_container:
+ *                   DNS to the node's DNS proxy (bpf_sk_assign)
  *   to_netdev       tc egress of the node's uplink: masquerade (SNAT), reverse
  *                   NAT of NodePort replies from local backends
  *   from_netdev     tc ingress of the node's uplink: NodePort (DNAT to a local
@@ -1086,6 +1088,25 @@ static __always_inline int redirect_local(struct __sk_buff *skb, struct pkt *p,
 	return bpf_redirect(ifindex, 0);
 }
 
+/* --- DNS proxy: a pod's DNS assigned to the proxy's socket --- */
+
+#define DNS_PORT 53
+
+/* At each exit of from_container, once the packet is allowed: the DNS of
+ * an endpoint with toFQDNs rules is passed on (TC_ACT_UNSPEC, with the
+ * mark) to to_proxy, the next filter on the hook, instead of where ret
+ * sends it. Checked last, where nothing follows: from_container is near
+ * the verifier's limit, and a branch before its tail doubles that tail. */
+static __always_inline int dns_pass_on(struct __sk_buff *skb, struct endpoint_info *ep,
+				       struct pkt *p, int st, int ret)
+{
+	if (!(ep->flags & EP_F_DNS_PROXY) || st == CT_REPLY || p->dport != bpf_htons(DNS_PORT) ||
+	    (p->proto != IPPROTO_UDP && p->proto != IPPROTO_TCP))
+		return ret;
+	skb->mark = MARK_MAGIC_TO_PROXY;
+	return TC_ACT_UNSPEC;
+}
+
 /* --- tunnel mode --- */
 
 static __always_inline int set_tunnel(struct __sk_buff *skb, __be32 node, __u32 identity)
@@ -1209,20 +1230,20 @@ int from_container(struct __sk_buff *skb)
 		ret = redirect_local(skb, &p, dst);
 		if (ret < 0)
 			return drop(skb, &p, -ret, DIR_EGRESS, ep_id, my_id, dst_id);
-		return ret;
+		return dns_pass_on(skb, ep, &p, st, ret);
 	}
 	if (cfg && (cfg->flags & CFG_TUNNEL)) {
 		ret = tunnel_redirect(skb, &p, cfg, my_id);
 		if (ret < -1)
 			return drop(skb, &p, -ret, DIR_EGRESS, ep_id, my_id, 0);
 		if (ret >= 0)
-			return ret;
+			return dns_pass_on(skb, ep, &p, st, ret);
 	}
 	/* Up the host stack (other nodes, outside). The pod addressed its
 	 * gateway's MAC, which need not be this veth's. */
 	if (skb->pkt_type != PACKET_HOST)
 		bpf_skb_change_type(skb, PACKET_HOST);
-	return TC_ACT_OK;
+	return dns_pass_on(skb, ep, &p, st, TC_ACT_OK);
 }
 
 int to_container(struct __sk_buff *skb)
@@ -1295,6 +1316,53 @@ int to_container(struct __sk_buff *skb)
 			emit(skb, &p, EV_POLICY_VERDICT, VERDICT_FORWARDED, 0, DIR_INGRESS, ep_id, peer, my_id);
 	}
 	count(DIR_INGRESS, REASON_FORWARDED, p.len);
+	return TC_ACT_OK;
+}
+
+/* The second filter on a pod veth's tc ingress, reached only when
+ * from_container passes a packet on (TC_ACT_UNSPEC) marked for the DNS
+ * proxy: a query (UDP) or a connection's SYN gets the proxy's listening
+ * socket (any address, the proxy's port: as Cilium) assigned; every packet
+ * keeps the mark, which routes it locally (an ip rule: dnsproxy), where
+ * the rest of a TCP connection finds its socket by its addresses. The
+ * original destination stays in the packet: the proxy reads it and
+ * answers from it. */
+int to_proxy(struct __sk_buff *skb)
+{
+	if (skb->mark != MARK_MAGIC_TO_PROXY)
+		return TC_ACT_OK;
+	struct pkt p = {};
+	int ret = parse(skb, &p);
+	if (ret == PASS)
+		return TC_ACT_OK;
+	if (ret < 0)
+		return drop(skb, &p, -ret, DIR_EGRESS, 0, 0, 0);
+	struct dp_config *cfg = get_config();
+	if (!cfg || !cfg->dns_proxy_port)
+		return drop(skb, &p, DROP_REDIRECT_FAILED, DIR_EGRESS, 0, 0, 0);
+	if (p.proto == IPPROTO_UDP || (p.tcp_flags & (TCP_SYN | TCP_ACK)) == TCP_SYN) {
+		struct bpf_sock_tuple t = {};
+		__u32 len = sizeof(t.ipv6);
+		if (p.family == 4) {
+			t.ipv4.dport = bpf_htons(cfg->dns_proxy_port);
+			len = sizeof(t.ipv4);
+		} else {
+			t.ipv6.dport = bpf_htons(cfg->dns_proxy_port);
+		}
+		struct bpf_sock *sk;
+		if (p.proto == IPPROTO_UDP)
+			sk = bpf_sk_lookup_udp(skb, &t, len, BPF_F_CURRENT_NETNS, 0);
+		else
+			sk = bpf_sk_lookup_tcp(skb, &t, len, BPF_F_CURRENT_NETNS, 0);
+		if (!sk) /* no proxy: never around it */
+			return drop(skb, &p, DROP_REDIRECT_FAILED, DIR_EGRESS, 0, 0, 0);
+		long r = bpf_sk_assign(skb, sk, 0);
+		bpf_sk_release(sk);
+		if (r)
+			return drop(skb, &p, DROP_REDIRECT_FAILED, DIR_EGRESS, 0, 0, 0);
+	}
+	if (skb->pkt_type != PACKET_HOST)
+		bpf_skb_change_type(skb, PACKET_HOST);
 	return TC_ACT_OK;
 }
 

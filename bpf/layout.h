@@ -85,6 +85,10 @@ union v6addr {
 /* Policy audit mode: what the policy would drop passes, reported as an
  * AUDIT verdict (runtime configuration, cluster-wide or per endpoint). */
 #define EP_F_AUDIT (1U << 4)
+/* Egress toFQDNs select the endpoint: its DNS (UDP and TCP port 53, to any
+ * server) goes to the node's DNS proxy (dnsproxy; docs/datapath-bpf.md). A
+ * high bit, so flags others add below it never collide. */
+#define EP_F_DNS_PROXY (1U << 12)
 
 struct endpoint_key {
 	union v6addr addr;
@@ -371,7 +375,7 @@ struct dp_config {
 	__u16 nat_port_max;
 	__u32 tunnel_ifindex;  /* CFG_TUNNEL: the collect-metadata VXLAN device */
 	__be16 tunnel_port;    /* CFG_TUNNEL: its UDP port */
-	__u16 pad;
+	__u16 dns_proxy_port;  /* host order; 0: no DNS proxy (nothing redirected) */
 };
 
 /* --- host firewall ---
@@ -399,6 +403,9 @@ struct host_safe_key {
 #define MARK_MAGIC_MASK 0xFF000000U
 #define MARK_MAGIC_IDENTITY 0x0F000000U
 #define MARK_IDENTITY_MASK 0x00FFFFFFU
+/* A pod's DNS assigned to the proxy's socket: the node routes it locally
+ * (an ip rule on this mark; dnsproxy/redirect.py). */
+#define MARK_MAGIC_TO_PROXY 0x0A000000U
 #define TUNNEL_TTL 64
 
 /* --- metrics (cilium_metrics): index = direction * 256 + reason --- */

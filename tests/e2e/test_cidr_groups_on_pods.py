@@ -6,14 +6,8 @@ deleting the group closes it again (never opens it to all)."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-from harness import tls
-from harness.cluster import OUTSIDE_IP, Cluster, Node
+from harness.cluster import OUTSIDE_IP, Cluster, Node, cli
 from harness.cnipods import CniPod, cni_pod
 from harness.netns import wait_until
 
@@ -21,7 +15,6 @@ from flagella.api.policy.v1 import policy_pb2
 
 pytestmark = [pytest.mark.privileged, pytest.mark.integration]
 
-CLI = shutil.which("flagella", path=str(Path(sys.executable).parent)) or "flagella"
 OUTSIDE = OUTSIDE_IP.format(n=101)  # the first node's outside host
 PORT = 9000
 
@@ -41,18 +34,6 @@ spec:
 def node(cluster: Cluster) -> Node:
     cluster.start(services=("ipam", "policy", "lb", "endpoint"))
     return cluster.add_node("n1")
-
-
-def cli(cluster: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [
-            CLI,
-            "--tls-dir", str(tls.session().bundle(tls.OPERATOR)),
-            "--policy-address", cluster.services["policy"].address,
-            *args,
-        ],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
 
 
 def reaches_outside(web: CniPod, node: Node) -> bool:

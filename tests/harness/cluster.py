@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import subprocess
+import sys
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -307,3 +309,17 @@ def kube_cluster(
             extra={"policy": [*kubeconfig, *policy_args], "endpoint": kubeconfig},
         )
         yield kube_api, cluster
+
+
+def cli(cluster: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
+    """The flagella CLI as an operator against the cluster's policy service."""
+    command = shutil.which("flagella", path=str(Path(sys.executable).parent)) or "flagella"
+    return subprocess.run(
+        [
+            command,
+            "--tls-dir", str(tls.session().bundle(tls.OPERATOR)),
+            "--policy-address", cluster.services["policy"].address,
+            *args,
+        ],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip

@@ -58,7 +58,10 @@ def flow(**kw: Any) -> dp.Flow:
     )
     f.time.FromNanoseconds(1_764_000_000_123_456_789)
     for k, v in kw.items():
-        setattr(f, k, v)
+        if k == "dns":
+            f.dns.CopyFrom(v)
+        else:
+            setattr(f, k, v)
     return f
 
 
@@ -267,3 +270,40 @@ def test_the_directory_of_the_services_answers_names_pods_labels_and_a_frontend(
     assert to_web["flow"]["destination_service"] == {"namespace": "shop", "name": "web"}
     assert to_web["flow"]["drop_reason_desc"] == "SERVICE_BACKEND_NOT_FOUND"
     assert "destination_service" not in flows.to_hubble(flow(dst_port=80), d)["flow"]
+
+
+def test_the_dns_proxys_flows_as_hubbles_l7_dns_records() -> None:
+    refused = flow(
+        type=dp.FLOW_TYPE_L7,
+        drop_reason=0,
+        direction=dp.FLOW_DIRECTION_EGRESS,
+        dst_port=53,
+        protocol=17,
+        tcp_flags=0,
+        dns=dp.DNSRecord(query="api.example.test", rcode=5, qtypes=["A"]),
+    )
+    line = flows.to_hubble(refused, DIRECTORY)
+    VALIDATOR.validate(line)
+    f = line["flow"]
+    assert (f["Type"], f["verdict"], f["event_type"]) == ("L7", "DROPPED", {"type": 129})
+    assert f["l7"] == {
+        "type": "REQUEST",
+        "dns": {"query": "api.example.test.", "rcode": 5, "qtypes": ["A"]},
+    }
+    answered = flow(
+        type=dp.FLOW_TYPE_L7,
+        verdict=dp.FLOW_VERDICT_FORWARDED,
+        drop_reason=0,
+        direction=dp.FLOW_DIRECTION_EGRESS,
+        dst_port=53,
+        protocol=17,
+        tcp_flags=0,
+        dns=dp.DNSRecord(query="api.example.test", ips=["192.0.2.1"], ttl=60, qtypes=["A"]),
+    )
+    line = flows.to_hubble(answered, DIRECTORY)
+    VALIDATOR.validate(line)
+    assert line["flow"]["l7"] == {
+        "type": "RESPONSE",
+        "dns": {"query": "api.example.test.", "ips": ["192.0.2.1"], "ttl": 60, "qtypes": ["A"]},
+    }
+    assert line["flow"]["Summary"] == "DNS Answer api.example.test. A rcode 0"

@@ -11,10 +11,11 @@ from policy_world import World
 
 from flagella.api.policy.v1 import policy_pb2 as pb
 from flagella.common.errors import InvalidArgument
+from flagella.common.fqdn import matcher
 from flagella.policy.convert import rule_from_pb, rule_pb
 from flagella.policy.labels import Label
 from flagella.policy.rules import Protocol, parse_document, rule_from_json, rule_to_json
-from flagella.policy.rules.fqdn import check_name, check_pattern, matcher
+from flagella.policy.rules.fqdn import check_name, check_pattern
 
 TCP = Protocol.TCP
 
@@ -184,3 +185,62 @@ def test_selectors_in_use_name_what_they_select_and_their_rules() -> None:
     assert uses[("{fqdn:*.cdn.test}", "peer")].identities == ()
     w.delete_rule("shop/to-api")
     assert w.state.resolver.selectors_in_use() == []
+
+
+DNS_DOC = """
+apiVersion: cilium.io/v2
+kind: CiliumNetworkPolicy
+metadata: {name: dns, namespace: shop}
+spec:
+  endpointSelector: {matchLabels: {app: web}}
+  egress:
+  - toEndpoints: [{matchLabels: {app: kube-dns}}]
+    toPorts:
+    - ports: [{port: "53", protocol: UDP}, {port: "53", protocol: TCP}]
+      rules:
+        dns: [{matchName: API.example.test.}, {matchPattern: "*.cdn.test"}]
+"""
+
+
+def test_dns_rules_reach_the_resolved_policy_and_are_refused_elsewhere() -> None:
+    (rule,) = parse_document(DNS_DOC)
+    assert [f.key for f in rule.egress[0].dns] == ["api.example.test", "*.cdn.test"]
+    assert rule_from_json(rule_to_json(rule)).content() == rule.content()
+    assert rule_from_pb(rule_pb(rule), "rule").content() == rule.content()
+    w = World()
+    web = w.pod("web", "shop", app="web")
+    other = w.pod("other", "shop", app="other")
+    w.rules(DNS_DOC)
+    content = w.content(web)
+    assert content.dns_proxy
+    assert content.dns_rules == ("*.cdn.test", "api.example.test")
+    assert not w.content(other).dns_proxy
+    # toFQDNs alone: through the proxy, every name may be looked up.
+    w.rules(DOC)
+    assert w.content(web).dns_rules == ("*.cdn.test", "api.example.test")
+
+    cases = [
+        (DNS_DOC.replace('port: "53", protocol: UDP}, {port: "53"', 'port: "54", protocol: UDP}, {port: "54"'),
+         "spec.egress[0].toPorts[0].rules"),
+        (DNS_DOC.replace("egress:", "ingress:").replace("toEndpoints", "fromEndpoints"),
+         "spec.ingress[0].toPorts[0].rules"),
+        (DNS_DOC.replace("egress:", "egressDeny:"), "spec.egressDeny[0].toPorts[0].rules"),
+        (DNS_DOC.replace("        dns: [", "        http: [{}]\n        dns: ["), "spec.egress[0].toPorts[0].rules.http"),
+        (DNS_DOC.replace("matchPattern: \"*.cdn.test\"", "matchPattern: \"a b\""),
+         "spec.egress[0].toPorts[0].rules.dns[1].matchPattern"),
+    ]  # fmt: skip
+    for text, field in cases:
+        with pytest.raises(InvalidArgument) as err:
+            parse_document(text)
+        assert err.value.field == field, (field, err.value)
+    bad = rule_pb(rule)
+    bad.egress[0].to_ports[0].ports[0].port = 80
+    bad.egress[0].to_ports[0].ports[1].port = 80
+    with pytest.raises(InvalidArgument) as err:
+        rule_from_pb(bad, "rules[0]")
+    assert err.value.field == "rules[0].egress[0].dns"
+    bad = rule_pb(rule)
+    bad.ingress.append(bad.egress[0])
+    with pytest.raises(InvalidArgument) as err:
+        rule_from_pb(bad, "rules[0]")
+    assert err.value.field == "rules[0].ingress[0].dns"

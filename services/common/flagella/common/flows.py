@@ -52,6 +52,7 @@ DROP_REASON_DESC: Mapping[int, str] = {
 _EVENT_DROP = 1
 _EVENT_TRACE = 4
 _EVENT_POLICY_VERDICT = 9
+_EVENT_ACCESS_LOG = 129  # L7 records (the DNS proxy's)
 
 _TCP_FLAGS = ("FIN", "SYN", "RST", "PSH", "ACK", "URG", "ECE", "CWR")  # bit 0 .. 7
 _UNREACH, _TIME = "DestinationUnreachable", "TimeExceeded"
@@ -230,6 +231,8 @@ def to_hubble(f: dp.Flow, directory: Directory) -> dict[str, Any]:
     if f.denied_by:
         key = "ingress_denied_by" if ingress else "egress_denied_by"
         flow[key] = [_policy_ref(name) for name in f.denied_by]
+    if f.type == dp.FLOW_TYPE_L7:
+        flow.update(_l7(f))
     # A flow still addressed to a service's frontend (seen before its
     # translation, e.g. dropped for want of a backend), as hubble names it.
     service = directory.services.get((f.dst_ip, f.dst_port))
@@ -241,6 +244,29 @@ def to_hubble(f: dp.Flow, directory: Directory) -> dict[str, Any]:
     flow = {k: v for k, v in flow.items() if v}
     flow["event_type"] = {k: v for k, v in flow["event_type"].items() if v}
     return {"flow": flow, "node_name": f.node, "time": time}
+
+
+def _l7(f: dp.Flow) -> dict[str, Any]:
+    """Hubble's L7 DNS record of a flow of the DNS proxy: a refused query is
+    a REQUEST, an answered one a RESPONSE."""
+    d = f.dns
+    record: dict[str, Any] = {"query": f"{d.query}." if d.query else ""}
+    if d.ips:
+        record["ips"] = list(d.ips)
+    if d.ttl:
+        record["ttl"] = d.ttl
+    if d.rcode:
+        record["rcode"] = d.rcode
+    if d.qtypes:
+        record["qtypes"] = list(d.qtypes)
+    response = f.verdict == dp.FLOW_VERDICT_FORWARDED
+    return {
+        "Type": "L7",
+        "event_type": {"type": _EVENT_ACCESS_LOG},
+        "l7": {"type": "RESPONSE" if response else "REQUEST", "dns": record},
+        "Summary": f"DNS {'Answer' if response else 'Query'} {d.query}. "
+        f"{','.join(d.qtypes)} rcode {d.rcode}",
+    }
 
 
 def node_status(node: str, connected: bool, message: str, time: str) -> dict[str, Any]:

@@ -22,6 +22,9 @@ from flagella.common.sync.reconcile import AfterBatch, Target, reconcile_table
 from flagella.common.sync.stream import OpenStream
 from flagella.datapath.cnirelay import CniRelay, UnsafeSocket
 from flagella.datapath.config import DatapathConfig
+from flagella.datapath.dnsproxy.expiry import Expiry
+from flagella.datapath.dnsproxy.server import DnsProxy
+from flagella.datapath.dnsproxy.teach import Teacher
 from flagella.datapath.handlers import (
     Identities,
     IdentityPolicies,
@@ -36,6 +39,7 @@ from flagella.datapath.ipcache import node_entries, policy_entries
 from flagella.datapath.lrp import LocalRedirects
 from flagella.datapath.lrpcodec import LrpCodec
 from flagella.datapath.metrics import DatapathCollector
+from flagella.datapath.namedports import IPCacheValue
 from flagella.datapath.node import NodeRegistration
 from flagella.datapath.routes import NodeRoutes, NodeRoutesCodec
 from flagella.datapath.runtime import ConfigCodec, follow
@@ -61,6 +65,7 @@ class DatapathApp:
         self.relay: CniRelay | None = None
         self.hostfw: HostFirewall | None = None
         self.policy: policy_pb2_grpc.PolicyServiceAsyncStub | None = None
+        self.dnsproxy: DnsProxy | None = None
 
     def register(self, server: grpc.aio.Server) -> None:
         datapath_pb2_grpc.add_DatapathServiceServicer_to_server(
@@ -70,6 +75,9 @@ class DatapathApp:
     async def start(self) -> None:
         cfg = self.runtime.config
         tasks = self.runtime.tasks
+        if cfg.dns_proxy_port:
+            # Listening before the BPF is told its port (config in start).
+            await self._open_dns_proxy()
         try:
             await self.service.start(tasks, self.runtime.phase)
         except FlagellaError as exc:
@@ -105,7 +113,7 @@ class DatapathApp:
             policy = self.policy = policy_pb2_grpc.PolicyServiceStub(
                 self.runtime.channel(cfg.policy_address, "policy")
             )
-            ipcache, _ = self._stream(
+            ipcache, ipcache_source = self._stream(
                 "ipcache",
                 lambda since: policy.WatchIPCache(
                     policy_pb2.WatchIPCacheRequest(since_revision=since)
@@ -113,7 +121,15 @@ class DatapathApp:
                 IPCacheEntryCodec(),
                 acknowledges_resume=False,  # policy's streams answer with the changes alone
             )
-            self._reconcile(ipcache, Identities(policy_entries(self.service.ipcache_view)))
+
+            async def ipcache_applied(batch: Batch[str, IPCacheValue], revision: int) -> None:
+                # The stream's last SYNCED (read before awaiting): what a
+                # DNS answer waits for (DatapathService.wait_applied).
+                await self.service.stream_applied("ipcache", ipcache_source.revision)
+
+            self._reconcile(
+                ipcache, Identities(policy_entries(self.service.ipcache_view)), ipcache_applied
+            )
             self._reconcile(ipcache, self.service.peer_ports, what="ipcache-named-ports")
             policies, source = self._stream(
                 "policy",
@@ -213,6 +229,42 @@ class DatapathApp:
             labels[f"{label.source}:{label.key}"] = label.value
         return labels
 
+    async def _open_dns_proxy(self) -> None:
+        cfg = self.runtime.config
+        teach = None
+        if cfg.policy_address:
+            policy = policy_pb2_grpc.PolicyServiceStub(
+                self.runtime.channel(cfg.policy_address, "policy")
+            )
+            teach = Teacher(
+                policy, cfg.node_name, self.service.wait_applied, cfg.dns_proxy_response_max_delay
+            )
+            expiry = Expiry(policy, cfg.node_name, self.service.live_peers, self._forget_taught)
+            self.runtime.tasks.supervise(
+                "fqdn-expiry", lambda: expiry.run(cfg.tofqdns_gc_interval_seconds)
+            )
+        proxy = DnsProxy(
+            cfg.dns_proxy_port,
+            self.service.dns_asker,
+            teach,
+            self.service.has_identity,
+            self.service.flows.publish,
+            upstream_timeout=cfg.dns_proxy_upstream_timeout,
+            min_ttl=cfg.tofqdns_min_ttl,
+        )
+        try:
+            await proxy.open()
+        except OSError as exc:
+            await proxy.close()
+            raise FatalError(
+                f"cannot open the DNS proxy on port {cfg.dns_proxy_port}: {exc}"
+            ) from exc
+        self.dnsproxy = proxy
+
+    def _forget_taught(self, endpoint: int, name: str) -> None:
+        if self.dnsproxy is not None:
+            self.dnsproxy.taught.forget(endpoint, name)
+
     async def _node_labels(self) -> dict[str, str]:
         """This node's labels as its registration in the node registry has
         them (what host policies select it by); without ipam, --node-labels."""
@@ -278,6 +330,8 @@ class DatapathApp:
         # The runtime stopped the tasks (streams, reconcilers, GC) already.
         if self.relay is not None:
             await self.relay.close()
+        if self.dnsproxy is not None:
+            await self.dnsproxy.close()
         await self.service.stop()
 
 

@@ -139,6 +139,27 @@ class DatapathConfig(ServiceConfig):
         parse=parse_ifname,
     )
 
+    dns_proxy_port: int = option(
+        10053,
+        "port of the node's DNS proxy, where the DNS of pods with toFQDNs rules is "
+        "redirected (bound on every address, transparent); 0: no proxy",
+    )
+    dns_proxy_upstream_timeout: float = option(
+        2.0, "seconds the DNS proxy waits for the server a pod asked before answering SERVFAIL"
+    )
+    dns_proxy_response_max_delay: float = option(
+        1.0,
+        "seconds at most a DNS answer is held until this node applied what it taught the "
+        "policy service (as Cilium's tofqdns-proxy-response-max-delay)",
+    )
+    tofqdns_gc_interval_seconds: float = option(
+        10.0,
+        "how often this node's expired FQDN cache entries without a live connection are deleted",
+    )
+    tofqdns_min_ttl: int = option(
+        0, "minimum seconds an answer's addresses stay in the FQDN cache (Cilium's tofqdns-min-ttl)"
+    )
+
     def tls_identity(self, service: str) -> Identity:
         # The datapath registers its node (and asks for its node's policy):
         # it holds the node's certificate.
@@ -174,6 +195,16 @@ class DatapathConfig(ServiceConfig):
             raise ConfigError("--tunnel-port", f"{self.tunnel_port} is not in 1..65535")
         if not 0 <= self.health_port <= 65535:
             raise ConfigError("--health-port", f"{self.health_port} is not in 0..65535")
+        if not 0 <= self.dns_proxy_port <= 65535:
+            raise ConfigError("--dns-proxy-port", f"{self.dns_proxy_port} is not in 0..65535")
+        if self.dns_proxy_upstream_timeout <= 0:
+            raise ConfigError("--dns-proxy-upstream-timeout", "must be positive")
+        if self.dns_proxy_response_max_delay <= 0:
+            raise ConfigError("--dns-proxy-response-max-delay", "must be positive")
+        if self.tofqdns_gc_interval_seconds <= 0:
+            raise ConfigError("--tofqdns-gc-interval-seconds", "must be positive")
+        if not 0 <= self.tofqdns_min_ttl <= 7 * 86400:
+            raise ConfigError("--tofqdns-min-ttl", f"{self.tofqdns_min_ttl} is not in 0..604800")
         if self.health_interval_seconds <= 0:
             raise ConfigError("--health-interval-seconds", "must be positive")
         versions: set[int] = set()

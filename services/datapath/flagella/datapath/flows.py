@@ -32,6 +32,17 @@ class FlowRecord:
     # AUDIT and policy drops: the rules enforcing the endpoint's policy in
     # the flow's direction (the rule set that denies it).
     denied_by: tuple[str, ...] = ()
+    # FLOW_TYPE_L7: the DNS proxy's record.
+    dns: DnsRecord | None = None
+
+
+@dataclass(frozen=True)
+class DnsRecord:
+    query: str
+    ips: tuple[str, ...] = ()
+    ttl: int = 0
+    rcode: int = 0
+    qtypes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -142,6 +142,8 @@ def identity_policy(p: policy_pb2.ResolvedPolicy) -> IdentityPolicy:
         error=p.error,
         ingress_rules=tuple(p.ingress_rules),
         egress_rules=tuple(p.egress_rules),
+        dns_proxy=p.dns_proxy,
+        dns_rules=tuple(p.dns_rules),
     )
 
 

@@ -49,13 +49,14 @@ from flagella.datapath.bpf import (
 )
 from flagella.datapath.bpf import Service as BpfService
 from flagella.datapath.bpf import layout as L
-from flagella.datapath.bpf.layout import CT_SCOPE_SERVICE
+from flagella.datapath.bpf.layout import CT_SCOPE_EGRESS, CT_SCOPE_SERVICE
 from flagella.datapath.bpf.mapevents import MapEvent
 from flagella.datapath.bpf.policy import PolicyEntry
 from flagella.datapath.bpf.prefilter import runs_prefilter
 from flagella.datapath.bpf.prefixpolicy import PrefixRule
 from flagella.datapath.bpf.tables import ct_key
 from flagella.datapath.config import DatapathConfig
+from flagella.datapath.dnsproxy.server import Asker
 from flagella.datapath.flows import FlowFilter, FlowHub, FlowRecord
 from flagella.datapath.health import NodeHealth
 from flagella.datapath.ipcache import IPCacheOps, IPCacheView
@@ -108,6 +109,11 @@ class IdentityPolicy:
     # Policy audit mode for the endpoint (runtime configuration; set per
     # endpoint by DatapathService._for_endpoint, never by the stream).
     audit: bool = False
+
+    # Egress toFQDNs select it: its DNS goes through the node's DNS proxy.
+    dns_proxy: bool = False
+    # rules.dns: the names it may look up there (empty: any).
+    dns_rules: tuple[str, ...] = ()
 
 
 # The drop reasons of a policy verdict.
@@ -187,6 +193,11 @@ class PolicyOps:
     async def update(self, key: int, value: IdentityPolicy) -> None:
         dp = self.svc.bpf
         telemetry = self.svc.telemetry
+        dns_proxy = value.dns_proxy and bool(self.svc.config.dns_proxy_port)
+        record = self.svc.endpoints.get(key)
+        if dns_proxy and record is not None:
+            # The filter first: the flag makes from_container pass DNS on to it.
+            await self.svc.writer.run(dp.attach_proxy, record.host_ifindex)
         try:
             with telemetry.regenerating("policy"):
                 entries = await self.svc.writer.run(
@@ -198,6 +209,7 @@ class PolicyOps:
                     egress_enforced=value.egress_enforced,
                     prefixes=value.prefixes,
                     audit=value.audit,
+                    dns_proxy=dns_proxy,
                 )
             state = PolicyMapState(entries, entries, value.error)
         except PolicyBudgetExceeded as exc:
@@ -207,6 +219,13 @@ class PolicyOps:
             # does at its own budget (docs/policy.md, policy-map budget).
             await self.svc.writer.run(dp.policy.lockdown, key, value.revision)
             state = PolicyMapState(0, exc.needed, f"{exc}: locked down (deny all)")
+        if not dns_proxy and record is not None and key in self.svc.dns_proxied:
+            # After the flag is cleared (a stale filter passes nothing on).
+            await self.svc.writer.run(dp.detach_proxy, record.host_ifindex)
+        if dns_proxy:
+            self.svc.dns_proxied.add(key)
+        else:
+            self.svc.dns_proxied.discard(key)
         self.svc.policy_map_state(key, state)
         if value.revision_time and not state.overflow:
             telemetry.policy_implemented(value.revision_time)
@@ -215,6 +234,7 @@ class PolicyOps:
     async def delete(self, key: int) -> None:
         await self.svc.writer.run(self.svc.bpf.policy.clear_endpoint, key)
         self.svc.policy_maps.pop(key, None)
+        self.svc.dns_proxied.discard(key)
 
     async def list_actual(self) -> Iterable[int]:
         states = await self.svc.writer.run(self.svc.bpf.endpoints.all)
@@ -295,6 +315,11 @@ class DatapathService:
         # Revision of the last SYNCED of this node's policy stream.
         self.policy_synced_revision = 0
         self._realized_changed = asyncio.Condition()
+        # Each stream's last revision in the maps (stream_applied).
+        self.applied: dict[str, int] = {}
+        # Endpoints whose veth has the to_proxy filter (their DNS goes to
+        # the DNS proxy).
+        self.dns_proxied: set[int] = set()
         self.ipcache = Reconciler("ipcache", IPCacheOps(self))
         # The policy's ipcache and the node registry, merged into the map.
         self.ipcache_view = IPCacheView(self.ipcache, config.node_name, tunnel=config.tunnel)
@@ -446,6 +471,7 @@ class DatapathService:
                 host_policy=current.host_policy,
                 host_ingress=current.host_ingress,
                 host_egress=current.host_egress,
+                dns_proxy_port=self.config.dns_proxy_port,
             ),
         )
 
@@ -887,6 +913,58 @@ class DatapathService:
             for endpoint_id in ready & set(self.realized):
                 self.realized[endpoint_id] = max(self.realized[endpoint_id], revision)
             self._realized_changed.notify_all()
+
+    async def stream_applied(self, name: str, revision: int) -> None:
+        """A stream's batch at revision is in the maps."""
+        async with self._realized_changed:
+            self.applied[name] = max(self.applied.get(name, 0), revision)
+            self._realized_changed.notify_all()
+
+    async def wait_applied(self, endpoint_id: int, revision: int, timeout: float) -> bool:
+        """Whether, within timeout, the ipcache and the endpoint's policy
+        reached revision (what a DNS answer waits for: the DNS proxy)."""
+
+        def done() -> bool:
+            return (
+                self.applied.get("ipcache", 0) >= revision
+                and self.realized.get(endpoint_id, -1) >= revision
+            )
+
+        async def wait() -> None:
+            async with self._realized_changed:
+                await self._realized_changed.wait_for(done)
+
+        try:
+            await asyncio.wait_for(wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    async def live_peers(self) -> set[str]:
+        """The destinations of this node's live (unexpired) egress
+        connections, from the conntrack map."""
+
+        def read() -> set[str]:
+            now = time.monotonic_ns()
+            return {
+                t.dst for t, _, v in self.bpf.conntrack.entries(CT_SCOPE_EGRESS) if v.expires > now
+            }
+
+        return await self.writer.run(read)
+
+    def has_identity(self, ip: str) -> bool:
+        """The policy's ipcache gives the address an identity of its own."""
+        ids = self.ipcache_view.identities
+        return f"{ip}/{128 if ':' in ip else 32}" in ids or ip in ids
+
+    def dns_asker(self, ip: str) -> Asker | None:
+        """The local endpoint with address ip, as the DNS proxy sees it."""
+        for record in self.endpoints.values():
+            if any(a.partition("/")[0] == ip for a in record.addresses):
+                pol = self.identity_policies.get(record.identity)
+                rules = pol.dns_rules if pol is not None else ()
+                return Asker(record.endpoint_id, record.identity, rules)
+        return None
 
     async def wait_for_policy(self, endpoint_id: int, min_revision: int, timeout: float) -> int:
         if endpoint_id not in self.endpoints:

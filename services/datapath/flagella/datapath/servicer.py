@@ -114,6 +114,15 @@ def flow_to_proto(f: FlowRecord, node: str) -> datapath_pb2.Flow:
         tcp_flags=f.tcp_flags,
         icmp_type=f.icmp_type,
         denied_by=f.denied_by,
+        dns=None
+        if f.dns is None
+        else datapath_pb2.DNSRecord(
+            query=f.dns.query,
+            ips=f.dns.ips,
+            ttl=f.dns.ttl,
+            rcode=f.dns.rcode,
+            qtypes=f.dns.qtypes,
+        ),
     )
 
 

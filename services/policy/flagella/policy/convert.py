@@ -40,6 +40,7 @@ from flagella.policy.rules import (
     icmp_type_of,
 )
 from flagella.policy.rules.admin import check_admin_rule
+from flagella.policy.rules.fqdn import DNS_EGRESS_ONLY, DNS_PORT_ONLY, has_dns_port
 from flagella.policy.rules.fqdn import check_name as check_fqdn_name
 from flagella.policy.rules.fqdn import check_selector as check_fqdn_selector
 from flagella.policy.rules.groups import make_cidr_group
@@ -190,6 +191,14 @@ def _peer_from_pb(peer: pb.PeerRule, path: str, warnings: list[str] | None) -> P
             for i, f in enumerate(peer.fqdns)
         )
     )
+    dns = tuple(
+        dict.fromkeys(
+            check_fqdn_selector(f.match_name, f.match_pattern, f"{path}.dns[{i}]")
+            for i, f in enumerate(peer.dns)
+        )
+    )
+    if dns and not any(has_dns_port(pr) for pr in to_ports):
+        raise InvalidArgument(DNS_PORT_ONLY, field=f"{path}.dns")
     return PeerSpec(
         endpoints,
         tuple(cidrs),
@@ -200,6 +209,7 @@ def _peer_from_pb(peer: pb.PeerRule, path: str, warnings: list[str] | None) -> P
         action=_ACTIONS.get(peer.action, ""),
         name=peer.name,
         fqdns=fqdns,
+        dns=dns,
     )
 
 
@@ -263,6 +273,8 @@ def rule_from_pb(rule: pb.Rule, path: str, warnings: list[str] | None = None) ->
                 )
             # A name's addresses are learned from answers the proxy lets
             # through: they can only be allowed (as Cilium).
+            if p.dns and fld != "egress":
+                raise InvalidArgument(DNS_EGRESS_ONLY, field=f"{path}.{fld}[{i}].dns")
             if p.fqdns and fld != "egress":
                 raise InvalidArgument(
                     "toFQDNs only allows egress (not ingress, not a deny)",
@@ -359,6 +371,10 @@ def _peer_pb(peer: PeerSpec) -> pb.PeerRule:
             pb.FQDNSelector(match_name=f.match_name, match_pattern=f.match_pattern)
             for f in peer.fqdns
         ],
+        dns=[
+            pb.FQDNSelector(match_name=f.match_name, match_pattern=f.match_pattern)
+            for f in peer.dns
+        ],
     )
 
 
@@ -419,6 +435,8 @@ def content_bytes(c: PolicyContent) -> bytes:
         prefix_entries=[_prefix_pb(e) for e in c.prefix_entries],
         ingress_rules=c.ingress_rules,
         egress_rules=c.egress_rules,
+        dns_proxy=c.dns_proxy,
+        dns_rules=c.dns_rules,
     ).SerializeToString()
 
 

@@ -11,10 +11,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from flagella.common.errors import Unavailable
+from flagella.common.fqdn import matcher
 from flagella.policy.leases import NodeLeases
 from flagella.policy.mirror import Mirror
 from flagella.policy.outcomes import FqdnDeleted, FqdnStored
-from flagella.policy.rules.fqdn import matcher
 from flagella.policy.state import FqdnEntry, PolicyState
 from flagella.policy.store import MAX_ATTEMPTS, PolicyStore
 

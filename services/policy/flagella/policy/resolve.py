@@ -105,6 +105,11 @@ class PolicyContent:
     # the lb services, which etcd's history does not hold (a resumed stream
     # resends such policies too).
     service_rules: bool = False
+    # Egress toFQDNs select the identity: its DNS goes through the node's
+    # DNS proxy (which learns what the names resolve to).
+    dns_proxy: bool = False
+    # rules.dns of those rules (FQDNSelector keys), sorted; empty: any name.
+    dns_rules: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,6 +287,8 @@ class SigPolicy:
         # Kubernetes ipBlocks over addresses depend on the rules only.
         self.ipblock_rules = any(r.has_ipblocks for r in rules)
         self.service_rules = any(r.has_services for r in rules)
+        self.dns_rules = tuple(sorted({k for r in rules for k in r.dns}))
+        self.dns_proxy = any(r.fqdns or r.dns for r in rules)
         self.prefix_entries = flatten(c for r in rules for c in r.clauses if c.blocks)
         self.raw_allow0 = _freeze(allow0)
         self.raw_deny0 = _freeze(deny0)
@@ -432,6 +439,8 @@ class SigPolicy:
             egress_rules=self.enforcing[1],
             ipblock_rules=self.ipblock_rules,
             service_rules=self.service_rules,
+            dns_proxy=self.dns_proxy,
+            dns_rules=self.dns_rules,
         )
         return self._content
 

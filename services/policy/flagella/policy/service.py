@@ -5,7 +5,7 @@ mirror of etcd (flagella.policy.mirror), the store's transactions
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 
 from flagella.common.tasks import TaskGroup
 from flagella.policy.allocator import Allocation, IdentityAllocator, IdentityView
@@ -129,6 +129,11 @@ class PolicyService:
 
     async def upsert_fqdn(self, node: str, entries: Sequence[FqdnEntry]) -> int:
         return await self.fqdn.upsert(node, entries)
+
+    def fqdn_selected(self, ips: Iterable[str]) -> bool:
+        """Whether some of ips has a CIDR identity now."""
+        state = self.state
+        return any(state.cidr_identity_of(ip) is not None for ip in ips)
 
     def list_fqdn(self, which: CacheFilter) -> tuple[list[FqdnEntry], int]:
         return self.fqdn.entries(which)

@@ -193,7 +193,8 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
                 )
             entries[entry.where] = entry
         revision = await self.service.upsert_fqdn(node, list(entries.values()))
-        return pb.UpsertFQDNCacheResponse(revision=revision)
+        selected = self.service.fqdn_selected(ip for e in entries.values() for ip in e.ips)
+        return pb.UpsertFQDNCacheResponse(revision=revision, selected=selected)
 
     async def ListFQDNCache(
         self, request: pb.ListFQDNCacheRequest, context: Ctx

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from flagella.common.fqdn import matcher as fqdn_matcher
 from flagella.common.portnames import NamedPort
 from flagella.policy import keys
 from flagella.policy.identities import (
@@ -40,7 +41,6 @@ from flagella.policy.rules import (
     compile_rule,
     rule_from_json,
 )
-from flagella.policy.rules.fqdn import matcher as fqdn_matcher
 
 log = logging.getLogger(__name__)
 

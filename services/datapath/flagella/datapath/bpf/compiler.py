@@ -26,6 +26,7 @@ PROGRAMS = (
     "from_tunnel",
     "to_tunnel",
     prefilter.PROGRAM,
+    "to_proxy",
 )
 # Programs that are not tc classifiers: their BPF program type and load
 # flags. The prefilter reads only the headers, in a packet's first buffer:

@@ -341,6 +341,17 @@ class Datapath:
             ],
         )
 
+    def attach_proxy(self, ifindex: int) -> None:
+        """to_proxy after from_container on a pod veth's ingress: only for
+        endpoints whose DNS goes to the DNS proxy (EP_F_DNS_PROXY; attached
+        before the flag is set, removed after it is cleared)."""
+        tc.attach_all(
+            ifindex, [(self._prog_fds["to_proxy"], "to_proxy", tc.INGRESS)], prio=tc.PRIO_PROXY
+        )
+
+    def detach_proxy(self, ifindex: int) -> None:
+        tc.detach_proxy(ifindex)
+
     def attach_netdev(self, ifindex: int) -> None:
         """from_netdev / to_netdev on the node's uplink (masquerade)."""
         tc.attach_all(

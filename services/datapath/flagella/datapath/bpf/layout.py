@@ -126,6 +126,7 @@ EP_F_EGRESS_ENFORCED = 1 << 2
 EP_F_PREFIX_POLICY = 1 << 3
 # Additive (no layout bump): programs without it ignore it and enforce.
 EP_F_AUDIT = 1 << 4
+EP_F_DNS_PROXY = 1 << 12
 
 # service flags
 SVC_F_NODEPORT = 1 << 0
@@ -509,7 +510,7 @@ class DpConfig(ctypes.Structure):
         ("nat_port_max", ctypes.c_uint16),
         ("tunnel_ifindex", ctypes.c_uint32),
         ("tunnel_port", ctypes.c_uint16),  # network order
-        ("pad", ctypes.c_uint16),
+        ("dns_proxy_port", ctypes.c_uint16),  # host order; 0: none
     ]
 
 

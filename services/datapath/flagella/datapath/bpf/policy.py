@@ -204,6 +204,7 @@ class Policy(BpfMap[L.PolicyKey, L.PolicyValue]):
         *,
         prefixes: Sequence[PrefixRule] = (),
         audit: bool = False,
+        dns_proxy: bool = False,
     ) -> int:
         """Replaces the endpoint's entries, then marks its policy realized
         at revision (traffic flows from then on). Entries are written
@@ -233,6 +234,7 @@ class Policy(BpfMap[L.PolicyKey, L.PolicyValue]):
             egress_enforced,
             prefix_policy=bool(desired_prefixes),
             audit=audit,
+            dns_proxy=dns_proxy,
         )
         return total
 

@@ -132,6 +132,7 @@ class Endpoints(BpfMap[L.EndpointKey, L.EndpointInfo]):
         *,
         prefix_policy: bool = False,
         audit: bool = False,
+        dns_proxy: bool = False,
     ) -> int:
         """Marks the endpoint's policy realized: ready, enforcement, revision,
         and a new policy generation (established connections are checked
@@ -150,6 +151,8 @@ class Endpoints(BpfMap[L.EndpointKey, L.EndpointInfo]):
                 flags |= L.EP_F_PREFIX_POLICY
             if audit:
                 flags |= L.EP_F_AUDIT
+            if dns_proxy:
+                flags |= L.EP_F_DNS_PROXY
             v.flags = flags
             v.policy_revision = revision
             v.policy_gen = (v.policy_gen + 1) & 0xFFFFFFFF
@@ -233,6 +236,8 @@ class NodeConfig:
     host_policy: bool = False
     host_ingress: bool = False
     host_egress: bool = False
+    # The DNS proxy's port (0: none; no pod's DNS is redirected).
+    dns_proxy_port: int = 0
 
 
 class Config(BpfMap[L.U32, L.DpConfig]):
@@ -256,6 +261,7 @@ class Config(BpfMap[L.U32, L.DpConfig]):
             host_policy=bool(v.flags & L.CFG_HOST_POLICY),
             host_ingress=bool(v.flags & L.CFG_HOST_INGRESS),
             host_egress=bool(v.flags & L.CFG_HOST_EGRESS),
+            dns_proxy_port=v.dns_proxy_port,
         )
 
     def write(self, cfg: NodeConfig) -> None:
@@ -266,6 +272,7 @@ class Config(BpfMap[L.U32, L.DpConfig]):
             nat_port_max=cfg.nat_port_max,
             tunnel_ifindex=cfg.tunnel_ifindex,
             tunnel_port=socket.htons(cfg.tunnel_port),
+            dns_proxy_port=cfg.dns_proxy_port,
         )
         if cfg.node_ip4:
             if L.ip_family(cfg.node_ip4) != 4:

@@ -20,6 +20,9 @@ from pyroute2.netlink.exceptions import NetlinkError
 INGRESS = 0xFFFFFFF2  # TC_H_MAKE(TC_H_CLSACT, TC_H_MIN_INGRESS)
 EGRESS = 0xFFFFFFF3
 PRIO = 1
+# A pod veth's ingress: to_proxy after from_container (which passes DNS for
+# the proxy on with TC_ACT_UNSPEC, the next filter's turn).
+PRIO_PROXY = 2
 HANDLE = 1
 ETH_P_ALL = 0x0003
 _TCA_OPTIONS = "TCA_OPTIONS"
@@ -47,7 +50,7 @@ def attach(ifindex: int, prog_fd: int, name: str, parent: int) -> None:
     attach_all(ifindex, [(prog_fd, name, parent)])
 
 
-def attach_all(ifindex: int, hooks: Sequence[tuple[int, str, int]]) -> None:
+def attach_all(ifindex: int, hooks: Sequence[tuple[int, str, int]], *, prio: int = PRIO) -> None:
     """attach() for several (prog_fd, name, parent) hooks of one interface,
     on one netlink socket and with one clsact."""
     with IPRoute() as ipr:
@@ -61,34 +64,38 @@ def attach_all(ifindex: int, hooks: Sequence[tuple[int, str, int]]) -> None:
                 fd=prog_fd,
                 name=name,
                 parent=parent,
-                prio=PRIO,
+                prio=prio,
                 protocol=ETH_P_ALL,
                 classid=1,
                 direct_action=True,
             )
 
 
-def detach(ifindex: int) -> bool:
-    """Removes our filters (fixed prio and handle) from both hooks; other
-    filters and the clsact qdisc stay. False if none was there."""
-    removed = False
+def _del_filter(ipr: IPRoute, ifindex: int, parent: int, prio: int) -> bool:
+    """Deletes our filter at prio on one hook; False if it was not there."""
+    try:
+        ipr.tc("del-filter", "bpf", ifindex, HANDLE, parent=parent, prio=prio, protocol=ETH_P_ALL)
+    except NetlinkError as e:
+        if e.code not in (errno.ENOENT, errno.EINVAL, errno.ENODEV):
+            raise
+        return False
+    return True
+
+
+def detach_proxy(ifindex: int) -> None:
+    """Removes the to_proxy filter (PRIO_PROXY) from a pod veth's ingress."""
     with IPRoute() as ipr:
-        for parent in (INGRESS, EGRESS):
-            try:
-                ipr.tc(
-                    "del-filter",
-                    "bpf",
-                    ifindex,
-                    HANDLE,
-                    parent=parent,
-                    prio=PRIO,
-                    protocol=ETH_P_ALL,
-                )
-                removed = True
-            except NetlinkError as e:
-                if e.code not in (errno.ENOENT, errno.EINVAL, errno.ENODEV):
-                    raise
-    return removed
+        _del_filter(ipr, ifindex, INGRESS, PRIO_PROXY)
+
+
+def detach(ifindex: int) -> bool:
+    """Removes our filters (fixed prio and handle) from both hooks, and
+    to_proxy; other filters and the clsact qdisc stay. False if none of the
+    first two was there."""
+    with IPRoute() as ipr:
+        removed = [_del_filter(ipr, ifindex, parent, PRIO) for parent in (INGRESS, EGRESS)]
+        _del_filter(ipr, ifindex, INGRESS, PRIO_PROXY)
+    return any(removed)
 
 
 def filters(ifindex: int, parent: int) -> list[Filter]:

@@ -68,6 +68,11 @@ def _peer_json(p: PeerSpec) -> dict[str, Any]:
             {"matchName": f.match_name} if f.match_name else {"matchPattern": f.match_pattern}
             for f in p.fqdns
         ]
+    if p.dns:
+        out["dns"] = [
+            {"matchName": f.match_name} if f.match_name else {"matchPattern": f.match_pattern}
+            for f in p.dns
+        ]
     return out
 
 
@@ -154,6 +159,10 @@ def _peer_from(d: Mapping[str, Any]) -> PeerSpec:
         tuple(
             FQDNSelector(f.get("matchName", ""), f.get("matchPattern", ""))
             for f in d.get("fqdns", ())
+        ),
+        tuple(
+            FQDNSelector(f.get("matchName", ""), f.get("matchPattern", ""))
+            for f in d.get("dns", ())
         ),
     )
 

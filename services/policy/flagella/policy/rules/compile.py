@@ -102,6 +102,8 @@ class CompiledRule:
     # toFQDNs selectors (FQDNSelector.key): the addresses learned for
     # matching names get CIDR identities carrying fqdn:<key> labels.
     fqdns: frozenset[str] = field(default_factory=frozenset)
+    # rules.dns (FQDNSelector.key): the names its endpoints may look up.
+    dns: frozenset[str] = field(default_factory=frozenset)
 
     def requirements(self, direction: Direction) -> tuple[LabelSelector, ...]:
         return tuple(sel for d, sel in self.requires if d is direction)
@@ -302,4 +304,5 @@ def compile_rule(
         tier=rule.tier,
         priority=rule.priority,
         fqdns=frozenset(f.key for p in rule.egress for f in p.fqdns),
+        dns=frozenset(f.key for p in rule.egress for f in p.dns),
     )

@@ -13,11 +13,18 @@ from flagella.policy.rules.fields import (
     parse_ports,
     parse_selector,
 )
+from flagella.policy.rules.fqdn import (
+    DNS_EGRESS_ONLY,
+    DNS_PORT_ONLY,
+    has_dns_port,
+    parse_dns_rules,
+)
 from flagella.policy.rules.fqdn import parse_selectors as parse_fqdn_selectors
 from flagella.policy.rules.icmp import parse_icmps
 from flagella.policy.rules.model import (
     CIDRSpec,
     Direction,
+    FQDNSelector,
     PeerSpec,
     Protocol,
     Rule,
@@ -135,20 +142,27 @@ def _peer_doc(
     cidrs += _cidr_set(obj.get(f"{pre}CIDRSet"), f"{path}.{pre}CIDRSet", warnings)
     entities = _entities(obj.get(f"{pre}Entities"), f"{path}.{pre}Entities")
     to_ports = []
+    dns: list[FQDNSelector] = []
     for i, raw in enumerate(Doc.seq(obj.get("toPorts"), f"{path}.toPorts")):
         p = f"{path}.toPorts[{i}]"
         pr = Doc.mapping(raw, p)
         Doc.only(
             pr,
             p,
-            ("ports",),
-            rules="L7 rules are not supported",
+            ("ports", "rules"),
             originatingTLS="TLS interception is not supported",
             terminatingTLS="TLS interception is not supported",
             serverNames="server names are not supported",
             listener="listeners are not supported",
         )
         to_ports.append(parse_ports(pr.get("ports"), f"{p}.ports", default_protocol=Protocol.ANY))
+        if "rules" in pr:
+            # DNS rules (the only L7 rules): egress allow clauses, port 53.
+            if direction is not Direction.EGRESS or deny:
+                raise fail(f"{p}.rules", DNS_EGRESS_ONLY)
+            if not has_dns_port(to_ports[-1]):
+                raise fail(f"{p}.rules", DNS_PORT_ONLY)
+            dns += parse_dns_rules(pr["rules"], f"{p}.rules")
     # ICMP types join the clause's ports: the clause allows (or denies) both.
     if icmps := parse_icmps(obj.get("icmps"), f"{path}.icmps"):
         to_ports.append(icmps)
@@ -159,7 +173,14 @@ def _peer_doc(
     services = parse_to_services(obj.get("toServices"), f"{path}.toServices")
     fqdns = parse_fqdn_selectors(obj.get("toFQDNs"), f"{path}.toFQDNs")
     return PeerSpec(
-        endpoints, tuple(cidrs), entities, tuple(to_ports), requires, services, fqdns=fqdns
+        endpoints,
+        tuple(cidrs),
+        entities,
+        tuple(to_ports),
+        requires,
+        services,
+        fqdns=fqdns,
+        dns=tuple(dict.fromkeys(dns)),
     )
 
 

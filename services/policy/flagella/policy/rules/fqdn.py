@@ -6,24 +6,18 @@ pattern `*` stands for any run of the characters a DNS label may hold (so
 
 from __future__ import annotations
 
-import functools
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
+from flagella.common.fqdn import canonical_name
 from flagella.policy.rules.fields import Doc
-from flagella.policy.rules.model import FQDNSelector
+from flagella.policy.rules.model import FQDNSelector, PortSpec, Protocol
 from flagella.policy.rules.validate import fail
 
 MAX_NAME_LEN = 253
 _NAME_RE = re.compile(r"^[-a-z0-9_]+(\.[-a-z0-9_]+)*$")
 _PATTERN_RE = re.compile(r"^[-a-z0-9_*]+(\.[-a-z0-9_*]+)*$")
-_LABEL_CHARS = "[-a-z0-9_]"
-
-
-def canonical_name(name: str) -> str:
-    """A DNS name as compared: lowercase, without the trailing dot."""
-    return name.lower().removesuffix(".")
 
 
 def _check(value: str, path: str, form: re.Pattern[str], what: str) -> str:
@@ -80,14 +74,32 @@ def parse_selectors(value: Any, path: str) -> tuple[FQDNSelector, ...]:
     return tuple(dict.fromkeys(out))
 
 
-@functools.lru_cache(maxsize=4096)
-def matcher(key: str) -> Callable[[str], bool]:
-    """Whether a canonical name matches a selector's key (FQDNSelector.key)."""
-    if key == "*":
-        return bool
-    if "*" not in key:
-        return key.__eq__
-    regex = re.compile(
-        "".join(f"{_LABEL_CHARS}*" if c == "*" else re.escape(c) for c in key) + r"\Z"
+DNS_PORT = 53
+DNS_PORT_ONLY = "DNS rules need the clause's ports to include port 53 (UDP or TCP)"
+DNS_EGRESS_ONLY = "L7 rules are not supported here: DNS rules only in egress allow rules"
+
+
+def has_dns_port(ports: tuple[PortSpec, ...]) -> bool:
+    """Whether a toPorts entry names port 53 (alone or in a range) over
+    UDP, TCP or any protocol: where DNS rules apply, as Cilium."""
+    return any(
+        p.port
+        and p.port <= DNS_PORT <= max(p.port, p.end_port)
+        and p.protocol in (Protocol.ANY, Protocol.UDP, Protocol.TCP)
+        for p in ports
     )
-    return lambda name: regex.match(name) is not None
+
+
+def parse_dns_rules(value: Any, path: str) -> tuple[FQDNSelector, ...]:
+    """A toPorts entry's `rules`: only `dns` (matchName / matchPattern)."""
+    obj: Mapping[str, Any] = Doc.mapping(value, path)
+    Doc.only(
+        obj,
+        path,
+        ("dns",),
+        http="HTTP rules are not supported",
+        kafka="Kafka rules are not supported",
+        l7proto="L7 protocols other than DNS are not supported",
+        l7="L7 protocols other than DNS are not supported",
+    )
+    return parse_selectors(obj.get("dns"), f"{path}.dns")

@@ -177,6 +177,9 @@ class PeerSpec:
     # toFQDNs (egress allow only): the addresses the names resolved to, as
     # the nodes' DNS proxies learned them.
     fqdns: tuple[FQDNSelector, ...] = ()
+    # rules.dns of its toPorts (egress allow, port 53): the names its
+    # endpoints may look up through the node's DNS proxy.
+    dns: tuple[FQDNSelector, ...] = ()
 
 
 # Rule.tier: "" for NetworkPolicies and flagella/Cilium rules (the

@@ -64,6 +64,11 @@ class _FlowTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FlowType.Val
     """The node's own connection let through by the host policy's safety set
     (its control plane), before policy.
     """
+    FLOW_TYPE_L7: _FlowType.ValueType  # 5
+    """An L7 record: the node's DNS proxy answered a pod's query (FORWARDED,
+    with the answer's addresses) or refused it (DROPPED: a name outside the
+    pod's DNS rules, or a message it cannot parse); Flow.dns says what.
+    """
 
 class FlowType(_FlowType, metaclass=_FlowTypeEnumTypeWrapper): ...
 
@@ -74,6 +79,11 @@ FLOW_TYPE_TRACE: FlowType.ValueType  # 3
 FLOW_TYPE_HOST_SAFETY: FlowType.ValueType  # 4
 """The node's own connection let through by the host policy's safety set
 (its control plane), before policy.
+"""
+FLOW_TYPE_L7: FlowType.ValueType  # 5
+"""An L7 record: the node's DNS proxy answered a pod's query (FORWARDED,
+with the answer's addresses) or refused it (DROPPED: a name outside the
+pod's DNS rules, or a message it cannot parse); Flow.dns says what.
 """
 Global___FlowType: _TypeAlias = FlowType  # noqa: Y015
 
@@ -1261,6 +1271,7 @@ class Flow(_message.Message):
     TCP_FLAGS_FIELD_NUMBER: _builtins.int
     ICMP_TYPE_FIELD_NUMBER: _builtins.int
     DENIED_BY_FIELD_NUMBER: _builtins.int
+    DNS_FIELD_NUMBER: _builtins.int
     type: Global___FlowType.ValueType
     verdict: Global___FlowVerdict.ValueType
     drop_reason: Global___DropReason.ValueType
@@ -1291,6 +1302,10 @@ class Flow(_message.Message):
         policy in the flow's direction (the rule set that denies it).
         """
 
+    @_builtins.property
+    def dns(self) -> Global___DNSRecord:
+        """FLOW_TYPE_L7: the DNS query and its answer, as the proxy saw them."""
+
     def __init__(
         self,
         *,
@@ -1312,14 +1327,59 @@ class Flow(_message.Message):
         tcp_flags: _builtins.int = ...,
         icmp_type: _builtins.int = ...,
         denied_by: _abc.Iterable[_builtins.str] | None = ...,
+        dns: Global___DNSRecord | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["time", b"time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["dns", b"dns", "time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["denied_by", b"denied_by", "direction", b"direction", "drop_reason", b"drop_reason", "dst_identity", b"dst_identity", "dst_ip", b"dst_ip", "dst_port", b"dst_port", "endpoint_id", b"endpoint_id", "icmp_type", b"icmp_type", "ifindex", b"ifindex", "node", b"node", "protocol", b"protocol", "src_identity", b"src_identity", "src_ip", b"src_ip", "src_port", b"src_port", "tcp_flags", b"tcp_flags", "time", b"time", "type", b"type", "verdict", b"verdict"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["denied_by", b"denied_by", "direction", b"direction", "dns", b"dns", "drop_reason", b"drop_reason", "dst_identity", b"dst_identity", "dst_ip", b"dst_ip", "dst_port", b"dst_port", "endpoint_id", b"endpoint_id", "icmp_type", b"icmp_type", "ifindex", b"ifindex", "node", b"node", "protocol", b"protocol", "src_identity", b"src_identity", "src_ip", b"src_ip", "src_port", b"src_port", "tcp_flags", b"tcp_flags", "time", b"time", "type", b"type", "verdict", b"verdict"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Flow: _TypeAlias = Flow  # noqa: Y015
+
+@_typing.final
+class DNSRecord(_message.Message):
+    """Hubble's L7 DNS record."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUERY_FIELD_NUMBER: _builtins.int
+    IPS_FIELD_NUMBER: _builtins.int
+    TTL_FIELD_NUMBER: _builtins.int
+    RCODE_FIELD_NUMBER: _builtins.int
+    QTYPES_FIELD_NUMBER: _builtins.int
+    query: _builtins.str
+    """The name asked, lowercase without the trailing dot (empty: the message
+    could not be parsed).
+    """
+    ttl: _builtins.int
+    """The lowest TTL of those records (seconds)."""
+    rcode: _builtins.int
+    """The DNS response code sent to the pod (REFUSED 5, SERVFAIL 2, ...)."""
+    @_builtins.property
+    def ips(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The answer's A/AAAA addresses."""
+
+    @_builtins.property
+    def qtypes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The query's record types ("A", "AAAA", ...)."""
+
+    def __init__(
+        self,
+        *,
+        query: _builtins.str = ...,
+        ips: _abc.Iterable[_builtins.str] | None = ...,
+        ttl: _builtins.int = ...,
+        rcode: _builtins.int = ...,
+        qtypes: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ips", b"ips", "qtypes", b"qtypes", "query", b"query", "rcode", b"rcode", "ttl", b"ttl"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DNSRecord: _TypeAlias = DNSRecord  # noqa: Y015
 
 @_typing.final
 class ObserveFlowsRequest(_message.Message):

@@ -868,6 +868,7 @@ class PeerRule(_message.Message):
     ACTION_FIELD_NUMBER: _builtins.int
     NAME_FIELD_NUMBER: _builtins.int
     FQDNS_FIELD_NUMBER: _builtins.int
+    DNS_FIELD_NUMBER: _builtins.int
     action: Global___AdminAction.ValueType
     """(Baseline)AdminNetworkPolicy gress rules (Rule.tier set): the rule's
     action (required there, unset elsewhere) and its name.
@@ -900,6 +901,13 @@ class PeerRule(_message.Message):
         the nodes' DNS proxies learned them (the FQDN cache).
         """
 
+    @_builtins.property
+    def dns(self) -> _containers.RepeatedCompositeFieldContainer[Global___FQDNSelector]:
+        """rules.dns of the clause's toPorts (egress, port 53): the names its
+        endpoints may look up through their node's DNS proxy (others get
+        REFUSED); a name as match_name, else match_pattern ("*": any).
+        """
+
     def __init__(
         self,
         *,
@@ -912,10 +920,11 @@ class PeerRule(_message.Message):
         action: Global___AdminAction.ValueType = ...,
         name: _builtins.str = ...,
         fqdns: _abc.Iterable[Global___FQDNSelector] | None = ...,
+        dns: _abc.Iterable[Global___FQDNSelector] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "cidrs", b"cidrs", "endpoints", b"endpoints", "entities", b"entities", "fqdns", b"fqdns", "name", b"name", "requires", b"requires", "services", b"services", "to_ports", b"to_ports"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "cidrs", b"cidrs", "dns", b"dns", "endpoints", b"endpoints", "entities", b"entities", "fqdns", b"fqdns", "name", b"name", "requires", b"requires", "services", b"services", "to_ports", b"to_ports"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1545,6 +1554,8 @@ class ResolvedPolicy(_message.Message):
     REVISION_TIME_FIELD_NUMBER: _builtins.int
     INGRESS_RULES_FIELD_NUMBER: _builtins.int
     EGRESS_RULES_FIELD_NUMBER: _builtins.int
+    DNS_PROXY_FIELD_NUMBER: _builtins.int
+    DNS_RULES_FIELD_NUMBER: _builtins.int
     identity: _builtins.int
     revision: _builtins.int
     """Repository revision this policy was computed at."""
@@ -1555,6 +1566,11 @@ class ResolvedPolicy(_message.Message):
     """Set when the entries would exceed the per-endpoint budget: the policy is
     then fail-closed (both directions enforced, no entries) and this says
     why. Never a partial policy.
+    """
+    dns_proxy: _builtins.bool
+    """Egress rules with toFQDNs select the identity: its endpoints' DNS
+    (port 53, UDP and TCP, to any server) goes through their node's DNS
+    proxy, which learns the answers into the FQDN cache.
     """
     @_builtins.property
     def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___PolicyEntry]: ...
@@ -1584,6 +1600,13 @@ class ResolvedPolicy(_message.Message):
 
     @_builtins.property
     def egress_rules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def dns_rules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """rules.dns of the egress rules selecting the identity (FQDNSelector keys:
+        a name, or a pattern with `*`): the names it may look up. Empty with
+        dns_proxy set: any name.
+        """
+
     def __init__(
         self,
         *,
@@ -1597,10 +1620,12 @@ class ResolvedPolicy(_message.Message):
         revision_time: _timestamp_pb2.Timestamp | None = ...,
         ingress_rules: _abc.Iterable[_builtins.str] | None = ...,
         egress_rules: _abc.Iterable[_builtins.str] | None = ...,
+        dns_proxy: _builtins.bool = ...,
+        dns_rules: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["revision_time", b"revision_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["egress_enforced", b"egress_enforced", "egress_rules", b"egress_rules", "entries", b"entries", "error", b"error", "identity", b"identity", "ingress_enforced", b"ingress_enforced", "ingress_rules", b"ingress_rules", "prefix_entries", b"prefix_entries", "revision", b"revision", "revision_time", b"revision_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dns_proxy", b"dns_proxy", "dns_rules", b"dns_rules", "egress_enforced", b"egress_enforced", "egress_rules", b"egress_rules", "entries", b"entries", "error", b"error", "identity", b"identity", "ingress_enforced", b"ingress_enforced", "ingress_rules", b"ingress_rules", "prefix_entries", b"prefix_entries", "revision", b"revision", "revision_time", b"revision_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1984,15 +2009,22 @@ class UpsertFQDNCacheResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     REVISION_FIELD_NUMBER: _builtins.int
+    SELECTED_FIELD_NUMBER: _builtins.int
     revision: _builtins.int
+    selected: _builtins.bool
+    """Some address of the entries has a CIDR identity at revision (a toFQDNs
+    selector or a CIDR rule selects it). False: no policy depends on them,
+    and a DNS proxy has nothing to wait for.
+    """
     def __init__(
         self,
         *,
         revision: _builtins.int = ...,
+        selected: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["revision", b"revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["revision", b"revision", "selected", b"selected"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

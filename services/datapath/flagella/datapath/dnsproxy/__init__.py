@@ -1,0 +1,1 @@
+"""The node's DNS proxy (toFQDNs): sockets, the server, what answers teach."""
