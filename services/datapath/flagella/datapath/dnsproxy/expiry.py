@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -54,7 +55,9 @@ class Expiry:
 
     async def run(self, interval: float) -> None:
         while True:
-            await asyncio.sleep(interval)
+            # Jittered, so that the nodes of a cluster do not list the
+            # cache all at once.
+            await asyncio.sleep(interval * random.uniform(0.9, 1.1))
             await self.once()
 
     async def once(self) -> None:
