@@ -132,6 +132,9 @@ EXPECTED: dict[str, set[str]] = {
     "lb/ListServices": NODES | OP | {"policy"} | RELAY,
     "lb/WatchServices": NODES | OP | {"policy"},
     "lb/GetMaglevTable": NODES | OP,
+    "lb/UpsertLbIpPool": OP,
+    "lb/DeleteLbIpPool": OP,
+    "lb/ListLbIpPools": NODES | OP,
     # A node's datapath relays its CNI plugin's invocations, for itself.
     "endpoint/Cni": {"node-a"},
     "endpoint/CreateEndpoint": {"node-a"},

@@ -176,6 +176,10 @@ TABLE: dict[str, tuple[Grant, ...]] = {
             "ListServices": (*READERS, POLICY, RELAY),
             "WatchServices": (*READERS, POLICY),
             "GetMaglevTable": READERS,
+            # LB-IPAM pools: operators write them.
+            "UpsertLbIpPool": (OPERATOR,),
+            "DeleteLbIpPool": (OPERATOR,),
+            "ListLbIpPools": READERS,
         },
     ),
     **_methods(

@@ -99,7 +99,7 @@ ROLES: dict[str, tuple[Grant, ...]] = {
         _REVISION,
     ),
     "lb": (
-        Grant("flagella/lb/v1/", Perm.READWRITE, "services, frontends, ids, hash seed"),
+        Grant("flagella/lb/v1/", Perm.READWRITE, "services, frontends, ids, hash seed, LB-IPAM"),
         _REVISION,
     ),
 }

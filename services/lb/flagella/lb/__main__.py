@@ -14,6 +14,7 @@ from flagella.common.server import FatalError, Probes, Runtime
 from flagella.common.server import main as serve_main
 from flagella.lb.config import LbConfig
 from flagella.lb.k8s import KubernetesWatcher
+from flagella.lb.lbipam_store import LbIpam
 from flagella.lb.metrics import LbCollector
 from flagella.lb.service import LbService
 from flagella.lb.servicer import LbServicer
@@ -39,7 +40,12 @@ class LbApp:
 
     def register(self, server: grpc.aio.Server) -> None:
         lb_pb2_grpc.add_LoadBalancerServiceServicer_to_server(
-            LbServicer(self.service, self.config.limits, heartbeat=self.config.watch_heartbeat),
+            LbServicer(
+                self.service,
+                self.config.limits,
+                heartbeat=self.config.watch_heartbeat,
+                ipam=LbIpam(self.etcd, self.service.set_external),
+            ),
             server,
         )
 
