@@ -1699,8 +1699,18 @@ int from_netdev(struct __sk_buff *skb)
 		addr_copy(&node_ip, &cfg->node_ip4);
 	else
 		addr_copy(&node_ip, &cfg->node_ip6);
-	if (addr_is_zero(&node_ip) || !addr_eq(&p.daddr, &node_ip))
-		return TC_ACT_OK; /* only the node address is translated here */
+	if (addr_is_zero(&node_ip))
+		return TC_ACT_OK;
+	if (!addr_eq(&p.daddr, &node_ip)) {
+		/* A LoadBalancer service's external address (LB-IPAM's) is a
+		 * node-port frontend of its own: translated as a node port. */
+		if (natable(&p)) {
+			ret = nodeport_lb(skb, &p, cfg, &node_ip, bpf_ktime_get_ns());
+			if (ret >= 0)
+				return ret;
+		}
+		return TC_ACT_OK; /* else only the node address is translated here */
+	}
 	if ((cfg->flags & CFG_TUNNEL) && p.proto == IPPROTO_UDP && p.dport == cfg->tunnel_port)
 		return TC_ACT_OK; /* the tunnel's own packets: not a service's */
 	if (natable(&p)) {

@@ -141,6 +141,9 @@ EXPECTED: dict[str, set[str]] = {
     "lb/DeleteLrp": OP,
     "lb/GetLrp": NODES | OP,
     "lb/WatchLrps": NODES | OP,
+    "lb/UpsertLbIpPool": OP,
+    "lb/DeleteLbIpPool": OP,
+    "lb/ListLbIpPools": NODES | OP,
     # A node's datapath relays its CNI plugin's invocations, for itself.
     "endpoint/Cni": {"node-a"},
     "endpoint/CreateEndpoint": {"node-a"},

@@ -248,6 +248,24 @@ def test_every_command_group(suite: tuple[Cluster, Node], tmp_path: Path) -> Non
     assert (
         as_json(cluster, node, "service", "get", "shop/db")[0]["frontend"]["address"] == "10.96.5.5"
     )
+    # LB-IPAM: a pool put through the CLI, a LoadBalancer service's address
+    # in service list, a pending one's reason, the pool's use.
+    run(cluster, node, "lb-pool", "put", "shop-pool", "203.0.113.8/31", "--selector", "tier=db")
+    lb_svc = lb_pb2.Service(
+        name="shop/db-lb",
+        frontend=lb_pb2.Frontend(address="10.96.5.6", port=5432, protocol=lb_pb2.PROTOCOL_TCP),
+        labels={"tier": "db"},
+        load_balancer=lb_pb2.LoadBalancer(),
+    )
+    cluster.lb().UpsertService(lb_pb2.UpsertServiceRequest(service=lb_svc), timeout=10)
+    lb_svc.name, lb_svc.frontend.address, lb_svc.labels["tier"] = "shop/web-lb", "10.96.5.7", "web"
+    cluster.lb().UpsertService(lb_pb2.UpsertServiceRequest(service=lb_svc), timeout=10)
+    listed = run(cluster, node, "service", "list").stdout
+    assert "203.0.113.8" in listed, listed
+    assert "<pending: no_pool>" in listed, listed
+    pools = as_json(cluster, node, "lb-pool", "list")
+    assert [(p["name"], p["used"], p["size"]) for p in pools] == [("shop-pool", "1", "2")]
+    assert "shop-pool" in run(cluster, node, "lb-pool", "delete", "shop-pool").stdout
     allocs = as_json(cluster, node, "ipam", "list", "--node", "n1")
     assert {a["ip"] for a in allocs} == {api_ip, db_ip, other_ip}
     assert "ctr-api" in run(cluster, node, "ipam", "list").stdout

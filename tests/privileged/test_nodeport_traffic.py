@@ -305,3 +305,36 @@ def test_five_hundred_maglev_services(cluster: Cluster, node: Node) -> None:
             want = name_of[address_of[table.backend_ids[slot]]]
             assert str(answer[0]).split()[0] == want, (svc.name, sport, slot)
         assert len({str(a[0]).split()[0] for a in answers if a}) > 1
+
+
+def test_loadbalancer_address_from_outside(cluster: Cluster, node: Node) -> None:
+    """LB-IPAM gives the service an address of a pool; the outside client
+    (routing the pool via the node, as a router would) reaches the local
+    backends at that address and the service's port, its own address kept,
+    the answers coming from the LoadBalancer address; gone with the service."""
+    pods = backends_up(cluster, node, n=2)
+    lb = cluster.lb()
+    lb.UpsertLbIpPool(
+        lb_pb2.UpsertLbIpPoolRequest(
+            pool=lb_pb2.LbIpPool(name="outside", blocks=[lb_pb2.LbIpBlock(cidr="198.51.100.8/30")])
+        ),
+        timeout=10,
+    )
+    svc = nodeport_service("default/web-lb", [p.ip for p in pods])
+    svc.load_balancer.SetInParent()
+    got = upsert(cluster, svc)
+    assert got.load_balancer.condition.satisfied, got.load_balancer
+    lb_ip = got.load_balancer.ingress[0]
+    assert lb_ip == "198.51.100.8"
+    outside = node.outside
+    outside.ip("route", "add", "198.51.100.8/30", "via", node.ip)
+    assert wait_until(lambda: outside.request("tcp", lb_ip, 80, timeout=1) is not None)
+    answers = peer_requests(outside, "tcp", lb_ip, 80, 20)
+    assert None not in answers, answers
+    assert {str(a[0]).split()[0] for a in answers if a} == {"b0", "b1"}
+    assert {str(a[0]).split()[1] for a in answers if a} == {OUTSIDE_IP}
+    assert {(a[1], a[2]) for a in answers if a} == {(lb_ip, 80)}
+    # The node port still answers; the address goes with the service.
+    assert outside.request("tcp", node.ip, got.node_port, timeout=2) is not None
+    lb.DeleteService(lb_pb2.DeleteServiceRequest(name="default/web-lb"), timeout=10)
+    assert wait_until(lambda: outside.request("tcp", lb_ip, 80, timeout=1) is None)

@@ -52,3 +52,20 @@ def test_a_cluster_ip_service_gets_no_node_address() -> None:
     svc = nodeport_service()
     svc.type = lb_pb2.SERVICE_TYPE_CLUSTER_IP
     assert [f.address for f in bpf_service(svc, None, ("192.168.1.1",)).frontends] == ["10.96.0.7"]
+
+
+def test_loadbalancer_addresses_are_node_port_frontends_at_the_service_port() -> None:
+    svc = nodeport_service()
+    svc.load_balancer.ingress.extend(["198.51.100.8", "2001:db8::8"])
+    fronts = [
+        (f.address, f.port, f.rev_nat_id, f.nodeport)
+        for f in bpf_service(svc, None, ("192.168.1.1", "fd00:1::1")).frontends
+    ]
+    # After the node addresses' rev-NAT indexes; the IPv6 one not (no NAT46).
+    assert fronts[-1] == ("198.51.100.8", 80, frontend_rev_nat_id(34, 3), True)
+    assert len(fronts) == 3
+    svc.type = lb_pb2.SERVICE_TYPE_CLUSTER_IP
+    assert [f.address for f in bpf_service(svc, None, ()).frontends] == [
+        "10.96.0.7",
+        "198.51.100.8",
+    ]

@@ -19,7 +19,7 @@ from flagella.api.endpoint.v1 import endpoint_pb2
 from flagella.api.ipam.v1 import ipam_pb2
 from flagella.api.lb.v1 import lb_pb2
 from flagella.api.policy.v1 import policy_pb2
-from flagella.cli import certs, config, debug, etcdauth, fqdn, lrp, prefilter
+from flagella.cli import certs, config, debug, etcdauth, fqdn, lbpool, lrp, prefilter
 from flagella.cli.base import PROTOCOL_NAMES, PROTOCOLS, Clients, CliError, emit, enum_name, to_dict
 from flagella.cli.observe import cmd_monitor, cmd_observe
 from flagella.cli.status import cmd_status
@@ -286,6 +286,14 @@ def backend_state(state: int) -> str:
     return enum_name(lb_pb2.BackendState, state, "BACKEND_STATE_")
 
 
+def external_str(s: lb_pb2.Service) -> str:
+    """A LoadBalancer service's addresses, or why it has none."""
+    if not s.HasField("load_balancer"):
+        return "-"
+    lb = s.load_balancer
+    return ",".join(lb.ingress) or f"<pending: {lb.condition.reason}>"
+
+
 def cmd_service(args: argparse.Namespace, clients: Clients) -> int:
     stub = clients.lb()
     if args.action == "list":
@@ -297,13 +305,14 @@ def cmd_service(args: argparse.Namespace, clients: Clients) -> int:
     emit(
         args,
         [to_dict(s) for s in services],
-        ["ID", "NAME", "FRONTEND", "TYPE", "BACKENDS"],
+        ["ID", "NAME", "FRONTEND", "TYPE", "EXTERNAL", "BACKENDS"],
         [
             [
                 s.id,
                 s.name,
                 frontend_str(s.frontend),
                 enum_name(lb_pb2.ServiceType, s.type, "SERVICE_TYPE_"),
+                external_str(s),
                 ", ".join(f"{b.address}:{b.port} ({backend_state(b.state)})" for b in s.backends),
             ]
             for s in services
@@ -472,6 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
     ssub.add_parser("list")
     ssub.add_parser("get").add_argument("name")
     service.set_defaults(func=cmd_service)
+    lbpool.add_parser(sub)
 
     lrp.add_parser(sub)
 

@@ -188,6 +188,10 @@ TABLE: dict[str, tuple[Grant, ...]] = {
             "DeleteLrp": (OPERATOR,),
             "GetLrp": READERS,
             "WatchLrps": READERS,
+            # LB-IPAM pools: operators write them.
+            "UpsertLbIpPool": (OPERATOR,),
+            "DeleteLbIpPool": (OPERATOR,),
+            "ListLbIpPools": READERS,
         },
     ),
     **_methods(

@@ -102,7 +102,7 @@ ROLES: dict[str, tuple[Grant, ...]] = {
         Grant(
             "flagella/lb/v1/",
             Perm.READWRITE,
-            "services, frontends, ids, hash seed, local redirect policies",
+            "services, frontends, ids, hash seed, local redirect policies, LB-IPAM",
         ),
         _REVISION,
     ),

@@ -210,6 +210,20 @@ class PolicySynced:
             await self.policy_synced(synced)
 
 
+def external_frontends(svc: lb_pb2.Service, proto: int, first_index: int) -> list[Frontend]:
+    """A LoadBalancer service's external addresses (LB-IPAM's), answered on
+    every node at the service's port and translated as a node port is
+    (SNAT to the node when the backend is elsewhere)."""
+    family = ipaddress.ip_address(svc.frontend.address).version
+    out: list[Frontend] = []
+    for ip in svc.load_balancer.ingress:
+        if ipaddress.ip_address(ip).version != family:
+            continue  # NAT46 not offered, as for node ports
+        rev_nat = frontend_rev_nat_id(svc.rev_nat_id, first_index + len(out))
+        out.append(Frontend(ip, svc.frontend.port, proto, rev_nat, nodeport=True))
+    return out
+
+
 def bpf_service(
     svc: lb_pb2.Service, table: lb_pb2.MaglevTable | None, node_ips: tuple[str, ...]
 ) -> Service:
@@ -231,6 +245,7 @@ def bpf_service(
                     ip, svc.node_port, proto, frontend_rev_nat_id(svc.rev_nat_id, i), nodeport=True
                 )
             )
+    frontends += external_frontends(svc, proto, first_index=len(node_ips) + 1)
     affinity = 0
     if svc.session_affinity.type == lb_pb2.SessionAffinity.TYPE_CLIENT_IP:
         affinity = int(svc.session_affinity.timeout.ToSeconds()) or AFFINITY_DEFAULT_S

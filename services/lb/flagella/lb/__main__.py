@@ -14,6 +14,7 @@ from flagella.common.server import FatalError, Probes, Runtime
 from flagella.common.server import main as serve_main
 from flagella.lb.config import LbConfig
 from flagella.lb.k8s import WATCH_TIMEOUT_S, KubernetesWatcher
+from flagella.lb.lbipam_store import LbIpam
 from flagella.lb.lrpk8s import LrpKubeWatcher
 from flagella.lb.lrpstore import LrpStore
 from flagella.lb.metrics import LbCollector
@@ -48,6 +49,7 @@ class LbApp:
                 self.lrps,
                 heartbeat=self.config.watch_heartbeat,
                 debuginfo=self.runtime.debuginfo(),
+                ipam=LbIpam(self.etcd, self.service.set_external),
             ),
             server,
         )

@@ -143,6 +143,9 @@ class ServiceRecord:
     # Backend-id blocks this service owns (see ids.py).
     backend_blocks: tuple[int, ...] = ()
     labels: tuple[tuple[str, str], ...] = ()
+    # LB-IPAM's addresses of a LoadBalancer service (lbipam_store.py sets
+    # them): extra frontends on every node, at the frontend's port.
+    external: tuple[str, ...] = ()
     # etcd mod revision of the record (not stored in the value).
     revision: int = field(default=0, compare=False)
 
@@ -213,6 +216,8 @@ class ServiceRecord:
         if self.labels:
             # Absent without labels: records stored before labels read back the same.
             doc["labels"] = dict(self.labels)
+        if self.external:
+            doc["external"] = list(self.external)
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
@@ -247,6 +252,7 @@ class ServiceRecord:
             source=Source(doc.get("source", "api")),
             backend_blocks=tuple(int(b) for b in doc.get("backend_blocks", ())),
             labels=tuple(sorted(doc.get("labels", {}).items())),
+            external=tuple(doc.get("external", ())),
             revision=revision,
         )
 

@@ -9,7 +9,7 @@ import collections
 import logging
 import random
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from flagella.common.errors import (
     Aborted,
@@ -425,8 +425,21 @@ class LbService:
             source=spec.source,
             backend_blocks=blocks,
             labels=spec.labels,
+            # LB-IPAM's, not the spec's: an update keeps them.
+            external=current.external if current is not None else (),
         )
         return UpsertPlan(record, current, new_blocks, ids_plan.release_blocks)
+
+    async def set_external(self, name: str, addresses: tuple[str, ...]) -> None:
+        """Record LB-IPAM's addresses of service name (what the datapaths
+        serve); nothing when it is gone."""
+        for _ in range(MAX_ATTEMPTS):
+            record = await self.store.get_by_name(name)
+            if record is None or record.external == addresses:
+                return
+            if await self.store.replace(record, replace(record, external=addresses)):
+                return
+        raise Aborted(f"service {name!r} changed too often meanwhile; retry")
 
     async def delete(self, name: str, source: Source = Source.API) -> bool:
         """Delete the service; False when there was none."""

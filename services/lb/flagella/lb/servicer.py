@@ -11,6 +11,15 @@ from flagella.api.lb.v1 import lb_pb2, lb_pb2_grpc
 from flagella.common.debuginfo import Debuginfo, answer
 from flagella.common.errors import FlagellaError, InvalidArgument, NotFound
 from flagella.common.sync import Change, serve_watch
+from flagella.lb.lbipam import (
+    CONDITION_TYPE,
+    Claimant,
+    LbRequest,
+    Pool,
+    validate_pool,
+    validate_request,
+)
+from flagella.lb.lbipam_store import Claim, LbIpam
 from flagella.lb.lrp import build_lrp, raw_from_cilium, validate_key
 from flagella.lb.lrpservicer import LrpEvents, lrp_to_proto, parse_document, raw_lrp
 from flagella.lb.lrpstore import LrpStore
@@ -120,7 +129,22 @@ def frontend_from_proto(fe: lb_pb2.Frontend, field: str) -> Frontend:
     return validate_frontend(fe.address, fe.port, protocol, field)
 
 
-def service_to_proto(rec: ServiceRecord) -> lb_pb2.Service:
+def lb_request_from_proto(svc: lb_pb2.Service, frontend_family: int) -> LbRequest | None:
+    """The service's LoadBalancer request; None when it is not one."""
+    if not svc.HasField("load_balancer"):
+        return None
+    lb = svc.load_balancer
+    return validate_request(
+        list(lb.requested_ips), lb.sharing_key, list(lb.families), frontend_family
+    )
+
+
+def claimant(rec: ServiceRecord, request: LbRequest) -> Claimant:
+    ports = frozenset({(rec.frontend.protocol.value, rec.frontend.port)})
+    return Claimant(rec.name, rec.namespace, dict(rec.labels), ports, request)
+
+
+def service_to_proto(rec: ServiceRecord, claim: Claim | None = None) -> lb_pb2.Service:
     out = pb.Service(
         name=rec.name,
         namespace=rec.namespace,
@@ -154,7 +178,41 @@ def service_to_proto(rec: ServiceRecord) -> lb_pb2.Service:
     if rec.affinity is not None:
         out.session_affinity.type = pb.SessionAffinity.TYPE_CLIENT_IP
         out.session_affinity.timeout.seconds = rec.affinity.timeout_s
+    if claim is not None:
+        req = claim.claimant.request
+        out.load_balancer.CopyFrom(
+            pb.LoadBalancer(
+                requested_ips=req.requested,
+                sharing_key=req.sharing_key,
+                families=req.families,
+                ingress=claim.addresses,
+                condition=pb.LbIpamCondition(
+                    type=CONDITION_TYPE,
+                    satisfied=claim.condition.satisfied,
+                    reason=claim.condition.reason,
+                    message=claim.condition.message,
+                ),
+            )
+        )
+    elif rec.external:
+        # The watch stream's view: the addresses the datapaths serve.
+        out.load_balancer.ingress.extend(rec.external)
     return out
+
+
+def pool_to_proto(pool: Pool, used: int) -> lb_pb2.LbIpPool:
+    blocks = []
+    for b in pool.blocks:
+        start, sep, stop = b.text.partition("-")
+        blocks.append(pb.LbIpBlock(start=start, stop=stop) if sep else pb.LbIpBlock(cidr=b.text))
+    return pb.LbIpPool(
+        name=pool.name,
+        blocks=blocks,
+        service_selector=dict(pool.selector),
+        disabled=pool.disabled,
+        size=pool.size,
+        used=used,
+    )
 
 
 def table_to_proto(service_id: int, size: int, table: Sequence[int]) -> lb_pb2.MaglevTable:
@@ -214,11 +272,13 @@ class LbServicer(lb_pb2_grpc.LoadBalancerServiceServicer):
         *,
         heartbeat: float = 30.0,
         debuginfo: Debuginfo | None = None,
+        ipam: LbIpam,
     ) -> None:
         self.service = service
         self.debuginfo = debuginfo
         self.limits = limits
         self.lrps = lrps
+        self.ipam = ipam
         # Seconds between SYNCED heartbeats on an idle WatchServices stream.
         self.heartbeat = heartbeat
 
@@ -228,8 +288,25 @@ class LbServicer(lb_pb2_grpc.LoadBalancerServiceServicer):
         if not request.HasField("service"):
             raise InvalidArgument("a service is required", field="service")
         spec = build_spec(raw_from_proto(request.service), self.limits)
+        lb = lb_request_from_proto(request.service, spec.frontend.family)
         record, created = await self.service.upsert(spec)
-        return pb.UpsertServiceResponse(service=service_to_proto(record), created=created)
+        record, claim = await self._claim(record, lb)
+        return pb.UpsertServiceResponse(service=service_to_proto(record, claim), created=created)
+
+    async def _claim(
+        self, record: ServiceRecord, lb: LbRequest | None
+    ) -> tuple[ServiceRecord, Claim | None]:
+        """LB-IPAM's answer for a stored service: its claim, or, no longer a
+        LoadBalancer, its addresses freed; and the record as it is then
+        (read again when its addresses changed)."""
+        claim = None
+        if lb is not None:
+            claim = await self.ipam.claim(claimant(record, lb))
+        elif await self.ipam.get(record.name) is not None:
+            await self.ipam.release(record.name)
+        if record.external != (claim.addresses if claim is not None else ()):
+            record = await self.service.get_by_name(record.name)
+        return record, claim
 
     async def UpsertServices(
         self, request: lb_pb2.UpsertServicesRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -241,18 +318,27 @@ class LbServicer(lb_pb2_grpc.LoadBalancerServiceServicer):
                 f"{len(request.services)} services: at most {MAX_BATCH} per call", field="services"
             )
         specs = []
+        lbs: list[LbRequest | None] = []
         for i, svc in enumerate(request.services):
             try:
                 specs.append(build_spec(raw_from_proto(svc), self.limits))
+                lbs.append(lb_request_from_proto(svc, specs[-1].frontend.family))
             except FlagellaError as exc:
                 raise in_batch(exc, i) from None
         check_batch(specs)
         results = await self.service.upsert_many(specs)
-        return pb.UpsertServicesResponse(
-            results=[
-                pb.UpsertServiceResponse(service=service_to_proto(r), created=c) for r, c in results
-            ]
-        )
+        # One read of the claims for the batch: only LoadBalancer services
+        # and former ones cost LB-IPAM a transaction.
+        claims = await self.ipam.claims()
+        out = []
+        for (stored, created), lb in zip(results, lbs, strict=True):
+            record, claim = stored, None
+            if lb is not None or record.name in claims:
+                record, claim = await self._claim(stored, lb)
+            out.append(
+                pb.UpsertServiceResponse(service=service_to_proto(record, claim), created=created)
+            )
+        return pb.UpsertServicesResponse(results=out)
 
     async def GetService(
         self, request: lb_pb2.GetServiceRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -268,20 +354,24 @@ class LbServicer(lb_pb2_grpc.LoadBalancerServiceServicer):
             )
         else:
             raise InvalidArgument("give one of name, id, frontend", field="by")
-        return service_to_proto(record)
+        return service_to_proto(record, await self.ipam.get(record.name))
 
     async def DeleteService(
         self, request: lb_pb2.DeleteServiceRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> lb_pb2.DeleteServiceResponse:
         lookup_name(request.name)
-        return pb.DeleteServiceResponse(deleted=await self.service.delete(request.name))
+        deleted = await self.service.delete(request.name)
+        if deleted:
+            await self.ipam.release(request.name)
+        return pb.DeleteServiceResponse(deleted=deleted)
 
     async def ListServices(
         self, request: lb_pb2.ListServicesRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> lb_pb2.ListServicesResponse:
         records, revision = await self.service.list_services(request.namespace)
+        claims = await self.ipam.claims()
         return pb.ListServicesResponse(
-            services=[service_to_proto(r) for r in records], revision=revision
+            services=[service_to_proto(r, claims.get(r.name)) for r in records], revision=revision
         )
 
     async def WatchServices(
@@ -357,3 +447,33 @@ class LbServicer(lb_pb2_grpc.LoadBalancerServiceServicer):
             self.lrps.subscribe(since), LrpEvents(), since=since, heartbeat=self.heartbeat
         ):
             yield event
+
+    # --- LB-IPAM pools ---
+
+    async def UpsertLbIpPool(
+        self, request: lb_pb2.UpsertLbIpPoolRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> lb_pb2.UpsertLbIpPoolResponse:
+        if not request.HasField("pool"):
+            raise InvalidArgument("a pool is required", field="pool")
+        p = request.pool
+        pool = validate_pool(
+            p.name,
+            [(b.cidr, b.start, b.stop) for b in p.blocks],
+            dict(p.service_selector),
+            p.disabled,
+        )
+        created, used = await self.ipam.upsert_pool(pool)
+        return pb.UpsertLbIpPoolResponse(pool=pool_to_proto(pool, used), created=created)
+
+    async def DeleteLbIpPool(
+        self, request: lb_pb2.DeleteLbIpPoolRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> lb_pb2.DeleteLbIpPoolResponse:
+        if not request.name:
+            raise InvalidArgument("a pool name is required", field="name")
+        return pb.DeleteLbIpPoolResponse(deleted=await self.ipam.delete_pool(request.name))
+
+    async def ListLbIpPools(
+        self, request: lb_pb2.ListLbIpPoolsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> lb_pb2.ListLbIpPoolsResponse:
+        pools = await self.ipam.list_pools()
+        return pb.ListLbIpPoolsResponse(pools=[pool_to_proto(p, used) for p, used in pools])

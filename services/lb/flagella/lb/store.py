@@ -460,6 +460,15 @@ class LbStore:
                     out[rec.id] = rec
         return out
 
+    async def replace(self, record: ServiceRecord, new: ServiceRecord) -> int | None:
+        """Write new (same id, name and indexes) over record if it is still
+        at its revision. The write's revision; None when it changed."""
+        result = await self.etcd.txn(
+            [mod_revision_is(service_key(record.id), record.revision)],
+            [put_op(service_key(new.id), new.to_json())],
+        )
+        return result.revision if result.succeeded else None
+
     async def delete(self, record: ServiceRecord) -> int | None:
         """Delete the service and free its ids, if it is still at its
         revision. Returns the deletion's revision; None when it changed

@@ -240,6 +240,7 @@ class Service(_message.Message):
     SOURCE_FIELD_NUMBER: _builtins.int
     MAGLEV_TABLE_SIZE_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
+    LOAD_BALANCER_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """"namespace/name" or "name"; the key of the service."""
     namespace: _builtins.str
@@ -275,6 +276,12 @@ class Service(_message.Message):
         policy toServices selectors match.
         """
 
+    @_builtins.property
+    def load_balancer(self) -> Global___LoadBalancer:
+        """Set: a LoadBalancer service; LB-IPAM assigns it an external address per
+        family from a pool whose selector matches.
+        """
+
     def __init__(
         self,
         *,
@@ -293,10 +300,11 @@ class Service(_message.Message):
         source: _builtins.str = ...,
         maglev_table_size: _builtins.int = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        load_balancer: Global___LoadBalancer | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["frontend", b"frontend", "session_affinity", b"session_affinity"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["frontend", b"frontend", "load_balancer", b"load_balancer", "session_affinity", b"session_affinity"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "backends", b"backends", "frontend", b"frontend", "id", b"id", "labels", b"labels", "maglev_table_size", b"maglev_table_size", "name", b"name", "namespace", b"namespace", "node_port", b"node_port", "rev_nat_id", b"rev_nat_id", "revision", b"revision", "session_affinity", b"session_affinity", "source", b"source", "source_ranges", b"source_ranges", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "backends", b"backends", "frontend", b"frontend", "id", b"id", "labels", b"labels", "load_balancer", b"load_balancer", "maglev_table_size", b"maglev_table_size", "name", b"name", "namespace", b"namespace", "node_port", b"node_port", "rev_nat_id", b"rev_nat_id", "revision", b"revision", "session_affinity", b"session_affinity", "source", b"source", "source_ranges", b"source_ranges", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1216,3 +1224,290 @@ class LrpEvent(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___LrpEvent: _TypeAlias = LrpEvent  # noqa: Y015
+
+@_typing.final
+class LoadBalancer(_message.Message):
+    """What a LoadBalancer service asks LB-IPAM for, and what it got."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUESTED_IPS_FIELD_NUMBER: _builtins.int
+    SHARING_KEY_FIELD_NUMBER: _builtins.int
+    FAMILIES_FIELD_NUMBER: _builtins.int
+    INGRESS_FIELD_NUMBER: _builtins.int
+    CONDITION_FIELD_NUMBER: _builtins.int
+    sharing_key: _builtins.str
+    """lbipam.cilium.io/sharing-key: services with the same key may share an
+    address on different ports.
+    """
+    @_builtins.property
+    def requested_ips(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Addresses asked for (spec.loadBalancerIP, the lbipam.cilium.io/ips
+        annotation); empty: any free one of each family.
+        """
+
+    @_builtins.property
+    def families(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Families to get an address of (4, 6); empty: the frontend's."""
+
+    @_builtins.property
+    def ingress(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Output only: the assigned addresses (status.loadBalancer.ingress)."""
+
+    @_builtins.property
+    def condition(self) -> Global___LbIpamCondition:
+        """Output only: io.cilium/lb-ipam-request-satisfied."""
+
+    def __init__(
+        self,
+        *,
+        requested_ips: _abc.Iterable[_builtins.str] | None = ...,
+        sharing_key: _builtins.str = ...,
+        families: _abc.Iterable[_builtins.int] | None = ...,
+        ingress: _abc.Iterable[_builtins.str] | None = ...,
+        condition: Global___LbIpamCondition | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["condition", b"condition"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["condition", b"condition", "families", b"families", "ingress", b"ingress", "requested_ips", b"requested_ips", "sharing_key", b"sharing_key"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadBalancer: _TypeAlias = LoadBalancer  # noqa: Y015
+
+@_typing.final
+class LbIpamCondition(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TYPE_FIELD_NUMBER: _builtins.int
+    SATISFIED_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    type: _builtins.str
+    """"io.cilium/lb-ipam-request-satisfied"."""
+    satisfied: _builtins.bool
+    reason: _builtins.str
+    """"satisfied", "no_pool", "pool_exhausted", "already_allocated",
+    "out_of_pools", "disabled".
+    """
+    message: _builtins.str
+    def __init__(
+        self,
+        *,
+        type: _builtins.str = ...,
+        satisfied: _builtins.bool = ...,
+        reason: _builtins.str = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["message", b"message", "reason", b"reason", "satisfied", b"satisfied", "type", b"type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LbIpamCondition: _TypeAlias = LbIpamCondition  # noqa: Y015
+
+@_typing.final
+class LbIpBlock(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CIDR_FIELD_NUMBER: _builtins.int
+    START_FIELD_NUMBER: _builtins.int
+    STOP_FIELD_NUMBER: _builtins.int
+    cidr: _builtins.str
+    """A CIDR, or start and stop (inclusive) of one family."""
+    start: _builtins.str
+    stop: _builtins.str
+    def __init__(
+        self,
+        *,
+        cidr: _builtins.str = ...,
+        start: _builtins.str = ...,
+        stop: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cidr", b"cidr", "start", b"start", "stop", b"stop"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LbIpBlock: _TypeAlias = LbIpBlock  # noqa: Y015
+
+@_typing.final
+class LbIpPool(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ServiceSelectorEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    NAME_FIELD_NUMBER: _builtins.int
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    SERVICE_SELECTOR_FIELD_NUMBER: _builtins.int
+    DISABLED_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    USED_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    disabled: _builtins.bool
+    """Assigns no more addresses (those assigned stay)."""
+    size: _builtins.int
+    """Output only: addresses in the blocks, and assigned."""
+    used: _builtins.int
+    @_builtins.property
+    def blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___LbIpBlock]: ...
+    @_builtins.property
+    def service_selector(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Labels a service must have (all of them); the key
+        io.kubernetes.service.namespace matches the namespace. Empty: every
+        service.
+        """
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        blocks: _abc.Iterable[Global___LbIpBlock] | None = ...,
+        service_selector: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        disabled: _builtins.bool = ...,
+        size: _builtins.int = ...,
+        used: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "disabled", b"disabled", "name", b"name", "service_selector", b"service_selector", "size", b"size", "used", b"used"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LbIpPool: _TypeAlias = LbIpPool  # noqa: Y015
+
+@_typing.final
+class UpsertLbIpPoolRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOL_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def pool(self) -> Global___LbIpPool: ...
+    def __init__(
+        self,
+        *,
+        pool: Global___LbIpPool | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["pool", b"pool"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pool", b"pool"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpsertLbIpPoolRequest: _TypeAlias = UpsertLbIpPoolRequest  # noqa: Y015
+
+@_typing.final
+class UpsertLbIpPoolResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOL_FIELD_NUMBER: _builtins.int
+    CREATED_FIELD_NUMBER: _builtins.int
+    created: _builtins.bool
+    @_builtins.property
+    def pool(self) -> Global___LbIpPool: ...
+    def __init__(
+        self,
+        *,
+        pool: Global___LbIpPool | None = ...,
+        created: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["pool", b"pool"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "pool", b"pool"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpsertLbIpPoolResponse: _TypeAlias = UpsertLbIpPoolResponse  # noqa: Y015
+
+@_typing.final
+class DeleteLbIpPoolRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteLbIpPoolRequest: _TypeAlias = DeleteLbIpPoolRequest  # noqa: Y015
+
+@_typing.final
+class DeleteLbIpPoolResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DELETED_FIELD_NUMBER: _builtins.int
+    deleted: _builtins.bool
+    def __init__(
+        self,
+        *,
+        deleted: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deleted", b"deleted"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteLbIpPoolResponse: _TypeAlias = DeleteLbIpPoolResponse  # noqa: Y015
+
+@_typing.final
+class ListLbIpPoolsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListLbIpPoolsRequest: _TypeAlias = ListLbIpPoolsRequest  # noqa: Y015
+
+@_typing.final
+class ListLbIpPoolsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOLS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def pools(self) -> _containers.RepeatedCompositeFieldContainer[Global___LbIpPool]: ...
+    def __init__(
+        self,
+        *,
+        pools: _abc.Iterable[Global___LbIpPool] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pools", b"pools"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListLbIpPoolsResponse: _TypeAlias = ListLbIpPoolsResponse  # noqa: Y015

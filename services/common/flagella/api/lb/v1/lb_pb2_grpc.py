@@ -95,6 +95,21 @@ class LoadBalancerServiceStub:
                 request_serializer=flagella_dot_lb_dot_v1_dot_lb__pb2.WatchLrpsRequest.SerializeToString,
                 response_deserializer=flagella_dot_lb_dot_v1_dot_lb__pb2.LrpEvent.FromString,
                 _registered_method=True)
+        self.UpsertLbIpPool = channel.unary_unary(
+                '/flagella.lb.v1.LoadBalancerService/UpsertLbIpPool',
+                request_serializer=flagella_dot_lb_dot_v1_dot_lb__pb2.UpsertLbIpPoolRequest.SerializeToString,
+                response_deserializer=flagella_dot_lb_dot_v1_dot_lb__pb2.UpsertLbIpPoolResponse.FromString,
+                _registered_method=True)
+        self.DeleteLbIpPool = channel.unary_unary(
+                '/flagella.lb.v1.LoadBalancerService/DeleteLbIpPool',
+                request_serializer=flagella_dot_lb_dot_v1_dot_lb__pb2.DeleteLbIpPoolRequest.SerializeToString,
+                response_deserializer=flagella_dot_lb_dot_v1_dot_lb__pb2.DeleteLbIpPoolResponse.FromString,
+                _registered_method=True)
+        self.ListLbIpPools = channel.unary_unary(
+                '/flagella.lb.v1.LoadBalancerService/ListLbIpPools',
+                request_serializer=flagella_dot_lb_dot_v1_dot_lb__pb2.ListLbIpPoolsRequest.SerializeToString,
+                response_deserializer=flagella_dot_lb_dot_v1_dot_lb__pb2.ListLbIpPoolsResponse.FromString,
+                _registered_method=True)
 
 
 class LoadBalancerServiceServicer:
@@ -188,6 +203,26 @@ class LoadBalancerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpsertLbIpPool(self, request, context):
+        """LB-IPAM address pools (as CiliumLoadBalancerIPPool): a pool overlapping
+        another is refused naming the block.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteLbIpPool(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLbIpPools(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LoadBalancerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -250,6 +285,21 @@ def add_LoadBalancerServiceServicer_to_server(servicer, server):
                     servicer.WatchLrps,
                     request_deserializer=flagella_dot_lb_dot_v1_dot_lb__pb2.WatchLrpsRequest.FromString,
                     response_serializer=flagella_dot_lb_dot_v1_dot_lb__pb2.LrpEvent.SerializeToString,
+            ),
+            'UpsertLbIpPool': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpsertLbIpPool,
+                    request_deserializer=flagella_dot_lb_dot_v1_dot_lb__pb2.UpsertLbIpPoolRequest.FromString,
+                    response_serializer=flagella_dot_lb_dot_v1_dot_lb__pb2.UpsertLbIpPoolResponse.SerializeToString,
+            ),
+            'DeleteLbIpPool': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteLbIpPool,
+                    request_deserializer=flagella_dot_lb_dot_v1_dot_lb__pb2.DeleteLbIpPoolRequest.FromString,
+                    response_serializer=flagella_dot_lb_dot_v1_dot_lb__pb2.DeleteLbIpPoolResponse.SerializeToString,
+            ),
+            'ListLbIpPools': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLbIpPools,
+                    request_deserializer=flagella_dot_lb_dot_v1_dot_lb__pb2.ListLbIpPoolsRequest.FromString,
+                    response_serializer=flagella_dot_lb_dot_v1_dot_lb__pb2.ListLbIpPoolsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -576,6 +626,87 @@ class LoadBalancerService:
             '/flagella.lb.v1.LoadBalancerService/WatchLrps',
             flagella_dot_lb_dot_v1_dot_lb__pb2.WatchLrpsRequest.SerializeToString,
             flagella_dot_lb_dot_v1_dot_lb__pb2.LrpEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpsertLbIpPool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagella.lb.v1.LoadBalancerService/UpsertLbIpPool',
+            flagella_dot_lb_dot_v1_dot_lb__pb2.UpsertLbIpPoolRequest.SerializeToString,
+            flagella_dot_lb_dot_v1_dot_lb__pb2.UpsertLbIpPoolResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteLbIpPool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagella.lb.v1.LoadBalancerService/DeleteLbIpPool',
+            flagella_dot_lb_dot_v1_dot_lb__pb2.DeleteLbIpPoolRequest.SerializeToString,
+            flagella_dot_lb_dot_v1_dot_lb__pb2.DeleteLbIpPoolResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLbIpPools(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagella.lb.v1.LoadBalancerService/ListLbIpPools',
+            flagella_dot_lb_dot_v1_dot_lb__pb2.ListLbIpPoolsRequest.SerializeToString,
+            flagella_dot_lb_dot_v1_dot_lb__pb2.ListLbIpPoolsResponse.FromString,
             options,
             channel_credentials,
             insecure,

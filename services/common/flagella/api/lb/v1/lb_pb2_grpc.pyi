@@ -67,6 +67,12 @@ class LoadBalancerServiceStub:
     """Snapshot (RESET, UPSERT..., SYNCED), then deltas; resumable by revision.
     Every datapath follows it and picks its own local backends.
     """
+    UpsertLbIpPool: _grpc.UnaryUnaryMultiCallable[_lb_pb2.UpsertLbIpPoolRequest, _lb_pb2.UpsertLbIpPoolResponse]
+    """LB-IPAM address pools (as CiliumLoadBalancerIPPool): a pool overlapping
+    another is refused naming the block.
+    """
+    DeleteLbIpPool: _grpc.UnaryUnaryMultiCallable[_lb_pb2.DeleteLbIpPoolRequest, _lb_pb2.DeleteLbIpPoolResponse]
+    ListLbIpPools: _grpc.UnaryUnaryMultiCallable[_lb_pb2.ListLbIpPoolsRequest, _lb_pb2.ListLbIpPoolsResponse]
 
 @_typing.type_check_only
 class LoadBalancerServiceAsyncStub(LoadBalancerServiceStub):
@@ -103,6 +109,12 @@ class LoadBalancerServiceAsyncStub(LoadBalancerServiceStub):
     """Snapshot (RESET, UPSERT..., SYNCED), then deltas; resumable by revision.
     Every datapath follows it and picks its own local backends.
     """
+    UpsertLbIpPool: _aio.UnaryUnaryMultiCallable[_lb_pb2.UpsertLbIpPoolRequest, _lb_pb2.UpsertLbIpPoolResponse]  # type: ignore[assignment]
+    """LB-IPAM address pools (as CiliumLoadBalancerIPPool): a pool overlapping
+    another is refused naming the block.
+    """
+    DeleteLbIpPool: _aio.UnaryUnaryMultiCallable[_lb_pb2.DeleteLbIpPoolRequest, _lb_pb2.DeleteLbIpPoolResponse]  # type: ignore[assignment]
+    ListLbIpPools: _aio.UnaryUnaryMultiCallable[_lb_pb2.ListLbIpPoolsRequest, _lb_pb2.ListLbIpPoolsResponse]  # type: ignore[assignment]
 
 class LoadBalancerServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -208,5 +220,29 @@ class LoadBalancerServiceServicer(metaclass=_abc_1.ABCMeta):
         """Snapshot (RESET, UPSERT..., SYNCED), then deltas; resumable by revision.
         Every datapath follows it and picks its own local backends.
         """
+
+    @_abc_1.abstractmethod
+    def UpsertLbIpPool(
+        self,
+        request: _lb_pb2.UpsertLbIpPoolRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_lb_pb2.UpsertLbIpPoolResponse, _abc.Awaitable[_lb_pb2.UpsertLbIpPoolResponse]]:
+        """LB-IPAM address pools (as CiliumLoadBalancerIPPool): a pool overlapping
+        another is refused naming the block.
+        """
+
+    @_abc_1.abstractmethod
+    def DeleteLbIpPool(
+        self,
+        request: _lb_pb2.DeleteLbIpPoolRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_lb_pb2.DeleteLbIpPoolResponse, _abc.Awaitable[_lb_pb2.DeleteLbIpPoolResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ListLbIpPools(
+        self,
+        request: _lb_pb2.ListLbIpPoolsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_lb_pb2.ListLbIpPoolsResponse, _abc.Awaitable[_lb_pb2.ListLbIpPoolsResponse]]: ...
 
 def add_LoadBalancerServiceServicer_to_server(servicer: LoadBalancerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

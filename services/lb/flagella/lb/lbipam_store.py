@@ -1,0 +1,287 @@
+"""etcd state of LB-IPAM, under flagella/lb/v1/lbipam/ (the lb service's
+own prefix, so its etcd role already covers it):
+
+    pools                the pools (one JSON list: a pool's overlap check and
+                         its write are one compare)
+    addrs/<address>      who holds the address (AddressUse)
+    services/<name>      a LoadBalancer service's request, addresses and
+                         condition (Claim)
+
+Every change reads the whole prefix at one revision, plans (lbipam.plan),
+and commits in one transaction comparing the mod revision of every key it
+read a decision from (the pools, the service's claim, each address it
+takes or frees): two lb replicas can never hand one address out twice; the
+loser reads again and plans again.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from flagella.common.backoff import Backoff
+from flagella.common.errors import Aborted
+from flagella.common.etcd import Etcd, delete_op, mod_revision_is, put_op
+from flagella.lb.lbipam import (
+    SATISFIED,
+    AddressUse,
+    Assigned,
+    Claimant,
+    Condition,
+    LbRequest,
+    Pool,
+    overlap,
+    plan,
+)
+from flagella.lb.store import PREFIX
+
+LBIPAM = PREFIX + "lbipam/"
+POOLS_KEY = LBIPAM + "pools"
+ADDRS = LBIPAM + "addrs/"
+CLAIMS = LBIPAM + "services/"
+MAX_ATTEMPTS = 16
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A LoadBalancer service's request and what it got."""
+
+    claimant: Claimant
+    addresses: tuple[str, ...] = ()
+    condition: Condition = SATISFIED
+
+    def to_json(self) -> bytes:
+        c = self.claimant
+        doc = {
+            "name": c.name,
+            "namespace": c.namespace,
+            "labels": dict(c.labels),
+            "ports": sorted([list(p) for p in c.ports]),
+            "request": {
+                "requested": list(c.request.requested),
+                "sharing_key": c.request.sharing_key,
+                "families": list(c.request.families),
+            },
+            "addresses": list(self.addresses),
+            "condition": {
+                "satisfied": self.condition.satisfied,
+                "reason": self.condition.reason,
+                "message": self.condition.message,
+            },
+        }
+        return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Claim:
+        doc = json.loads(raw)
+        req = doc["request"]
+        cond = doc["condition"]
+        return cls(
+            Claimant(
+                name=doc["name"],
+                namespace=doc.get("namespace", ""),
+                labels=dict(doc.get("labels", {})),
+                ports=frozenset((str(p), int(q)) for p, q in doc.get("ports", [])),
+                request=LbRequest(
+                    tuple(req.get("requested", ())),
+                    req.get("sharing_key", ""),
+                    tuple(int(f) for f in req.get("families", (4,))),
+                ),
+            ),
+            tuple(doc.get("addresses", ())),
+            Condition(bool(cond["satisfied"]), cond["reason"], cond.get("message", "")),
+        )
+
+
+@dataclass
+class State:
+    """Everything under lbipam/ at one revision, with each key's mod revision."""
+
+    pools: list[Pool]
+    pools_rev: int
+    uses: dict[str, AddressUse]
+    use_revs: dict[str, int]
+    claims: dict[str, Claim]
+    claim_revs: dict[str, int]
+
+
+@dataclass(frozen=True)
+class Contended:
+    """Another writer changed a key the plan was made from."""
+
+
+def _pools_json(pools: Sequence[Pool]) -> bytes:
+    docs = [p.to_doc() for p in sorted(pools, key=lambda p: p.name)]
+    return json.dumps(docs, separators=(",", ":")).encode()
+
+
+class LbIpam:
+    """LB-IPAM over etcd: pools, claims, and their retries on contention."""
+
+    def __init__(
+        self,
+        etcd: Etcd,
+        on_change: Callable[[str, tuple[str, ...]], Awaitable[None]] | None = None,
+    ) -> None:
+        self.etcd = etcd
+        # Told a service's new addresses after each commit that changed
+        # them (the lb service records them in the service, for the
+        # datapaths).
+        self.on_change = on_change
+
+    async def read(self) -> State:
+        (kvs,), _ = await self.etcd.get_prefixes([LBIPAM])
+        state = State([], 0, {}, {}, {}, {})
+        for kv in kvs:
+            key = kv.key
+            if key == POOLS_KEY:
+                state.pools = [Pool.from_doc(d) for d in json.loads(kv.value)]
+                state.pools_rev = kv.mod_revision
+            elif key.startswith(ADDRS):
+                addr = key[len(ADDRS) :]
+                state.uses[addr] = AddressUse.from_json(kv.value)
+                state.use_revs[addr] = kv.mod_revision
+            elif key.startswith(CLAIMS):
+                name = key[len(CLAIMS) :]
+                state.claims[name] = Claim.from_json(kv.value)
+                state.claim_revs[name] = kv.mod_revision
+        return state
+
+    # --- pools ---
+
+    async def upsert_pool(self, pool: Pool) -> tuple[bool, int]:
+        """Store pool (refused, naming the block, when it overlaps another
+        pool); then every claim is planned again. Returns (created,
+        addresses used in it)."""
+        for _ in range(MAX_ATTEMPTS):
+            state = await self.read()
+            refused = overlap(pool, state.pools)
+            if refused is not None:
+                raise refused
+            created = all(p.name != pool.name for p in state.pools)
+            pools = [p for p in state.pools if p.name != pool.name] + [pool]
+            if await self._put_pools(pools, state.pools_rev):
+                await self.reconcile_all()
+                return created, _used(pool, (await self.read()).uses)
+        raise Aborted("pools changed too often meanwhile; retry")
+
+    async def delete_pool(self, name: str) -> bool:
+        for _ in range(MAX_ATTEMPTS):
+            state = await self.read()
+            pools = [p for p in state.pools if p.name != name]
+            if len(pools) == len(state.pools):
+                return False
+            if await self._put_pools(pools, state.pools_rev):
+                await self.reconcile_all()
+                return True
+        raise Aborted("pools changed too often meanwhile; retry")
+
+    async def list_pools(self) -> list[tuple[Pool, int]]:
+        state = await self.read()
+        return [(p, _used(p, state.uses)) for p in sorted(state.pools, key=lambda p: p.name)]
+
+    async def _put_pools(self, pools: Sequence[Pool], rev: int) -> bool:
+        result = await self.etcd.txn(
+            [mod_revision_is(POOLS_KEY, rev)], [put_op(POOLS_KEY, _pools_json(pools))]
+        )
+        return result.succeeded
+
+    # --- claims ---
+
+    async def claim(self, who: Claimant) -> Claim:
+        """Plan who's addresses and commit them (and free what it no longer
+        holds). An unsatisfiable request stores the claim with no address
+        and its condition."""
+        # Contenders planned from the same state pick the same address:
+        # jittered waits spread them out.
+        backoff = Backoff(0.005, 0.2, jitter=1.0)
+        for _ in range(MAX_ATTEMPTS):
+            state = await self.read()
+            outcome = await self._commit(state, who)
+            if isinstance(outcome, Claim):
+                return outcome
+            await backoff.wait()
+        raise Aborted("addresses changed too often meanwhile; retry")
+
+    async def release(self, name: str) -> bool:
+        """Forget name's claim and free its addresses. Whether it had one."""
+        for _ in range(MAX_ATTEMPTS):
+            state = await self.read()
+            if name not in state.claims:
+                return False
+            if not isinstance(await self._commit(state, None, name), Contended):
+                # Its addresses are free: pending claims may be satisfied now.
+                await self.reconcile_all(pending_only=True)
+                return True
+        raise Aborted("addresses changed too often meanwhile; retry")
+
+    async def claims(self) -> dict[str, Claim]:
+        return (await self.read()).claims
+
+    async def get(self, name: str) -> Claim | None:
+        kv = await self.etcd.get(CLAIMS + name)
+        return None if kv is None else Claim.from_json(kv.value)
+
+    async def reconcile_all(self, *, pending_only: bool = False) -> None:
+        """Plan every claim again (after a pool changed): pending ones may
+        be satisfied now, and addresses no pool selects any more move."""
+        for name, claim in sorted((await self.read()).claims.items()):
+            if pending_only and claim.condition.satisfied:
+                continue
+            try:
+                await self.claim(claim.claimant)
+            except Aborted:
+                log.warning("LB-IPAM: claim of %s not re-planned (contention)", name)
+
+    async def _commit(
+        self, state: State, who: Claimant | None, name: str = ""
+    ) -> Claim | Contended | None:
+        """Commit who's plan (None: release name). The claim stored (None
+        when released), or Contended."""
+        name = who.name if who is not None else name
+        old = state.claims.get(name)
+        held = old.addresses if old is not None else ()
+        if who is None:
+            claim: Claim | None = None
+            new: tuple[str, ...] = ()
+        else:
+            # Plan as if it held nothing, so its own uses do not block it.
+            uses = {a: u.without(name) for a, u in state.uses.items()}
+            outcome = plan(who, state.pools, {a: u for a, u in uses.items() if u}, held)
+            if isinstance(outcome, Assigned):
+                claim = Claim(who, outcome.addresses, SATISFIED)
+            else:
+                claim = Claim(who, (), outcome.condition)
+            new = claim.addresses
+        compare = [
+            mod_revision_is(POOLS_KEY, state.pools_rev),
+            mod_revision_is(CLAIMS + name, state.claim_revs.get(name, 0)),
+        ]
+        ops: list[Any] = []
+        for addr in sorted(set(held) | set(new)):
+            compare.append(mod_revision_is(ADDRS + addr, state.use_revs.get(addr, 0)))
+            use = state.uses.get(addr, AddressUse())
+            after = use.with_user(who) if (who is not None and addr in new) else use.without(name)
+            if after is None:
+                ops.append(delete_op(ADDRS + addr))
+            elif after != use:
+                ops.append(put_op(ADDRS + addr, after.to_json()))
+        if claim is None:
+            ops.append(delete_op(CLAIMS + name))
+        elif old is None or claim != old:
+            ops.append(put_op(CLAIMS + name, claim.to_json()))
+        if ops and not (await self.etcd.txn(compare, ops)).succeeded:
+            return Contended()
+        if self.on_change is not None and tuple(held) != new:
+            await self.on_change(name, new)
+        return claim
+
+
+def _used(pool: Pool, uses: Mapping[str, AddressUse]) -> int:
+    return sum(1 for a in uses if pool.contains(ipaddress.ip_address(a)))
