@@ -60,6 +60,36 @@ SERVICE_TYPE_CLUSTER_IP: ServiceType.ValueType  # 1
 SERVICE_TYPE_NODE_PORT: ServiceType.ValueType  # 2
 Global___ServiceType: _TypeAlias = ServiceType  # noqa: Y015
 
+class _TrafficPolicy:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _TrafficPolicyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TrafficPolicy.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TRAFFIC_POLICY_CLUSTER: _TrafficPolicy.ValueType  # 0
+    """Every node; a backend on another node is reached with the source
+    translated to the node's address.
+    """
+    TRAFFIC_POLICY_LOCAL: _TrafficPolicy.ValueType  # 1
+    """Only nodes with a ready local backend, which sees the client's address;
+    a node without one drops.
+    """
+
+class TrafficPolicy(_TrafficPolicy, metaclass=_TrafficPolicyEnumTypeWrapper):
+    """externalTrafficPolicy: which nodes serve a service's node ports and
+    external addresses (LoadBalancer ingress, externalIPs).
+    """
+
+TRAFFIC_POLICY_CLUSTER: TrafficPolicy.ValueType  # 0
+"""Every node; a backend on another node is reached with the source
+translated to the node's address.
+"""
+TRAFFIC_POLICY_LOCAL: TrafficPolicy.ValueType  # 1
+"""Only nodes with a ready local backend, which sees the client's address;
+a node without one drops.
+"""
+Global___TrafficPolicy: _TypeAlias = TrafficPolicy  # noqa: Y015
+
 class _Algorithm:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -241,6 +271,8 @@ class Service(_message.Message):
     MAGLEV_TABLE_SIZE_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
     LOAD_BALANCER_FIELD_NUMBER: _builtins.int
+    EXTERNAL_TRAFFIC_POLICY_FIELD_NUMBER: _builtins.int
+    EXTERNAL_IPS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """"namespace/name" or "name"; the key of the service."""
     namespace: _builtins.str
@@ -259,6 +291,10 @@ class Service(_message.Message):
     """Maglev lookup table size M: one of Cilium's supported primes (251, 509,
     1021, 2039, 4093, 8191, 16381, 32749, 65521, 131071); 0 means the lb
     service's configured default, which is what is stored and returned.
+    """
+    external_traffic_policy: Global___TrafficPolicy.ValueType
+    """externalTrafficPolicy for node ports, LoadBalancer addresses and
+    external IPs (ClusterIP traffic is always balanced over all backends).
     """
     @_builtins.property
     def frontend(self) -> Global___Frontend: ...
@@ -282,6 +318,12 @@ class Service(_message.Message):
         family from a pool whose selector matches.
         """
 
+    @_builtins.property
+    def external_ips(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """spec.externalIPs: addresses every node serves at the service's port, as
+        it serves a LoadBalancer address.
+        """
+
     def __init__(
         self,
         *,
@@ -301,10 +343,12 @@ class Service(_message.Message):
         maglev_table_size: _builtins.int = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         load_balancer: Global___LoadBalancer | None = ...,
+        external_traffic_policy: Global___TrafficPolicy.ValueType = ...,
+        external_ips: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["frontend", b"frontend", "load_balancer", b"load_balancer", "session_affinity", b"session_affinity"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "backends", b"backends", "frontend", b"frontend", "id", b"id", "labels", b"labels", "load_balancer", b"load_balancer", "maglev_table_size", b"maglev_table_size", "name", b"name", "namespace", b"namespace", "node_port", b"node_port", "rev_nat_id", b"rev_nat_id", "revision", b"revision", "session_affinity", b"session_affinity", "source", b"source", "source_ranges", b"source_ranges", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "backends", b"backends", "external_ips", b"external_ips", "external_traffic_policy", b"external_traffic_policy", "frontend", b"frontend", "id", b"id", "labels", b"labels", "load_balancer", b"load_balancer", "maglev_table_size", b"maglev_table_size", "name", b"name", "namespace", b"namespace", "node_port", b"node_port", "rev_nat_id", b"rev_nat_id", "revision", b"revision", "session_affinity", b"session_affinity", "source", b"source", "source_ranges", b"source_ranges", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
