@@ -4,7 +4,8 @@ for a few collections (no real API server can run on these machines).
 It serves, for the collections in COLLECTIONS (Services, EndpointSlices,
 Pods, Namespaces, Nodes, NetworkPolicies, and the CiliumNetworkPolicy,
 CiliumClusterwideNetworkPolicy, FlagellaNetworkPolicy, CiliumCIDRGroup,
-FlagellaEndpoint, AdminNetworkPolicy and BaselineAdminNetworkPolicy custom
+FlagellaEndpoint, AdminNetworkPolicy, BaselineAdminNetworkPolicy,
+CiliumLocalRedirectPolicy and CiliumBGPPeeringPolicy custom
 resources, each at its all-namespaces path /api/v1/<plural> or
 /apis/<group>/<version>/<plural>):
 - LIST: GET -> {"kind": "<Kind>List", "metadata": {"resourceVersion"}, "items"}
@@ -121,6 +122,12 @@ COLLECTIONS = {
         "ciliumlocalredirectpolicies",
         "CiliumLocalRedirectPolicyList",
         "cilium.io/v2",
+    ),
+    # The lb's BGP peering policies.
+    "/apis/cilium.io/v2alpha1/ciliumbgppeeringpolicies": (
+        "ciliumbgppeeringpolicies",
+        "CiliumBGPPeeringPolicyList",
+        "cilium.io/v2alpha1",
     ),
 }
 # One object's path (or a namespaced collection's, for POST): its resource,

@@ -45,6 +45,7 @@ from flagella.common.sync import Batch, KubeSource, Table
 from flagella.common.sync.dirty import DirtyKeys
 from flagella.common.sync.kube import Obj
 from flagella.common.tasks import TaskGroup
+from flagella.lb.bgpk8s import BgpKubeWatcher
 from flagella.lb.lrpk8s import LrpKubeWatcher
 from flagella.lb.model import Algorithm, BackendState, Protocol, ServiceSpec, ServiceType, Source
 from flagella.lb.service import LbService
@@ -201,12 +202,15 @@ class KubernetesWatcher:
         kubeconfig: str,
         limits: Limits,
         lrps: LrpKubeWatcher | None = None,
+        bgp: BgpKubeWatcher | None = None,
     ) -> None:
         self.service = service
         self.kubeconfig = kubeconfig
         self.limits = limits
         # CiliumLocalRedirectPolicies, written under the same Lease.
         self.lrps = lrps
+        # CiliumBGPPeeringPolicies, written under the same Lease.
+        self.bgp = bgp
         self.services: Table[str, Obj] = Table("k8s-services")
         self.slices: Table[str, Obj] = Table("k8s-endpointslices")
         # EndpointSlice keys by the Service they belong to, and the reverse,
@@ -250,6 +254,8 @@ class KubernetesWatcher:
         tasks.spawn("k8s-services", services.run())
         if self.lrps is not None:
             tasks.spawn("k8s-lrps", self.lrps.source(self._api).run())
+        if self.bgp is not None:
+            tasks.spawn("k8s-bgp-policies", self.bgp.source(self._api).run())
         tasks.spawn("k8s-endpointslices", slices.run())
         tasks.spawn(
             "k8s-services-follow",
@@ -318,11 +324,14 @@ class KubernetesWatcher:
     # --- syncing them ---
 
     async def _lead(self) -> None:
-        """A term's jobs: the services, and the local redirect policies."""
-        if self.lrps is None:
-            await self._sync_loop()
-        else:
-            await asyncio.gather(self._sync_loop(), self.lrps.lead())
+        """A term's jobs: the services, the local redirect policies and the
+        BGP peering policies."""
+        jobs = [self._sync_loop()]
+        if self.lrps is not None:
+            jobs.append(self.lrps.lead())
+        if self.bgp is not None:
+            jobs.append(self.bgp.lead())
+        await asyncio.gather(*jobs)
 
     async def _sync_loop(self) -> None:
         """The leader's job: sync everything, then what changes."""
