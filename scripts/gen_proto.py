@@ -4,8 +4,9 @@
 The protos keep their buf-style paths (flagella/<svc>/v1/<svc>.proto, package
 flagella.<svc>.v1); the generated modules live under flagella.api so they do
 not collide with the service packages. flagella/gobgp/v3/gobgp.proto is
-the subset of GoBGP's API (package apipb) the datapath's BGP speaker calls. Run with the pinned grpcio-tools and
-mypy-protobuf of the workspace; CI runs it and fails on any diff.
+the subset of GoBGP's API (package apipb) the datapath's BGP speaker calls.
+Run with the pinned grpcio-tools and mypy-protobuf of the workspace; CI runs
+it and fails on any diff.
 """
 
 from __future__ import annotations

@@ -33,9 +33,7 @@ def raw_policy(msg: lb_pb2.BgpPeeringPolicy) -> RawPolicy:
                 local_asn=vr.local_asn,
                 export_pod_cidr=vr.export_pod_cidr,
                 service_selector=(
-                    raw_selector(vr.service_selector)
-                    if vr.HasField("service_selector")
-                    else None
+                    raw_selector(vr.service_selector) if vr.HasField("service_selector") else None
                 ),
                 router_id=vr.router_id,
                 neighbors=[

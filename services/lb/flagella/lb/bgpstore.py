@@ -81,7 +81,9 @@ class BgpPolicyStore:
             if result.succeeded:
                 await self._visible(result.revision)
                 return PeeringPolicy.from_json(value, result.revision), kv is None
-        raise Aborted(f"policy {policy.name!r} kept changing concurrently; retry", field="policy.name")
+        raise Aborted(
+            f"policy {policy.name!r} kept changing concurrently; retry", field="policy.name"
+        )
 
     async def delete(self, name: str, source: str = "api") -> bool:
         """Delete the policy (of that source: another's is refused)."""

@@ -1,0 +1,223 @@
+"""The gobgpd child process of this node's datapath.
+
+gobgpd runs as --bgp-user (nobody) with CAP_NET_BIND_SERVICE as its only
+capability (setpriv: ambient, inheritable, bounding set and no new
+privileges), its gRPC API on a unix socket in the datapath's state folder
+(<state>/bgp/run/gobgpd.sock: the folder is the datapath's, 0700, so no
+other user reaches the socket). Its output goes to <state>/bgp/gobgpd.log.
+
+Its pid (with its start time, so a reused pid is never taken for it) is
+kept in <state>/bgp/gobgpd.pid: a datapath started again after a crash
+adopts the gobgpd it finds there (the sessions stay up; the speaker then
+reconciles it), and one that does not answer is killed and replaced. A
+datapath stopped gracefully stops its gobgpd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import pwd
+import signal
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# A unix socket's path is at most 107 bytes.
+MAX_SOCKET_PATH = 107
+STOP_TIMEOUT = 5.0
+CAPS = "-all,+net_bind_service"
+
+
+class GobgpdError(Exception):
+    """gobgpd could not be started (binary missing, setpriv refused, ...)."""
+
+
+def _start_time(pid: int) -> int | None:
+    """The process's start time (clock ticks since boot), or None: gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # Field 22; the command (field 2) may hold spaces: split after its ')'.
+    return int(stat.rpartition(")")[2].split()[19])
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+class Gobgpd:
+    def __init__(
+        self,
+        state_dir: Path,
+        *,
+        binary: str = "gobgpd",
+        user: str = "nobody",
+        log_level: str = "warn",
+    ) -> None:
+        self.folder = state_dir / "bgp"
+        self.run_dir = self.folder / "run"
+        self.socket_path = self.run_dir / "gobgpd.sock"
+        self.pid_file = self.folder / "gobgpd.pid"
+        self.log_file = self.folder / "gobgpd.log"
+        self.binary = binary
+        self.user = user
+        self.log_level = log_level
+        self.pid = 0
+        self.adopted = False
+        self._child: asyncio.subprocess.Process | None = None
+        self._exited: asyncio.Event = asyncio.Event()
+        self._exited.set()
+        self.started_at = 0.0
+        if len(str(self.socket_path).encode()) > MAX_SOCKET_PATH:
+            raise GobgpdError(
+                f"{self.socket_path}: a unix socket path of more than {MAX_SOCKET_PATH} bytes "
+                "(give a shorter --state-dir)"
+            )
+
+    @property
+    def target(self) -> str:
+        return f"unix://{self.socket_path}"
+
+    @property
+    def running(self) -> bool:
+        return self.pid != 0 and not self._exited.is_set()
+
+    async def wait_exited(self) -> None:
+        await self._exited.wait()
+
+    # --- adoption ---
+
+    def adopt(self) -> bool:
+        """Take over the gobgpd of the pid file, if it is still that
+        gobgpd (same start time, our socket). Returns whether it was."""
+        try:
+            doc = json.loads(self.pid_file.read_text())
+            pid, start = int(doc["pid"]), int(doc["start_time"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+        cmd = _cmdline(pid)
+        if _start_time(pid) != start or not any(str(self.socket_path) in a for a in cmd):
+            self.pid_file.unlink(missing_ok=True)
+            return False
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:
+            return False
+        self.pid, self.adopted, self.started_at = pid, True, time.monotonic()
+        self._exited = asyncio.Event()
+        self._watch_pidfd(pidfd)
+        log.info("adopted the running gobgpd", extra={"pid": pid})
+        return True
+
+    def _watch_pidfd(self, pidfd: int) -> None:
+        loop = asyncio.get_running_loop()
+        exited = self._exited
+
+        def readable() -> None:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+            exited.set()
+
+        loop.add_reader(pidfd, readable)
+
+    # --- start and stop ---
+
+    def _command(self) -> list[str]:
+        gobgpd = [
+            self.binary,
+            "--api-hosts", self.target,
+            "--pprof-disable",
+            "--log-level", self.log_level,
+            "--log-plain",
+        ]  # fmt: skip
+        drop = [
+            "setpriv",
+            f"--inh-caps={CAPS}",
+            f"--ambient-caps={CAPS}",
+            f"--bounding-set={CAPS}",
+            "--no-new-privs",
+        ]
+        if self.user:
+            try:
+                pw = pwd.getpwnam(self.user)
+            except KeyError:
+                raise GobgpdError(f"no user {self.user!r} (--bgp-user)") from None
+            drop[1:1] = [f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--clear-groups"]
+        return [*drop, "--", *gobgpd]
+
+    def _prepare(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.folder, 0o700)
+        self.run_dir.mkdir(exist_ok=True)
+        if self.user:
+            pw = pwd.getpwnam(self.user)
+            os.chown(self.run_dir, pw.pw_uid, pw.pw_gid)
+        # gobgpd (another user) makes its socket here; the datapath enters.
+        os.chmod(self.run_dir, 0o711)
+        self.socket_path.unlink(missing_ok=True)
+
+    async def start(self) -> None:
+        """Start a new gobgpd (after stopping any that runs)."""
+        await self.stop()
+        try:
+            self._prepare()
+            command = self._command()
+            with open(self.log_file, "ab") as out:  # noqa: ASYNC230 (a local file, once)
+                # Its own session: a signal to the datapath's process group is
+                # not its; umask 0: the datapath connects to its socket.
+                old = os.umask(0)
+                try:
+                    child = await asyncio.create_subprocess_exec(
+                        *command,
+                        stdin=asyncio.subprocess.DEVNULL,
+                        stdout=out,
+                        stderr=out,
+                        start_new_session=True,
+                    )
+                finally:
+                    os.umask(old)
+        except (OSError, KeyError) as exc:
+            raise GobgpdError(f"cannot start gobgpd: {exc}") from exc
+        self._child, self.pid, self.adopted = child, child.pid, False
+        self.started_at = time.monotonic()
+        self._exited = asyncio.Event()
+        start = _start_time(child.pid)
+        self.pid_file.write_text(json.dumps({"pid": child.pid, "start_time": start}))
+        try:
+            # asyncio's child watcher reaps it; the pidfd says when it exited.
+            self._watch_pidfd(os.pidfd_open(child.pid))
+        except ProcessLookupError:
+            self._exited.set()
+        log.info("gobgpd started", extra={"pid": child.pid, "socket": str(self.socket_path)})
+
+    async def stop(self) -> None:
+        """SIGTERM, then SIGKILL after STOP_TIMEOUT; forget the pid file."""
+        if self.running:
+            pid = self.pid
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+            try:
+                await asyncio.wait_for(self._exited.wait(), STOP_TIMEOUT)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                await self._exited.wait()
+            log.info("gobgpd stopped", extra={"pid": pid})
+        self.pid = 0
+        self._child = None
+        self.pid_file.unlink(missing_ok=True)
+
+    def kill(self) -> None:
+        """SIGKILL (a gobgpd that does not answer)."""
+        if self.running:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
