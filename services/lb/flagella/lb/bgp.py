@@ -446,7 +446,8 @@ def raw_from_cilium(
     """A CiliumBGPPeeringPolicy object (cilium.io/v2alpha1) as plain values;
     its structure's errors name the field by the document's path, the
     values' by the policy's (build_policy). secrets: authSecretRef -> the
-    password it holds (a reference without one is refused)."""
+    password it holds (a reference without one is refused; None: not from
+    Kubernetes, every reference refused)."""
     doc = _obj(doc, "document")
     if doc.get("kind") != "CiliumBGPPeeringPolicy":
         raise InvalidArgument(
@@ -465,6 +466,10 @@ def raw_from_cilium(
             n = _obj(n_item, at)
             ref = str(n.get("authSecretRef") or "")
             password = ""
+            if ref and secrets is None:
+                raise InvalidArgument(
+                    "Secret references are read from Kubernetes only", field=f"{at}.authSecretRef"
+                )
             if ref:
                 found = (secrets or {}).get(ref)
                 if found is None:

@@ -12,6 +12,7 @@ from flagella.common.debuginfo import Debuginfo, answer
 from flagella.common.errors import FlagellaError, InvalidArgument, NotFound
 from flagella.common.sync import Change, serve_watch
 from flagella.lb.bgp import build_policy, validate_name, without_passwords
+from flagella.lb.bgp import raw_from_cilium as raw_bgp_from_cilium
 from flagella.lb.bgpservicer import BgpPolicyEvents, policy_to_proto, raw_policy
 from flagella.lb.bgpstore import BgpPolicyStore
 from flagella.lb.lbipam import (
@@ -496,14 +497,22 @@ class LbServicer(lb_pb2_grpc.LoadBalancerServiceServicer):
         request: lb_pb2.UpsertBgpPeeringPolicyRequest,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> lb_pb2.UpsertBgpPeeringPolicyResponse:
-        if not request.HasField("policy"):
+        if request.document and request.HasField("policy"):
+            raise InvalidArgument("give policy or document, not both", field="document")
+        if request.document:
+            raw = raw_bgp_from_cilium(parse_document(request.document))
+        elif request.HasField("policy"):
+            raw = raw_policy(request.policy)
+        else:
             raise InvalidArgument("a policy is required", field="policy")
-        if any(n.auth_secret_ref for vr in request.policy.virtual_routers for n in vr.neighbors):
-            raise InvalidArgument(
-                "a Secret reference is for Kubernetes objects; give the password",
-                field="policy.virtual_routers.neighbors.auth_secret_ref",
-            )
-        policy, created = await self.bgp.put(build_policy(raw_policy(request.policy)))
+        for i, vr in enumerate(raw.virtual_routers):
+            for j, n in enumerate(vr.neighbors):
+                if n.auth_secret_ref:
+                    raise InvalidArgument(
+                        "a Secret reference is for Kubernetes objects; give the password",
+                        field=f"policy.virtual_routers[{i}].neighbors[{j}].auth_secret_ref",
+                    )
+        policy, created = await self.bgp.put(build_policy(raw))
         return pb.UpsertBgpPeeringPolicyResponse(
             policy=policy_to_proto(without_passwords(policy)), created=created
         )

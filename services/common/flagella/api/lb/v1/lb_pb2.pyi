@@ -1784,16 +1784,24 @@ class UpsertBgpPeeringPolicyRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     POLICY_FIELD_NUMBER: _builtins.int
+    DOCUMENT_FIELD_NUMBER: _builtins.int
+    document: _builtins.str
+    """A CiliumBGPPeeringPolicy (cilium.io/v2alpha1) object as JSON (its
+    neighbours' authSecretRef is for Kubernetes only: refused here).
+    """
     @_builtins.property
-    def policy(self) -> Global___BgpPeeringPolicy: ...
+    def policy(self) -> Global___BgpPeeringPolicy:
+        """The policy; or, instead, document."""
+
     def __init__(
         self,
         *,
         policy: Global___BgpPeeringPolicy | None = ...,
+        document: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["policy", b"policy"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["policy", b"policy"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["document", b"document", "policy", b"policy"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
