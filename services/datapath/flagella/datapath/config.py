@@ -164,9 +164,10 @@ class DatapathConfig(ServiceConfig):
     )
     bgp_gobgpd: str = option("gobgpd", "the gobgpd binary (Debian's gobgpd, GoBGP 3.10)")
     bgp_user: str = option(
-        "nobody",
-        "user gobgpd runs as, with CAP_NET_BIND_SERVICE only (empty: the datapath's own user, "
-        "its capabilities cut to that one)",
+        "",
+        "user gobgpd runs as (empty: the datapath's own, uid 0); in any case with "
+        "CAP_NET_BIND_SERVICE as its only capability. Another user needs every folder above "
+        "--state-dir searchable by it (gobgpd makes its API socket under <state-dir>/bgp/run)",
     )
 
     def tls_identity(self, service: str) -> Identity:

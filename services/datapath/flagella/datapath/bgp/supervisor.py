@@ -1,10 +1,14 @@
 """The gobgpd child process of this node's datapath.
 
-gobgpd runs as --bgp-user (nobody) with CAP_NET_BIND_SERVICE as its only
-capability (setpriv: ambient, inheritable, bounding set and no new
-privileges), its gRPC API on a unix socket in the datapath's state folder
-(<state>/bgp/run/gobgpd.sock: the folder is the datapath's, 0700, so no
-other user reaches the socket). Its output goes to <state>/bgp/gobgpd.log.
+gobgpd runs with CAP_NET_BIND_SERVICE as its only capability (setpriv:
+ambient, inheritable and bounding set, no new privileges), as the
+datapath's own user unless --bgp-user names another. Its gRPC API is a unix
+socket in the datapath's state folder (<state>/bgp/run/gobgpd.sock), not a
+TCP port: nothing but the datapath (and root) reaches it, where anything in
+the node's network namespace could reach a loopback port and announce
+routes. (As another user, gobgpd must be able to search every folder above
+it: the run folder is then that user's, 0711, its socket 0777.) Its output
+goes to <state>/bgp/gobgpd.log.
 
 Its pid (with its start time, so a reused pid is never taken for it) is
 kept in <state>/bgp/gobgpd.pid: a datapath started again after a crash
@@ -60,7 +64,7 @@ class Gobgpd:
         state_dir: Path,
         *,
         binary: str = "gobgpd",
-        user: str = "nobody",
+        user: str = "",
         log_level: str = "warn",
     ) -> None:
         self.folder = state_dir / "bgp"
@@ -156,13 +160,15 @@ class Gobgpd:
 
     def _prepare(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.folder, 0o700)
+        os.chmod(self.folder, 0o711 if self.user else 0o700)
         self.run_dir.mkdir(exist_ok=True)
         if self.user:
+            # gobgpd (another user) makes its socket here; the datapath enters.
             pw = pwd.getpwnam(self.user)
             os.chown(self.run_dir, pw.pw_uid, pw.pw_gid)
-        # gobgpd (another user) makes its socket here; the datapath enters.
-        os.chmod(self.run_dir, 0o711)
+            os.chmod(self.run_dir, 0o711)
+        else:
+            os.chmod(self.run_dir, 0o700)
         self.socket_path.unlink(missing_ok=True)
 
     async def start(self) -> None:
@@ -173,8 +179,9 @@ class Gobgpd:
             command = self._command()
             with open(self.log_file, "ab") as out:  # noqa: ASYNC230 (a local file, once)
                 # Its own session: a signal to the datapath's process group is
-                # not its; umask 0: the datapath connects to its socket.
-                old = os.umask(0)
+                # not its. Another user's socket must take the datapath's
+                # connection (umask 0; the folders keep others out).
+                old = os.umask(0 if self.user else 0o077)
                 try:
                     child = await asyncio.create_subprocess_exec(
                         *command,
