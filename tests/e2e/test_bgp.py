@@ -161,7 +161,9 @@ def bgp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BgpSetup]:
         try:
             for node in nodes:
                 ns = cluster.pod(node, f"web{node.index}")
-                ip4, _ = add_pod(node.cni_socket, ns.path, f"web{node.index}", "apps", {"app": "web"})
+                ip4, _ = add_pod(
+                    node.cni_socket, ns.path, f"web{node.index}", "apps", {"app": "web"}
+                )
                 ns.serve("tcp", WEB_PORT, f"web{node.index}")
                 setup.pods[f"web{node.index}"] = Pod(f"web{node.index}", node, ns, ip4)
             cluster.lb().UpsertLbIpPool(
@@ -298,8 +300,8 @@ def test_local_service_only_from_nodes_with_a_backend_and_moves_within_3s(
     took = wait_via(bgp, f"{address}/32", {n3.ip}, timeout=10)
     assert took < 3.0, f"the advertisement moved in {took:.2f} s"
     assert wait_until(
-        lambda: bgp.router.request("tcp", address, 80, timeout=1) == (
-            f"web3 {bgp.router_ip4} HELLO"
+        lambda: (
+            bgp.router.request("tcp", address, 80, timeout=1) == (f"web3 {bgp.router_ip4} HELLO")
         ),
         timeout=5,
     )
@@ -349,10 +351,10 @@ def test_lb_ipam_through_bgp(bgp: BgpSetup) -> None:
 
 
 def test_cli_and_get_bgp_routes_agree_with_bird(bgp: BgpSetup) -> None:
-    svc = upsert(bgp, lb_service("agree", "10.96.53.1", [bgp.pods["web1"]], local=True))
+    svc = upsert(bgp, lb_service("agree", "10.96.53.1", [bgp.pods["web1"]]))
     address = svc.load_balancer.ingress[0]
     n1 = bgp.nodes[0]
-    wait_via(bgp, f"{address}/32", {n1.ip})
+    wait_via(bgp, f"{address}/32", {n.ip for n in bgp.nodes})
     out = bgp.cli("bgp", "peers")
     assert out.returncode == 0, out.stderr + out.stdout
     peers = json.loads(out.stdout)
@@ -369,7 +371,9 @@ def test_cli_and_get_bgp_routes_agree_with_bird(bgp: BgpSetup) -> None:
     bird_routes = bgp.bird.routes()
     for node in bgp.nodes:
         resp = bgp.cluster.datapath(node).GetBgpRoutes(
-            datapath_pb2.GetBgpRoutesRequest(table=datapath_pb2.GetBgpRoutesRequest.TABLE_ADVERTISED),
+            datapath_pb2.GetBgpRoutesRequest(
+                table=datapath_pb2.GetBgpRoutesRequest.TABLE_ADVERTISED
+            ),
             timeout=10,
         )
         advertised = {(r.prefix, r.peer_address) for r in resp.routes}
@@ -423,10 +427,12 @@ def test_a_datapath_restarted_adopts_its_gobgpd(bgp: BgpSetup) -> None:
     got = bgp.cluster.datapath(n3).GetBgpPeers(datapath_pb2.GetBgpPeersRequest(), timeout=10)
     assert got.speaker.pid == pid.speaker.pid
     assert wait_until(
-        lambda: bgp.cluster.datapath(n3)
-        .GetBgpPeers(datapath_pb2.GetBgpPeersRequest(), timeout=10)
-        .speaker.state
-        == "running",
+        lambda: (
+            bgp.cluster.datapath(n3)
+            .GetBgpPeers(datapath_pb2.GetBgpPeersRequest(), timeout=10)
+            .speaker.state
+            == "running"
+        ),
         timeout=20,
     )
     assert bgp.bird.birdc("show", "protocols", "n3v4") == since

@@ -42,6 +42,8 @@ STATES = {
     g.PeerState.ESTABLISHED: "established",
 }
 CALL_TIMEOUT = 10.0
+# Reads for the BGP API: an answer within a client's usual deadline.
+READ_TIMEOUT = 3.0
 
 
 def _pack(msg: object) -> any_pb2.Any:
@@ -148,10 +150,10 @@ class GobgpClient:
 
     # --- neighbours ---
 
-    async def list_peers(self, *, advertised: bool = False) -> list[g.Peer]:
-        call = self.stub.ListPeer(
-            g.ListPeerRequest(enableAdvertised=advertised), timeout=CALL_TIMEOUT
-        )
+    async def list_peers(
+        self, *, advertised: bool = False, timeout: float = CALL_TIMEOUT
+    ) -> list[g.Peer]:
+        call = self.stub.ListPeer(g.ListPeerRequest(enableAdvertised=advertised), timeout=timeout)
         return [r.peer async for r in call]
 
     async def add_peer(self, spec: PeerSpec, global_asn: int) -> None:
@@ -201,11 +203,15 @@ class GobgpClient:
     # --- paths ---
 
     async def list_paths(
-        self, table: g.TableType.ValueType, family: int, name: str = ""
+        self,
+        table: g.TableType.ValueType,
+        family: int,
+        name: str = "",
+        timeout: float = CALL_TIMEOUT,
     ) -> list[tuple[g.Destination, g.Path]]:
         call = self.stub.ListPath(
             g.ListPathRequest(table_type=table, name=name, family=FAMILIES[family]),
-            timeout=CALL_TIMEOUT,
+            timeout=timeout,
         )
         return [(r.destination, p) async for r in call for p in r.destination.paths]
 
@@ -235,7 +241,7 @@ class GobgpClient:
         self, table: g.TableType.ValueType, family: int, name: str = ""
     ) -> list[Route]:
         out = []
-        for _, path in await self.list_paths(table, family, name):
+        for _, path in await self.list_paths(table, family, name, READ_TIMEOUT):
             prefix, hop, as_path = _decode_path(path)
             age = path.age.ToSeconds() if path.HasField("age") else 0
             out.append(

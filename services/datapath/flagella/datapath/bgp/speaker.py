@@ -29,6 +29,7 @@ from flagella.common.backoff import Backoff
 from flagella.common.sync import Table
 from flagella.datapath.bgp.gobgp import (
     DESCRIPTION_PREFIX,
+    READ_TIMEOUT,
     STATES,
     ExportPolicy,
     GobgpClient,
@@ -296,7 +297,7 @@ class Speaker:
         actual: dict[str, g.Peer] = {}
         if self.client is not None:
             with contextlib.suppress(grpc.aio.AioRpcError):
-                listed = await self.client.list_peers(advertised=True)
+                listed = await self.client.list_peers(advertised=True, timeout=READ_TIMEOUT)
                 actual = {p.conf.neighbor_address: p for p in listed}
         now = time.time()
         out = []
