@@ -14,7 +14,7 @@ from __future__ import annotations
 import ipaddress
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from flagella.common.errors import InvalidArgument
@@ -381,17 +381,6 @@ def build_policy(raw: RawPolicy) -> PeeringPolicy:
         node_selector=node_selector,
         virtual_routers=tuple(routers),
         source=raw.source,
-    )
-
-
-def without_passwords(policy: PeeringPolicy) -> PeeringPolicy:
-    """What any answer but the nodes' stream shows."""
-    return replace(
-        policy,
-        virtual_routers=tuple(
-            replace(vr, neighbors=tuple(replace(n, password="") for n in vr.neighbors))
-            for vr in policy.virtual_routers
-        ),
     )
 
 

@@ -11,7 +11,7 @@ from flagella.api.lb.v1 import lb_pb2, lb_pb2_grpc
 from flagella.common.debuginfo import Debuginfo, answer
 from flagella.common.errors import FlagellaError, InvalidArgument, NotFound
 from flagella.common.sync import Change, serve_watch
-from flagella.lb.bgp import build_policy, validate_name, without_passwords
+from flagella.lb.bgp import build_policy, validate_name
 from flagella.lb.bgp import raw_from_cilium as raw_bgp_from_cilium
 from flagella.lb.bgpservicer import BgpPolicyEvents, policy_to_proto, raw_policy
 from flagella.lb.bgpstore import BgpPolicyStore
@@ -513,9 +513,7 @@ class LbServicer(lb_pb2_grpc.LoadBalancerServiceServicer):
                         field=f"policy.virtual_routers[{i}].neighbors[{j}].auth_secret_ref",
                     )
         policy, created = await self.bgp.put(build_policy(raw))
-        return pb.UpsertBgpPeeringPolicyResponse(
-            policy=policy_to_proto(without_passwords(policy)), created=created
-        )
+        return pb.UpsertBgpPeeringPolicyResponse(policy=policy_to_proto(policy), created=created)
 
     async def DeleteBgpPeeringPolicy(
         self,
@@ -532,7 +530,7 @@ class LbServicer(lb_pb2_grpc.LoadBalancerServiceServicer):
     ) -> lb_pb2.ListBgpPeeringPoliciesResponse:
         policies, revision = await self.bgp.list()
         return pb.ListBgpPeeringPoliciesResponse(
-            policies=[policy_to_proto(without_passwords(p)) for p in policies], revision=revision
+            policies=[policy_to_proto(p) for p in policies], revision=revision
         )
 
     async def WatchBgpPeeringPolicies(
