@@ -25,6 +25,7 @@ from harness import tls
 from harness.bird import Bird, BirdNeighbor, config
 from harness.cluster import Cluster, Node, standalone_cluster
 from harness.cni import add_pod
+from harness.metrics import check_documented, value
 from harness.netns import Netns, wait_until
 from harness.underlay import Underlay
 
@@ -392,6 +393,14 @@ def test_cli_and_get_bgp_routes_agree_with_bird(bgp: BgpSetup) -> None:
         .GetBgpRoutes(datapath_pb2.GetBgpRoutesRequest(), timeout=10)
         .routes
     }
+    # The same on each datapath's /metrics.
+    for node in bgp.nodes:
+        assert node.process is not None
+        scraped = node.process.scrape()
+        check_documented(scraped)
+        assert value(scraped, "flagella_bgp_speaker_up") == 1
+        assert value(scraped, "flagella_bgp_sessions", state="established") == 2
+        assert value(scraped, "flagella_bgp_routes_advertised") >= 3  # 2 pod CIDRs, 1 address
     routes = bgp.cli("bgp", "routes", "--node", "n1", "--table", "advertised")
     assert routes.returncode == 0, routes.stderr
     assert any(r["prefix"] == f"{address}/32" for r in json.loads(routes.stdout)["n1"]["routes"])

@@ -23,6 +23,7 @@ from flagella.common.sync import Batch, StreamCodec, StreamSource, Table
 from flagella.common.sync.reconcile import AfterBatch, Target, reconcile_table
 from flagella.common.sync.stream import OpenStream
 from flagella.datapath.bgp import model as bgp_model
+from flagella.datapath.bgp.metrics import BgpCollector
 from flagella.datapath.bgp.speaker import Speaker
 from flagella.datapath.bgp.supervisor import Gobgpd, GobgpdError
 from flagella.datapath.cnirelay import CniRelay, UnsafeSocket
@@ -260,6 +261,7 @@ class DatapathApp:
             listen_port=cfg.bgp_listen_port,
             wait_for_node=self.registration is not None,
         )
+        self.runtime.metrics.registry.register(BgpCollector(speaker))
         synced = self.service.streams_synced
         for table in (policies, services):
             name = table.name
