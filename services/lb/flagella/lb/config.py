@@ -75,7 +75,8 @@ class LbConfig(KubeConfig):
     bgp_secrets_namespace: str = option(
         "kube-system",
         "with --kubeconfig: the namespace of the Secrets CiliumBGPPeeringPolicy "
-        "neighbours name in authSecretRef (key 'password'), as Cilium's bgpSecretsNamespace",
+        "neighbours name in authSecretRef (key 'password'), as Cilium's bgpSecretsNamespace "
+        "(k8s/: the lb's own, where its Role names the Secrets it may read)",
     )
 
     def validate(self) -> None:
