@@ -18,7 +18,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
 from harness import tls
@@ -39,6 +38,8 @@ ROUTER_HOST = 253
 ROUTER_ASN = 64512
 NODE_ASN = 65001
 HOLD, KEEPALIVE = 3, 1
+# What the router itself announces to the nodes.
+ANNOUNCED = ("203.0.113.0/24", "2001:db8:fe::/48")
 POOL = "198.51.100.0/29"
 WEB_PORT = 8080
 CLI = shutil.which("flagella", path=str(Path(sys.executable).parent)) or "flagella"
@@ -156,6 +157,7 @@ def bgp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BgpSetup]:
                 log=tmp / "bird" / "bird.log",
                 hold_time=HOLD,
                 keepalive=KEEPALIVE,
+                announce=ANNOUNCED,
             )
         )
         setup = BgpSetup(cluster, underlay, nodes, router, router_ip4, router_ip6, bird)
@@ -393,6 +395,23 @@ def test_cli_and_get_bgp_routes_agree_with_bird(bgp: BgpSetup) -> None:
         .GetBgpRoutes(datapath_pb2.GetBgpRoutesRequest(), timeout=10)
         .routes
     }
+    # What the router announces is received by every node, and passed on
+    # to no one (the export table's default is reject): BIRD holds it from
+    # its own static protocol only.
+    for node in bgp.nodes:
+        resp = bgp.cluster.datapath(node).GetBgpRoutes(
+            datapath_pb2.GetBgpRoutesRequest(table=datapath_pb2.GetBgpRoutesRequest.TABLE_RECEIVED),
+            timeout=10,
+        )
+        received = {(r.prefix, r.peer_address, r.next_hop) for r in resp.routes}
+        assert received == {
+            (ANNOUNCED[0], bgp.router_ip4, bgp.router_ip4),
+            (ANNOUNCED[1], bgp.router_ip6, bgp.router_ip6),
+        }, received
+        assert all(r.as_path == [ROUTER_ASN] for r in resp.routes)
+    for prefix in ANNOUNCED:
+        assert bgp.bird.routes().get(prefix) is None  # a blackhole: no via
+    assert sum(int(p["prefixes_received"]) for p in peers["n1"]["peers"]) == 2
     # The same on each datapath's /metrics.
     for node in bgp.nodes:
         assert node.process is not None
@@ -411,7 +430,8 @@ def test_gobgpd_killed_is_restarted_and_reported(bgp: BgpSetup) -> None:
     n2 = bgp.nodes[1]
     dp = bgp.cluster.datapath(n2)
     before = dp.GetBgpPeers(datapath_pb2.GetBgpPeersRequest(), timeout=10).speaker
-    assert before.state == "running" and before.pid
+    assert before.state == "running"
+    assert before.pid
     os.kill(before.pid, 9)
 
     def back() -> bool:
@@ -419,6 +439,12 @@ def test_gobgpd_killed_is_restarted_and_reported(bgp: BgpSetup) -> None:
         return sp.pid not in (0, before.pid) and sp.restarts == before.restarts + 1
 
     assert wait_until(back, timeout=20)
+    # Reported in the datapath's status too; the datapath never went down.
+    status = dp.GetStatus(datapath_pb2.GetStatusRequest(), timeout=10)
+    assert status.bgp.restarts == before.restarts + 1
+    assert n2.process is not None
+    assert n2.process.proc is not None
+    assert n2.process.proc.poll() is None
     assert wait_until(lambda: {"n2v4", "n2v6"} <= bgp.bird.established(), timeout=20)
     cidr = next(c for c in pod_cidrs(bgp)["n2"] if ":" not in c)
     wait_via(bgp, cidr, {n2.ip})

@@ -31,7 +31,13 @@ def config(
     hold_time: int = 3,
     keepalive: int = 1,
     password: str = "",
+    announce: tuple[str, ...] = (),
 ) -> str:
+    """BIRD's configuration: eBGP with each neighbour, importing all it is
+    sent; announce: prefixes it sends the neighbours itself (static
+    blackholes; nothing else is exported to them)."""
+    v4 = [p for p in announce if ":" not in p]
+    v6 = [p for p in announce if ":" in p]
     lines = [
         f'log "{log}" all;',
         f"router id {router_id};",
@@ -39,6 +45,8 @@ def config(
         # ECMP into the kernel: every node advertising a prefix is a next hop.
         "protocol kernel k4 { ipv4 { import none; export all; }; merge paths on; }",
         "protocol kernel k6 { ipv6 { import none; export all; }; merge paths on; }",
+        "protocol static s4 { ipv4; " + "".join(f"route {p} blackhole; " for p in v4) + "}",
+        "protocol static s6 { ipv6; " + "".join(f"route {p} blackhole; " for p in v6) + "}",
         "template bgp node {",
         f"  local as {asn};",
         f"  hold time {hold_time}; keepalive time {keepalive};",
@@ -47,10 +55,10 @@ def config(
         "}",
     ]
     for n in neighbors:
-        channel = "ipv6" if ":" in n.address else "ipv4"
+        channel, static = ("ipv6", "s6") if ":" in n.address else ("ipv4", "s4")
         lines.append(
             f"protocol bgp {n.name} from node {{ neighbor {n.address} as {n.asn}; "
-            f"{channel} {{ import all; export none; }}; }}"
+            f'{channel} {{ import all; export where proto = "{static}"; }}; }}'
         )
     return "\n".join(lines) + "\n"
 

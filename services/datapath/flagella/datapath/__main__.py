@@ -260,6 +260,7 @@ class DatapathApp:
             services,
             listen_port=cfg.bgp_listen_port,
             wait_for_node=self.registration is not None,
+            tasks=self.runtime.tasks,
         )
         self.runtime.metrics.registry.register(BgpCollector(speaker))
         synced = self.service.streams_synced

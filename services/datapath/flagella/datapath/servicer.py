@@ -353,6 +353,7 @@ class DatapathServicer(datapath_pb2_grpc.DatapathServiceServicer):
             host_policy=_host_policy_status(svc.host_policy),
             policy_map_max_entries=svc.config.policy_map_max_entries,
             policy_overflow_endpoints=svc.overflowing(),
+            bgp=bgpservicer.speaker_to_proto(self.bgp()),
         )
 
     async def ObserveFlows(

@@ -27,6 +27,7 @@ import grpc
 from flagella.api.gobgp.v3 import gobgp_pb2 as g
 from flagella.common.backoff import Backoff
 from flagella.common.sync import Table
+from flagella.common.tasks import TaskGroup
 from flagella.datapath.bgp.gobgp import (
     DESCRIPTION_PREFIX,
     READ_TIMEOUT,
@@ -105,12 +106,15 @@ class Speaker:
         *,
         listen_port: int = 179,
         wait_for_node: bool = False,
+        tasks: TaskGroup | None = None,
     ) -> None:
         self.gobgpd = gobgpd
         self.node = node
         self.policies = policies
         self.services = services
         self.listen_port = listen_port
+        # Where the per-gobgpd peer watch runs (the runtime's; tests: own).
+        self.tasks = tasks or TaskGroup("bgp")
         self.dirty = asyncio.Event()
         # The node's pod CIDRs come from its registration: none before it.
         self._node_known = asyncio.Event()
@@ -248,9 +252,7 @@ class Speaker:
                     self.gobgpd.kill()
                     raise GobgpdError(f"gobgpd does not answer: {exc.details()}") from exc
         self._channel, self.client = channel, client
-        self._watcher = asyncio.get_running_loop().create_task(
-            self._watch_peers(client), name="bgp-peer-events"
-        )
+        self._watcher = self.tasks.spawn("bgp-peer-events", self._watch_peers(client))
 
     async def _disconnect(self) -> None:
         if self._watcher is not None:

@@ -1086,6 +1086,7 @@ class DatapathStatus(_message.Message):
     HOST_POLICY_FIELD_NUMBER: _builtins.int
     POLICY_MAP_MAX_ENTRIES_FIELD_NUMBER: _builtins.int
     POLICY_OVERFLOW_ENDPOINTS_FIELD_NUMBER: _builtins.int
+    BGP_FIELD_NUMBER: _builtins.int
     node: _builtins.str
     programs_loaded: _builtins.bool
     endpoints: _builtins.int
@@ -1115,6 +1116,12 @@ class DatapathStatus(_message.Message):
     def policy_overflow_endpoints(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Endpoints locked down because their policy is over budget."""
 
+    @_builtins.property
+    def bgp(self) -> Global___BgpSpeaker:
+        """The node's BGP speaker (GetBgpPeers has its sessions): disabled,
+        starting, running or restarting, with its restarts and last error.
+        """
+
     def __init__(
         self,
         *,
@@ -1129,10 +1136,11 @@ class DatapathStatus(_message.Message):
         host_policy: Global___HostPolicyStatus | None = ...,
         policy_map_max_entries: _builtins.int = ...,
         policy_overflow_endpoints: _abc.Iterable[_builtins.int] | None = ...,
+        bgp: Global___BgpSpeaker | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["host_policy", b"host_policy"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["bgp", b"bgp", "host_policy", b"host_policy"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoints", b"endpoints", "host_policy", b"host_policy", "maps", b"maps", "node", b"node", "peers", b"peers", "policy_map_max_entries", b"policy_map_max_entries", "policy_overflow_endpoints", b"policy_overflow_endpoints", "programs", b"programs", "programs_loaded", b"programs_loaded", "reconcilers", b"reconcilers", "streams_synced", b"streams_synced"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bgp", b"bgp", "endpoints", b"endpoints", "host_policy", b"host_policy", "maps", b"maps", "node", b"node", "peers", b"peers", "policy_map_max_entries", b"policy_map_max_entries", "policy_overflow_endpoints", b"policy_overflow_endpoints", "programs", b"programs", "programs_loaded", b"programs_loaded", "reconcilers", b"reconcilers", "streams_synced", b"streams_synced"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
