@@ -175,6 +175,17 @@ def bgp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BgpSetup]:
                 ),
                 timeout=10,
             )
+            # No policy selects the nodes yet: no speaker, and no services
+            # stream of the speaker's own (a cluster without BGP pays nothing).
+            for node in nodes:
+
+                def status(node: Node = node) -> datapath_pb2.DatapathStatus:
+                    dp = cluster.datapath(node)
+                    return dp.GetStatus(datapath_pb2.GetStatusRequest(), timeout=10)
+
+                assert wait_until(lambda: status().streams_synced["bgp-policies"], timeout=10)
+                assert "bgp-services" not in status().streams_synced
+                assert status().bgp.state == "disabled"
             cluster.lb().UpsertBgpPeeringPolicy(
                 lb_pb2.UpsertBgpPeeringPolicyRequest(policy=peering_policy(router_ip4, router_ip6)),
                 timeout=10,

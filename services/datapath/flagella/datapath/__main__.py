@@ -236,11 +236,15 @@ class DatapathApp:
             ),
             bgp_model.PolicyCodec(),
         )
-        services, _ = self._stream(
-            "bgp-services",
-            lambda since: lb.WatchServices(lb_pb2.WatchServicesRequest(since_revision=since)),
-            bgp_model.ServiceCodec(),
-        )
+
+        def open_services(table: Table[int, Any]) -> StreamSource[int, Any]:
+            return StreamSource(
+                "bgp-services",
+                lambda since: lb.WatchServices(lb_pb2.WatchServicesRequest(since_revision=since)),
+                table,
+                bgp_model.ServiceCodec(),
+            )
+
         ips = [ipaddress.ip_address(ip) for ip in cfg.node_ip]
         node = bgp_model.NodeInfo(
             name=cfg.node_name,
@@ -257,19 +261,26 @@ class DatapathApp:
             gobgpd,
             node,
             policies,
-            services,
+            open_services,
             listen_port=cfg.bgp_listen_port,
             wait_for_node=self.registration is not None,
             tasks=self.runtime.tasks,
         )
         self.runtime.metrics.registry.register(BgpCollector(speaker))
         synced = self.service.streams_synced
-        for table in (policies, services):
-            name = table.name
-            self.runtime.tasks.supervise(
-                f"follow-{name}",
-                lambda t=table, n=name: speaker.follow(t, lambda: synced.__setitem__(n, True)),  # type: ignore[misc]
-            )
+        self.runtime.tasks.supervise(
+            "follow-bgp-policies",
+            lambda: speaker.follow(policies, lambda: synced.__setitem__("bgp-policies", True)),
+        )
+
+        def services_synced(now: bool) -> None:
+            # Listed only while followed (a policy selects the node).
+            if now:
+                synced["bgp-services"] = True
+            else:
+                synced.pop("bgp-services", None)
+
+        speaker.on_services_synced = services_synced
         self.runtime.tasks.supervise("bgp-speaker", speaker.run)
 
     def _local_endpoints(self) -> list[tuple[tuple[str, ...], int]]:

@@ -2,6 +2,10 @@
 lb's streams) and the node's own registration into the desired speaker
 (model.desired), and gobgpd reconciled to it.
 
+The services are followed (a WatchServices stream of the speaker's own)
+only while a policy selects the node: a cluster that does not use BGP
+costs the lb no second stream per node.
+
 One loop does everything that changes gobgpd, so nothing races: it wakes on
 any change of its inputs or when gobgpd exits, computes what is desired and
 makes gobgpd so, reading gobgpd's own state each pass (so a gobgpd just
@@ -26,7 +30,7 @@ import grpc
 
 from flagella.api.gobgp.v3 import gobgp_pb2 as g
 from flagella.common.backoff import Backoff
-from flagella.common.sync import Table
+from flagella.common.sync import StreamSource, Table
 from flagella.common.tasks import TaskGroup
 from flagella.datapath.bgp.gobgp import (
     DESCRIPTION_PREFIX,
@@ -46,6 +50,7 @@ from flagella.datapath.bgp.model import (
     PeeringPolicy,
     PeerSpec,
     desired,
+    selected,
 )
 from flagella.datapath.bgp.supervisor import Gobgpd, GobgpdError
 
@@ -102,7 +107,9 @@ class Speaker:
         gobgpd: Gobgpd,
         node: NodeInfo,
         policies: Table[str, PeeringPolicy],
-        services: Table[int, AdvertisedService],
+        open_services: Callable[
+            [Table[int, AdvertisedService]], StreamSource[int, AdvertisedService]
+        ],
         *,
         listen_port: int = 179,
         wait_for_node: bool = False,
@@ -111,7 +118,11 @@ class Speaker:
         self.gobgpd = gobgpd
         self.node = node
         self.policies = policies
-        self.services = services
+        self.open_services = open_services
+        # While a policy selects the node: the services and their stream's tasks.
+        self.services: Table[int, AdvertisedService] | None = None
+        self._services_tasks: list[asyncio.Task[None]] = []
+        self.on_services_synced: Callable[[bool], None] = lambda synced: None
         self.listen_port = listen_port
         # Where the per-gobgpd peer watch runs (the runtime's; tests: own).
         self.tasks = tasks or TaskGroup("bgp")
@@ -153,7 +164,8 @@ class Speaker:
             self.changed()
         self._node_known.set()
 
-    async def follow(self, table: Table[object, object], on_synced: Callable[[], None]) -> None:
+    async def follow(self, table: Table[str, PeeringPolicy], on_synced: Callable[[], None]) -> None:
+        """The policies' changes wake the loop."""
         async for _ in table.subscribe():
             on_synced()
             self.changed()
@@ -168,19 +180,18 @@ class Speaker:
         # restarted datapath must not stop the gobgpd it adopted for want
         # of policies it has not received yet.
         await self.policies.wait_initialized()
-        await self.services.wait_initialized()
         self.dirty.set()
         while True:
             await self._wait()
             self.dirty.clear()
             if self.gobgpd.pid and not self.gobgpd.running:
                 await self._died()
-            want = desired(
-                self.node,
-                [p for _, p in self.policies.items()],
-                [s for _, s in self.services.items()],
-                self.listen_port,
-            )
+            policies = [p for _, p in self.policies.items()]
+            self._follow_services(bool(selected(self.node, policies)))
+            if self.services is not None and not self.services.initialized.is_set():
+                continue  # its first snapshot wakes the loop
+            services = [] if self.services is None else [s for _, s in self.services.items()]
+            want = desired(self.node, policies, services, self.listen_port)
             try:
                 await self._apply(want)
                 self.last_error = ""
@@ -190,6 +201,30 @@ class Speaker:
                 log.warning("BGP speaker not reconciled, will retry", extra={"reason": reason})
                 await self.backoff.wait()
                 self.dirty.set()
+
+    def _follow_services(self, on: bool) -> None:
+        """Start or stop following the services (a policy selects the node,
+        or none does any more)."""
+        if on and self.services is None:
+            table: Table[int, AdvertisedService] = Table("bgp-services")
+            source = self.open_services(table)
+            self.services = table
+            self._services_tasks = [
+                self.tasks.supervise("stream-bgp-services", source.run),
+                self.tasks.supervise(
+                    "follow-bgp-services", lambda: self._follow_services_table(table)
+                ),
+            ]
+        elif not on and self.services is not None:
+            for task in self._services_tasks:
+                task.cancel()
+            self.services, self._services_tasks = None, []
+            self.on_services_synced(False)
+
+    async def _follow_services_table(self, table: Table[int, AdvertisedService]) -> None:
+        async for _ in table.subscribe():
+            self.on_services_synced(True)
+            self.changed()
 
     async def _wait(self) -> None:
         if self.dirty.is_set():
@@ -288,6 +323,7 @@ class Speaker:
     async def close(self) -> None:
         """The datapath stops: so does its gobgpd (a crash leaves it to be
         adopted)."""
+        self._follow_services(False)
         await self._disconnect()
         await self.gobgpd.stop()
 
