@@ -40,6 +40,8 @@ NODE_ASN = 65001
 HOLD, KEEPALIVE = 3, 1
 # What the router itself announces to the nodes.
 ANNOUNCED = ("203.0.113.0/24", "2001:db8:fe::/48")
+# The sessions' TCP MD5 password (RFC 2385), on both ends.
+PASSWORD = "bgp-e2e-secret"
 POOL = "198.51.100.0/29"
 WEB_PORT = 8080
 CLI = shutil.which("flagella", path=str(Path(sys.executable).parent)) or "flagella"
@@ -92,6 +94,7 @@ def peering_policy(router4: str, router6: str) -> lb_pb2.BgpPeeringPolicy:
             hold_time_seconds=HOLD,
             keep_alive_time_seconds=KEEPALIVE,
             connect_retry_time_seconds=1,
+            password=PASSWORD,
         )
 
     return lb_pb2.BgpPeeringPolicy(
@@ -158,6 +161,7 @@ def bgp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BgpSetup]:
                 hold_time=HOLD,
                 keepalive=KEEPALIVE,
                 announce=ANNOUNCED,
+                password=PASSWORD,
             )
         )
         setup = BgpSetup(cluster, underlay, nodes, router, router_ip4, router_ip6, bird)
@@ -372,6 +376,17 @@ def test_cli_and_get_bgp_routes_agree_with_bird(bgp: BgpSetup) -> None:
     out = bgp.cli("bgp", "peers")
     assert out.returncode == 0, out.stderr + out.stdout
     peers = json.loads(out.stdout)
+    # The sessions run with the password (BIRD wants it: they are up), which
+    # no answer shows.
+    assert PASSWORD not in out.stdout
+    dp_info = bgp.cluster.datapath(bgp.nodes[0]).GetDebuginfo(
+        datapath_pb2.GetDebuginfoRequest(), timeout=30
+    )
+    assert "has_password" in str(dp_info)
+    assert PASSWORD not in str(dp_info)
+    lb_info = bgp.cluster.lb().GetDebuginfo(lb_pb2.GetDebuginfoRequest(), timeout=30)
+    assert "has_password" in str(lb_info)
+    assert PASSWORD not in str(lb_info)
     established = bgp.bird.established()
     for node in bgp.nodes:
         got = {p["peer_address"]: p for p in peers[node.name]["peers"]}
@@ -381,6 +396,7 @@ def test_cli_and_get_bgp_routes_agree_with_bird(bgp: BgpSetup) -> None:
             assert p["session_state"] == "established", p
             assert f"{node.name}{family}" in established
             assert int(p["peer_asn"]) == ROUTER_ASN
+            assert p["has_password"] is True
     # What each node says it advertises is what BIRD holds from it.
     bird_routes = bgp.bird.routes()
     for node in bgp.nodes:
