@@ -43,6 +43,7 @@ ANNOUNCED = ("203.0.113.0/24", "2001:db8:fe::/48")
 # The sessions' TCP MD5 password (RFC 2385), on both ends.
 PASSWORD = "bgp-e2e-secret"
 POOL = "198.51.100.0/29"
+POOL6 = "2001:db8:100::/124"
 WEB_PORT = 8080
 CLI = shutil.which("flagella", path=str(Path(sys.executable).parent)) or "flagella"
 
@@ -359,6 +360,19 @@ def test_lb_ipam_through_bgp(bgp: BgpSetup) -> None:
     every = {n.ip for n in bgp.nodes}
     for address in (addr_a, addr_b, requested):
         wait_via(bgp, f"{address}/32", every)
+    # An IPv6 LoadBalancer address goes out over the IPv6 sessions.
+    bgp.cluster.lb().UpsertLbIpPool(
+        lb_pb2.UpsertLbIpPoolRequest(
+            pool=lb_pb2.LbIpPool(name="bgp6", blocks=[lb_pb2.LbIpBlock(cidr=POOL6)])
+        ),
+        timeout=10,
+    )
+    v6 = lb_service("ipam-v6", "fd00:96::51", [])
+    v6.frontend.address = "fd00:96::51"
+    v6_addr = upsert(bgp, v6).load_balancer.ingress[0]
+    assert ipaddress.ip_address(v6_addr) in ipaddress.ip_network(POOL6)
+    wait_via(bgp, f"{v6_addr}/128", {bgp.node_ip6(n) for n in bgp.nodes})
+    extra.append("ipam-v6")
     hidden_addr = hidden.load_balancer.ingress[0]
     assert f"{hidden_addr}/32" not in bgp.bird.routes()
     assert bgp.router.request("tcp", addr_a, 80, timeout=2) is not None
