@@ -41,7 +41,7 @@ def speaker_to_proto(speaker: Speaker | None) -> datapath_pb2.BgpSpeaker:
         restarts=speaker.restarts,
         last_error=speaker.last_error,
         policies=list(want.policies) if want else [],
-        not_applied=list(want.not_applied) if want else [],
+        not_applied=speaker.not_applied(),
     )
 
 

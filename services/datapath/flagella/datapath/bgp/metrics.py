@@ -57,5 +57,5 @@ class BgpCollector(Collector):
             "Parts of the peering policies selecting this node it could not apply (GetBgpPeers "
             "says which and why).",
         )
-        skipped.add_metric((), len(want.not_applied) if want else 0)
+        skipped.add_metric((), len(sp.not_applied()))
         yield skipped

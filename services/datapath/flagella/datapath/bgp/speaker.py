@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,6 +142,9 @@ class Speaker:
         # Per neighbour: why its session is not established, as last seen.
         self.peer_errors: dict[str, str] = {}
         self.peer_states: dict[str, str] = {}
+        # What gobgpd refused in the last pass (what -> why): the rest is
+        # applied; tried again after a backoff.
+        self.refused: dict[str, str] = {}
         self.passes = 0
 
     # --- inputs ---
@@ -174,7 +177,7 @@ class Speaker:
 
     async def run(self) -> None:
         if self.gobgpd.adopt():
-            self.state = "running"
+            self.state = "starting"  # running once reconciled
         await self._node_known.wait()
         # Nothing is decided before both streams' first snapshots: a
         # restarted datapath must not stop the gobgpd it adopted for want
@@ -195,6 +198,9 @@ class Speaker:
             try:
                 await self._apply(want)
                 self.last_error = ""
+                if self.refused:
+                    await self.backoff.wait()
+                    self.dirty.set()
             except (grpc.aio.AioRpcError, GobgpdError, OSError, TimeoutError) as exc:
                 reason = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
                 self.last_error = reason or repr(exc)
@@ -258,6 +264,7 @@ class Speaker:
                 await self._disconnect()
                 await self.gobgpd.stop()
             self.state = "disabled"
+            self.refused = {}
             return
         if not self.gobgpd.running:
             self.state = "starting"
@@ -265,7 +272,13 @@ class Speaker:
         if self.client is None:
             await self._connect()
         assert self.client is not None
-        await reconcile(self.client, want, self.listen_port)
+        refused = await reconcile(self.client, want, self.listen_port)
+        if refused != self.refused:
+            for what, why in sorted(refused.items()):
+                log.warning(
+                    "gobgpd refused a part of the speaker", extra={"what": what, "reason": why}
+                )
+        self.refused = refused
         self.state = "running"
         self.passes += 1
         if time.monotonic() - self.gobgpd.started_at >= STABLE_S:
@@ -361,7 +374,9 @@ class Speaker:
                     view.keep_alive = int(timers.keepalive_interval)
                     if timers.HasField("uptime") and timers.uptime.seconds:
                         view.uptime_s = max(0.0, now - timers.uptime.ToNanoseconds() / 1e9)
-            if view.state != "established":
+            if f"neighbor {address}" in self.refused:
+                view.last_error = f"gobgpd refused it: {self.refused[f'neighbor {address}']}"
+            elif view.state != "established":
                 view.last_error = self.peer_errors.get(address) or (
                     f"not established ({view.state})"
                     if self.client is not None
@@ -405,13 +420,44 @@ class Speaker:
             return []
         return sorted((await self.client.export_policies()).values(), key=lambda p: p.peer)
 
+    def not_applied(self) -> list[str]:
+        """What the policies ask that this node does not do, and why."""
+        want = self.desired
+        out = list(want.not_applied) if want else []
+        return out + [
+            f"{what}: gobgpd refused it: {why}" for what, why in sorted(self.refused.items())
+        ]
+
     def advertised_count(self) -> int:
         want = self.desired
         return sum(len(p) for p in want.exports.values()) if want else 0
 
 
-async def reconcile(client: GobgpClient, want: Desired, listen_port: int) -> None:
-    """gobgpd made as want says, from what it holds now."""
+# gobgpd gone or stuck: the pass ends (and is tried again). Any other refusal
+# is of one item (a neighbour gobgpd will not take, say): reported, and the
+# rest applied.
+UNREACHABLE = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+)
+
+
+async def _item(refused: dict[str, str], what: str, call: Awaitable[None]) -> bool:
+    try:
+        await call
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() in UNREACHABLE:
+            raise
+        refused[what] = exc.details() or exc.code().name
+        return False
+    return True
+
+
+async def reconcile(client: GobgpClient, want: Desired, listen_port: int) -> dict[str, str]:
+    """gobgpd made as want says, from what it holds now. Returns what gobgpd
+    refused (what -> its reason); everything else is applied."""
+    refused: dict[str, str] = {}
     glob = await client.get_global()
     wanted_global = (want.asn, want.router_id, listen_port, sorted(want.listen_addresses))
     have_global = (glob.asn, glob.router_id, glob.listen_port, sorted(glob.listen_addresses))
@@ -430,13 +476,15 @@ async def reconcile(client: GobgpClient, want: Desired, listen_port: int) -> Non
     }
     for name, (peer, prefixes) in sorted(wanted.items()):
         if name not in have:
-            await client.add_export_policy(name, peer, prefixes)
+            what = f"export policy of neighbor {peer}"
+            if not await _item(refused, what, client.add_export_policy(name, peer, prefixes)):
+                del wanted[name]
     assigned, default = await client.assigned_exports()
     if sorted(assigned) != sorted(wanted) or default != g.REJECT:
         await client.set_export_assignment(sorted(wanted))
     for name in sorted(have):
         if name not in wanted:
-            await client.delete_export_policy(name)
+            await _item(refused, f"old policy {name}", client.delete_export_policy(name))
     resend = {have[n].peer for n in have if n not in wanted} | {
         peer for n, (peer, _) in wanted.items() if n not in have
     }
@@ -444,23 +492,24 @@ async def reconcile(client: GobgpClient, want: Desired, listen_port: int) -> Non
     actual = {p.conf.neighbor_address: p for p in await client.list_peers()}
     for address, listed in sorted(actual.items()):
         spec = want.peers.get(address)
-        if spec is None or listed.conf.description != peer_description(spec):
-            await client.delete_peer(address)
+        stale = spec is None or listed.conf.description != peer_description(spec)
+        if stale and await _item(refused, f"neighbor {address}", client.delete_peer(address)):
             del actual[address]
     for address, spec in sorted(want.peers.items()):
         if address not in actual:
-            await client.add_peer(spec, want.asn)
+            await _item(refused, f"neighbor {address}", client.add_peer(spec, want.asn))
             resend.discard(address)  # a new session gets everything anyway
     # The node's own paths.
     local = await client.local_paths()
     for prefix, hop in sorted(want.paths.items()):
         if prefix not in local or local[prefix].next_hop != hop:
-            await client.add_path(prefix, hop)
+            await _item(refused, f"path {prefix}", client.add_path(prefix, hop))
     for prefix, path in sorted(local.items()):
         if prefix not in want.paths:
-            await client.delete_path(path)
+            await _item(refused, f"path {prefix}", client.delete_path(path))
     # What a changed export policy lets out now goes out (GoBGP applies a
     # policy change to routes already sent only on a soft reset).
     for address in sorted(resend & set(want.peers)):
         with contextlib.suppress(grpc.aio.AioRpcError):  # not established: nothing to resend
             await client.reset_out(address)
+    return refused
