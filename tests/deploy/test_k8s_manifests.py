@@ -58,7 +58,8 @@ TARGETS = [
     ),
 ]
 WORKLOADS = {"Deployment", "StatefulSet", "DaemonSet", "Job", "CronJob", "ReplicaSet", "Pod"}
-DATAPATH_CAPS = {"NET_ADMIN", "SYS_ADMIN", "BPF", "PERFMON"}
+# NET_BIND_SERVICE and SETPCAP: the BGP speaker (gobgpd binds 179 with that alone).
+DATAPATH_CAPS = {"NET_ADMIN", "SYS_ADMIN", "BPF", "PERFMON", "NET_BIND_SERVICE", "SETPCAP"}
 READ_VERBS = {"get", "list", "watch"}
 POLICY_READS = {(k.group, k.plural) for k in POLICY_KINDS}
 POLICY_LEASES = tuple(sorted(k.lease for k in POLICY_KINDS))

@@ -295,7 +295,10 @@ class Speaker:
                 await client.stub.GetBgp(g.GetBgpRequest(), timeout=1.0, wait_for_ready=True)
                 break
             except grpc.aio.AioRpcError as exc:
-                if time.monotonic() >= deadline or not self.gobgpd.running:
+                if not self.gobgpd.running:
+                    await channel.close()
+                    raise GobgpdError(f"gobgpd exited: {self.gobgpd.log_tail()}") from exc
+                if time.monotonic() >= deadline:
                     await channel.close()
                     self.gobgpd.kill()
                     raise GobgpdError(f"gobgpd does not answer: {exc.details()}") from exc

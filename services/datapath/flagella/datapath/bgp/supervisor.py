@@ -223,6 +223,14 @@ class Gobgpd:
         self._child = None
         self.pid_file.unlink(missing_ok=True)
 
+    def log_tail(self, lines: int = 3) -> str:
+        """The last lines gobgpd (or setpriv) wrote: why it did not start."""
+        try:
+            text = self.log_file.read_text(errors="replace")
+        except OSError:
+            return ""
+        return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:])
+
     def kill(self) -> None:
         """SIGKILL (a gobgpd that does not answer)."""
         if self.running:
