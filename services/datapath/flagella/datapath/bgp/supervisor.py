@@ -11,7 +11,9 @@ it: the run folder is then that user's, 0711, its socket 0777.) Its output
 goes to <state>/bgp/gobgpd.log.
 
 Its pid (with its start time, so a reused pid is never taken for it) is
-kept in <state>/bgp/gobgpd.pid: a datapath started again after a crash
+kept in <state>/bgp/gobgpd.pid (a gobgpd of the same socket without one, a
+crash having come between its start and that write, is killed before the
+next start): a datapath started again after a crash
 adopts the gobgpd it finds there (the sessions stay up; the speaker then
 reconciles it), and one that does not answer is killed and replaced. A
 datapath stopped gracefully stops its gobgpd.
@@ -171,9 +173,23 @@ class Gobgpd:
             os.chmod(self.run_dir, 0o700)
         self.socket_path.unlink(missing_ok=True)
 
+    def _kill_strays(self) -> None:
+        """A gobgpd of this socket that is not ours (started just before a
+        crash left no pid file for it): killed, so nothing leaks and the new
+        one gets the port."""
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit() or int(proc.name) == self.pid:
+                continue
+            cmd = _cmdline(int(proc.name))
+            if cmd and any(str(self.socket_path) in a for a in cmd) and self.binary in cmd:
+                log.warning("killing a stray gobgpd", extra={"pid": int(proc.name)})
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(int(proc.name), signal.SIGKILL)
+
     async def start(self) -> None:
         """Start a new gobgpd (after stopping any that runs)."""
         await self.stop()
+        self._kill_strays()
         try:
             self._prepare()
             command = self._command()
