@@ -78,3 +78,22 @@ def test_a_stray_of_the_same_socket_is_killed(
 def test_a_socket_path_too_long_is_refused(tmp_path: Path) -> None:
     with pytest.raises(GobgpdError, match="unix socket path"):
         Gobgpd(tmp_path / ("x" * 100))
+
+
+LOG = """\
+time="2026-11-29T03:01:41Z" level=info msg="Peer Up" Key=192.168.100.253 State=BGP_FSM_OPENCONFIRM Topic=Peer
+time="2026-11-29T03:01:50Z" level=info msg="Peer Down" Key=192.168.100.253 Reason=hold-timer-expired State=BGP_FSM_ESTABLISHED Topic=Peer
+time="2026-11-29T03:02:05Z" level=info msg="Peer Down" Key="fd00:100::253" Reason="notification-received code 6(cease) subcode 2(administrative shutdown)" State=BGP_FSM_ESTABLISHED Topic=Peer
+"""
+
+
+def test_why_a_session_went_down_is_read_from_gobgpds_log(tmp_path: Path) -> None:
+    sup = Gobgpd(tmp_path)
+    assert sup.peer_down_reason("192.168.100.253") == ""  # no log yet
+    sup.folder.mkdir(parents=True)
+    sup.log_file.write_text(LOG)
+    assert sup.peer_down_reason("192.168.100.253") == "hold-timer-expired"
+    assert sup.peer_down_reason("fd00:100::253") == (
+        "notification-received code 6(cease) subcode 2(administrative shutdown)"
+    )
+    assert sup.peer_down_reason("192.168.100.25") == ""  # another peer's prefix

@@ -331,7 +331,8 @@ class Speaker:
                     self.peer_errors.pop(address, None)
                 elif was == "established":
                     when = time.strftime("%H:%M:%S", time.gmtime())
-                    self.peer_errors[address] = f"session went down ({state}) at {when} UTC"
+                    why = self.gobgpd.peer_down_reason(address)
+                    self.peer_errors[address] = f"session went down at {when} UTC ({why or state})"
                     log.warning("BGP session down", extra={"peer": address, "state": state})
         except grpc.aio.AioRpcError:
             return

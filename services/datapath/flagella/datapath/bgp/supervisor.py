@@ -8,7 +8,8 @@ TCP port: nothing but the datapath (and root) reaches it, where anything in
 the node's network namespace could reach a loopback port and announce
 routes. (As another user, gobgpd must be able to search every folder above
 it: the run folder is then that user's, 0711, its socket 0777.) Its output
-goes to <state>/bgp/gobgpd.log.
+goes to <state>/bgp/gobgpd.log (the last session downs' reasons are read
+from it: GoBGP's API does not carry them).
 
 Its pid (with its start time, so a reused pid is never taken for it) is
 kept in <state>/bgp/gobgpd.pid (a gobgpd of the same socket without one, a
@@ -27,16 +28,21 @@ import json
 import logging
 import os
 import pwd
+import re
 import signal
 import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+# gobgpd's log (peer ups and downs, at info) is rotated past this at a start.
+MAX_LOG = 8 << 20
 # A unix socket's path is at most 107 bytes.
 MAX_SOCKET_PATH = 107
 STOP_TIMEOUT = 5.0
 CAPS = "-all,+net_bind_service"
+# gobgpd's plain log: Reason=hold-timer-expired, or Reason="quoted text".
+_REASON = re.compile(r'Reason=(?:"([^"]*)"|(\S+))')
 
 
 class GobgpdError(Exception):
@@ -67,7 +73,7 @@ class Gobgpd:
         *,
         binary: str = "gobgpd",
         user: str = "",
-        log_level: str = "warn",
+        log_level: str = "info",
     ) -> None:
         self.folder = state_dir / "bgp"
         self.run_dir = self.folder / "run"
@@ -172,6 +178,9 @@ class Gobgpd:
         else:
             os.chmod(self.run_dir, 0o700)
         self.socket_path.unlink(missing_ok=True)
+        # Its log is appended to across starts: one old generation is kept.
+        if self.log_file.exists() and self.log_file.stat().st_size > MAX_LOG:
+            self.log_file.replace(self.log_file.with_suffix(".log.1"))
 
     def _kill_strays(self) -> None:
         """A gobgpd of this socket that is not ours (started just before a
@@ -246,6 +255,23 @@ class Gobgpd:
         except OSError:
             return ""
         return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:])
+
+    def peer_down_reason(self, address: str, tail: int = 1 << 16) -> str:
+        """Why gobgpd last took the session with address down, as its log
+        says ("hold-timer-expired", "notification-received code 6(cease)
+        ..."); its API does not say. Empty when the log does not tell."""
+        try:
+            with open(self.log_file, "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - tail))
+                lines = f.read().decode(errors="replace").splitlines()
+        except OSError:
+            return ""
+        keys = (f"Key={address} ", f'Key="{address}" ')
+        for line in reversed(lines):
+            if 'msg="Peer Down"' in line and any(k in line for k in keys):
+                m = _REASON.search(line)
+                return m.group(1) or m.group(2) if m else ""
+        return ""
 
     def kill(self) -> None:
         """SIGKILL (a gobgpd that does not answer)."""
