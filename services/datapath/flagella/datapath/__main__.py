@@ -172,7 +172,7 @@ class DatapathApp:
                 lambda since: lb.WatchServices(
                     lb_pb2.WatchServicesRequest(since_revision=since, include_maglev_tables=True)
                 ),
-                ServicesCodec(cfg.node_ip),
+                ServicesCodec(cfg.node_ip, cfg.node_name),
                 keep_prev=True,  # RemoveBackends: the backends a change took out
             )
             redirects = LocalRedirects(self.service.services)

@@ -31,6 +31,7 @@ from flagella.lb.model import (
     ServiceRecord,
     ServiceType,
     Source,
+    TrafficPolicy,
 )
 from flagella.lb.service import LbService, WatchItem
 from flagella.lb.validation import (
@@ -59,6 +60,11 @@ _STATES = {
     pb.BACKEND_STATE_QUARANTINED: BackendState.QUARANTINED,
     pb.BACKEND_STATE_MAINTENANCE: BackendState.MAINTENANCE,
 }
+_POLICIES = {
+    pb.TRAFFIC_POLICY_CLUSTER: TrafficPolicy.CLUSTER,
+    pb.TRAFFIC_POLICY_LOCAL: TrafficPolicy.LOCAL,
+}
+_POLICY_PB = {v: k for k, v in _POLICIES.items()}
 _PROTOCOL_PB = {v: k for k, v in _PROTOCOLS.items()}
 _TYPE_PB = {v: k for k, v in _TYPES.items()}
 _ALGORITHM_PB = {v: k for k, v in _ALGORITHMS.items()}
@@ -120,7 +126,22 @@ def raw_from_proto(svc: lb_pb2.Service) -> RawService:
         source_ranges=list(svc.source_ranges),
         source=Source.API,
         labels=dict(svc.labels),
+        external_traffic_policy=traffic_policy(svc.external_traffic_policy),
+        external_ips=list(svc.external_ips),
+        load_balancer=svc.HasField("load_balancer"),
     )
+
+
+def traffic_policy(value: int) -> TrafficPolicy:
+    """externalTrafficPolicy (TRAFFIC_POLICY_CLUSTER, 0, is the default)."""
+    try:
+        return _POLICIES[value]  # type: ignore[index]
+    except KeyError:
+        known = ", ".join(str(k) for k in sorted(_POLICIES))
+        raise InvalidArgument(
+            f"{value} is not a known traffic policy ({known})",
+            field="service.external_traffic_policy",
+        ) from None
 
 
 def frontend_from_proto(fe: lb_pb2.Frontend, field: str) -> Frontend:
@@ -174,6 +195,8 @@ def service_to_proto(rec: ServiceRecord, claim: Claim | None = None) -> lb_pb2.S
         source=rec.source.value,
         maglev_table_size=rec.maglev_table_size,
         labels=dict(rec.labels),
+        external_traffic_policy=_POLICY_PB[rec.external_traffic_policy],
+        external_ips=list(rec.external_ips),
     )
     if rec.affinity is not None:
         out.session_affinity.type = pb.SessionAffinity.TYPE_CLIENT_IP
