@@ -24,18 +24,22 @@ from dataclasses import dataclass
 from typing import Any
 
 from flagella.common.backoff import Backoff
-from flagella.common.errors import Aborted
-from flagella.common.etcd import Etcd, delete_op, mod_revision_is, put_op
+from flagella.common.errors import Aborted, FailedPrecondition
+from flagella.common.etcd import Etcd, KeyValue, delete_op, mod_revision_is, put_op
+from flagella.common.sync import EtcdSource, Table
 from flagella.lb.lbipam import (
     SATISFIED,
+    SOURCE_API,
     AddressUse,
     Assigned,
     Claimant,
     Condition,
     LbRequest,
     Pool,
+    conflicts,
     overlap,
     plan,
+    usable,
 )
 from flagella.lb.store import PREFIX
 
@@ -112,6 +116,32 @@ class State:
 
 
 @dataclass(frozen=True)
+class PoolStatus:
+    """A pool as listed: its addresses in use, and why it is not used
+    (a Kubernetes pool overlapping another; empty when it is)."""
+
+    pool: Pool
+    used: int
+    conflict: str = ""
+
+
+class ClaimCodec:
+    """services/<name> -> the Claim (the claims table's Codec)."""
+
+    def key(self, key: str) -> str | None:
+        return key[len(CLAIMS) :] if key.startswith(CLAIMS) else None
+
+    def decode(self, key: str, kv: KeyValue) -> Claim | None:
+        try:
+            return Claim.from_json(kv.value)
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning(
+                "LB-IPAM claim not readable, skipped", extra={"name": key, "reason": repr(exc)}
+            )
+            return None
+
+
+@dataclass(frozen=True)
 class Contended:
     """Another writer changed a key the plan was made from."""
 
@@ -134,6 +164,13 @@ class LbIpam:
         # them (the lb service records them in the service, for the
         # datapaths).
         self.on_change = on_change
+        # Every claim as etcd has it, for the Kubernetes watcher's status
+        # write-back (whichever replica changed it); fed by run_claims().
+        self.claims_table: Table[str, Claim] = Table("lbipam-claims")
+
+    async def run_claims(self) -> None:
+        """Keep claims_table in step with etcd (until cancelled)."""
+        await EtcdSource(self.etcd, self.claims_table, ClaimCodec(), prefix=CLAIMS).run()
 
     async def read(self) -> State:
         (kvs,), _ = await self.etcd.get_prefixes([LBIPAM])
@@ -161,6 +198,7 @@ class LbIpam:
         addresses used in it)."""
         for _ in range(MAX_ATTEMPTS):
             state = await self.read()
+            _check_source(state.pools, pool.name, pool.source, "pool.name")
             refused = overlap(pool, state.pools)
             if refused is not None:
                 raise refused
@@ -171,9 +209,10 @@ class LbIpam:
                 return created, _used(pool, (await self.read()).uses)
         raise Aborted("pools changed too often meanwhile; retry")
 
-    async def delete_pool(self, name: str) -> bool:
+    async def delete_pool(self, name: str, source: str = SOURCE_API) -> bool:
         for _ in range(MAX_ATTEMPTS):
             state = await self.read()
+            _check_source(state.pools, name, source, "name")
             pools = [p for p in state.pools if p.name != name]
             if len(pools) == len(state.pools):
                 return False
@@ -182,9 +221,13 @@ class LbIpam:
                 return True
         raise Aborted("pools changed too often meanwhile; retry")
 
-    async def list_pools(self) -> list[tuple[Pool, int]]:
+    async def list_pools(self) -> list[PoolStatus]:
         state = await self.read()
-        return [(p, _used(p, state.uses)) for p in sorted(state.pools, key=lambda p: p.name)]
+        bad = conflicts(state.pools)
+        return [
+            PoolStatus(p, _used(p, state.uses), bad.get(p.name, ""))
+            for p in sorted(state.pools, key=lambda p: p.name)
+        ]
 
     async def _put_pools(self, pools: Sequence[Pool], rev: int) -> bool:
         result = await self.etcd.txn(
@@ -253,7 +296,7 @@ class LbIpam:
         else:
             # Plan as if it held nothing, so its own uses do not block it.
             uses = {a: u.without(name) for a, u in state.uses.items()}
-            outcome = plan(who, state.pools, {a: u for a, u in uses.items() if u}, held)
+            outcome = plan(who, usable(state.pools), {a: u for a, u in uses.items() if u}, held)
             if isinstance(outcome, Assigned):
                 claim = Claim(who, outcome.addresses, SATISFIED)
             else:
@@ -281,6 +324,14 @@ class LbIpam:
         if self.on_change is not None and tuple(held) != new:
             await self.on_change(name, new)
         return claim
+
+
+def _check_source(pools: Sequence[Pool], name: str, source: str, field: str) -> None:
+    """A pool is changed only by its own source (the API, or the Kubernetes
+    watcher for a CiliumLoadBalancerIPPool)."""
+    for p in pools:
+        if p.name == name and p.source != source:
+            raise FailedPrecondition(f"pool {name!r} is managed by {p.source}", field=field)
 
 
 def _used(pool: Pool, uses: Mapping[str, AddressUse]) -> int:

@@ -223,7 +223,7 @@ def service_to_proto(rec: ServiceRecord, claim: Claim | None = None) -> lb_pb2.S
     return out
 
 
-def pool_to_proto(pool: Pool, used: int) -> lb_pb2.LbIpPool:
+def pool_to_proto(pool: Pool, used: int, conflict: str = "") -> lb_pb2.LbIpPool:
     blocks = []
     for b in pool.blocks:
         start, sep, stop = b.text.partition("-")
@@ -235,6 +235,9 @@ def pool_to_proto(pool: Pool, used: int) -> lb_pb2.LbIpPool:
         disabled=pool.disabled,
         size=pool.size,
         used=used,
+        source=pool.source,
+        conflicting=bool(conflict),
+        conflict_message=conflict,
     )
 
 
@@ -499,4 +502,6 @@ class LbServicer(lb_pb2_grpc.LoadBalancerServiceServicer):
         self, request: lb_pb2.ListLbIpPoolsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> lb_pb2.ListLbIpPoolsResponse:
         pools = await self.ipam.list_pools()
-        return pb.ListLbIpPoolsResponse(pools=[pool_to_proto(p, used) for p, used in pools])
+        return pb.ListLbIpPoolsResponse(
+            pools=[pool_to_proto(p.pool, p.used, p.conflict) for p in pools]
+        )

@@ -1407,12 +1407,24 @@ class LbIpPool(_message.Message):
     DISABLED_FIELD_NUMBER: _builtins.int
     SIZE_FIELD_NUMBER: _builtins.int
     USED_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    CONFLICTING_FIELD_NUMBER: _builtins.int
+    CONFLICT_MESSAGE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     disabled: _builtins.bool
     """Assigns no more addresses (those assigned stay)."""
     size: _builtins.int
     """Output only: addresses in the blocks, and assigned."""
     used: _builtins.int
+    source: _builtins.str
+    """Output only: "api", or "kubernetes" (a CiliumLoadBalancerIPPool object,
+    which the API can neither change nor delete).
+    """
+    conflicting: _builtins.bool
+    """Output only: a Kubernetes pool overlapping another pool (Cilium's
+    cilium.io/PoolConflict): its addresses are not used.
+    """
+    conflict_message: _builtins.str
     @_builtins.property
     def blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___LbIpBlock]: ...
     @_builtins.property
@@ -1431,10 +1443,13 @@ class LbIpPool(_message.Message):
         disabled: _builtins.bool = ...,
         size: _builtins.int = ...,
         used: _builtins.int = ...,
+        source: _builtins.str = ...,
+        conflicting: _builtins.bool = ...,
+        conflict_message: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "disabled", b"disabled", "name", b"name", "service_selector", b"service_selector", "size", b"size", "used", b"used"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "conflict_message", b"conflict_message", "conflicting", b"conflicting", "disabled", b"disabled", "name", b"name", "service_selector", b"service_selector", "size", b"size", "source", b"source", "used", b"used"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
