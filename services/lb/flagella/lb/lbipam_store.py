@@ -264,6 +264,15 @@ class LbIpam:
                 return True
         raise Aborted("addresses changed too often meanwhile; retry")
 
+    async def users_of(self, addresses: Sequence[str]) -> dict[str, AddressUse]:
+        """Who holds each of these addresses (those LB-IPAM gave out)."""
+        found: dict[str, AddressUse] = {}
+        for addr in dict.fromkeys(addresses):
+            kv = await self.etcd.get(ADDRS + addr)
+            if kv is not None:
+                found[addr] = AddressUse.from_json(kv.value)
+        return found
+
     async def claims(self) -> dict[str, Claim]:
         return (await self.read()).claims
 

@@ -29,6 +29,7 @@ from flagella.lb.model import (
     Frontend,
     Protocol,
     ServiceRecord,
+    ServiceSpec,
     ServiceType,
     Source,
     TrafficPolicy,
@@ -315,9 +316,29 @@ class LbServicer(lb_pb2_grpc.LoadBalancerServiceServicer):
             raise InvalidArgument("a service is required", field="service")
         spec = build_spec(raw_from_proto(request.service), self.limits)
         lb = lb_request_from_proto(request.service, spec.frontend.family)
+        await self._check_lb_addresses(spec)
         record, created = await self.service.upsert(spec)
         record, claim = await self._claim(record, lb)
         return pb.UpsertServiceResponse(service=service_to_proto(record, claim), created=created)
+
+    async def _check_lb_addresses(self, spec: ServiceSpec) -> None:
+        """An external IP that LB-IPAM gave another service which serves it
+        on the same protocol and port is refused, naming that service (the
+        frontend index covers frontends and external IPs)."""
+        if not spec.external_ips:
+            return
+        users = await self.ipam.users_of(spec.external_ips)
+        for i, fe in enumerate(spec.external_frontends()):
+            use = users.get(fe.address)
+            if use is None:
+                continue
+            for name, ports in sorted(use.users.items()):
+                if name != spec.name and (fe.protocol.value, fe.port) in ports:
+                    raise InvalidArgument(
+                        f"{fe.address} port {fe.port}/{fe.protocol.value} is the LoadBalancer "
+                        f"address of service {name!r}",
+                        field=f"service.external_ips[{i}]",
+                    )
 
     async def _claim(
         self, record: ServiceRecord, lb: LbRequest | None
@@ -352,6 +373,11 @@ class LbServicer(lb_pb2_grpc.LoadBalancerServiceServicer):
             except FlagellaError as exc:
                 raise in_batch(exc, i) from None
         check_batch(specs)
+        for i, spec in enumerate(specs):
+            try:
+                await self._check_lb_addresses(spec)
+            except FlagellaError as exc:
+                raise in_batch(exc, i) from None
         results = await self.service.upsert_many(specs)
         # One read of the claims for the batch: only LoadBalancer services
         # and former ones cost LB-IPAM a transaction.
