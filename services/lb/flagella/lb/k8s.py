@@ -603,10 +603,17 @@ class KubernetesWatcher:
             return True
         svc = self.services.get(key)
         ours = svc is not None and is_lbipam_service(svc)
+        names = self._written.get(key, set())
+        if (
+            not ours
+            and not any(self.ipam.claims_table.get(n) is not None for n in names)
+            and (svc is None or _our_condition(svc) is None)
+        ):
+            return True  # nothing of LB-IPAM's (most Services): no work
         specs = self._specs(key) if svc is not None else {}
         claims: list[Claim | None] = []
         try:
-            for name in sorted(self._written.get(key, set()) & set(specs)):
+            for name in sorted(names & set(specs)):
                 spec = specs[name]
                 if ours:
                     assert svc is not None
