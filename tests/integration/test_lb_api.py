@@ -137,6 +137,20 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ("frontend another service's external IP", {"address": "203.0.113.9"}, "service.frontend"),
     ("unknown traffic policy", {"external_traffic_policy": 7}, "service.external_traffic_policy"),
     (
+        "health check port without Local",
+        {"health_check_node_port": 30005},
+        "service.health_check_node_port",
+    ),
+    (
+        "health check port outside the range",
+        {
+            "type": pb.SERVICE_TYPE_NODE_PORT,
+            "external_traffic_policy": pb.TRAFFIC_POLICY_LOCAL,
+            "health_check_node_port": 30010,
+        },
+        "service.health_check_node_port",
+    ),
+    (
         "Local on a ClusterIP service without external IPs",
         {"external_traffic_policy": pb.TRAFFIC_POLICY_LOCAL},
         "service.external_traffic_policy",
@@ -294,9 +308,11 @@ def test_external_ips_and_traffic_policy(lb: tuple[EtcdServer, LbClient]) -> Non
         external_ips=["2001:DB8::10", "2001:db8:0::11"],
         external_traffic_policy=pb.TRAFFIC_POLICY_LOCAL,
     )
+    ext.health_check_node_port = 30007
     got = c.upsert(ext).service
     assert list(got.external_ips) == ["2001:db8::10", "2001:db8::11"]
     assert got.external_traffic_policy == pb.TRAFFIC_POLICY_LOCAL
+    assert got.health_check_node_port == 30007
     assert c.get("ext/a").external_ips == got.external_ips
     # The same again writes nothing.
     again = c.upsert(ext)
@@ -318,6 +334,7 @@ def test_external_ips_and_traffic_policy(lb: tuple[EtcdServer, LbClient]) -> Non
     )
     del ext.external_ips[1]
     ext.external_traffic_policy = pb.TRAFFIC_POLICY_CLUSTER
+    ext.health_check_node_port = 0
     got = c.upsert(ext).service
     assert list(got.external_ips) == ["2001:db8::10"]
     assert got.external_traffic_policy == pb.TRAFFIC_POLICY_CLUSTER

@@ -136,9 +136,14 @@ def test_loadbalancer_service_external_ips_and_traffic_policy() -> None:
             "lbipam.cilium.io/sharing-key": "shared",
         },
     )
-    svc["spec"].update(externalTrafficPolicy="Local", externalIPs=["203.0.113.1", "2001:db8::1"])
+    svc["spec"].update(
+        externalTrafficPolicy="Local",
+        externalIPs=["203.0.113.1", "2001:db8::1"],
+        healthCheckNodePort=31999,
+    )
     (raw,) = translate(svc, [], Algorithm.RANDOM)
     assert raw.external_traffic_policy is TrafficPolicy.LOCAL
+    assert raw.health_check_node_port == 31999
     assert list(raw.external_ips) == ["203.0.113.1"]  # the IPv4 service's
     assert raw.load_balancer
     spec = build_spec(raw, Limits())

@@ -292,6 +292,7 @@ def bpf_service(
         affinity_timeout=affinity,
         source_ranges=tuple(svc.source_ranges),
         name=svc.name,
+        health_check_port=svc.health_check_node_port,
     )
 
 

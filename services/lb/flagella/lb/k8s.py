@@ -18,8 +18,8 @@ frontend per (cluster IP, port):
     ranges    loadBalancerSourceRanges
     algorithm the annotation flagella.io/lb-algorithm (random or maglev), else
               the configured default
-    external  externalTrafficPolicy, and the externalIPs of the frontend's
-              family
+    external  externalTrafficPolicy (with healthCheckNodePort), and the
+              externalIPs of the frontend's family
 
 A LoadBalancer Service (loadBalancerClass unset or io.cilium/bgp-control-plane,
 as Cilium's LB-IPAM) gets an LB-IPAM claim per flagella service: the
@@ -159,6 +159,8 @@ def translate(
     )
     external_ips = [ip for ip in spec.get("externalIPs") or [] if isinstance(ip, str)]
     load_balancer = is_lbipam_service(svc)
+    # The API server gives one to LoadBalancer Services of eTP Local.
+    health_check = int(spec.get("healthCheckNodePort") or 0) if policy is TrafficPolicy.LOCAL else 0
     slices = list(slices)
     out: list[RawService] = []
     ports = spec.get("ports") or []
@@ -195,6 +197,7 @@ def translate(
                     # service serves its own.
                     external_ips=[a for a in external_ips if (":" in a) == (family == "IPv6")],
                     load_balancer=load_balancer,
+                    health_check_node_port=health_check,
                 )
             )
     return out

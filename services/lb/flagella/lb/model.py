@@ -135,6 +135,8 @@ class ServiceSpec:
     # spec.externalIPs (canonical text, the caller's order): served on every
     # node at the frontend's port and protocol.
     external_ips: tuple[str, ...] = ()
+    # spec.healthCheckNodePort (eTP Local with external traffic); 0: none.
+    health_check_node_port: int = 0
 
     def external_frontends(self) -> tuple[Frontend, ...]:
         return external_frontends(self.frontend, self.external_ips)
@@ -171,6 +173,7 @@ class ServiceRecord:
     external: tuple[str, ...] = ()
     external_traffic_policy: TrafficPolicy = TrafficPolicy.CLUSTER
     external_ips: tuple[str, ...] = ()
+    health_check_node_port: int = 0
     # etcd mod revision of the record (not stored in the value).
     revision: int = field(default=0, compare=False)
 
@@ -193,6 +196,7 @@ class ServiceRecord:
             and self.labels == spec.labels
             and self.external_traffic_policy == spec.external_traffic_policy
             and self.external_ips == spec.external_ips
+            and self.health_check_node_port == spec.health_check_node_port
         )
 
     def external_frontends(self) -> tuple[Frontend, ...]:
@@ -253,6 +257,8 @@ class ServiceRecord:
             doc["external_traffic_policy"] = self.external_traffic_policy.value
         if self.external_ips:
             doc["external_ips"] = list(self.external_ips)
+        if self.health_check_node_port:
+            doc["health_check_node_port"] = self.health_check_node_port
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
@@ -290,6 +296,7 @@ class ServiceRecord:
             external=tuple(doc.get("external", ())),
             external_traffic_policy=TrafficPolicy(doc.get("external_traffic_policy", "Cluster")),
             external_ips=tuple(doc.get("external_ips", ())),
+            health_check_node_port=int(doc.get("health_check_node_port", 0)),
             revision=revision,
         )
 

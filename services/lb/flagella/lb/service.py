@@ -434,6 +434,7 @@ class LbService:
             labels=spec.labels,
             external_traffic_policy=spec.external_traffic_policy,
             external_ips=spec.external_ips,
+            health_check_node_port=spec.health_check_node_port,
             # LB-IPAM's, not the spec's: an update keeps them.
             external=current.external if current is not None else (),
         )

@@ -130,6 +130,7 @@ def raw_from_proto(svc: lb_pb2.Service) -> RawService:
         external_traffic_policy=traffic_policy(svc.external_traffic_policy),
         external_ips=list(svc.external_ips),
         load_balancer=svc.HasField("load_balancer"),
+        health_check_node_port=svc.health_check_node_port,
     )
 
 
@@ -198,6 +199,7 @@ def service_to_proto(rec: ServiceRecord, claim: Claim | None = None) -> lb_pb2.S
         labels=dict(rec.labels),
         external_traffic_policy=_POLICY_PB[rec.external_traffic_policy],
         external_ips=list(rec.external_ips),
+        health_check_node_port=rec.health_check_node_port,
     )
     if rec.affinity is not None:
         out.session_affinity.type = pb.SessionAffinity.TYPE_CLIENT_IP

@@ -88,6 +88,7 @@ class RawService:
     # makes externalTrafficPolicy Local meaningful besides a node port and
     # external IPs.
     load_balancer: bool = False
+    health_check_node_port: int = 0
 
 
 def check_ip(value: str, field: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
@@ -272,6 +273,24 @@ def build_spec(raw: RawService, limits: Limits) -> ServiceSpec:
             "(type NodePort), a LoadBalancer request or external IPs",
             field="service.external_traffic_policy",
         )
+    health_check = raw.health_check_node_port
+    if health_check:
+        if policy is not TrafficPolicy.LOCAL:
+            raise InvalidArgument(
+                "a health check node port is for externalTrafficPolicy Local only",
+                field="service.health_check_node_port",
+            )
+        if not limits.node_port_min <= health_check <= limits.node_port_max:
+            raise InvalidArgument(
+                f"{health_check} is outside the node port range "
+                f"{limits.node_port_min}-{limits.node_port_max}",
+                field="service.health_check_node_port",
+            )
+        if svc_type is ServiceType.NODE_PORT and health_check == node_port:
+            raise InvalidArgument(
+                f"{health_check} is the service's own node port",
+                field="service.health_check_node_port",
+            )
     return ServiceSpec(
         name=name,
         namespace=namespace,
@@ -287,6 +306,7 @@ def build_spec(raw: RawService, limits: Limits) -> ServiceSpec:
         labels=labels,
         external_traffic_policy=policy,
         external_ips=external_ips,
+        health_check_node_port=health_check,
     )
 
 

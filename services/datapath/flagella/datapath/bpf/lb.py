@@ -64,6 +64,8 @@ class Service:
     affinity_timeout: int = 0  # seconds of ClientIP affinity; 0: none
     source_ranges: tuple[str, ...] = ()  # loadBalancerSourceRanges; empty: all
     name: str = ""  # the lb service's name (what local redirect policies match)
+    # healthCheckNodePort (not in the maps: the node answers it, healthcheck.py).
+    health_check_port: int = 0
 
 
 def svc_key(
