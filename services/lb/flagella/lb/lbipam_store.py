@@ -203,6 +203,10 @@ class LbIpam:
             if refused is not None:
                 raise refused
             created = all(p.name != pool.name for p in state.pools)
+            if pool in state.pools:
+                # Unchanged (the Kubernetes watcher syncs every object at
+                # each term and status change): nothing to write or re-plan.
+                return False, _used(pool, state.uses)
             pools = [p for p in state.pools if p.name != pool.name] + [pool]
             if await self._put_pools(pools, state.pools_rev):
                 await self.reconcile_all()
