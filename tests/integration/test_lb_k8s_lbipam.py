@@ -122,6 +122,8 @@ def _scenario(
             [{"addresses": ["10.20.0.1"], "nodeName": "n1", "conditions": {"ready": True}}],
         ),
     )
+    # The first status write fails (API server trouble): retried.
+    kube.refuse("PATCH", "services/status")
     kubeconfig = kube.write_kubeconfig(tmp_path / "kubeconfig")
     lb = spawn("lb", "--etcd-endpoints", etcd.endpoint, "--kubeconfig", str(kubeconfig))
     c = LbClient(lb.address)
@@ -151,6 +153,13 @@ def _scenario(
     # Both ports of the LoadBalancer Service share one address, written back
     # with the condition; eTP and the external IPs of its family reach lb.
     wait_for(lambda: status(kube, "web")[0] == ["198.51.100.0"])
+    # The refused write, then the one that landed.
+    patches = [
+        r
+        for r in kube.requests
+        if r.startswith("PATCH /api/v1/namespaces/shop/services/web/status")
+    ]
+    assert len(patches) >= 2, patches
     _, cond = status(kube, "web")
     assert cond is not None
     assert (cond["status"], cond["reason"]) == ("True", "satisfied")
