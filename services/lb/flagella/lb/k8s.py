@@ -215,8 +215,9 @@ def lb_request(svc: Obj, family: int) -> LbRequest:
     """The LB-IPAM request of one family's flagella service of a
     LoadBalancer Service: spec.loadBalancerIP and the lbipam.cilium.io/ips
     annotation's addresses of that family (others are the other family's
-    service's; not addresses: left to validation's log), its sharing key
-    or, without one, the Service's own (its ports share an address)."""
+    service's; a word that is no address is logged and skipped), its
+    sharing key or, without one, the Service's own (its ports share an
+    address)."""
     meta = svc.get("metadata") or {}
     annotations = meta.get("annotations") or {}
     wanted = [a.strip() for a in str(annotations.get(IPS_ANNOTATION, "")).split(",") if a.strip()]
