@@ -254,6 +254,14 @@ def _scenario(
     kube.apply("services", far)
     wait_for(lambda: status(kube, "far") == ([], None))
     wait_for(lambda: not c.get("shop/far:http").load_balancer.ingress)
+    # Handed to another implementation (its class): the claim is released,
+    # our condition goes, the addresses in the status are that one's to write.
+    web_now = copy.deepcopy(kube.get("services", "shop", "web"))
+    assert web_now is not None
+    web_now["spec"]["loadBalancerClass"] = "example.com/lb"
+    kube.apply("services", web_now)
+    wait_for(lambda: status(kube, "web") == ([moved], None))
+    wait_for(lambda: not c.get("shop/web:http").HasField("load_balancer"))
     # Another class is not LB-IPAM's: no claim, no status.
     kube.apply(
         "services",

@@ -642,27 +642,32 @@ class KubernetesWatcher:
             return True
         if ours:
             return await self._write_status(svc, *lb_status(claims))
-        status_type = (svc.get("spec") or {}).get("type")
-        if status_type != "LoadBalancer" and _our_condition(svc) is not None:
+        if _our_condition(svc) is None:
+            return True
+        if (svc.get("spec") or {}).get("type") != "LoadBalancer":
             return await self._write_status(svc, [], None)  # no longer one: cleared
-        return True
+        # Now another implementation's class: our condition goes, its
+        # addresses are its own to write.
+        return await self._write_status(svc, None, None)
 
     async def _write_status(
-        self, svc: Obj, addresses: list[str], condition: dict[str, str] | None
+        self, svc: Obj, addresses: list[str] | None, condition: dict[str, str] | None
     ) -> bool:
-        """Merge-patch the Service's status.loadBalancer.ingress and our
-        condition in status.conditions (others kept) when they differ."""
+        """Merge-patch the Service's status.loadBalancer.ingress (None: left
+        as it is) and our condition in status.conditions (others kept) when
+        they differ."""
         meta = svc.get("metadata") or {}
         status = svc.get("status") or {}
         ingress = (status.get("loadBalancer") or {}).get("ingress") or []
-        have = [i.get("ip") for i in ingress if isinstance(i, dict)]
+        have = [str(i.get("ip")) for i in ingress if isinstance(i, dict)]
+        want = have if addresses is None else addresses
         old = _our_condition(svc)
         same_condition = (old is None and condition is None) or (
             old is not None
             and condition is not None
             and all(old.get(k) == v for k, v in condition.items())
         )
-        if have == addresses and same_condition:
+        if have == want and same_condition:
             return True
         others = [
             c
@@ -679,12 +684,9 @@ class KubernetesWatcher:
                 else None
             )
             others.append({**condition, "lastTransitionTime": stamp})
-        body = {
-            "status": {
-                "loadBalancer": {"ingress": [{"ip": a} for a in addresses] or None},
-                "conditions": others or None,
-            }
-        }
+        body: dict[str, Any] = {"status": {"conditions": others or None}}
+        if want != have:
+            body["status"]["loadBalancer"] = {"ingress": [{"ip": a} for a in want] or None}
         try:
             await self._core.patch_namespaced_service_status(
                 meta.get("name", ""),
@@ -706,7 +708,7 @@ class KubernetesWatcher:
             return False
         log.info(
             "LoadBalancer status written",
-            extra={"service": f"{meta.get('namespace')}/{meta.get('name')}", "ingress": addresses},
+            extra={"service": f"{meta.get('namespace')}/{meta.get('name')}", "ingress": want},
         )
         return True
 
