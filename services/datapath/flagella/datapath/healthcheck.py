@@ -92,9 +92,20 @@ class HealthCheckServers:
     async def follow(self, services: Table[int, Service]) -> None:
         """Until cancelled: after each batch of the table, the listeners it
         asks for."""
+        # Services with a health check port, as of the last apply: a batch
+        # that touches none of them, and brings none, changes nothing (most
+        # batches: the whole table is not walked for them).
+        with_port: set[int] = set()
         try:
-            async for _ in services.subscribe():
-                await self.apply(desired(svc for _, svc in services.items()))
+            async for batch in services.subscribe():
+                if not batch.snapshot and not any(
+                    c.key in with_port or (c.record is not None and c.record.health_check_port)
+                    for c in batch.changes
+                ):
+                    continue
+                items = [(sid, svc) for sid, svc in services.items() if svc.health_check_port]
+                with_port = {sid for sid, _ in items}
+                await self.apply(desired(svc for _, svc in items))
         finally:
             await self.close()
 
