@@ -528,6 +528,9 @@ class KubernetesWatcher:
             specs = [spec for _, named in pending for spec in named.values()]
             try:
                 check_batch(specs)
+                if self.ipam is not None:
+                    for spec in specs:
+                        await self.ipam.check_external_ips(spec.name, spec.external_frontends())
                 await self.service.upsert_many(specs)
             except FlagellaError as exc:
                 log.info(
@@ -577,6 +580,8 @@ class KubernetesWatcher:
         written: set[str] = set()
         for name, spec in specs.items():
             try:
+                if self.ipam is not None:
+                    await self.ipam.check_external_ips(name, spec.external_frontends())
                 await self.service.upsert(spec)
                 written.add(name)
             except InvalidArgument as exc:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flagella.common.backoff import Backoff
-from flagella.common.errors import Aborted, FailedPrecondition
+from flagella.common.errors import Aborted, FailedPrecondition, InvalidArgument
 from flagella.common.etcd import Etcd, KeyValue, delete_op, mod_revision_is, put_op
 from flagella.common.sync import EtcdSource, Table
 from flagella.lb.lbipam import (
@@ -41,6 +41,7 @@ from flagella.lb.lbipam import (
     plan,
     usable,
 )
+from flagella.lb.model import Frontend
 from flagella.lb.store import PREFIX
 
 LBIPAM = PREFIX + "lbipam/"
@@ -276,6 +277,26 @@ class LbIpam:
             if kv is not None:
                 found[addr] = AddressUse.from_json(kv.value)
         return found
+
+    async def check_external_ips(self, name: str, frontends: Sequence[Frontend]) -> None:
+        """An external IP (as a frontend: address, port, protocol) that
+        LB-IPAM gave another service serving it on the same protocol and
+        port is refused, naming that service (the frontend index covers
+        frontends and external IPs)."""
+        if not frontends:
+            return
+        users = await self.users_of([fe.address for fe in frontends])
+        for i, fe in enumerate(frontends):
+            use = users.get(fe.address)
+            if use is None:
+                continue
+            for other, ports in sorted(use.users.items()):
+                if other != name and (fe.protocol.value, fe.port) in ports:
+                    raise InvalidArgument(
+                        f"{fe.address} port {fe.port}/{fe.protocol.value} is the LoadBalancer "
+                        f"address of service {other!r}",
+                        field=f"service.external_ips[{i}]",
+                    )
 
     async def claims(self) -> dict[str, Claim]:
         return (await self.read()).claims

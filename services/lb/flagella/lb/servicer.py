@@ -324,23 +324,7 @@ class LbServicer(lb_pb2_grpc.LoadBalancerServiceServicer):
         return pb.UpsertServiceResponse(service=service_to_proto(record, claim), created=created)
 
     async def _check_lb_addresses(self, spec: ServiceSpec) -> None:
-        """An external IP that LB-IPAM gave another service which serves it
-        on the same protocol and port is refused, naming that service (the
-        frontend index covers frontends and external IPs)."""
-        if not spec.external_ips:
-            return
-        users = await self.ipam.users_of(spec.external_ips)
-        for i, fe in enumerate(spec.external_frontends()):
-            use = users.get(fe.address)
-            if use is None:
-                continue
-            for name, ports in sorted(use.users.items()):
-                if name != spec.name and (fe.protocol.value, fe.port) in ports:
-                    raise InvalidArgument(
-                        f"{fe.address} port {fe.port}/{fe.protocol.value} is the LoadBalancer "
-                        f"address of service {name!r}",
-                        field=f"service.external_ips[{i}]",
-                    )
+        await self.ipam.check_external_ips(spec.name, spec.external_frontends())
 
     async def _claim(
         self, record: ServiceRecord, lb: LbRequest | None
