@@ -27,6 +27,7 @@ from flagella.datapath.bpf import (
 )
 from flagella.datapath.bpf import layout as L
 from flagella.datapath.bpf import packets as P
+from flagella.datapath.bpf.lb import svc_key
 from flagella.datapath.bpf.mapevents import DELETE, UPDATE
 from flagella.datapath.bpf.tables import Tuple, ct_key, monotonic_ns
 
@@ -352,6 +353,16 @@ def test_local_traffic_policy_entries_come_and_go(dp: Datapath) -> None:
     got = rows()
     assert not [k for k in got if k[1] == "local"]
     assert "external-local" not in got[("192.0.2.10", "all", "0")]["flags"]
+
+    # A local entry left by a crash before the flag was written goes at the
+    # next write of the frontend.
+    dp.services.update(
+        svc_key("192.0.2.10", 80, L.PROTO_TCP, 0, L.SVC_SCOPE_LOCAL),
+        L.SvcValue(count=0, rev_nat_id=lb_ip.rev_nat_id, service_id=5),
+    )
+    assert ("192.0.2.10", "local", "0") in rows()
+    dp.upsert_service(replace(svc, frontends=(cluster_ip, replace(lb_ip, local_only=False))))
+    assert not [k for k in rows() if k[1] == "local"]
 
     dp.upsert_service(svc)
     assert ("192.0.2.10", "local", "1") in rows()

@@ -164,10 +164,13 @@ class Services(BpfMap[L.SvcKey, L.SvcValue]):
             key = svc_key(fe.address, fe.port, fe.protocol)
             old = self.get(key)
             olds.append(old)
+            # A node-port frontend's local entry is read even without the
+            # flag: one written just before a crash (the flag never came)
+            # goes at the next write.
             had_local = old is not None and old.flags & L.SVC_F_EXT_LOCAL
             old_locals.append(
                 self._local_master(fe.address, fe.port, fe.protocol)
-                if had_local or w.local_backend_ids is not None
+                if had_local or fe.nodeport or w.local_backend_ids is not None
                 else None
             )
             slots += [
