@@ -618,6 +618,7 @@ def test_external_traffic_policy_local_and_cluster(mn: MultiNode) -> None:
     for prefix in (f"{lb_ip}/32", f"{external_ip}/32"):
         outside.ip("route", "del", prefix)
     outside.ip("-6", "route", "del", f"{external_ip6}/128")
+    lb.DeleteLbIpPool(lb_pb2.DeleteLbIpPoolRequest(name="etp"), timeout=10)
 
 
 # One UDP datagram of n bytes to each [host, port]: prints a JSON list of
