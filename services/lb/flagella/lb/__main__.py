@@ -15,6 +15,7 @@ from flagella.common.server import main as serve_main
 from flagella.lb.config import LbConfig
 from flagella.lb.k8s import WATCH_TIMEOUT_S, KubernetesWatcher
 from flagella.lb.lbipam_store import LbIpam
+from flagella.lb.lbpoolk8s import PoolKubeWatcher
 from flagella.lb.lrpk8s import LrpKubeWatcher
 from flagella.lb.lrpstore import LrpStore
 from flagella.lb.metrics import LbCollector
@@ -39,6 +40,7 @@ class LbApp:
             self.store, cfg.limits, cfg.seed, cache_slots=cfg.table_cache_slots
         )
         runtime.metrics.registry.register(LbCollector(self.store.services))
+        self.ipam = LbIpam(self.etcd, self.service.set_external)
         self.k8s: KubernetesWatcher | None = None
 
     def register(self, server: grpc.aio.Server) -> None:
@@ -49,7 +51,7 @@ class LbApp:
                 self.lrps,
                 heartbeat=self.config.watch_heartbeat,
                 debuginfo=self.runtime.debuginfo(),
-                ipam=LbIpam(self.etcd, self.service.set_external),
+                ipam=self.ipam,
             ),
             server,
         )
@@ -74,6 +76,8 @@ class LbApp:
                 self.config.kubeconfig,
                 self.config.limits,
                 LrpKubeWatcher(self.lrps, watch_timeout=WATCH_TIMEOUT_S),
+                ipam=self.ipam,
+                pools=PoolKubeWatcher(self.ipam, watch_timeout=WATCH_TIMEOUT_S),
             )
             await self.k8s.start(self.tasks, Election.of(self.config))
 
