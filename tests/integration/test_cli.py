@@ -270,15 +270,27 @@ def test_every_command_group(suite: tuple[Cluster, Node], tmp_path: Path) -> Non
         frontend=lb_pb2.Frontend(address="10.96.5.6", port=5432, protocol=lb_pb2.PROTOCOL_TCP),
         labels={"tier": "db"},
         load_balancer=lb_pb2.LoadBalancer(),
+        external_ips=["192.0.2.20"],
+        external_traffic_policy=lb_pb2.TRAFFIC_POLICY_LOCAL,
     )
     cluster.lb().UpsertService(lb_pb2.UpsertServiceRequest(service=lb_svc), timeout=10)
     lb_svc.name, lb_svc.frontend.address, lb_svc.labels["tier"] = "shop/web-lb", "10.96.5.7", "web"
+    del lb_svc.external_ips[:]
+    lb_svc.external_traffic_policy = lb_pb2.TRAFFIC_POLICY_CLUSTER
     cluster.lb().UpsertService(lb_pb2.UpsertServiceRequest(service=lb_svc), timeout=10)
     listed = run(cluster, node, "service", "list").stdout
     assert "203.0.113.8" in listed, listed
     assert "<pending: no_pool>" in listed, listed
+    # The external IP after the LoadBalancer address, and eTP.
+    (db_lb,) = [line for line in listed.splitlines() if "shop/db-lb" in line]
+    assert "203.0.113.8,192.0.2.20" in db_lb, db_lb
+    assert "Local" in db_lb.split(), db_lb
+    (web_lb,) = [line for line in listed.splitlines() if "shop/web-lb" in line]
+    assert "Cluster" in web_lb.split(), web_lb
     pools = as_json(cluster, node, "lb-pool", "list")
-    assert [(p["name"], p["used"], p["size"]) for p in pools] == [("shop-pool", "1", "2")]
+    assert [(p["name"], p["used"], p["size"], p["source"]) for p in pools] == [
+        ("shop-pool", "1", "2", "api")
+    ]
     assert "shop-pool" in run(cluster, node, "lb-pool", "delete", "shop-pool").stdout
     # BGP: a peering policy from a CiliumBGPPeeringPolicy file (it selects
     # no node here), its refusal naming the field, the node's speaker.

@@ -287,11 +287,19 @@ def backend_state(state: int) -> str:
 
 
 def external_str(s: lb_pb2.Service) -> str:
-    """A LoadBalancer service's addresses, or why it has none."""
-    if not s.HasField("load_balancer"):
-        return "-"
-    lb = s.load_balancer
-    return ",".join(lb.ingress) or f"<pending: {lb.condition.reason}>"
+    """A LoadBalancer service's addresses (or why it has none), then its
+    external IPs."""
+    parts: list[str] = []
+    if s.HasField("load_balancer"):
+        lb = s.load_balancer
+        parts.append(",".join(lb.ingress) or f"<pending: {lb.condition.reason}>")
+    parts += list(s.external_ips)
+    return ",".join(parts) or "-"
+
+
+def traffic_policy_str(s: lb_pb2.Service) -> str:
+    """externalTrafficPolicy, as Kubernetes spells it."""
+    return enum_name(lb_pb2.TrafficPolicy, s.external_traffic_policy, "TRAFFIC_POLICY_").title()
 
 
 def cmd_service(args: argparse.Namespace, clients: Clients) -> int:
@@ -305,7 +313,7 @@ def cmd_service(args: argparse.Namespace, clients: Clients) -> int:
     emit(
         args,
         [to_dict(s) for s in services],
-        ["ID", "NAME", "FRONTEND", "TYPE", "EXTERNAL", "BACKENDS"],
+        ["ID", "NAME", "FRONTEND", "TYPE", "EXTERNAL", "ETP", "BACKENDS"],
         [
             [
                 s.id,
@@ -313,6 +321,7 @@ def cmd_service(args: argparse.Namespace, clients: Clients) -> int:
                 frontend_str(s.frontend),
                 enum_name(lb_pb2.ServiceType, s.type, "SERVICE_TYPE_"),
                 external_str(s),
+                traffic_policy_str(s),
                 ", ".join(f"{b.address}:{b.port} ({backend_state(b.state)})" for b in s.backends),
             ]
             for s in services

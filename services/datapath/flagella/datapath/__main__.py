@@ -40,6 +40,7 @@ from flagella.datapath.handlers import (
     RemoveBackends,
     ServicesCodec,
 )
+from flagella.datapath.healthcheck import HealthCheckServers
 from flagella.datapath.hostfw import HostFirewall
 from flagella.datapath.ipcache import node_entries, policy_entries
 from flagella.datapath.lrp import LocalRedirects
@@ -180,11 +181,13 @@ class DatapathApp:
                 lambda since: lb.WatchServices(
                     lb_pb2.WatchServicesRequest(since_revision=since, include_maglev_tables=True)
                 ),
-                ServicesCodec(cfg.node_ip),
+                ServicesCodec(cfg.node_ip, cfg.node_name),
                 keep_prev=True,  # RemoveBackends: the backends a change took out
             )
             redirects = LocalRedirects(self.service.services)
             self._reconcile(services, redirects.services_target, RemoveBackends(self.service))
+            health_checks = HealthCheckServers(cfg.node_ip)
+            tasks.supervise("health-check-node-ports", lambda: health_checks.follow(services))
             lrps, _ = self._stream(
                 "lrps",
                 lambda since: lb.WatchLrps(lb_pb2.WatchLrpsRequest(since_revision=since)),

@@ -17,6 +17,7 @@ from flagella.lb.bgpstore import BgpPolicyStore
 from flagella.lb.config import LbConfig
 from flagella.lb.k8s import WATCH_TIMEOUT_S, KubernetesWatcher
 from flagella.lb.lbipam_store import LbIpam
+from flagella.lb.lbpoolk8s import PoolKubeWatcher
 from flagella.lb.lrpk8s import LrpKubeWatcher
 from flagella.lb.lrpstore import LrpStore
 from flagella.lb.metrics import LbCollector
@@ -42,6 +43,7 @@ class LbApp:
             self.store, cfg.limits, cfg.seed, cache_slots=cfg.table_cache_slots
         )
         runtime.metrics.registry.register(LbCollector(self.store.services))
+        self.ipam = LbIpam(self.etcd, self.service.set_external)
         self.k8s: KubernetesWatcher | None = None
 
     def register(self, server: grpc.aio.Server) -> None:
@@ -52,7 +54,7 @@ class LbApp:
                 self.lrps,
                 heartbeat=self.config.watch_heartbeat,
                 debuginfo=self.runtime.debuginfo(),
-                ipam=LbIpam(self.etcd, self.service.set_external),
+                ipam=self.ipam,
                 bgp=self.bgp,
             ),
             server,
@@ -79,7 +81,9 @@ class LbApp:
                 self.config.kubeconfig,
                 self.config.limits,
                 LrpKubeWatcher(self.lrps, watch_timeout=WATCH_TIMEOUT_S),
-                BgpKubeWatcher(
+                ipam=self.ipam,
+                pools=PoolKubeWatcher(self.ipam, watch_timeout=WATCH_TIMEOUT_S),
+                bgp=BgpKubeWatcher(
                     self.bgp, self.config.bgp_secrets_namespace, watch_timeout=WATCH_TIMEOUT_S
                 ),
             )

@@ -33,8 +33,10 @@ from flagella.lb.model import (
     Frontend,
     Protocol,
     ServiceRecord,
+    ServiceSpec,
     ServiceType,
     Source,
+    TrafficPolicy,
 )
 from flagella.lb.service import LbService, WatchItem
 from flagella.lb.validation import (
@@ -63,6 +65,11 @@ _STATES = {
     pb.BACKEND_STATE_QUARANTINED: BackendState.QUARANTINED,
     pb.BACKEND_STATE_MAINTENANCE: BackendState.MAINTENANCE,
 }
+_POLICIES = {
+    pb.TRAFFIC_POLICY_CLUSTER: TrafficPolicy.CLUSTER,
+    pb.TRAFFIC_POLICY_LOCAL: TrafficPolicy.LOCAL,
+}
+_POLICY_PB = {v: k for k, v in _POLICIES.items()}
 _PROTOCOL_PB = {v: k for k, v in _PROTOCOLS.items()}
 _TYPE_PB = {v: k for k, v in _TYPES.items()}
 _ALGORITHM_PB = {v: k for k, v in _ALGORITHMS.items()}
@@ -124,7 +131,23 @@ def raw_from_proto(svc: lb_pb2.Service) -> RawService:
         source_ranges=list(svc.source_ranges),
         source=Source.API,
         labels=dict(svc.labels),
+        external_traffic_policy=traffic_policy(svc.external_traffic_policy),
+        external_ips=list(svc.external_ips),
+        load_balancer=svc.HasField("load_balancer"),
+        health_check_node_port=svc.health_check_node_port,
     )
+
+
+def traffic_policy(value: int) -> TrafficPolicy:
+    """externalTrafficPolicy (TRAFFIC_POLICY_CLUSTER, 0, is the default)."""
+    try:
+        return _POLICIES[value]  # type: ignore[index]
+    except KeyError:
+        known = ", ".join(str(k) for k in sorted(_POLICIES))
+        raise InvalidArgument(
+            f"{value} is not a known traffic policy ({known})",
+            field="service.external_traffic_policy",
+        ) from None
 
 
 def frontend_from_proto(fe: lb_pb2.Frontend, field: str) -> Frontend:
@@ -178,6 +201,9 @@ def service_to_proto(rec: ServiceRecord, claim: Claim | None = None) -> lb_pb2.S
         source=rec.source.value,
         maglev_table_size=rec.maglev_table_size,
         labels=dict(rec.labels),
+        external_traffic_policy=_POLICY_PB[rec.external_traffic_policy],
+        external_ips=list(rec.external_ips),
+        health_check_node_port=rec.health_check_node_port,
     )
     if rec.affinity is not None:
         out.session_affinity.type = pb.SessionAffinity.TYPE_CLIENT_IP
@@ -204,7 +230,7 @@ def service_to_proto(rec: ServiceRecord, claim: Claim | None = None) -> lb_pb2.S
     return out
 
 
-def pool_to_proto(pool: Pool, used: int) -> lb_pb2.LbIpPool:
+def pool_to_proto(pool: Pool, used: int, conflict: str = "") -> lb_pb2.LbIpPool:
     blocks = []
     for b in pool.blocks:
         start, sep, stop = b.text.partition("-")
@@ -216,6 +242,9 @@ def pool_to_proto(pool: Pool, used: int) -> lb_pb2.LbIpPool:
         disabled=pool.disabled,
         size=pool.size,
         used=used,
+        source=pool.source,
+        conflicting=bool(conflict),
+        conflict_message=conflict,
     )
 
 
@@ -295,9 +324,13 @@ class LbServicer(lb_pb2_grpc.LoadBalancerServiceServicer):
             raise InvalidArgument("a service is required", field="service")
         spec = build_spec(raw_from_proto(request.service), self.limits)
         lb = lb_request_from_proto(request.service, spec.frontend.family)
+        await self._check_lb_addresses(spec)
         record, created = await self.service.upsert(spec)
         record, claim = await self._claim(record, lb)
         return pb.UpsertServiceResponse(service=service_to_proto(record, claim), created=created)
+
+    async def _check_lb_addresses(self, spec: ServiceSpec) -> None:
+        await self.ipam.check_external_ips(spec.name, spec.external_frontends())
 
     async def _claim(
         self, record: ServiceRecord, lb: LbRequest | None
@@ -332,6 +365,11 @@ class LbServicer(lb_pb2_grpc.LoadBalancerServiceServicer):
             except FlagellaError as exc:
                 raise in_batch(exc, i) from None
         check_batch(specs)
+        for i, spec in enumerate(specs):
+            try:
+                await self._check_lb_addresses(spec)
+            except FlagellaError as exc:
+                raise in_batch(exc, i) from None
         results = await self.service.upsert_many(specs)
         # One read of the claims for the batch: only LoadBalancer services
         # and former ones cost LB-IPAM a transaction.
@@ -488,7 +526,9 @@ class LbServicer(lb_pb2_grpc.LoadBalancerServiceServicer):
         self, request: lb_pb2.ListLbIpPoolsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> lb_pb2.ListLbIpPoolsResponse:
         pools = await self.ipam.list_pools()
-        return pb.ListLbIpPoolsResponse(pools=[pool_to_proto(p, used) for p, used in pools])
+        return pb.ListLbIpPoolsResponse(
+            pools=[pool_to_proto(p.pool, p.used, p.conflict) for p in pools]
+        )
 
     # --- BGP peering policies (flagella.lb.bgp) ---
 

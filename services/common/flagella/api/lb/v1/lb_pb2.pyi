@@ -273,6 +273,7 @@ class Service(_message.Message):
     LOAD_BALANCER_FIELD_NUMBER: _builtins.int
     EXTERNAL_TRAFFIC_POLICY_FIELD_NUMBER: _builtins.int
     EXTERNAL_IPS_FIELD_NUMBER: _builtins.int
+    HEALTH_CHECK_NODE_PORT_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """"namespace/name" or "name"; the key of the service."""
     namespace: _builtins.str
@@ -295,6 +296,14 @@ class Service(_message.Message):
     external_traffic_policy: Global___TrafficPolicy.ValueType
     """externalTrafficPolicy for node ports, LoadBalancer addresses and
     external IPs (ClusterIP traffic is always balanced over all backends).
+    """
+    health_check_node_port: _builtins.int
+    """spec.healthCheckNodePort, of an externalTrafficPolicy Local service with
+    external traffic: every node answers HTTP on this TCP port (of the node
+    port range) with its local endpoint count, 200 when it has an active
+    local backend, 503 otherwise (kube-proxy's and Cilium's health check).
+    0: none. Services that name the same port share it (the ports of one
+    Kubernetes Service).
     """
     @_builtins.property
     def frontend(self) -> Global___Frontend: ...
@@ -345,10 +354,11 @@ class Service(_message.Message):
         load_balancer: Global___LoadBalancer | None = ...,
         external_traffic_policy: Global___TrafficPolicy.ValueType = ...,
         external_ips: _abc.Iterable[_builtins.str] | None = ...,
+        health_check_node_port: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["frontend", b"frontend", "load_balancer", b"load_balancer", "session_affinity", b"session_affinity"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "backends", b"backends", "external_ips", b"external_ips", "external_traffic_policy", b"external_traffic_policy", "frontend", b"frontend", "id", b"id", "labels", b"labels", "load_balancer", b"load_balancer", "maglev_table_size", b"maglev_table_size", "name", b"name", "namespace", b"namespace", "node_port", b"node_port", "rev_nat_id", b"rev_nat_id", "revision", b"revision", "session_affinity", b"session_affinity", "source", b"source", "source_ranges", b"source_ranges", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "backends", b"backends", "external_ips", b"external_ips", "external_traffic_policy", b"external_traffic_policy", "frontend", b"frontend", "health_check_node_port", b"health_check_node_port", "id", b"id", "labels", b"labels", "load_balancer", b"load_balancer", "maglev_table_size", b"maglev_table_size", "name", b"name", "namespace", b"namespace", "node_port", b"node_port", "rev_nat_id", b"rev_nat_id", "revision", b"revision", "session_affinity", b"session_affinity", "source", b"source", "source_ranges", b"source_ranges", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1407,12 +1417,24 @@ class LbIpPool(_message.Message):
     DISABLED_FIELD_NUMBER: _builtins.int
     SIZE_FIELD_NUMBER: _builtins.int
     USED_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    CONFLICTING_FIELD_NUMBER: _builtins.int
+    CONFLICT_MESSAGE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     disabled: _builtins.bool
     """Assigns no more addresses (those assigned stay)."""
     size: _builtins.int
     """Output only: addresses in the blocks, and assigned."""
     used: _builtins.int
+    source: _builtins.str
+    """Output only: "api", or "kubernetes" (a CiliumLoadBalancerIPPool object,
+    which the API can neither change nor delete).
+    """
+    conflicting: _builtins.bool
+    """Output only: a Kubernetes pool overlapping another pool (Cilium's
+    cilium.io/PoolConflict): its addresses are not used.
+    """
+    conflict_message: _builtins.str
     @_builtins.property
     def blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___LbIpBlock]: ...
     @_builtins.property
@@ -1431,10 +1453,13 @@ class LbIpPool(_message.Message):
         disabled: _builtins.bool = ...,
         size: _builtins.int = ...,
         used: _builtins.int = ...,
+        source: _builtins.str = ...,
+        conflicting: _builtins.bool = ...,
+        conflict_message: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "disabled", b"disabled", "name", b"name", "service_selector", b"service_selector", "size", b"size", "used", b"used"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "conflict_message", b"conflict_message", "conflicting", b"conflicting", "disabled", b"disabled", "name", b"name", "service_selector", b"service_selector", "size", b"size", "source", b"source", "used", b"used"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
