@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from flagella.api.gobgp.v3 import gobgp_pb2 as g
-from flagella.datapath.bgp.gobgp import ExportPolicy, LocalPath
+from flagella.datapath.bgp.gobgp import ExportPolicy, LocalPath, peer_description
 from flagella.datapath.bgp.model import (
     AdvertisedService,
     Neighbor,
@@ -27,7 +27,7 @@ from flagella.datapath.bgp.model import (
     VirtualRouter,
     desired,
 )
-from flagella.datapath.bgp.speaker import peer_description, reconcile
+from flagella.datapath.bgp.speaker import reconcile
 
 NODE = NodeInfo("n1", (), "192.168.100.1", "fd00:100::1", ("10.200.1.0/24",))
 ROUTERS = (

@@ -81,6 +81,11 @@ class ExportPolicy:
     prefixes: frozenset[str]
 
 
+def peer_description(spec: PeerSpec) -> str:
+    """What a neighbour is compared by (its password is never read back)."""
+    return f"{DESCRIPTION_PREFIX}{spec.policy} {spec.fingerprint()}"
+
+
 def export_policy_name(peer: str, prefixes: Iterable[str]) -> str:
     digest = hashlib.sha256("\n".join(sorted(prefixes)).encode()).hexdigest()[:12]
     return f"{POLICY_PREFIX}{peer}-{digest}"
@@ -161,7 +166,7 @@ class GobgpClient:
             neighbor_address=spec.address,
             peer_asn=spec.asn,
             auth_password=spec.password,
-            description=f"{DESCRIPTION_PREFIX}{spec.policy} {spec.fingerprint()}",
+            description=peer_description(spec),
         )
         if spec.local_asn != global_asn:
             conf.local_asn = spec.local_asn

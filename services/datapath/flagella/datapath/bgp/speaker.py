@@ -33,7 +33,6 @@ from flagella.common.backoff import Backoff
 from flagella.common.sync import StreamSource, Table
 from flagella.common.tasks import TaskGroup
 from flagella.datapath.bgp.gobgp import (
-    DESCRIPTION_PREFIX,
     READ_TIMEOUT,
     STATES,
     ExportPolicy,
@@ -42,13 +41,13 @@ from flagella.datapath.bgp.gobgp import (
     export_policy_name,
     family_names,
     peer_counts,
+    peer_description,
 )
 from flagella.datapath.bgp.model import (
     AdvertisedService,
     Desired,
     NodeInfo,
     PeeringPolicy,
-    PeerSpec,
     desired,
     selected,
 )
@@ -66,10 +65,6 @@ TABLES: dict[str, g.TableType.ValueType] = {
     "received": g.ADJ_IN,
     "local": g.GLOBAL,
 }
-
-
-def peer_description(spec: PeerSpec) -> str:
-    return f"{DESCRIPTION_PREFIX}{spec.policy} {spec.fingerprint()}"
 
 
 @dataclass
