@@ -517,16 +517,20 @@ def test_a_datapath_restarted_adopts_its_gobgpd(bgp: BgpSetup) -> None:
 
 def test_a_node_gone_is_withdrawn_after_the_hold_time(bgp: BgpSetup) -> None:
     """n1 cut off the underlay (its port on the bridge down, as a node that
-    lost power): BIRD drops its routes when the hold timer expires, not
-    before; back on the underlay, it is advertised again."""
+    lost power): BIRD drops its routes when its hold timer expires (its log
+    says so); back on the underlay, it is advertised again."""
     n1 = bgp.nodes[0]
     cidr = next(c for c in pod_cidrs(bgp)["n1"] if ":" not in c)
     wait_via(bgp, cidr, {n1.ip})
+    logged = len(bgp.bird.log_text())
     bgp.underlay.bridge.ip("link", "set", f"p{n1.index}", "down")
     try:
         took = wait_via(bgp, cidr, set(), timeout=HOLD + 10)
-        # Hold time after the last keepalive BIRD got (up to one interval before).
-        assert HOLD - KEEPALIVE - 0.5 <= took <= HOLD + 2, f"withdrawn after {took:.2f} s"
+        assert took <= HOLD + 2, f"withdrawn after {took:.2f} s"
+        # By the hold timer, not a closed session: the hold time after the
+        # last message BIRD got from n1 (on a loaded machine keepalives come
+        # late, so that may be well before the link went down).
+        assert f"{n1.name}v4: Error: Hold timer expired" in bgp.bird.log_text()[logged:]
     finally:
         bgp.underlay.bridge.ip("link", "set", f"p{n1.index}", "up")
     wait_via(bgp, cidr, {n1.ip}, timeout=30)

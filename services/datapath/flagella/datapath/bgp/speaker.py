@@ -285,9 +285,14 @@ class Speaker:
         channel = grpc.aio.insecure_channel(self.gobgpd.target)
         client = GobgpClient(channel)
         deadline = time.monotonic() + CONNECT_TIMEOUT
+        # Until its socket answers: a failing call is tried again after a
+        # short jittered wait (not wait_for_ready: calls left waiting on a
+        # socket not there yet were seen to hold up this process's own
+        # server for seconds).
+        answered = Backoff(0.05, 0.5)
         while True:
             try:
-                await client.stub.GetBgp(g.GetBgpRequest(), timeout=1.0, wait_for_ready=True)
+                await client.stub.GetBgp(g.GetBgpRequest(), timeout=1.0)
                 break
             except grpc.aio.AioRpcError as exc:
                 if not self.gobgpd.running:
@@ -297,6 +302,7 @@ class Speaker:
                     await channel.close()
                     self.gobgpd.kill()
                     raise GobgpdError(f"gobgpd does not answer: {exc.details()}") from exc
+                await answered.wait()
         self._channel, self.client = channel, client
         self._watcher = self.tasks.spawn("bgp-peer-events", self._watch_peers(client))
 
