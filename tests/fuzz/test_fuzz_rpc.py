@@ -63,6 +63,18 @@ REGRESSIONS: dict[str, list[Message]] = {
         policy_pb2.PatchConfigRequest(set={"[": "x"}),
         policy_pb2.PatchConfigRequest(set={"a]'\"": "x"}),
     ],
+    # A lookup time no Timestamp may hold: INTERNAL from protobuf's check.
+    "/flagella.policy.v1.PolicyService/UpsertFQDNCache": [
+        policy_pb2.UpsertFQDNCacheRequest(
+            node=NODE,
+            entries=[
+                policy_pb2.FQDNCacheEntry(
+                    endpoint="1", name="a.example", ips=["192.0.2.1"], ttl=60, lookup={"seconds": s}
+                )
+            ],
+        )
+        for s in (-(2**63), 253402300799)
+    ],
     # NOT_FOUND naming no field.
     "/flagella.relay.v1.RelayService/ObserveFlows": [relay_pb2.ObserveRequest(nodes=["nope"])],
 }
