@@ -280,15 +280,25 @@ class Speaker:
             self.backoff.reset()
 
     async def _connect(self) -> None:
-        """A channel to gobgpd's socket, answering within CONNECT_TIMEOUT
-        (else gobgpd is killed: the next pass starts another)."""
-        channel = grpc.aio.insecure_channel(self.gobgpd.target)
-        client = GobgpClient(channel)
+        """gobgpd answering on its socket within CONNECT_TIMEOUT (else it is
+        killed: the next pass starts another). One channel serves every
+        gobgpd the speaker runs (the socket's path never changes; gRPC
+        connects again by itself): channels closed and made at each restart
+        were seen to hold up this process's own server for seconds, as were
+        calls waiting for the socket (wait_for_ready)."""
+        if self._channel is None:
+            # Reconnects within half a second of a new gobgpd (gRPC's own
+            # backoff would grow to minutes over a few restarts).
+            self._channel = grpc.aio.insecure_channel(
+                self.gobgpd.target,
+                options=[
+                    ("grpc.initial_reconnect_backoff_ms", 100),
+                    ("grpc.min_reconnect_backoff_ms", 100),
+                    ("grpc.max_reconnect_backoff_ms", 500),
+                ],
+            )
+        client = GobgpClient(self._channel)
         deadline = time.monotonic() + CONNECT_TIMEOUT
-        # Until its socket answers: a failing call is tried again after a
-        # short jittered wait (not wait_for_ready: calls left waiting on a
-        # socket not there yet were seen to hold up this process's own
-        # server for seconds).
         answered = Backoff(0.05, 0.5)
         while True:
             try:
@@ -296,25 +306,26 @@ class Speaker:
                 break
             except grpc.aio.AioRpcError as exc:
                 if not self.gobgpd.running:
-                    await channel.close()
                     raise GobgpdError(f"gobgpd exited: {self.gobgpd.log_tail()}") from exc
                 if time.monotonic() >= deadline:
-                    await channel.close()
                     self.gobgpd.kill()
                     raise GobgpdError(f"gobgpd does not answer: {exc.details()}") from exc
                 await answered.wait()
-        self._channel, self.client = channel, client
+        self.client = client
         self._watcher = self.tasks.spawn("bgp-peer-events", self._watch_peers(client))
 
-    async def _disconnect(self) -> None:
+    async def _disconnect(self, *, close: bool = False) -> None:
+        """The speaker lets its gobgpd go (the channel stays for the next
+        unless close)."""
         if self._watcher is not None:
             self._watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watcher
             self._watcher = None
-        if self._channel is not None:
+        self.client = None
+        if close and self._channel is not None:
             await self._channel.close()
-        self._channel, self.client = None, None
+            self._channel = None
 
     async def _watch_peers(self, client: GobgpClient) -> None:
         """Session state changes, for GetBgpPeers' last_error; ends with
@@ -342,7 +353,7 @@ class Speaker:
         """The datapath stops: so does its gobgpd (a crash leaves it to be
         adopted)."""
         self._follow_services(False)
-        await self._disconnect()
+        await self._disconnect(close=True)
         await self.gobgpd.stop()
 
     # --- what the API shows ---
