@@ -50,6 +50,14 @@ REGRESSIONS: dict[str, list[Message]] = {
         endpoint_pb2.CniRequest(node=NODE, config=CNI_CONFIG, **{"command": "ADD", name: MIB_E})
         for name in ("command", "container_id", "netns", "ifname", "args", "path")
     ],
+    # A document nested deeper than the JSON decoder's recursion limit:
+    # RecursionError (not a ValueError), INTERNAL.
+    "/flagella.lb.v1.LoadBalancerService/CreateLrp": [
+        lb_pb2.CreateLrpRequest(document="[" * 100_000)
+    ],
+    "/flagella.lb.v1.LoadBalancerService/UpsertBgpPeeringPolicy": [
+        lb_pb2.UpsertBgpPeeringPolicyRequest(document="[" * 100_000)
+    ],
     # An option name with a bracket: "set[[]" is no field path.
     "/flagella.policy.v1.PolicyService/PatchConfig": [
         policy_pb2.PatchConfigRequest(set={"[": "x"}),

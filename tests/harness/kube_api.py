@@ -5,7 +5,8 @@ It serves, for the collections in COLLECTIONS (Services, EndpointSlices,
 Pods, Namespaces, Nodes, NetworkPolicies, and the CiliumNetworkPolicy,
 CiliumClusterwideNetworkPolicy, FlagellaNetworkPolicy, CiliumCIDRGroup,
 FlagellaEndpoint, AdminNetworkPolicy, BaselineAdminNetworkPolicy,
-CiliumLocalRedirectPolicy and CiliumLoadBalancerIPPool custom resources, each at its all-namespaces path /api/v1/<plural> or
+CiliumLocalRedirectPolicy, CiliumLoadBalancerIPPool and CiliumBGPPeeringPolicy
+custom resources, each at its all-namespaces path /api/v1/<plural> or
 /apis/<group>/<version>/<plural>):
 - LIST: GET -> {"kind": "<Kind>List", "metadata": {"resourceVersion"}, "items"}
   [&limit=N[&continue=T]]: pages of at most N items, all of the first
@@ -131,6 +132,12 @@ COLLECTIONS = {
     "/apis/cilium.io/v2alpha1/ciliumloadbalancerippools": (
         "ciliumloadbalancerippools",
         "CiliumLoadBalancerIPPoolList",
+        "cilium.io/v2alpha1",
+    ),
+    # The lb's BGP peering policies.
+    "/apis/cilium.io/v2alpha1/ciliumbgppeeringpolicies": (
+        "ciliumbgppeeringpolicies",
+        "CiliumBGPPeeringPolicyList",
         "cilium.io/v2alpha1",
     ),
 }

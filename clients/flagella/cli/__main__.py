@@ -19,7 +19,7 @@ from flagella.api.endpoint.v1 import endpoint_pb2
 from flagella.api.ipam.v1 import ipam_pb2
 from flagella.api.lb.v1 import lb_pb2
 from flagella.api.policy.v1 import policy_pb2
-from flagella.cli import certs, config, debug, etcdauth, fqdn, lbpool, lrp, prefilter
+from flagella.cli import bgp, certs, config, debug, etcdauth, fqdn, lbpool, lrp, prefilter
 from flagella.cli.base import PROTOCOL_NAMES, PROTOCOLS, Clients, CliError, emit, enum_name, to_dict
 from flagella.cli.observe import cmd_monitor, cmd_observe
 from flagella.cli.status import cmd_status
@@ -493,6 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
     lbpool.add_parser(sub)
 
     lrp.add_parser(sub)
+    bgp.add_parser(sub)
 
     ipam = sub.add_parser("ipam", help="IP allocations")
     ipam_actions = ipam.add_subparsers(dest="action", required=True)

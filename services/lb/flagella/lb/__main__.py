@@ -12,6 +12,8 @@ from flagella.common.errors import Unavailable
 from flagella.common.leader import Election
 from flagella.common.server import FatalError, Probes, Runtime
 from flagella.common.server import main as serve_main
+from flagella.lb.bgpk8s import BgpKubeWatcher
+from flagella.lb.bgpstore import BgpPolicyStore
 from flagella.lb.config import LbConfig
 from flagella.lb.k8s import WATCH_TIMEOUT_S, KubernetesWatcher
 from flagella.lb.lbipam_store import LbIpam
@@ -36,6 +38,7 @@ class LbApp:
         self.probes = Probes(runtime.readiness, runtime.tasks)
         self.store = LbStore(self.etcd)
         self.lrps = LrpStore(self.etcd)
+        self.bgp = BgpPolicyStore(self.etcd)
         self.service = LbService(
             self.store, cfg.limits, cfg.seed, cache_slots=cfg.table_cache_slots
         )
@@ -52,6 +55,7 @@ class LbApp:
                 heartbeat=self.config.watch_heartbeat,
                 debuginfo=self.runtime.debuginfo(),
                 ipam=self.ipam,
+                bgp=self.bgp,
             ),
             server,
         )
@@ -69,6 +73,7 @@ class LbApp:
         self.probes.add("etcd", self.etcd.connect)
         self.tasks.spawn("services-table", self.store.run())
         self.tasks.spawn("lrps-table", self.lrps.run())
+        self.tasks.spawn("bgp-policies-table", self.bgp.run())
         self.runtime.phase_ends_with("first_sync", self.store.services.wait_initialized())
         if self.config.kubeconfig:
             self.k8s = KubernetesWatcher(
@@ -78,6 +83,9 @@ class LbApp:
                 LrpKubeWatcher(self.lrps, watch_timeout=WATCH_TIMEOUT_S),
                 ipam=self.ipam,
                 pools=PoolKubeWatcher(self.ipam, watch_timeout=WATCH_TIMEOUT_S),
+                bgp=BgpKubeWatcher(
+                    self.bgp, self.config.bgp_secrets_namespace, watch_timeout=WATCH_TIMEOUT_S
+                ),
             )
             await self.k8s.start(self.tasks, Election.of(self.config))
 

@@ -58,6 +58,7 @@ from flagella.common.sync import Batch, KubeSource, Table
 from flagella.common.sync.dirty import DirtyKeys
 from flagella.common.sync.kube import Obj
 from flagella.common.tasks import TaskGroup
+from flagella.lb.bgpk8s import BgpKubeWatcher
 from flagella.lb.lbipam import CONDITION_TYPE, Claimant, LbRequest
 from flagella.lb.lbipam_store import Claim, LbIpam
 from flagella.lb.lbpoolk8s import PoolKubeWatcher
@@ -312,6 +313,7 @@ class KubernetesWatcher:
         *,
         ipam: LbIpam | None = None,
         pools: PoolKubeWatcher | None = None,
+        bgp: BgpKubeWatcher | None = None,
     ) -> None:
         self.service = service
         self.kubeconfig = kubeconfig
@@ -324,6 +326,8 @@ class KubernetesWatcher:
         self.pools = pools
         self._core: Any = None
         self._claims_seen = asyncio.Event()
+        # CiliumBGPPeeringPolicies, written under the same Lease.
+        self.bgp = bgp
         self.services: Table[str, Obj] = Table("k8s-services")
         self.slices: Table[str, Obj] = Table("k8s-endpointslices")
         # EndpointSlice keys by the Service they belong to, and the reverse,
@@ -367,6 +371,8 @@ class KubernetesWatcher:
         tasks.spawn("k8s-services", services.run())
         if self.lrps is not None:
             tasks.spawn("k8s-lrps", self.lrps.source(self._api).run())
+        if self.bgp is not None:
+            tasks.spawn("k8s-bgp-policies", self.bgp.source(self._api).run())
         if self.pools is not None:
             tasks.spawn("k8s-lbippools", self.pools.source(self._api).run())
         if self.ipam is not None:
@@ -451,12 +457,14 @@ class KubernetesWatcher:
 
     async def _lead(self) -> None:
         """A term's jobs: the services, the local redirect policies, the
-        LB-IPAM pools."""
+        LB-IPAM pools and the BGP peering policies."""
         jobs = [self._sync_loop()]
         if self.lrps is not None:
             jobs.append(self.lrps.lead())
         if self.pools is not None:
             jobs.append(self.pools.lead())
+        if self.bgp is not None:
+            jobs.append(self.bgp.lead())
         await asyncio.gather(*jobs)
 
     async def _sync_loop(self) -> None:

@@ -11,6 +11,10 @@ from flagella.api.lb.v1 import lb_pb2, lb_pb2_grpc
 from flagella.common.debuginfo import Debuginfo, answer
 from flagella.common.errors import FlagellaError, InvalidArgument, NotFound
 from flagella.common.sync import Change, serve_watch
+from flagella.lb.bgp import build_policy, validate_name
+from flagella.lb.bgp import raw_from_cilium as raw_bgp_from_cilium
+from flagella.lb.bgpservicer import BgpPolicyEvents, policy_to_proto, raw_policy
+from flagella.lb.bgpstore import BgpPolicyStore
 from flagella.lb.lbipam import (
     CONDITION_TYPE,
     Claimant,
@@ -302,12 +306,14 @@ class LbServicer(lb_pb2_grpc.LoadBalancerServiceServicer):
         heartbeat: float = 30.0,
         debuginfo: Debuginfo | None = None,
         ipam: LbIpam,
+        bgp: BgpPolicyStore,
     ) -> None:
         self.service = service
         self.debuginfo = debuginfo
         self.limits = limits
         self.lrps = lrps
         self.ipam = ipam
+        self.bgp = bgp
         # Seconds between SYNCED heartbeats on an idle WatchServices stream.
         self.heartbeat = heartbeat
 
@@ -434,7 +440,13 @@ class LbServicer(lb_pb2_grpc.LoadBalancerServiceServicer):
     async def GetDebuginfo(
         self, request: lb_pb2.GetDebuginfoRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> lb_pb2.Debuginfo:
-        state = {"services": await self.ListServices(pb.ListServicesRequest(), context)}
+        state = {
+            "services": await self.ListServices(pb.ListServicesRequest(), context),
+            # Passwords left out, as every answer but the nodes' stream.
+            "bgp_peering_policies": await self.ListBgpPeeringPolicies(
+                pb.ListBgpPeeringPoliciesRequest(), context
+            ),
+        }
         return answer(self.debuginfo, pb.Debuginfo(), state)
 
     # --- local redirect policies (flagella.lb.lrp) ---
@@ -517,3 +529,59 @@ class LbServicer(lb_pb2_grpc.LoadBalancerServiceServicer):
         return pb.ListLbIpPoolsResponse(
             pools=[pool_to_proto(p.pool, p.used, p.conflict) for p in pools]
         )
+
+    # --- BGP peering policies (flagella.lb.bgp) ---
+
+    async def UpsertBgpPeeringPolicy(
+        self,
+        request: lb_pb2.UpsertBgpPeeringPolicyRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> lb_pb2.UpsertBgpPeeringPolicyResponse:
+        if request.document and request.HasField("policy"):
+            raise InvalidArgument("give policy or document, not both", field="document")
+        if request.document:
+            raw = raw_bgp_from_cilium(parse_document(request.document))
+        elif request.HasField("policy"):
+            raw = raw_policy(request.policy)
+        else:
+            raise InvalidArgument("a policy is required", field="policy")
+        for i, vr in enumerate(raw.virtual_routers):
+            for j, n in enumerate(vr.neighbors):
+                if n.auth_secret_ref:
+                    raise InvalidArgument(
+                        "a Secret reference is for Kubernetes objects; give the password",
+                        field=f"policy.virtual_routers[{i}].neighbors[{j}].auth_secret_ref",
+                    )
+        policy, created = await self.bgp.put(build_policy(raw))
+        return pb.UpsertBgpPeeringPolicyResponse(policy=policy_to_proto(policy), created=created)
+
+    async def DeleteBgpPeeringPolicy(
+        self,
+        request: lb_pb2.DeleteBgpPeeringPolicyRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> lb_pb2.DeleteBgpPeeringPolicyResponse:
+        validate_name(request.name, field="name")
+        return pb.DeleteBgpPeeringPolicyResponse(deleted=await self.bgp.delete(request.name))
+
+    async def ListBgpPeeringPolicies(
+        self,
+        request: lb_pb2.ListBgpPeeringPoliciesRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> lb_pb2.ListBgpPeeringPoliciesResponse:
+        policies, revision = await self.bgp.list()
+        return pb.ListBgpPeeringPoliciesResponse(
+            policies=[policy_to_proto(p) for p in policies], revision=revision
+        )
+
+    async def WatchBgpPeeringPolicies(
+        self,
+        request: lb_pb2.WatchBgpPeeringPoliciesRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[lb_pb2.BgpPeeringPolicyEvent]:
+        since = request.since_revision
+        if since < 0:
+            raise InvalidArgument("must not be negative", field="since_revision")
+        async for event in serve_watch(
+            self.bgp.subscribe(since), BgpPolicyEvents(), since=since, heartbeat=self.heartbeat
+        ):
+            yield event
