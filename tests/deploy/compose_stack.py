@@ -356,8 +356,10 @@ def start_stack(docker: DockerDaemon) -> ComposeStack:
     tag = run_tag()
     images = build_images(tag)
     ensure_shared_netns_dir()
-    names = ("etcd", "ipam", "policy", "endpoint", "lb", "datapath", "relay", "relay_ui")
-    names += ("otlp", "jaeger_ui", "prometheus")
+    names = [
+        *("etcd", "ipam", "policy", "endpoint", "lb", "datapath", "relay", "relay_ui"),
+        *("otlp", "jaeger_ui", "prometheus"),
+    ]
     ports = dict(zip(names, free_ports(len(names)), strict=True))
     net = free_compose_net()
     registers = ipam_implements_register_node()
