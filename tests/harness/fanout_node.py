@@ -206,7 +206,9 @@ class Node:
             tasks,
             "services",
             lambda since: lb.WatchServices(
-                lb_pb2.WatchServicesRequest(since_revision=since, include_maglev_tables=True)
+                lb_pb2.WatchServicesRequest(
+                    since_revision=since, include_maglev_tables=True, batch_events=True
+                )
             ),
             ServicesCodec((self.ip,)),
         )

@@ -170,7 +170,9 @@ class DatapathApp:
             services, _ = self._stream(
                 "services",
                 lambda since: lb.WatchServices(
-                    lb_pb2.WatchServicesRequest(since_revision=since, include_maglev_tables=True)
+                    lb_pb2.WatchServicesRequest(
+                        since_revision=since, include_maglev_tables=True, batch_events=True
+                    )
                 ),
                 ServicesCodec(cfg.node_ip),
                 keep_prev=True,  # RemoveBackends: the backends a change took out

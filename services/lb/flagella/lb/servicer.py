@@ -10,7 +10,7 @@ import grpc
 from flagella.api.lb.v1 import lb_pb2, lb_pb2_grpc
 from flagella.common.debuginfo import Debuginfo, answer
 from flagella.common.errors import FlagellaError, InvalidArgument, NotFound
-from flagella.common.sync import Change, serve_watch
+from flagella.common.sync import Batching, Change, serve_watch
 from flagella.lb.lbipam import (
     CONDITION_TYPE,
     Claimant,
@@ -263,6 +263,17 @@ class ServiceEvents:
         return pb.ServiceEvent(kind=pb.ServiceEvent.KIND_SYNCED, revision=revision)
 
 
+def batch_events(events: list[lb_pb2.ServiceEvent]) -> lb_pb2.ServiceEvent:
+    """A KIND_BATCH message of events, at the revision of the last."""
+    return pb.ServiceEvent(
+        kind=pb.ServiceEvent.KIND_BATCH, revision=events[-1].revision, events=events
+    )
+
+
+# WatchServices with batch_events.
+BATCHING = Batching(wrap=batch_events, size=lambda event: event.ByteSize())
+
+
 class LbServicer(lb_pb2_grpc.LoadBalancerServiceServicer):
     def __init__(
         self,
@@ -382,7 +393,11 @@ class LbServicer(lb_pb2_grpc.LoadBalancerServiceServicer):
             raise InvalidArgument("must not be negative", field="since_revision")
         events = ServiceEvents(self.service, include_tables=request.include_maglev_tables)
         async for event in serve_watch(
-            self.service.subscribe(since), events, since=since, heartbeat=self.heartbeat
+            self.service.subscribe(since),
+            events,
+            since=since,
+            heartbeat=self.heartbeat,
+            batching=BATCHING if request.batch_events else None,
         ):
             yield event
 
