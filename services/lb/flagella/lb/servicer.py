@@ -240,20 +240,53 @@ def event_to_proto(
     return ev
 
 
+class EventCache:
+    """UPSERT messages by what makes them (service id, the change's
+    revision, the revision of the record the watcher held before, with or
+    without its Maglev table): each built once however many watchers stream
+    it. The oldest go first beyond size. Entries are shared: never
+    changed after they are put."""
+
+    def __init__(self, size: int = 16_384) -> None:
+        self.size = size
+        self._events: dict[tuple[int, int, int, bool], lb_pb2.ServiceEvent] = {}
+
+    def get(self, key: tuple[int, int, int, bool]) -> lb_pb2.ServiceEvent | None:
+        return self._events.get(key)
+
+    def put(self, key: tuple[int, int, int, bool], event: lb_pb2.ServiceEvent) -> None:
+        events = self._events
+        events[key] = event
+        if len(events) > self.size:
+            del events[next(iter(events))]
+
+
 class ServiceEvents:
     """The WatchServices messages of the table's changes (serve_watch's
     WatchMessages)."""
 
-    def __init__(self, service: LbService, *, include_tables: bool) -> None:
+    def __init__(
+        self, service: LbService, *, include_tables: bool, cache: EventCache | None = None
+    ) -> None:
         self.service = service
         self.include_tables = include_tables
+        self.cache = cache or EventCache(0)
 
     def reset(self, revision: int) -> lb_pb2.ServiceEvent:
         return pb.ServiceEvent(kind=pb.ServiceEvent.KIND_RESET, revision=revision)
 
     async def upsert(self, change: Change[int, ServiceRecord]) -> lb_pb2.ServiceEvent:
-        item = await self.service.watch_item(change, include_tables=self.include_tables)
-        return event_to_proto(pb.ServiceEvent.KIND_UPSERT, item)
+        prev, record = change.prev, change.record
+        assert record is not None, "an upsert has its record"
+        # Only a Maglev service's message differs with include_tables.
+        with_table = self.include_tables and record.algorithm is Algorithm.MAGLEV
+        key = (record.id, change.revision, -1 if prev is None else prev.revision, with_table)
+        event = self.cache.get(key)
+        if event is None:
+            item = await self.service.watch_item(change, include_tables=self.include_tables)
+            event = event_to_proto(pb.ServiceEvent.KIND_UPSERT, item)
+            self.cache.put(key, event)
+        return event
 
     async def delete(self, change: Change[int, ServiceRecord]) -> lb_pb2.ServiceEvent:
         item = await self.service.watch_item(change)
@@ -292,6 +325,8 @@ class LbServicer(lb_pb2_grpc.LoadBalancerServiceServicer):
         self.ipam = ipam
         # Seconds between SYNCED heartbeats on an idle WatchServices stream.
         self.heartbeat = heartbeat
+        # What the WatchServices streams share.
+        self.events = EventCache()
 
     async def UpsertService(
         self, request: lb_pb2.UpsertServiceRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -391,7 +426,9 @@ class LbServicer(lb_pb2_grpc.LoadBalancerServiceServicer):
         since = request.since_revision
         if since < 0:
             raise InvalidArgument("must not be negative", field="since_revision")
-        events = ServiceEvents(self.service, include_tables=request.include_maglev_tables)
+        events = ServiceEvents(
+            self.service, include_tables=request.include_maglev_tables, cache=self.events
+        )
         async for event in serve_watch(
             self.service.subscribe(since),
             events,
