@@ -17,7 +17,7 @@ from flagella.policy.state import PolicyState
 
 async def settle() -> None:
     for _ in range(10):
-        await settle()
+        await asyncio.sleep(0)
 
 
 class NoStore:
