@@ -50,6 +50,11 @@ REGRESSIONS: dict[str, list[Message]] = {
         endpoint_pb2.CniRequest(node=NODE, config=CNI_CONFIG, **{"command": "ADD", name: MIB_E})
         for name in ("command", "container_id", "netns", "ifname", "args", "path")
     ],
+    # An option name with a bracket: "set[[]" is no field path.
+    "/flagella.policy.v1.PolicyService/PatchConfig": [
+        policy_pb2.PatchConfigRequest(set={"[": "x"}),
+        policy_pb2.PatchConfigRequest(set={"a]'\"": "x"}),
+    ],
     # NOT_FOUND naming no field.
     "/flagella.relay.v1.RelayService/ObserveFlows": [relay_pb2.ObserveRequest(nodes=["nope"])],
 }

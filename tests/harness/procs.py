@@ -99,7 +99,7 @@ class ServiceProcess:
         # The relay's flows page, on a free port too (the test's flags win).
         self.ui_listen = f"127.0.0.1:{free_port()}" if svc == "relay" else ""
         # A datapath in the test's own netns (the host's): its pins, state,
-        # CNI socket and tunnel device would be the host's defaults, which
+        # CNI socket, DNS proxy port and tunnel device would be the host's defaults, which
         # the compose stack beside it uses too; its own instead, removed
         # when it stops (the test's flags win).
         self.own_paths: list[Path] = []
@@ -126,6 +126,10 @@ class ServiceProcess:
             out += ["--cni-socket", str(sock)]
         if "--routing-mode" not in given:
             out += ["--routing-mode", "native"]  # no tunnel device on the host
+        if "--dns-proxy-port" not in given:
+            # The node default (10053) is the host's, which another test's
+            # datapath in the host netns, or the compose stack, may hold.
+            out += ["--dns-proxy-port", str(free_port())]
         return out
 
     def tls_args(self) -> list[str]:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from flagella.common.errors import FailedPrecondition, Unavailable
+from flagella.common.errors import Aborted, FailedPrecondition, NotFound, Unavailable
 from flagella.common.portnames import NamedPort
 from flagella.endpoint.model import Endpoint, State
 from flagella.endpoint.service import (
@@ -234,6 +234,39 @@ async def test_failure_at_each_step_leaks_nothing(step: str) -> None:
     assert store.data == {}
     world.fail_at = ""
     assert (await svc.create(REQ)).state is State.READY
+
+
+async def test_an_endpoint_removed_under_an_add_answers_try_again() -> None:
+    # Another replica's restore tore the datapath's endpoint down and has not
+    # written the record yet: the ADD's own record looks untouched, but the
+    # datapath no longer knows what it set up. A retry succeeds (CNI code
+    # 11), so this is Aborted, never the NotFound a runtime takes as final.
+    world = World()
+    svc, store = make(world)
+
+    async def torn_down(address: str, endpoint_id: int, min_revision: int, t: float) -> int:
+        world.veths.pop(endpoint_id, None)
+        raise NotFound(f"no endpoint {endpoint_id} on this node", field="endpoint_id")
+
+    world.wait_policy = torn_down  # type: ignore[method-assign]
+    with pytest.raises(Aborted):
+        await svc.create(REQ)
+    assert world.holdings() == ({}, {}, {}, {})
+    assert store.data == {}
+    del world.wait_policy
+    assert (await svc.create(REQ)).state is State.READY
+
+
+async def test_a_node_that_is_not_registered_stays_not_found() -> None:
+    world = World()
+    svc, _ = make(world)
+
+    async def unknown(name: str) -> NodeInfo:
+        raise NotFound(f"node {name} is not registered", field="node")
+
+    world.node = unknown  # type: ignore[method-assign]
+    with pytest.raises(NotFound):
+        await svc.create(REQ)
 
 
 async def test_delete_releases_everything_and_is_idempotent() -> None:

@@ -17,6 +17,14 @@ def bounded(text: str) -> str:
     return f"{text[:MAX_DETAILS]}... ({len(text) - MAX_DETAILS} more characters)"
 
 
+def map_key(field: str, key: str) -> str:
+    """The path of a map entry: `field[key]`, the key quoted when it holds
+    a bracket or a quote (so the path still parses as one)."""
+    if any(c in key for c in "[]'\""):
+        return f"{field}[{key!r}]"
+    return f"{field}[{key}]"
+
+
 class FlagellaError(Exception):
     """Base of every error a caller should see as-is."""
 

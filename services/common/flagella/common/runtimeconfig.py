@@ -13,7 +13,7 @@ import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from flagella.common.errors import InvalidArgument
+from flagella.common.errors import InvalidArgument, map_key
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +83,12 @@ def validate_patch(values: Mapping[str, str], reset: Iterable[str]) -> None:
     """A PATCH's options and values: unknown or immutable options and
     invalid values are refused, naming the option."""
     for name, value in values.items():
-        _check_name(name, f"set[{name}]")
+        _check_name(name, map_key("set", name))
         spec = BY_NAME[name]
         if value not in spec.allowed:
             raise InvalidArgument(
-                f"invalid value {value!r} (one of {', '.join(spec.allowed)})", field=f"set[{name}]"
+                f"invalid value {value!r} (one of {', '.join(spec.allowed)})",
+                field=map_key("set", name),
             )
     for i, name in enumerate(reset):
         _check_name(name, f"reset[{i}]")
@@ -115,12 +116,12 @@ def validate_endpoint_options(values: Mapping[str, str], field: str) -> None:
         if name not in ENDPOINT_OPTIONS:
             raise InvalidArgument(
                 f"not an endpoint option: {name!r} (one of {', '.join(ENDPOINT_OPTIONS)})",
-                field=f"{field}[{name}]",
+                field=map_key(field, name),
             )
         allowed = BY_NAME[name].allowed
         if value not in allowed:
             raise InvalidArgument(
-                f"invalid value {value!r} (one of {', '.join(allowed)})", field=f"{field}[{name}]"
+                f"invalid value {value!r} (one of {', '.join(allowed)})", field=map_key(field, name)
             )
 
 

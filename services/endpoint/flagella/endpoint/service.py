@@ -369,6 +369,7 @@ class EndpointService:
 
     async def _create(self, ep: Endpoint, revision: int) -> Endpoint:
         took = StepTimer()
+        set_up = False
         try:
             node = await self.ipam.node(ep.node)
             took("node")
@@ -403,6 +404,7 @@ class EndpointService:
             )
             took("datapath+ipcache")
             ep.host_ifname, ep.mac = setup.host_ifname, setup.container_mac
+            set_up = True
             await self._after(STEP_DATAPATH)
             await self._after(STEP_IPCACHE)
             ep.policy_revision, _ = await both(
@@ -424,7 +426,13 @@ class EndpointService:
             reason = exc.details if isinstance(exc, FlagellaError) else repr(exc)
             # Another replica's restore rolled this ADD back under it (its
             # steps undone: the datapath's NotFound ...): a retry succeeds.
-            overtaken = isinstance(exc, FlagellaError) and await self._overtaken(ep, revision)
+            # An endpoint the datapath set up for this ADD and no longer
+            # knows was removed by such a restore, whose record write may
+            # not have landed yet.
+            vanished = set_up and isinstance(exc, NotFound)
+            overtaken = isinstance(exc, FlagellaError) and (
+                vanished or await self._overtaken(ep, revision)
+            )
             log.warning(
                 "endpoint create failed, rolling back",
                 extra={"endpoint": ep.id, "container": ep.container_id, "reason": reason},
