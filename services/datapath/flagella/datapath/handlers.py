@@ -164,8 +164,8 @@ def identity_policy(
 class PolicyCodec:
     """WatchPolicy events -> identity: its resolved policy."""
 
-    # Interned entries beyond this many are dropped (all at once).
-    INTERNED_MAX = 1 << 16
+    # Interned entries beyond this many are dropped (all at once): ~4 MiB.
+    INTERNED_MAX = 1 << 14
 
     def __init__(self) -> None:
         self.interned: dict[EntryKey, PolicyEntry] = {}

@@ -75,8 +75,9 @@ class PolicyEntry:
     port_name: str = ""
 
 
-# Expansions Policy keeps (each up to the policy budget of keys).
-EXPANDED_KEPT = 8
+# Expansions Policy keeps: each can be up to the policy budget of keys
+# (~200 bytes a key), and applies of the same entries come together.
+EXPANDED_KEPT = 4
 
 
 @functools.lru_cache(maxsize=4096)
