@@ -244,21 +244,30 @@ class EventCache:
     """UPSERT messages by what makes them (service id, the change's
     revision, the revision of the record the watcher held before, with or
     without its Maglev table): each built once however many watchers stream
-    it. The oldest go first beyond size. Entries are shared: never
-    changed after they are put."""
+    it. At most max_bytes of messages (a Maglev table is ~40 KiB at
+    M = 16,381, a service without one ~150 bytes): the oldest go first.
+    Entries are shared: never changed after they are put."""
 
-    def __init__(self, size: int = 16_384) -> None:
-        self.size = size
-        self._events: dict[tuple[int, int, int, bool], lb_pb2.ServiceEvent] = {}
+    def __init__(self, max_bytes: int = 16 << 20) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._events: dict[tuple[int, int, int, bool], tuple[lb_pb2.ServiceEvent, int]] = {}
 
     def get(self, key: tuple[int, int, int, bool]) -> lb_pb2.ServiceEvent | None:
-        return self._events.get(key)
+        got = self._events.get(key)
+        return None if got is None else got[0]
 
     def put(self, key: tuple[int, int, int, bool], event: lb_pb2.ServiceEvent) -> None:
         events = self._events
-        events[key] = event
-        if len(events) > self.size:
-            del events[next(iter(events))]
+        size = event.ByteSize()
+        before = events.pop(key, None)
+        if before is not None:
+            self.bytes -= before[1]
+        events[key] = (event, size)
+        self.bytes += size
+        while self.bytes > self.max_bytes and events:
+            _, gone = events.pop(next(iter(events)))
+            self.bytes -= gone
 
 
 class ServiceEvents:
