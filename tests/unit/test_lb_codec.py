@@ -144,10 +144,10 @@ async def test_watch_messages_are_built_once_for_every_watcher() -> None:
     m3 = await without.upsert(Change(maglev.id, maglev, held, 10))
     assert m3 is not m2
     assert m3.kind == pb.ServiceEvent.KIND_UPSERT
-    assert len(cache._events) == 4
+    assert len(cache) == 4
     # Bounded by bytes: the oldest go first (the table's message is large).
     cache.max_bytes = cache.bytes - 1
     cache.put((0, 0, 0, False), pb.ServiceEvent(kind=pb.ServiceEvent.KIND_UPSERT))
     assert await without.upsert(Change(plain.id, plain, None, 11)) is not first
     assert cache.bytes <= cache.max_bytes
-    assert cache.bytes == sum(size for _, size in cache._events.values())
+    assert cache.bytes == sum(size for _, size in cache._messages.values())

@@ -10,7 +10,7 @@ import grpc
 from flagella.api.lb.v1 import lb_pb2, lb_pb2_grpc
 from flagella.common.debuginfo import Debuginfo, answer
 from flagella.common.errors import FlagellaError, InvalidArgument, NotFound
-from flagella.common.sync import Batching, Change, serve_watch
+from flagella.common.sync import Batching, Change, MessageCache, serve_watch
 from flagella.lb.lbipam import (
     CONDITION_TYPE,
     Claimant,
@@ -240,34 +240,10 @@ def event_to_proto(
     return ev
 
 
-class EventCache:
-    """UPSERT messages by what makes them (service id, the change's
-    revision, the revision of the record the watcher held before, with or
-    without its Maglev table): each built once however many watchers stream
-    it. At most max_bytes of messages (a Maglev table is ~40 KiB at
-    M = 16,381, a service without one ~150 bytes): the oldest go first.
-    Entries are shared: never changed after they are put."""
-
-    def __init__(self, max_bytes: int = 16 << 20) -> None:
-        self.max_bytes = max_bytes
-        self.bytes = 0
-        self._events: dict[tuple[int, int, int, bool], tuple[lb_pb2.ServiceEvent, int]] = {}
-
-    def get(self, key: tuple[int, int, int, bool]) -> lb_pb2.ServiceEvent | None:
-        got = self._events.get(key)
-        return None if got is None else got[0]
-
-    def put(self, key: tuple[int, int, int, bool], event: lb_pb2.ServiceEvent) -> None:
-        events = self._events
-        size = event.ByteSize()
-        before = events.pop(key, None)
-        if before is not None:
-            self.bytes -= before[1]
-        events[key] = (event, size)
-        self.bytes += size
-        while self.bytes > self.max_bytes and events:
-            _, gone = events.pop(next(iter(events)))
-            self.bytes -= gone
+# UPSERT messages by service id, the change's revision, the revision of the
+# record the watcher held before, and whether it carries a Maglev table (a
+# Maglev table is ~40 KiB at M = 16,381, a service without one ~150 bytes).
+EventCache = MessageCache[tuple[int, int, int, bool], lb_pb2.ServiceEvent]
 
 
 class ServiceEvents:
@@ -279,7 +255,7 @@ class ServiceEvents:
     ) -> None:
         self.service = service
         self.include_tables = include_tables
-        self.cache = cache or EventCache(0)
+        self.cache = cache if cache is not None else EventCache(0)
 
     def reset(self, revision: int) -> lb_pb2.ServiceEvent:
         return pb.ServiceEvent(kind=pb.ServiceEvent.KIND_RESET, revision=revision)

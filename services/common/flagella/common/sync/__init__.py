@@ -5,7 +5,13 @@ docs/ARCHITECTURE.md, "The sync layer", says what each guarantees."""
 
 from flagella.common.sync.etcd import Codec, EtcdSource
 from flagella.common.sync.kube import KubeSource
-from flagella.common.sync.serve import Batching, Feed, WatchMessages, serve_watch
+from flagella.common.sync.serve import (
+    Batching,
+    Feed,
+    MessageCache,
+    WatchMessages,
+    serve_watch,
+)
 from flagella.common.sync.stream import StreamCodec, StreamSource
 from flagella.common.sync.table import Batch, Change, Sink, Subscription, Table
 
@@ -17,6 +23,7 @@ __all__ = [
     "EtcdSource",
     "Feed",
     "KubeSource",
+    "MessageCache",
     "Sink",
     "StreamCodec",
     "StreamSource",

@@ -25,12 +25,16 @@ from collections.abc import AsyncIterator, Callable, Hashable
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
+from google.protobuf.message import Message
+
 from flagella.common.sync.table import Batch, Change
 
 K = TypeVar("K", bound=Hashable)
 R = TypeVar("R")
 M = TypeVar("M")
 M_co = TypeVar("M_co", covariant=True)
+KM = TypeVar("KM", bound=Hashable)
+PM = TypeVar("PM", bound=Message)
 
 
 class Feed(Protocol[K, R]):
@@ -52,6 +56,38 @@ class WatchMessages(Protocol[K, R, M_co]):
     async def delete(self, change: Change[K, R]) -> M_co: ...
 
     def synced(self, revision: int) -> M_co: ...
+
+
+class MessageCache(Generic[KM, PM]):
+    """Watch messages by what makes them, built once however many watchers
+    stream them (a change sent to 1,000 nodes was built 1,000 times; every
+    node joining got every other node's message built anew). At most
+    max_bytes of messages (their encoded size): the oldest go first.
+    Entries are shared: never changed after they are put."""
+
+    def __init__(self, max_bytes: int = 16 << 20) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._messages: dict[KM, tuple[PM, int]] = {}
+
+    def get(self, key: KM) -> PM | None:
+        got = self._messages.get(key)
+        return None if got is None else got[0]
+
+    def put(self, key: KM, message: PM) -> None:
+        messages = self._messages
+        size = message.ByteSize()
+        before = messages.pop(key, None)
+        if before is not None:
+            self.bytes -= before[1]
+        messages[key] = (message, size)
+        self.bytes += size
+        while self.bytes > self.max_bytes and messages:
+            _, gone = messages.pop(next(iter(messages)))
+            self.bytes -= gone
+
+    def __len__(self) -> int:
+        return len(self._messages)
 
 
 @dataclass(frozen=True)
