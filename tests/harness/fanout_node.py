@@ -183,7 +183,9 @@ class Node:
         self._stream(
             tasks,
             "nodes",
-            lambda since: ipam.WatchNodes(ipam_pb2.WatchNodesRequest(since_revision=since)),
+            lambda since: ipam.WatchNodes(
+                ipam_pb2.WatchNodesRequest(since_revision=since, batch_events=True)
+            ),
             NodeRoutesCodec(),
         )
         self._stream(

@@ -13,6 +13,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 import pytest
@@ -270,6 +271,64 @@ def test_lease_expiry_removes_the_node_but_keeps_cidrs_and_allocations(ipam: Ipa
     assert ipam.allocate("lease-1", "lease-c1") == got
     back = ipam.register("lease-1")
     assert list(back.pod_cidrs) == list(node.pod_cidrs)
+
+
+def follow_nodes(
+    stream: Any, state: dict[str, pb.Node], until: int, *, deltas: bool = False
+) -> tuple[int, int]:
+    """Apply WatchNodes events (a KIND_BATCH as its events) until a SYNCED
+    reaches until, or with deltas (no SYNCED follows them before the idle
+    heartbeat) a message's events do: (the revision, KIND_BATCH messages
+    seen)."""
+    batches = 0
+    for ev in stream:
+        kinds = (pb.NodeEvent.KIND_UPSERT, pb.NodeEvent.KIND_DELETE, pb.NodeEvent.KIND_BATCH)
+        reached = deltas and ev.kind in kinds and ev.revision >= until
+        events = list(ev.events) if ev.kind == pb.NodeEvent.KIND_BATCH else [ev]
+        if ev.kind == pb.NodeEvent.KIND_BATCH:
+            batches += 1
+            assert len(events) > 1
+            assert ev.revision == events[-1].revision
+        for e in events:
+            if e.kind == pb.NodeEvent.KIND_RESET:
+                state.clear()
+            elif e.kind == pb.NodeEvent.KIND_UPSERT:
+                state[e.node.name] = e.node
+            elif e.kind == pb.NodeEvent.KIND_DELETE:
+                state.pop(e.node.name, None)
+            elif e.kind == pb.NodeEvent.KIND_SYNCED and e.revision >= until:
+                return e.revision, batches
+        if reached:
+            return ev.revision, batches
+    raise AssertionError("stream ended")
+
+
+def test_watch_nodes_batched_says_what_the_one_by_one_stream_says(ipam: Ipam) -> None:
+    """batch_events: a snapshot's and a batch's events come several to a
+    KIND_BATCH message; the watcher ends where the one-by-one one does."""
+    for i in range(6):
+        ipam.register(f"wb-{i}")
+    head = ipam.stub.ListNodes(pb.ListNodesRequest(), timeout=10).revision
+    batched = ipam.stub.WatchNodes(pb.WatchNodesRequest(batch_events=True), timeout=30)
+    plain = ipam.stub.WatchNodes(pb.WatchNodesRequest(), timeout=30)
+    got: dict[str, pb.Node] = {}
+    want: dict[str, pb.Node] = {}
+    _, batches = follow_nodes(batched, got, head)
+    _, plain_batches = follow_nodes(plain, want, head)
+    assert batches >= 1
+    assert plain_batches == 0
+    assert got == want
+    assert {f"wb-{i}" for i in range(6)} <= set(got)
+    ipam.stub.DeregisterNode(pb.DeregisterNodeRequest(name="wb-0"))
+    ipam.register("wb-6")
+    head = ipam.stub.ListNodes(pb.ListNodesRequest(), timeout=10).revision
+    follow_nodes(batched, got, head, deltas=True)
+    follow_nodes(plain, want, head, deltas=True)
+    assert got == want
+    assert "wb-0" not in got
+    assert "wb-6" in got
+    batched.cancel()
+    plain.cancel()
 
 
 def test_watch_nodes_snapshot_then_deltas_and_resume(ipam: Ipam) -> None:

@@ -208,7 +208,7 @@ def test_kinds_match_every_watch_enum(kinds: tuple[int, int, int, int]) -> None:
         policy_pb2.EVENT_KIND_SYNCED,
     )
 
-    assert BATCH == lb_pb2.ServiceEvent.KIND_BATCH
+    assert BATCH == lb_pb2.ServiceEvent.KIND_BATCH == ipam_pb2.NodeEvent.KIND_BATCH
 
 
 def batched(*events: Ev) -> Ev:

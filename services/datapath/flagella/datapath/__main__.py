@@ -103,7 +103,9 @@ class DatapathApp:
             tasks.supervise("node-registration", self.registration.run)
             nodes, _ = self._stream(
                 "nodes",
-                lambda since: ipam.WatchNodes(ipam_pb2.WatchNodesRequest(since_revision=since)),
+                lambda since: ipam.WatchNodes(
+                    ipam_pb2.WatchNodesRequest(since_revision=since, batch_events=True)
+                ),
                 NodeRoutesCodec(),
             )
             device = TUNNEL_DEVICE if cfg.tunnel else ""

@@ -19,7 +19,7 @@ from flagella.api.ipam.v1 import ipam_pb2, ipam_pb2_grpc
 from flagella.common.config import parse_host_port
 from flagella.common.debuginfo import Debuginfo, answer
 from flagella.common.errors import InvalidArgument
-from flagella.common.sync import Change, MessageCache, serve_watch
+from flagella.common.sync import Batching, Change, MessageCache, serve_watch
 from flagella.ipam.model import (
     AddressType,
     Allocation,
@@ -267,6 +267,17 @@ class NodeEvents:
         return _node_event(ipam_pb2.NodeEvent.KIND_SYNCED, revision)
 
 
+def batch_node_events(events: list[ipam_pb2.NodeEvent]) -> ipam_pb2.NodeEvent:
+    """A KIND_BATCH message of events, at the revision of the last."""
+    return ipam_pb2.NodeEvent(
+        kind=ipam_pb2.NodeEvent.KIND_BATCH, revision=events[-1].revision, events=events
+    )
+
+
+# WatchNodes with batch_events.
+NODE_BATCHING = Batching(wrap=batch_node_events, size=lambda event: event.ByteSize())
+
+
 class IpamServicer(ipam_pb2_grpc.IpamServiceServicer):
     def __init__(self, service: IpamService, debuginfo: Debuginfo | None = None) -> None:
         self.debuginfo = debuginfo
@@ -314,7 +325,11 @@ class IpamServicer(ipam_pb2_grpc.IpamServiceServicer):
         feed = await self.service.watch_nodes(since)
         heartbeat = self.service.settings.watch_heartbeat
         async for msg in serve_watch(
-            feed, NodeEvents(self.node_events), since=since, heartbeat=heartbeat
+            feed,
+            NodeEvents(self.node_events),
+            since=since,
+            heartbeat=heartbeat,
+            batching=NODE_BATCHING if request.batch_events else None,
         ):
             yield msg
 
