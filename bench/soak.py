@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from harness.cluster import standalone_cluster  # noqa: E402
-from harness.soak import SOAK_ETCD, SOAK_EXTRA, Soak  # noqa: E402
+from harness.soak import SOAK_DATAPATH, SOAK_ETCD, SOAK_EXTRA, Soak  # noqa: E402
 
 
 def main() -> None:
@@ -46,7 +46,7 @@ def main() -> None:
     try:
         with standalone_cluster(tmp, etcd_args=SOAK_ETCD) as cluster:
             cluster.start(services=("ipam", "policy", "lb", "endpoint"), extra=SOAK_EXTRA)
-            node = cluster.add_node("soak")
+            node = cluster.add_node("soak", extra=SOAK_DATAPATH)
             soak = Soak(cluster, node, pods=args.pods, kill_interval=args.kill_interval, log=log)
             result = soak.run(seconds)
     finally:

@@ -10,7 +10,7 @@ import os
 
 import pytest
 from harness.cluster import Cluster
-from harness.soak import SOAK_EXTRA, VICTIMS, Soak
+from harness.soak import SOAK_DATAPATH, SOAK_EXTRA, VICTIMS, Soak
 
 # Correctness under kills, with retries and no timing asserted: it runs beside
 # the kernel tests.
@@ -21,7 +21,7 @@ SECONDS = float(os.environ.get("FLAGELLA_SOAK_SECONDS", "60"))
 
 def test_churn_with_kills_leaks_nothing(cluster: Cluster) -> None:
     cluster.start(services=("ipam", "policy", "lb", "endpoint"), extra=SOAK_EXTRA)
-    node = cluster.add_node("soak")
+    node = cluster.add_node("soak", extra=SOAK_DATAPATH)
     result = Soak(cluster, node, pods=5, kill_interval=5.0).run(SECONDS)
     figures = result.figures(warm_up=15.0)
     report = dict(figures)

@@ -42,6 +42,12 @@ VICTIMS = ("ipam", "policy", "lb", "endpoint", "datapath")
 # seconds (two GC rounds), so that the end state can be compared with the
 # start.
 SOAK_EXTRA = {"policy": ["--identity-gc-interval", "2"]}
+# The datapath's bounded histories (flows for `flagella observe`, writes per
+# map for `flagella map events`) made small, so they are full within the
+# warm-up: at their defaults they take more than ten minutes of this churn to
+# fill (a few MiB at most, docs/BENCHMARKS.md), which a growth figure would
+# count as a leak.
+SOAK_DATAPATH = ("--flow-buffer-capacity", "256", "--map-event-history", "32")
 # etcd compacting its history every minute (deployments keep an hour: see
 # docs/RELIABILITY.md), so a long soak measures etcd's memory with its
 # history bounded, and the services' watches resume across compactions.

@@ -1,6 +1,7 @@
 """The datapath's cgroup walk over a /proc and a cgroup v2 tree made in a
 folder (pods found through the namespaces their processes hold), the
-cgroup v2 mount found in a mountinfo, and --map-event-history's bounds."""
+cgroup v2 mount found in a mountinfo, and the bounds of --map-event-history
+and --flow-buffer-capacity."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from flagella.common.config import load_config
 from flagella.common.errors import ConfigError
 from flagella.datapath import cgroups
-from flagella.datapath.config import MAX_MAP_EVENT_HISTORY, DatapathConfig
+from flagella.datapath.config import MAX_FLOW_BUFFER, MAX_MAP_EVENT_HISTORY, DatapathConfig
 
 
 def _proc(root: Path, pid: int, netns: Path | None, cgroup: str) -> None:
@@ -86,3 +87,19 @@ def test_map_event_history_out_of_bounds_is_refused(value: str) -> None:
         environ={},
     )
     assert ok.map_event_history == 0
+
+
+@pytest.mark.parametrize("value", ["0", str(MAX_FLOW_BUFFER + 1)])
+def test_flow_buffer_capacity_out_of_bounds_is_refused(value: str) -> None:
+    def load(v: str) -> DatapathConfig:
+        return load_config(
+            DatapathConfig,
+            prog="flagella-datapath",
+            env_prefix="FLAGELLA_DATAPATH_",
+            argv=["--flow-buffer-capacity", v],
+            environ={},
+        )
+
+    with pytest.raises(ConfigError, match="--flow-buffer-capacity"):
+        load(value)
+    assert load("1").flow_buffer_capacity == 1

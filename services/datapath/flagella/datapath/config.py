@@ -20,6 +20,8 @@ VERDICT_EVENT_LEVELS = ("all", "enforced", "none")
 MAX_POLICY_BUDGET = MapSizes().policy
 # Writes kept per map: the history stays a few MiB at most.
 MAX_MAP_EVENT_HISTORY = 65536
+# Flows kept: Hubble's largest buffer.
+MAX_FLOW_BUFFER = 65535
 
 # A Kubernetes label: an optional DNS prefix and a name; a value of up to 63.
 _LABEL_NAME = re.compile(
@@ -126,6 +128,11 @@ class DatapathConfig(ServiceConfig):
         "with passes before any host policy (off: the host policy alone decides)",
         choices=("on", "off"),
     )
+    flow_buffer_capacity: int = option(
+        4096,
+        "flows kept for the history ObserveFlows sends first (`flagella observe --last`), "
+        "as Hubble's --hubble-event-buffer-capacity; each a few hundred bytes",
+    )
     map_event_history: int = option(
         DEFAULT_MAP_EVENT_HISTORY,
         "writes kept per BPF map for GetMapEvents (`flagella map events`), each about "
@@ -177,6 +184,11 @@ class DatapathConfig(ServiceConfig):
             raise ConfigError("--node-name", str(exc)) from None
         if self.gc_interval_seconds <= 0:
             raise ConfigError("--gc-interval-seconds", "must be positive")
+        if not 1 <= self.flow_buffer_capacity <= MAX_FLOW_BUFFER:
+            raise ConfigError(
+                "--flow-buffer-capacity",
+                f"{self.flow_buffer_capacity} is not in 1..{MAX_FLOW_BUFFER}",
+            )
         if not 0 <= self.map_event_history <= MAX_MAP_EVENT_HISTORY:
             raise ConfigError(
                 "--map-event-history",

@@ -299,7 +299,7 @@ class DatapathService:
         self.telemetry = DatapathMetrics(registry or CollectorRegistry())
         self.writer = MapWriter()
         self.state = StateDir(config.state_dir)
-        self.flows = FlowHub()
+        self.flows = FlowHub(config.flow_buffer_capacity)
         self._bpf: Datapath | None = None
         self.endpoints: dict[int, EndpointRecord] = {}
         # Set whenever an endpoint comes, goes or changes identity (local
