@@ -316,3 +316,26 @@ async def test_serve_watch_packs_a_batch_by_count_and_by_size() -> None:
         (SYNCED, 24, ""),  # heartbeat
     ]
     assert [e.kind for e in got[6].events] == [DELETE, UPSERT]
+
+
+async def test_serve_watch_lingers_so_a_burst_goes_as_one_message() -> None:
+    """With Batching.linger, the first change after a quiet spell goes at
+    once; the ones that follow within the linger gather into one BATCH."""
+    table: SyncTable[str, str] = SyncTable("t")
+    table.replace([("a", "1", 1)], 1)
+    batching = Batching(
+        wrap=lambda evs: Ev(BATCH, evs[-1].revision, events=tuple(evs)),
+        size=lambda ev: 1,
+        linger=0.2,
+    )
+    stream = serve_watch(table.subscribe(), EvMessages(), heartbeat=None, batching=batching)
+    assert [(await anext(stream)).kind for _ in range(3)] == [RESET, UPSERT, SYNCED]
+    table.commit([("b", "2", 2)], 2)
+    first = await asyncio.wait_for(anext(stream), 1)
+    assert (first.kind, first.key) == (UPSERT, "b")  # at once
+    for i, key in enumerate("cde"):
+        table.commit([(key, "3", 3 + i)], 3 + i)
+        await asyncio.sleep(0.01)
+    burst = await asyncio.wait_for(anext(stream), 1)
+    assert burst.kind == BATCH
+    assert [e.key for e in burst.events] == ["c", "d", "e"]

@@ -21,6 +21,7 @@ message costs both ends tens of microseconds whatever it holds, which at
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable, Hashable
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
@@ -101,6 +102,10 @@ class Batching(Generic[M]):
     size: Callable[[M], int]
     max_events: int = 256
     max_bytes: int = 1 << 20
+    # Seconds to let changes gather after sending some, so that a stream
+    # that keeps up still gets a burst of them (a registration storm) as a
+    # few messages, not one per change: 0 sends each as soon as it comes.
+    linger: float = 0.0
 
 
 async def serve_watch(
@@ -148,6 +153,8 @@ async def serve_watch(
                 yield messages.synced(batch.revision)
             revision = batch.revision
             first = False
+            if batching is not None and batching.linger and batch.changes:
+                await asyncio.sleep(batching.linger)
         else:
             yield messages.synced(revision)
         batch = await feed.next(heartbeat)
