@@ -17,6 +17,7 @@ figure of the same path.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -201,17 +202,41 @@ def bench(quick: bool) -> dict[str, float]:
                     )
                 )
 
-            def nodeport_new(sid: int) -> Callable[[int], int]:
+            # externalTrafficPolicy Local: the same 10 backends, local (sid 4:
+            # the scope-local entry's lookup on top); none local (sid 5: the drop).
+            for sid, is_local in ((4, True), (5, False)):
+                dp.upsert_service(
+                    Service(
+                        sid,
+                        (
+                            Frontend(
+                                node_ip,
+                                node_port + sid,
+                                6,
+                                frontend_rev_nat_id(sid, 1),
+                                nodeport=True,
+                                local_only=True,
+                            ),
+                        ),
+                        tuple(dataclasses.replace(b, local=is_local) for b in local),
+                    )
+                )
+
+            def nodeport_new(sid: int, want: int = L.TC_ACT_REDIRECT) -> Callable[[int], int]:
                 def run(i: int) -> int:
                     f = P.build(client, node_ip, sport=1024 + i, dport=node_port + sid)
                     r = dp.test_run("from_netdev", f)
-                    assert r.retval == L.TC_ACT_REDIRECT, r.retval
+                    assert r.retval == want, r.retval
                     return r.duration_ns
 
                 return run
 
             out["nodeport_dnat_new_ns_per_pkt"] = median_single_runs(nodeport_new(2), singles)
             out["nodeport_maglev_new_ns_per_pkt"] = median_single_runs(nodeport_new(3), singles)
+            out["nodeport_local_new_ns_per_pkt"] = median_single_runs(nodeport_new(4), singles)
+            out["nodeport_local_none_ns_per_pkt"] = median_single_runs(
+                nodeport_new(5, L.TC_ACT_SHOT), singles
+            )
             np_frame = P.build(client, node_ip, sport=1024, dport=node_port + 2, flags=P.TCP_ACK)
             out["nodeport_dnat_ct_hit_ns_per_pkt"] = median_single_runs(
                 lambda _: dp.test_run("from_netdev", np_frame).duration_ns, singles
@@ -282,6 +307,8 @@ ROWS = [
     ("service_dnat_ct_hit_ns_per_pkt", "service DNAT, conntrack hit", "ns/pkt"),
     ("nodeport_dnat_new_ns_per_pkt", "NodePort DNAT from outside, new conn (10 local)", "ns/pkt"),
     ("nodeport_maglev_new_ns_per_pkt", "NodePort DNAT, new conn, Maglev M=16381", "ns/pkt"),
+    ("nodeport_local_new_ns_per_pkt", "NodePort DNAT, new conn, eTP Local (10 local)", "ns/pkt"),
+    ("nodeport_local_none_ns_per_pkt", "NodePort, eTP Local, no local backend: drop", "ns/pkt"),
     ("nodeport_dnat_ct_hit_ns_per_pkt", "NodePort DNAT, conntrack hit", "ns/pkt"),
     ("nodeport_revnat_ns_per_pkt", "NodePort reply, reverse NAT (to-netdev)", "ns/pkt"),
     ("maglev_table_write_ms", "Maglev table written (M=16381), per table", "ms"),

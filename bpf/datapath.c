@@ -936,6 +936,14 @@ static __always_inline __u32 select_backend(struct svc_value *svc, struct svc_ke
 	return s ? s->backend_id : 0;
 }
 
+/* Whether a backend is one of this node's endpoints. */
+static __always_inline int is_local_backend(struct backend_value *be)
+{
+	struct endpoint_key ek = {};
+	addr_copy(&ek.addr, &be->addr);
+	return endpoints.lookup(&ek) != NULL;
+}
+
 /* Service DNAT. 0 when done (*rev_nat_id and *backend_id set) or not a
  * service (*rev_nat_id stays 0), else a drop reason. nodeport_only: only
  * NodePort frontends count as services (traffic from outside the node). */
@@ -956,6 +964,16 @@ static __always_inline int lb_service(struct __sk_buff *skb, struct pkt *p, __u3
 		return 0;
 	if ((svc->flags & SVC_F_SOURCE_RANGE) && !source_range_ok(svc, p))
 		return DROP_SOURCE_RANGE;
+	/* externalTrafficPolicy Local, traffic from outside: this node's own
+	 * backends only (Cilium's external scope); none here: dropped as
+	 * Cilium drops it (DROP_NO_SERVICE, "no backend"), never sent on. */
+	int local_only = nodeport_only && (svc->flags & SVC_F_EXT_LOCAL);
+	if (local_only) {
+		sk.scope = SVC_SCOPE_LOCAL;
+		svc = services.lookup(&sk);
+		if (!svc)
+			return DROP_NO_BACKEND;
+	}
 
 	struct ct_key ck = {};
 	struct backend_value *be = NULL;
@@ -989,6 +1007,10 @@ static __always_inline int lb_service(struct __sk_buff *skb, struct pkt *p, __u3
 				/* A terminating (or otherwise inactive) backend
 				 * keeps its connections, not its clients. */
 				if (be && be->state != BACKEND_ACTIVE)
+					be = NULL;
+				/* Local only: a client's backend elsewhere (its
+				 * affinity from a pod's connection) is not one. */
+				if (be && local_only && !is_local_backend(be))
 					be = NULL;
 			}
 		}

@@ -201,6 +201,16 @@ struct prefix_policy_value {
 #define SVC_F_MAGLEV (1U << 1)
 #define SVC_F_AFFINITY (1U << 2)
 #define SVC_F_SOURCE_RANGE (1U << 3)
+/* externalTrafficPolicy Local: traffic from outside the node is balanced
+ * over the entry of scope SVC_SCOPE_LOCAL (this node's own active
+ * backends; none: dropped), pods' traffic over this one (all backends), as
+ * Cilium's two-scope services. */
+#define SVC_F_EXT_LOCAL (1U << 4)
+
+/* svc_key.scope: the frontend's entry for everyone (0), its entry for
+ * traffic from outside the node under externalTrafficPolicy Local (1). */
+#define SVC_SCOPE_ALL 0
+#define SVC_SCOPE_LOCAL 1
 
 /* lb.v1.BackendState: only active backends get new connections (also
  * through session affinity). */

@@ -1,12 +1,13 @@
 #!/bin/sh
-# Build step of the datapath image: install bcc and iproute2 from the Debian
+# Build step of the datapath image: install bcc, iproute2 and gobgpd (the BGP
+# speaker, flagella.datapath.bgp) from the Debian
 # packages scripts/images put in /tmp/debs/datapath (offline), or from the
 # network when that folder is empty; unpack the kernel headers of
 # /tmp/debs/headers into one merged tree bcc can use as BCC_KERNEL_SOURCE
 # (Debian splits them into an -amd64 and a -common package); link bcc's
 # Python module into the venv.
 set -eu
-PACKAGES="python3-bpfcc libbpfcc iproute2"
+PACKAGES="python3-bpfcc libbpfcc iproute2 gobgpd"
 export DEBIAN_FRONTEND=noninteractive
 if ls /tmp/debs/datapath/*.deb >/dev/null 2>&1; then
   # apt orders the unpacking (pre-dependencies) and needs no package lists here.

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.net import free_port
+from harness.net import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
@@ -356,19 +356,9 @@ def start_stack(docker: DockerDaemon) -> ComposeStack:
     tag = run_tag()
     images = build_images(tag)
     ensure_shared_netns_dir()
-    ports = {
-        "etcd": free_port(),
-        "ipam": free_port(),
-        "policy": free_port(),
-        "endpoint": free_port(),
-        "lb": free_port(),
-        "datapath": free_port(),
-        "relay": free_port(),
-        "relay_ui": free_port(),
-        "otlp": free_port(),
-        "jaeger_ui": free_port(),
-        "prometheus": free_port(),
-    }
+    names = ("etcd", "ipam", "policy", "endpoint", "lb", "datapath", "relay", "relay_ui")
+    names += ("otlp", "jaeger_ui", "prometheus")
+    ports = dict(zip(names, free_ports(len(names)), strict=True))
     net = free_compose_net()
     registers = ipam_implements_register_node()
     # The certs service's folder (root-owned keys: cleaned up by the caller).

@@ -44,7 +44,15 @@ from harness.netns import wait_until
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 
 UNPRIVILEGED = ("etcd", "jaeger", "prometheus", "ipam", "policy", "endpoint", "lb", "relay")
-DATAPATH_CAPS = {"CAP_NET_ADMIN", "CAP_SYS_ADMIN", "CAP_BPF", "CAP_PERFMON"}
+DATAPATH_CAPS = {
+    "CAP_NET_ADMIN",
+    "CAP_SYS_ADMIN",
+    "CAP_BPF",
+    "CAP_PERFMON",
+    # The BGP speaker: gobgpd binds 179 with that alone (docs/bgp.md).
+    "CAP_NET_BIND_SERVICE",
+    "CAP_SETPCAP",
+}
 
 BCC_PROGRAM = r"""
 from bcc import BPF

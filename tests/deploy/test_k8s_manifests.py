@@ -58,7 +58,8 @@ TARGETS = [
     ),
 ]
 WORKLOADS = {"Deployment", "StatefulSet", "DaemonSet", "Job", "CronJob", "ReplicaSet", "Pod"}
-DATAPATH_CAPS = {"NET_ADMIN", "SYS_ADMIN", "BPF", "PERFMON"}
+# NET_BIND_SERVICE and SETPCAP: the BGP speaker (gobgpd binds 179 with that alone).
+DATAPATH_CAPS = {"NET_ADMIN", "SYS_ADMIN", "BPF", "PERFMON", "NET_BIND_SERVICE", "SETPCAP"}
 READ_VERBS = {"get", "list", "watch"}
 POLICY_READS = {(k.group, k.plural) for k in POLICY_KINDS}
 POLICY_LEASES = tuple(sorted(k.lease for k in POLICY_KINDS))
@@ -75,6 +76,8 @@ READS = {
         ("", "services"),
         ("discovery.k8s.io", "endpointslices"),
         ("cilium.io", "ciliumlocalredirectpolicies"),
+        ("cilium.io", "ciliumloadbalancerippools"),
+        ("cilium.io", "ciliumbgppeeringpolicies"),
     },
     # Which nodes need a certificate, with their addresses.
     "flagella-certgen": {("", "nodes")},
@@ -114,9 +117,14 @@ OTHER = {
         (LEASES, "leases", "update", "flagella", POLICY_LEASES),
     },
     "flagella-lb": {
+        # LB-IPAM's write-back: LoadBalancer addresses, pool conditions.
+        ("", "services/status", "patch", "", ()),
+        ("cilium.io", "ciliumloadbalancerippools/status", "patch", "", ()),
         (LEASES, "leases", "create", "flagella", ()),
         (LEASES, "leases", "get", "flagella", (LB_LEASE,)),
         (LEASES, "leases", "update", "flagella", (LB_LEASE,)),
+        # BGP neighbours' passwords: the Secrets its Role names, nothing else.
+        ("", "secrets", "get", "flagella", ("flagella-bgp-password",)),
     },
     # Secrets of its own namespace only (no list, no delete, nowhere else),
     # and the datapath's node-cert Role, which it keeps to the node Secrets.
@@ -135,7 +143,11 @@ WRITES = {
         (LEASES, "leases"),
         (flagellaendpoint.GROUP, flagellaendpoint.PLURAL),
     },
-    "flagella-lb": {(LEASES, "leases")},
+    "flagella-lb": {
+        (LEASES, "leases"),
+        ("", "services/status"),
+        ("cilium.io", "ciliumloadbalancerippools/status"),
+    },
     "flagella-certgen": {("", "secrets"), (RBAC, "roles")},
     "flagella-datapath": set(),
 }
@@ -387,9 +399,11 @@ def test_policy_crds_are_structural_have_printer_columns_and_take_the_documented
         if k.group not in ("networking.k8s.io", ADMIN_GROUP) and not k.cidr_groups
     }
     others = {k.kind for k in POLICY_KINDS if k.group == ADMIN_GROUP or k.cidr_groups}
-    assert set(crds) == {*kinds, *others, flagellaendpoint.KIND, LRP_KIND}
+    assert set(crds) == {*kinds, *others, flagellaendpoint.KIND, LRP_KIND, POOL_KIND, BGP_KIND}
     crds.pop(flagellaendpoint.KIND)
     crds.pop(LRP_KIND)  # the lb's, tested below
+    crds.pop(POOL_KIND)
+    crds.pop(BGP_KIND)
     for kind in others:
         crds.pop(kind)
     docs = _documented(kinds)
@@ -982,6 +996,8 @@ def test_the_prometheus_operator_overlay_is_the_base_and_a_pod_monitor_per_servi
 
 
 LRP_KIND = "CiliumLocalRedirectPolicy"
+POOL_KIND = "CiliumLoadBalancerIPPool"
+BGP_KIND = "CiliumBGPPeeringPolicy"
 
 
 def test_the_local_redirect_policy_crd_is_structural(rendered: dict[str, Path]) -> None:
@@ -993,3 +1009,40 @@ def test_the_local_redirect_policy_crd_is_structural(rendered: dict[str, Path]) 
     [version] = crd["spec"]["versions"]
     assert version["name"] == "v2"
     _structural(version["schema"]["openAPIV3Schema"], LRP_KIND)
+
+
+def test_the_load_balancer_ip_pool_crd_is_structural_with_a_status(
+    rendered: dict[str, Path],
+) -> None:
+    """Cilium's LB-IPAM pool kind, which the lb follows and whose status it
+    writes (docs/lb.md): cluster-scoped, a status subresource, structural."""
+    crd = _crds_by_kind(rendered)[POOL_KIND]
+    assert crd["metadata"]["name"] == "ciliumloadbalancerippools.cilium.io"
+    assert crd["spec"]["scope"] == "Cluster"
+    [version] = crd["spec"]["versions"]
+    assert version["name"] == "v2alpha1"
+    assert version["subresources"] == {"status": {}}
+    _structural(version["schema"]["openAPIV3Schema"], POOL_KIND)
+
+
+def test_the_bgp_peering_policy_crd_is_structural_and_takes_the_documented_policy(
+    rendered: dict[str, Path],
+) -> None:
+    """Cilium's kind, which the lb follows (docs/bgp.md): cluster-scoped, its
+    schema structural, the example of docs/bgp.md valid under it."""
+    crd = _crds_by_kind(rendered)[BGP_KIND]
+    assert crd["metadata"]["name"] == "ciliumbgppeeringpolicies.cilium.io"
+    assert crd["spec"]["scope"] == "Cluster"
+    [version] = crd["spec"]["versions"]
+    assert version["name"] == "v2alpha1"
+    schema = version["schema"]["openAPIV3Schema"]
+    _structural(schema, BGP_KIND)
+    docs = [
+        d
+        for text in re.findall(r"```yaml\n(.*?)```", (ROOT / "docs/bgp.md").read_text(), re.S)
+        for d in yaml.safe_load_all(text)
+        if isinstance(d, dict) and d.get("kind") == BGP_KIND
+    ]
+    assert docs, "docs/bgp.md has no example policy"
+    for doc in docs:
+        jsonschema.validate(doc, schema)

@@ -498,6 +498,129 @@ def test_nodeport_on_one_node_reaches_a_backend_on_another(mn: MultiNode) -> Non
     assert n3 is web3.node
 
 
+def test_external_traffic_policy_local_and_cluster(mn: MultiNode) -> None:
+    """A LoadBalancer address (LB-IPAM's) and an external IP of a service
+    whose one backend is on n3, reached from the outside host routing both
+    via one node at a time. externalTrafficPolicy Local: via n3 the backend
+    sees the client's own address; via n1 and n2, which have no backend of
+    it, the packets are dropped, each node's flows showing the reason
+    (SERVICE_BACKEND_NOT_FOUND, Cilium's DROP_NO_SERVICE); a pod of n1 still
+    reaches the backend by the ClusterIP and by the LoadBalancer address
+    (in-cluster traffic is not external). Cluster: every node answers, n1
+    and n2 with the source translated to their own address."""
+    n1, n2, n3 = mn.nodes
+    web1, web3 = mn.pods[0], mn.pods[2]
+    assert web3.node is n3
+    lb = mn.cluster.lb()
+    lb.UpsertLbIpPool(
+        lb_pb2.UpsertLbIpPoolRequest(
+            pool=lb_pb2.LbIpPool(name="etp", blocks=[lb_pb2.LbIpBlock(cidr="198.51.100.64/30")])
+        ),
+        timeout=10,
+    )
+    external_ip = "203.0.113.50"
+    svc = lb_pb2.Service(
+        name="apps/etp",
+        frontend=lb_pb2.Frontend(address="10.96.2.9", port=80, protocol=lb_pb2.PROTOCOL_TCP),
+        type=lb_pb2.SERVICE_TYPE_CLUSTER_IP,
+        backends=[lb_pb2.Backend(address=web3.ip4, port=TCP4, node=n3.name)],
+        external_ips=[external_ip],
+        external_traffic_policy=lb_pb2.TRAFFIC_POLICY_LOCAL,
+    )
+    svc.load_balancer.SetInParent()
+    got = lb.UpsertService(lb_pb2.UpsertServiceRequest(service=svc), timeout=10).service
+    assert got.load_balancer.condition.satisfied, got.load_balancer
+    (lb_ip,) = got.load_balancer.ingress
+    # The same over IPv6: an external IP of an IPv6 service.
+    external_ip6 = "2001:db8:50::1"
+    lb.UpsertService(
+        lb_pb2.UpsertServiceRequest(
+            service=lb_pb2.Service(
+                name="apps/etp6",
+                frontend=lb_pb2.Frontend(
+                    address="fd00:96::9", port=80, protocol=lb_pb2.PROTOCOL_TCP
+                ),
+                backends=[lb_pb2.Backend(address=web3.ip6, port=TCP6, node=n3.name)],
+                external_ips=[external_ip6],
+                external_traffic_policy=lb_pb2.TRAFFIC_POLICY_LOCAL,
+            )
+        ),
+        timeout=10,
+    )
+    outside = mn.underlay.outside
+    client = mn.underlay.outside_ip4
+
+    def via(node: Node) -> list[str | None]:
+        for prefix in (f"{lb_ip}/32", f"{external_ip}/32"):
+            outside.ip("route", "replace", prefix, "via", node.ip)
+        outside.ip(
+            "-6", "route", "replace", f"{external_ip6}/128", "via", f"fd00:100::{node.index}"
+        )
+        return probes(
+            outside,
+            [("tcp", lb_ip, 80), ("tcp", external_ip, 80), ("tcp", external_ip6, 80)],
+            timeout=0.5,
+        )
+
+    want_local = [f"web3 {client} HELLO"] * 2 + [f"web3 {mn.underlay.outside_ip6} HELLO"]
+    assert wait_until(lambda: via(n3) == want_local, timeout=10)
+    for node in (n1, n2):
+        assert via(node) == [None, None, None], node.name
+
+        def dropped(node: Node = node) -> set[str]:
+            return {
+                f.dst_ip
+                for f in mn.cluster.datapath(node).ObserveFlows(
+                    datapath_pb2.ObserveFlowsRequest(
+                        verdicts=[datapath_pb2.FLOW_VERDICT_DROPPED], last=500, follow=False
+                    ),
+                    timeout=10,
+                )
+                if f.drop_reason == datapath_pb2.DROP_REASON_NO_BACKEND
+                and f.src_ip in (client, mn.underlay.outside_ip6)
+                and f.dst_port == 80
+            }
+
+        assert wait_until(lambda: dropped() == {lb_ip, external_ip, external_ip6}, timeout=10), (
+            node.name
+        )
+    # In-cluster traffic keeps every backend (ClusterIP, and the address).
+    assert (
+        probes(web1.ns, [("tcp", "10.96.2.9", 80), ("tcp", lb_ip, 80)])
+        == [f"web3 {web1.ip4} HELLO"] * 2
+    )
+
+    lb.DeleteService(lb_pb2.DeleteServiceRequest(name="apps/etp6"), timeout=10)
+
+    svc.external_traffic_policy = lb_pb2.TRAFFIC_POLICY_CLUSTER
+    lb.UpsertService(lb_pb2.UpsertServiceRequest(service=svc), timeout=10)
+    for node in (n1, n2):
+        want = [f"web3 {node.ip} HELLO"] * 2 + [None]  # SNAT to the node towards n3
+        assert wait_until(lambda node=node, want=want: via(node) == want, timeout=10), node.name
+    assert via(n3) == [*want_local[:2], None]
+    # loadBalancerSourceRanges hold for both addresses: a client outside them
+    # is dropped with its reason.
+    svc.source_ranges.append("10.0.0.0/8")
+    lb.UpsertService(lb_pb2.UpsertServiceRequest(service=svc), timeout=10)
+    assert wait_until(lambda: via(n1) == [None] * 3, timeout=10)
+    reasons = {
+        f.dst_ip
+        for f in mn.cluster.datapath(n1).ObserveFlows(
+            datapath_pb2.ObserveFlowsRequest(
+                verdicts=[datapath_pb2.FLOW_VERDICT_DROPPED], last=500, follow=False
+            ),
+            timeout=10,
+        )
+        if f.drop_reason == datapath_pb2.DROP_REASON_SOURCE_RANGE and f.src_ip == client
+    }
+    assert reasons == {lb_ip, external_ip}
+    lb.DeleteService(lb_pb2.DeleteServiceRequest(name="apps/etp"), timeout=10)
+    for prefix in (f"{lb_ip}/32", f"{external_ip}/32"):
+        outside.ip("route", "del", prefix)
+    outside.ip("-6", "route", "del", f"{external_ip6}/128")
+    lb.DeleteLbIpPool(lb_pb2.DeleteLbIpPoolRequest(name="etp"), timeout=10)
+
+
 # One UDP datagram of n bytes to each [host, port]: prints a JSON list of
 # [server name, payload length of its answer] (the answer echoes the
 # payload) or null.

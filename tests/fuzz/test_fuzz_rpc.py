@@ -50,10 +50,30 @@ REGRESSIONS: dict[str, list[Message]] = {
         endpoint_pb2.CniRequest(node=NODE, config=CNI_CONFIG, **{"command": "ADD", name: MIB_E})
         for name in ("command", "container_id", "netns", "ifname", "args", "path")
     ],
+    # A document nested deeper than the JSON decoder's recursion limit:
+    # RecursionError (not a ValueError), INTERNAL.
+    "/flagella.lb.v1.LoadBalancerService/CreateLrp": [
+        lb_pb2.CreateLrpRequest(document="[" * 100_000)
+    ],
+    "/flagella.lb.v1.LoadBalancerService/UpsertBgpPeeringPolicy": [
+        lb_pb2.UpsertBgpPeeringPolicyRequest(document="[" * 100_000)
+    ],
     # An option name with a bracket: "set[[]" is no field path.
     "/flagella.policy.v1.PolicyService/PatchConfig": [
         policy_pb2.PatchConfigRequest(set={"[": "x"}),
         policy_pb2.PatchConfigRequest(set={"a]'\"": "x"}),
+    ],
+    # A lookup time no Timestamp may hold: INTERNAL from protobuf's check.
+    "/flagella.policy.v1.PolicyService/UpsertFQDNCache": [
+        policy_pb2.UpsertFQDNCacheRequest(
+            node=NODE,
+            entries=[
+                policy_pb2.FQDNCacheEntry(
+                    endpoint="1", name="a.example", ips=["192.0.2.1"], ttl=60, lookup={"seconds": s}
+                )
+            ],
+        )
+        for s in (-(2**63), 253402300799)
     ],
     # NOT_FOUND naming no field.
     "/flagella.relay.v1.RelayService/ObserveFlows": [relay_pb2.ObserveRequest(nodes=["nope"])],

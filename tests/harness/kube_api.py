@@ -4,8 +4,9 @@ for a few collections (no real API server can run on these machines).
 It serves, for the collections in COLLECTIONS (Services, EndpointSlices,
 Pods, Namespaces, Nodes, NetworkPolicies, and the CiliumNetworkPolicy,
 CiliumClusterwideNetworkPolicy, FlagellaNetworkPolicy, CiliumCIDRGroup,
-FlagellaEndpoint, AdminNetworkPolicy and BaselineAdminNetworkPolicy custom
-resources, each at its all-namespaces path /api/v1/<plural> or
+FlagellaEndpoint, AdminNetworkPolicy, BaselineAdminNetworkPolicy,
+CiliumLocalRedirectPolicy, CiliumLoadBalancerIPPool and CiliumBGPPeeringPolicy
+custom resources, each at its all-namespaces path /api/v1/<plural> or
 /apis/<group>/<version>/<plural>):
 - LIST: GET -> {"kind": "<Kind>List", "metadata": {"resourceVersion"}, "items"}
   [&limit=N[&continue=T]]: pages of at most N items, all of the first
@@ -35,6 +36,11 @@ WRITABLE; Pods and Namespaces only tests write, with apply()):
   `events`, in order.
 - Nodes (/api/v1/nodes/<name>): GET, and PATCH with a merge patch (as
   ipam's AnnotateNode writes annotations; 404 when absent).
+- The status of Services (/api/v1/namespaces/<ns>/services/<name>/status)
+  and of CiliumLoadBalancerIPPools (/apis/cilium.io/v2alpha1/
+  ciliumloadbalancerippools/<name>/status): PATCH with a merge patch of the
+  status alone (the lb's LoadBalancer addresses and pool conditions;
+  refuse("PATCH", "services/status") makes the next one fail).
 refuse(method, resource) makes the next such write fail (HTTP 500 unless
 told), changing nothing: a client's retry can be tested.
 One resourceVersion counter covers all objects, as etcd's revision does for
@@ -122,7 +128,27 @@ COLLECTIONS = {
         "CiliumLocalRedirectPolicyList",
         "cilium.io/v2",
     ),
+    # The lb's LB-IPAM pools.
+    "/apis/cilium.io/v2alpha1/ciliumloadbalancerippools": (
+        "ciliumloadbalancerippools",
+        "CiliumLoadBalancerIPPoolList",
+        "cilium.io/v2alpha1",
+    ),
+    # The lb's BGP peering policies.
+    "/apis/cilium.io/v2alpha1/ciliumbgppeeringpolicies": (
+        "ciliumbgppeeringpolicies",
+        "CiliumBGPPeeringPolicyList",
+        "cilium.io/v2alpha1",
+    ),
 }
+# The status subresources clients may merge-patch (the lb's LoadBalancer
+# status, its pools' conditions): only the object's status changes.
+STATUS_PATHS = (
+    re.compile(r"^/api/v1/namespaces/(?P<ns>[^/]+)/(?P<res>services)/(?P<name>[^/]+)/status$"),
+    re.compile(
+        r"^/apis/cilium\.io/v2alpha1/(?P<res>ciliumloadbalancerippools)/(?P<name>[^/]+)/status$"
+    ),
+)
 # One object's path (or a namespaced collection's, for POST): its resource,
 # namespace ("" when cluster-scoped) and name (None: the collection).
 OBJECT_PATHS = (
@@ -465,6 +491,19 @@ class KubeListWatchServer:
         except ValueError:
             self._send_json(h, 400, _status(400, "BadRequest", "body is not JSON"))
             return
+        for pattern in STATUS_PATHS:
+            m = pattern.match(url.path)
+            if m is not None and method == "PATCH":
+                key = (m.groupdict().get("ns") or "", m["name"])
+                with self._lock:
+                    refusals = self._refusals.get((method, m["res"] + "/status"))
+                    if refusals:
+                        code = refusals.pop(0)
+                        self._send_json(h, code, _status(code, "InternalError", "refused (test)"))
+                        return
+                    current = self._objects[m["res"]].get(key)
+                    self._patch(h, m["res"], key, current, {"status": body.get("status")})
+                return
         where = object_path(url.path)
         if where is not None and where[0] == "events" and where[2] is None and method == "POST":
             with self._lock:

@@ -141,6 +141,10 @@ EXPECTED: dict[str, set[str]] = {
     "lb/DeleteLrp": OP,
     "lb/GetLrp": NODES | OP,
     "lb/WatchLrps": NODES | OP,
+    "lb/UpsertBgpPeeringPolicy": OP,
+    "lb/DeleteBgpPeeringPolicy": OP,
+    "lb/ListBgpPeeringPolicies": NODES | OP,
+    "lb/WatchBgpPeeringPolicies": NODES,
     "lb/UpsertLbIpPool": OP,
     "lb/DeleteLbIpPool": OP,
     "lb/ListLbIpPools": NODES | OP,
@@ -177,6 +181,9 @@ EXPECTED: dict[str, set[str]] = {
     "datapath/GetMapEvents": OP,
     "datapath/GetDebuginfo": OP,
     "datapath/GetCgroupDumpMetadata": OP,
+    "datapath/GetBgpPeers": OP,
+    "datapath/GetBgpRoutes": OP,
+    "datapath/GetBgpRoutePolicies": OP,
 }
 
 

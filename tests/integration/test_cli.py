@@ -51,6 +51,20 @@ spec:
 """
 
 
+BGP_POLICY = """
+apiVersion: cilium.io/v2alpha1
+kind: CiliumBGPPeeringPolicy
+metadata: {name: rack9}
+spec:
+  nodeSelector: {matchLabels: {rack: rack9}}
+  virtualRouters:
+  - localASN: 65001
+    exportPodCIDR: true
+    neighbors:
+    - {peerAddress: 192.0.2.254/32, peerASN: 64512}
+"""
+
+
 @pytest.fixture
 def suite(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> tuple[Cluster, Node]:
     # The CLI finds its operator certificate here.
@@ -256,16 +270,45 @@ def test_every_command_group(suite: tuple[Cluster, Node], tmp_path: Path) -> Non
         frontend=lb_pb2.Frontend(address="10.96.5.6", port=5432, protocol=lb_pb2.PROTOCOL_TCP),
         labels={"tier": "db"},
         load_balancer=lb_pb2.LoadBalancer(),
+        external_ips=["192.0.2.20"],
+        external_traffic_policy=lb_pb2.TRAFFIC_POLICY_LOCAL,
     )
     cluster.lb().UpsertService(lb_pb2.UpsertServiceRequest(service=lb_svc), timeout=10)
     lb_svc.name, lb_svc.frontend.address, lb_svc.labels["tier"] = "shop/web-lb", "10.96.5.7", "web"
+    del lb_svc.external_ips[:]
+    lb_svc.external_traffic_policy = lb_pb2.TRAFFIC_POLICY_CLUSTER
     cluster.lb().UpsertService(lb_pb2.UpsertServiceRequest(service=lb_svc), timeout=10)
     listed = run(cluster, node, "service", "list").stdout
     assert "203.0.113.8" in listed, listed
     assert "<pending: no_pool>" in listed, listed
+    # The external IP after the LoadBalancer address, and eTP.
+    (db_lb,) = [line for line in listed.splitlines() if "shop/db-lb" in line]
+    assert "203.0.113.8,192.0.2.20" in db_lb, db_lb
+    assert "Local" in db_lb.split(), db_lb
+    (web_lb,) = [line for line in listed.splitlines() if "shop/web-lb" in line]
+    assert "Cluster" in web_lb.split(), web_lb
     pools = as_json(cluster, node, "lb-pool", "list")
-    assert [(p["name"], p["used"], p["size"]) for p in pools] == [("shop-pool", "1", "2")]
+    assert [(p["name"], p["used"], p["size"], p["source"]) for p in pools] == [
+        ("shop-pool", "1", "2", "api")
+    ]
     assert "shop-pool" in run(cluster, node, "lb-pool", "delete", "shop-pool").stdout
+    # BGP: a peering policy from a CiliumBGPPeeringPolicy file (it selects
+    # no node here), its refusal naming the field, the node's speaker.
+    bgp_file = tmp_path / "bgp.yaml"
+    bgp_file.write_text(BGP_POLICY)
+    assert "rack9" in run(cluster, node, "bgp", "policy", "put", str(bgp_file)).stdout
+    listed_bgp = run(cluster, node, "bgp", "policy", "list").stdout
+    assert "rack9" in listed_bgp, listed_bgp
+    assert "192.0.2.254/AS64512" in listed_bgp, listed_bgp
+    [bgp_json] = as_json(cluster, node, "bgp", "policy", "list")
+    assert bgp_json["virtual_routers"][0]["local_asn"] == "65001"
+    bgp_file.write_text(BGP_POLICY.replace("localASN: 65001", "localASN: 0"))
+    refused = run(cluster, node, "bgp", "policy", "put", str(bgp_file), check=False)
+    assert refused.returncode != 0
+    assert "policy.virtual_routers[0].local_asn" in refused.stderr, refused.stderr
+    peers = as_json(cluster, node, "bgp", "peers")
+    assert [entry["speaker"]["state"] for entry in peers.values()] == ["disabled"]
+    assert "rack9" in run(cluster, node, "bgp", "policy", "delete", "rack9").stdout
     allocs = as_json(cluster, node, "ipam", "list", "--node", "n1")
     assert {a["ip"] for a in allocs} == {api_ip, db_ip, other_ip}
     assert "ctr-api" in run(cluster, node, "ipam", "list").stdout

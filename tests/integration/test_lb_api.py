@@ -116,6 +116,45 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
         {"type": pb.SERVICE_TYPE_NODE_PORT, "node_port": 30001},
         "service.node_port",
     ),
+    ("bad external IP", {"external_ips": ["203.0.113.x"]}, "service.external_ips[0]"),
+    ("external IP of the other family", {"external_ips": ["fd00::1"]}, "service.external_ips[0]"),
+    (
+        "duplicate external IP",
+        {"external_ips": ["203.0.113.1", "203.0.113.1"]},
+        "service.external_ips[1]",
+    ),
+    ("external IP multicast", {"external_ips": ["224.0.0.1"]}, "service.external_ips[0]"),
+    (
+        "external IP another service's frontend",
+        {"external_ips": ["203.0.113.5", "10.96.2.1"]},
+        "service.external_ips[1]",
+    ),
+    (
+        "external IP another service's external IP",
+        {"external_ips": ["203.0.113.9"]},
+        "service.external_ips[0]",
+    ),
+    ("frontend another service's external IP", {"address": "203.0.113.9"}, "service.frontend"),
+    ("unknown traffic policy", {"external_traffic_policy": 7}, "service.external_traffic_policy"),
+    (
+        "health check port without Local",
+        {"health_check_node_port": 30005},
+        "service.health_check_node_port",
+    ),
+    (
+        "health check port outside the range",
+        {
+            "type": pb.SERVICE_TYPE_NODE_PORT,
+            "external_traffic_policy": pb.TRAFFIC_POLICY_LOCAL,
+            "health_check_node_port": 30010,
+        },
+        "service.health_check_node_port",
+    ),
+    (
+        "Local on a ClusterIP service without external IPs",
+        {"external_traffic_policy": pb.TRAFFIC_POLICY_LOCAL},
+        "service.external_traffic_policy",
+    ),
 ]
 
 
@@ -132,6 +171,7 @@ def test_rejections_name_the_field_and_store_nothing(
             [("10.2.0.9", 80)],
             type=pb.SERVICE_TYPE_NODE_PORT,
             node_port=30001,
+            external_ips=["203.0.113.9"],
         )
     )
     c.upsert(service("errors/mine", "10.96.2.2", 80, [("10.2.0.8", 80)]))
@@ -144,6 +184,8 @@ def test_rejections_name_the_field_and_store_nothing(
         err = rpc_error(c.upsert, service(name, address, **kw))
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (what, err.details())
         assert err.details().startswith(f"{field}: "), err.details()
+        if "another service" in what:
+            assert "'errors/taken'" in err.details(), err.details()
         assert etcd_dump(etcd) == before
     assert rpc_error(c.get, "errors/new").code() == grpc.StatusCode.NOT_FOUND
 
@@ -252,3 +294,51 @@ def test_maglev_table_rpc(lb: tuple[EtcdServer, LbClient]) -> None:
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert err.details().startswith("name: ")
     assert rpc_error(c.table, "mg/none").code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_external_ips_and_traffic_policy(lb: tuple[EtcdServer, LbClient]) -> None:
+    """Stored in canonical form, returned, freed by an update and by the
+    delete; the same address on another port is another frontend."""
+    etcd, c = lb
+    ext = service(
+        "ext/a",
+        "fd00:96::1",
+        443,
+        [("fd00:2::1", 8443)],
+        external_ips=["2001:DB8::10", "2001:db8:0::11"],
+        external_traffic_policy=pb.TRAFFIC_POLICY_LOCAL,
+    )
+    ext.health_check_node_port = 30007
+    got = c.upsert(ext).service
+    assert list(got.external_ips) == ["2001:db8::10", "2001:db8::11"]
+    assert got.external_traffic_policy == pb.TRAFFIC_POLICY_LOCAL
+    assert got.health_check_node_port == 30007
+    assert c.get("ext/a").external_ips == got.external_ips
+    # The same again writes nothing.
+    again = c.upsert(ext)
+    assert not again.created
+    assert again.service.revision == got.revision
+    keys = {k for k in etcd_dump(etcd) if "/frontends/TCP/2001:db8::" in k}
+    assert keys == {
+        "flagella/lb/v1/frontends/TCP/2001:db8::10/443",
+        "flagella/lb/v1/frontends/TCP/2001:db8::11/443",
+    }
+    # Another port of the same address is another frontend.
+    other = service("ext/b", "fd00:96::2", 80, external_ips=["2001:db8::10"])
+    assert list(c.upsert(other).service.external_ips) == ["2001:db8::10"]
+    # Taken on 443 until ext/a lets it go.
+    taken = service("ext/c", "fd00:96::3", 443, external_ips=["2001:db8::11"])
+    err = rpc_error(c.upsert, taken)
+    assert err.details() == (
+        "service.external_ips[0]: [2001:db8::11]:443/TCP is already served by service 'ext/a'"
+    )
+    del ext.external_ips[1]
+    ext.external_traffic_policy = pb.TRAFFIC_POLICY_CLUSTER
+    ext.health_check_node_port = 0
+    got = c.upsert(ext).service
+    assert list(got.external_ips) == ["2001:db8::10"]
+    assert got.external_traffic_policy == pb.TRAFFIC_POLICY_CLUSTER
+    assert list(c.upsert(taken).service.external_ips) == ["2001:db8::11"]
+    for name in ("ext/a", "ext/b", "ext/c"):
+        assert c.delete(name)
+    assert not {k for k in etcd_dump(etcd) if "2001:db8::" in k}

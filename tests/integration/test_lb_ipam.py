@@ -192,3 +192,33 @@ def test_pools_and_assignment(replicas: tuple[EtcdServer, LbClient, LbClient]) -
     # A pool in use can be deleted: its services wait for another pool.
     assert a.stub.DeleteLbIpPool(pb.DeleteLbIpPoolRequest(name="wide"), timeout=30).deleted
     assert b.get("race/s0").load_balancer.condition.reason in ("pool_exhausted", "no_pool")
+
+
+def test_an_external_ip_another_service_has_as_its_loadbalancer_address(
+    replicas: tuple[EtcdServer, LbClient, LbClient],
+) -> None:
+    """Refused on the same protocol and port, naming that service (and
+    nothing stored); on another port it is another frontend."""
+    etcd, c, _ = replicas
+    # Its own namespace's: the earlier test's pending services take no address of it.
+    ext_only = {"io.kubernetes.service.namespace": "ext"}
+    c.stub.UpsertLbIpPool(pool("ext-pool", "192.0.2.200/31", service_selector=ext_only), timeout=10)
+    got = c.upsert(lb_service("ext/lb", "10.96.90.1", 80)).service
+    (addr,) = got.load_balancer.ingress
+    before = etcd_dump(etcd)
+    svc = service("ext/ip", "10.96.90.2", 80, external_ips=["192.0.2.1", addr])
+    invalid(c, "UpsertService", pb.UpsertServiceRequest(service=svc), "service.external_ips[1]")
+    err = rpc_error(c.upsert, svc)
+    assert "'ext/lb'" in err.details(), err.details()
+    invalid(
+        c,
+        "UpsertServices",
+        pb.UpsertServicesRequest(services=[service("ext/ok", "10.96.90.3", 80), svc]),
+        "services[1].external_ips[1]",
+    )
+    assert etcd_dump(etcd) == before
+    other_port = service("ext/ip", "10.96.90.2", 81, external_ips=[addr])
+    assert list(c.upsert(other_port).service.external_ips) == [addr]
+    for name in ("ext/ip", "ext/lb"):
+        assert c.delete(name)
+    c.stub.DeleteLbIpPool(pb.DeleteLbIpPoolRequest(name="ext-pool"), timeout=10)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+from dataclasses import replace
 
 import pytest
 from harness.bpf import POD_A, POD_B, new_pin_root, private_datapath
@@ -26,6 +27,7 @@ from flagella.datapath.bpf import (
 )
 from flagella.datapath.bpf import layout as L
 from flagella.datapath.bpf import packets as P
+from flagella.datapath.bpf.lb import svc_key
 from flagella.datapath.bpf.mapevents import DELETE, UPDATE
 from flagella.datapath.bpf.tables import Tuple, ct_key, monotonic_ns
 
@@ -355,3 +357,63 @@ def test_endpoint_entries_are_found_without_a_walk_and_follow_every_write(
             second.close()
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_local_traffic_policy_entries_come_and_go(dp: Datapath) -> None:
+    """An externalTrafficPolicy Local frontend: its own entry (all backends)
+    flagged external-local, and a scope-local entry with this node's active
+    backends; none local: count 0; no longer Local, then deleted: nothing
+    of the local scope is left."""
+    cluster_ip = Frontend("10.96.0.5", 80, L.PROTO_TCP, 5)
+    lb_ip = Frontend("192.0.2.10", 80, L.PROTO_TCP, 5 | 1 << 24, nodeport=True, local_only=True)
+    backends = (Backend(1, "10.0.0.1", 80, local=True), Backend(2, "10.0.0.2", 80))
+    svc = Service(5, (cluster_ip, lb_ip), backends)
+
+    def rows() -> dict[tuple[str, str, str], dict[str, str]]:
+        return {
+            (k["address"], k["scope"], k["slot"]): v
+            for k, v in dp.dump("services")
+            if k["address"] in ("10.96.0.5", "192.0.2.10")
+        }
+
+    dp.upsert_service(svc)
+    got = rows()
+    assert set(got) == {
+        ("10.96.0.5", "all", "0"),
+        ("10.96.0.5", "all", "1"),
+        ("10.96.0.5", "all", "2"),
+        ("192.0.2.10", "all", "0"),
+        ("192.0.2.10", "all", "1"),
+        ("192.0.2.10", "all", "2"),
+        ("192.0.2.10", "local", "0"),
+        ("192.0.2.10", "local", "1"),
+    }
+    assert "external-local" in got[("192.0.2.10", "all", "0")]["flags"]
+    assert "external-local" not in got[("10.96.0.5", "all", "0")]["flags"]
+    assert got[("192.0.2.10", "local", "0")]["count"] == "1"
+    assert got[("192.0.2.10", "local", "1")]["backend_id"] == "1"
+
+    dp.upsert_service(replace(svc, backends=(replace(backends[0], local=False), backends[1])))
+    got = rows()
+    assert got[("192.0.2.10", "local", "0")]["count"] == "0"
+    assert ("192.0.2.10", "local", "1") not in got
+
+    dp.upsert_service(replace(svc, frontends=(cluster_ip, replace(lb_ip, local_only=False))))
+    got = rows()
+    assert not [k for k in got if k[1] == "local"]
+    assert "external-local" not in got[("192.0.2.10", "all", "0")]["flags"]
+
+    # A local entry left by a crash before the flag was written goes at the
+    # next write of the frontend.
+    dp.services.update(
+        svc_key("192.0.2.10", 80, L.PROTO_TCP, 0, L.SVC_SCOPE_LOCAL),
+        L.SvcValue(count=0, rev_nat_id=lb_ip.rev_nat_id, service_id=5),
+    )
+    assert ("192.0.2.10", "local", "0") in rows()
+    dp.upsert_service(replace(svc, frontends=(cluster_ip, replace(lb_ip, local_only=False))))
+    assert not [k for k in rows() if k[1] == "local"]
+
+    dp.upsert_service(svc)
+    assert ("192.0.2.10", "local", "1") in rows()
+    dp.delete_service(5)
+    assert rows() == {}

@@ -27,7 +27,7 @@ from flagella.datapath.bpf import (
 )
 from flagella.datapath.bpf import layout as L
 from flagella.datapath.bpf import packets as P
-from flagella.datapath.bpf.tables import Tuple
+from flagella.datapath.bpf.tables import Tuple, monotonic_ns
 
 pytestmark = pytest.mark.privileged
 
@@ -450,3 +450,49 @@ def test_remote_backend_next_hop_unresolved_or_unroutable(
         )
     assert out.retval == L.TC_ACT_SHOT
     assert dp.metrics.drops(DropReason.FIB_LOOKUP_FAILED, INGRESS) == 1
+
+
+def test_local_traffic_policy_balances_over_local_backends_only(dp: Datapath) -> None:
+    """externalTrafficPolicy Local on the NodePort frontend: outside clients
+    reach the local backends only (never the remote one, so never SNAT),
+    a client's affinity to the remote backend (from a pod's connection) is
+    not used; without a local backend the packet is dropped (NO_BACKEND);
+    pods keep every backend, through the ClusterIP and the node port."""
+    setup(dp)
+    remote = "10.250.0.9"
+    backends = (
+        Backend(7, POD_A.ip, 8080, local=True),
+        Backend(8, POD_B.ip, 8080, local=True),
+        Backend(9, remote, 8080),
+    )
+    local_np = Frontend(NODE_IP, NODE_PORT, 6, FE_REV_NAT, nodeport=True, local_only=True)
+    svc = Service(
+        SID,
+        (Frontend(VIP, 80, 6, frontend_rev_nat_id(SID, 0)), local_np),
+        backends,
+    )
+    dp.upsert_service(svc)
+    chosen = {backend_of(dp, from_outside(f"198.51.100.{i}", 51000)) for i in range(20, 80)}
+    assert chosen == {POD_A.ip, POD_B.ip}
+    # Pods: every backend (the remote one too), at the ClusterIP and the node port.
+    for dst, dport in ((VIP, 80), (NODE_IP, NODE_PORT)):
+        seen = set()
+        for sport in range(46000, 46060):
+            out = dp.test_run("from_container", P.build(POD_C.ip, dst, sport=sport, dport=dport))
+            seen.add(P.parse(out.data).dst)
+        assert seen == {POD_A.ip, POD_B.ip, remote}, dst
+
+    # Affinity: a client's entry naming the remote backend is not used.
+    dp.upsert_service(Service(SID, svc.frontends, backends, affinity_timeout=60))
+    k = L.AffinityKey(service_id=SID)
+    L.set_addr(k.client, CLIENT)
+    dp.affinity.update(k, L.AffinityValue(last_used=monotonic_ns(), backend_id=9))
+    first = backend_of(dp, from_outside(sport=51100))
+    assert first in (POD_A.ip, POD_B.ip)
+    assert {backend_of(dp, from_outside(sport=s)) for s in range(51101, 51120)} == {first}
+
+    # No local backend: dropped, with its reason.
+    dp.upsert_service(Service(SID, svc.frontends, (Backend(9, remote, 8080),)))
+    out = dp.test_run("from_netdev", from_outside(sport=51200))
+    assert out.retval == L.TC_ACT_SHOT
+    assert dp.metrics.drops(DropReason.NO_BACKEND, INGRESS) == 1

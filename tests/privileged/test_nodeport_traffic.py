@@ -338,3 +338,68 @@ def test_loadbalancer_address_from_outside(cluster: Cluster, node: Node) -> None
     assert outside.request("tcp", node.ip, got.node_port, timeout=2) is not None
     lb.DeleteService(lb_pb2.DeleteServiceRequest(name="default/web-lb"), timeout=10)
     assert wait_until(lambda: outside.request("tcp", lb_ip, 80, timeout=1) is None)
+
+
+# GET http://host:port/ -> [status, JSON body] or null.
+HEALTH_GET = r"""
+import http.client, json, sys
+try:
+    c = http.client.HTTPConnection(sys.argv[1], int(sys.argv[2]), timeout=2)
+    c.request("GET", "/healthz")
+    r = c.getresponse()
+    print(json.dumps([r.status, json.loads(r.read())]))
+except OSError:
+    print("null")
+"""
+
+
+def health(ns: Netns, host: str, port: int) -> list[object] | None:
+    out = ns.run(sys.executable, "-c", HEALTH_GET, host, str(port), timeout=30)
+    answer: list[object] | None = json.loads(out.stdout)
+    return answer
+
+
+def test_local_traffic_policy_and_its_health_check_node_port(cluster: Cluster, node: Node) -> None:
+    """externalTrafficPolicy Local on a NodePort: with its backends on this
+    node the client's address is seen; the health check node port answers
+    200 with the local endpoint count. Backends elsewhere: the node port
+    drops and the health check says 503 with 0; the port closes with the
+    service."""
+    pods = backends_up(cluster, node, n=2)
+    svc = nodeport_service("default/web-hc", [p.ip for p in pods])
+    for b in svc.backends:
+        b.node = "n1"
+    svc.external_traffic_policy = lb_pb2.TRAFFIC_POLICY_LOCAL
+    svc.health_check_node_port = 31500
+    got = upsert(cluster, svc)
+    outside = node.outside
+    assert wait_until(lambda: outside.request("tcp", node.ip, got.node_port, timeout=1) is not None)
+    answers = peer_requests(outside, "tcp", node.ip, got.node_port, 10)
+    assert None not in answers, answers
+    assert {str(a[0]).split()[1] for a in answers if a} == {OUTSIDE_IP}, answers
+    want = [
+        200,
+        {
+            "service": {"namespace": "default", "name": "web-hc"},
+            "localEndpoints": 2,
+            "serviceProxyHealthy": True,
+        },
+    ]
+    assert wait_until(lambda: health(outside, node.ip, 31500) == want)
+
+    for b in svc.backends:
+        b.node = "n2"
+    upsert(cluster, svc)
+    want = [
+        503,
+        {
+            "service": {"namespace": "default", "name": "web-hc"},
+            "localEndpoints": 0,
+            "serviceProxyHealthy": True,
+        },
+    ]
+    assert wait_until(lambda: health(outside, node.ip, 31500) == want)
+    assert outside.request("tcp", node.ip, got.node_port, timeout=1) is None
+
+    cluster.lb().DeleteService(lb_pb2.DeleteServiceRequest(name="default/web-hc"), timeout=10)
+    assert wait_until(lambda: health(outside, node.ip, 31500) is None)

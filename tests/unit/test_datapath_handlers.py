@@ -69,3 +69,30 @@ def test_loadbalancer_addresses_are_node_port_frontends_at_the_service_port() ->
         "10.96.0.7",
         "198.51.100.8",
     ]
+
+
+def test_external_ips_and_local_traffic_policy() -> None:
+    """External IPs are node-port frontends after LB-IPAM's two rev-NAT
+    indexes; under Local every external frontend (node ports, LoadBalancer
+    addresses, external IPs) is local only, the ClusterIP not; a backend is
+    this node's when its node is this node's name."""
+    svc = nodeport_service()
+    svc.backends[0].node = "n1"
+    svc.backends[1].node = "n2"
+    svc.external_ips.extend(["203.0.113.7", "2001:db8::7"])
+    svc.load_balancer.ingress.append("198.51.100.8")
+    out = bpf_service(svc, None, ("192.168.1.1",), "n1")
+    fronts = [(f.address, f.port, f.rev_nat_id, f.nodeport, f.local_only) for f in out.frontends]
+    assert fronts == [
+        ("10.96.0.7", 80, frontend_rev_nat_id(34, 0), False, False),
+        ("192.168.1.1", 30007, frontend_rev_nat_id(34, 1), True, False),
+        ("198.51.100.8", 80, frontend_rev_nat_id(34, 2), True, False),
+        ("203.0.113.7", 80, frontend_rev_nat_id(34, 4), True, False),
+    ]
+    assert [b.local for b in out.backends] == [True, False]
+    svc.external_traffic_policy = lb_pb2.TRAFFIC_POLICY_LOCAL
+    out = bpf_service(svc, None, ("192.168.1.1",), "n2")
+    assert [f.local_only for f in out.frontends] == [False, True, True, True]
+    assert [b.local for b in out.backends] == [False, True]
+    # No node name: no backend is local (fail closed: dropped, not SNATed).
+    assert not any(b.local for b in bpf_service(svc, None, ("192.168.1.1",)).backends)

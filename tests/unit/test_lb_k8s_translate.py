@@ -4,8 +4,17 @@ from __future__ import annotations
 
 from harness.kube_api import k8s_endpoint_slice, k8s_service
 
-from flagella.lb.k8s import slice_service, translate
-from flagella.lb.model import Algorithm, BackendState, Protocol, ServiceType, Source
+from flagella.lb.k8s import is_lbipam_service, lb_request, lb_status, slice_service, translate
+from flagella.lb.lbipam import SATISFIED, Claimant, Condition, LbRequest
+from flagella.lb.lbipam_store import Claim
+from flagella.lb.model import (
+    Algorithm,
+    BackendState,
+    Protocol,
+    ServiceType,
+    Source,
+    TrafficPolicy,
+)
 from flagella.lb.validation import Limits, build_spec
 
 PORTS = [
@@ -113,3 +122,70 @@ def test_slices_of_other_services_and_ports_are_ignored() -> None:
     )
     (only,) = translate(svc, [wrong_port])
     assert only.backends == []
+
+
+def test_loadbalancer_service_external_ips_and_traffic_policy() -> None:
+    svc = k8s_service(
+        "shop",
+        "web",
+        "10.96.0.10",
+        [{"name": "http", "port": 80, "protocol": "TCP", "nodePort": 30080}],
+        type="LoadBalancer",
+        annotations={
+            "lbipam.cilium.io/ips": "2001:db8::5, 198.51.100.9, nonsense",
+            "lbipam.cilium.io/sharing-key": "shared",
+        },
+    )
+    svc["spec"].update(
+        externalTrafficPolicy="Local",
+        externalIPs=["203.0.113.1", "2001:db8::1"],
+        healthCheckNodePort=31999,
+    )
+    (raw,) = translate(svc, [], Algorithm.RANDOM)
+    assert raw.external_traffic_policy is TrafficPolicy.LOCAL
+    assert raw.health_check_node_port == 31999
+    assert list(raw.external_ips) == ["203.0.113.1"]  # the IPv4 service's
+    assert raw.load_balancer
+    spec = build_spec(raw, Limits())
+    assert spec.external_ips == ("203.0.113.1",)
+    assert lb_request(svc, 4) == LbRequest(("198.51.100.9",), "shared", (4,))
+    assert lb_request(svc, 6) == LbRequest(("2001:db8::5",), "shared", (6,))
+    # spec.loadBalancerIP first; without a sharing key, the Service's own.
+    svc["spec"]["loadBalancerIP"] = "198.51.100.7"
+    del svc["metadata"]["annotations"]["lbipam.cilium.io/sharing-key"]
+    assert lb_request(svc, 4) == LbRequest(("198.51.100.7",), "service:shop/web", (4,))
+    # Only unset or Cilium's class is LB-IPAM's; other types are not.
+    assert is_lbipam_service(svc)
+    svc["spec"]["loadBalancerClass"] = "io.cilium/bgp-control-plane"
+    assert is_lbipam_service(svc)
+    svc["spec"]["loadBalancerClass"] = "example.com/lb"
+    assert not is_lbipam_service(svc)
+    assert not translate(svc, [], Algorithm.RANDOM)[0].load_balancer
+    svc["spec"]["type"] = "NodePort"
+    del svc["spec"]["loadBalancerClass"]
+    assert not is_lbipam_service(svc)
+
+
+def test_status_of_a_service_from_its_claims() -> None:
+    def claim(addresses: tuple[str, ...], cond: Condition = SATISFIED) -> Claim:
+        who = Claimant("shop/web:http", "shop", {}, frozenset(), LbRequest())
+        return Claim(who, addresses, cond)
+
+    both = [claim(("2001:db8::1",)), claim(("198.51.100.1",)), claim(("198.51.100.1",))]
+    addresses, cond = lb_status(both)
+    assert addresses == ["198.51.100.1", "2001:db8::1"]
+    assert cond is not None
+    assert (cond["type"], cond["status"], cond["reason"]) == (
+        "io.cilium/lb-ipam-request-satisfied",
+        "True",
+        "satisfied",
+    )
+    full = Condition(False, "pool_exhausted", "no free IPv4 address in p")
+    addresses, cond = lb_status([claim(("198.51.100.1",)), claim((), full)])
+    assert cond is not None
+    assert (cond["status"], cond["reason"], cond["message"]) == (
+        "False",
+        "pool_exhausted",
+        full.message,
+    )
+    assert lb_status([None]) == ([], None)

@@ -3,17 +3,25 @@ plan() (requested, kept, shared, exhausted, all families or none)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from flagella.common.errors import InvalidArgument
 from flagella.lb.lbipam import (
+    NAMESPACE_LABEL,
+    SOURCE_KUBERNETES,
     AddressUse,
     Assigned,
     Claimant,
+    Expression,
     LbRequest,
+    Pool,
     Unsatisfied,
+    conflicts,
     overlap,
     plan,
+    usable,
     validate_pool,
     validate_request,
 )
@@ -81,3 +89,52 @@ def test_plan() -> None:
     assert isinstance(out, Unsatisfied)
     assert out.condition.reason == "already_allocated"
     assert "s1" in out.condition.message
+
+
+def test_kubernetes_pools_overlapping_are_conflicting_and_not_used() -> None:
+    """API pools never overlap (refused); a Kubernetes pool overlapping a pool
+    taken before it (the API's, then older objects) is conflicting, and
+    usable() leaves it out; the older one keeps its addresses."""
+    api = validate_pool("api", [("10.0.0.0/30", "", "")], {}, False)
+    old = replace(
+        validate_pool("old", [("10.0.1.0/30", "", "")], {}, False),
+        source=SOURCE_KUBERNETES,
+        created="2026-01-01T00:00:00Z",
+    )
+    new = replace(
+        validate_pool("new", [("", "10.0.1.2", "10.0.1.9")], {}, False),
+        source=SOURCE_KUBERNETES,
+        created="2026-02-01T00:00:00Z",
+    )
+    onto_api = replace(
+        validate_pool("a-onto-api", [("10.0.0.2/31", "", "")], {}, False),
+        source=SOURCE_KUBERNETES,
+        created="2025-01-01T00:00:00Z",
+    )
+    bad = conflicts([new, api, old, onto_api])
+    assert set(bad) == {"new", "a-onto-api"}
+    assert bad["new"] == "10.0.1.2-10.0.1.9 overlaps pool 'old' (10.0.1.0/30)"
+    assert [p.name for p in usable([new, api, old, onto_api])] == ["api", "old"]
+    # Without the older one the newer is fine; a Kubernetes pool is never refused.
+    assert conflicts([new, api]) == {}
+    assert overlap(new, [old]) is None
+    assert overlap(api, [old, replace(api, name="x")]) is not None
+
+
+def test_pool_selector_expressions() -> None:
+    pool = replace(
+        validate_pool("p", [("10.0.0.0/30", "", "")], {"app": "web"}, False),
+        expressions=(
+            Expression("tier", "NotIn", ("internal",)),
+            Expression("team", "Exists"),
+            Expression("legacy", "DoesNotExist"),
+            Expression(NAMESPACE_LABEL, "In", ("a", "b")),
+        ),
+    )
+    assert pool.matches("a", {"app": "web", "team": "x"})
+    assert pool.matches("b", {"app": "web", "team": "x", "tier": "edge"})
+    assert not pool.matches("c", {"app": "web", "team": "x"})
+    assert not pool.matches("a", {"app": "web", "team": "x", "tier": "internal"})
+    assert not pool.matches("a", {"app": "web"})
+    assert not pool.matches("a", {"app": "web", "team": "x", "legacy": ""})
+    assert Pool.from_doc(pool.to_doc()) == pool

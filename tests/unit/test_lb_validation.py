@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 from google.protobuf.duration_pb2 import Duration
@@ -13,10 +14,12 @@ from flagella.lb.model import (
     Affinity,
     Algorithm,
     BackendState,
+    Frontend,
     Protocol,
     ServiceRecord,
     ServiceType,
     Source,
+    TrafficPolicy,
 )
 from flagella.lb.servicer import raw_from_proto, service_to_proto
 from flagella.lb.validation import (
@@ -274,3 +277,72 @@ def test_canonical_ip_is_check_ip_faster(value: str) -> None:
         return (str(ip), ip.version, int(ip))
 
     assert outcome(lambda: canonical_ip(value, "f")) == outcome(slow)
+
+
+def test_external_ips_and_traffic_policy() -> None:
+    """externalIPs canonical in the caller's order; Local only where there is
+    external traffic; both survive the record's JSON and the proto."""
+    spec = build_spec(
+        raw(
+            frontend_address="fd00:96::10",
+            backends=[RawBackend("fd00::1", 8080)],
+            external_ips=["2001:DB8::1", "2001:db8::0:0"],
+            external_traffic_policy=TrafficPolicy.LOCAL,
+        ),
+        LIMITS,
+    )
+    assert spec.external_ips == ("2001:db8::1", "2001:db8::")
+    assert [fe.address for fe in spec.external_frontends()] == ["2001:db8::1", "2001:db8::"]
+    assert {fe.port for fe in spec.external_frontends()} == {80}
+    # Local needs a node port, a LoadBalancer request or external IPs.
+    assert build_spec(
+        raw(type=ServiceType.NODE_PORT, external_traffic_policy=TrafficPolicy.LOCAL), LIMITS
+    )
+    assert build_spec(raw(load_balancer=True, external_traffic_policy=TrafficPolicy.LOCAL), LIMITS)
+    err = rejected(raw(external_traffic_policy=TrafficPolicy.LOCAL))
+    assert err.field == "service.external_traffic_policy"
+    for ips, field in (
+        (["10.0.0.300"], "service.external_ips[0]"),
+        (["192.0.2.1", "fd00::1"], "service.external_ips[1]"),
+        (["192.0.2.1", "192.0.2.1"], "service.external_ips[1]"),
+        (["10.96.0.10"], "service.external_ips[0]"),  # the frontend itself
+        (["0.0.0.0"], "service.external_ips[0]"),
+        (["192.0.2.1"] * 65, "service.external_ips"),
+    ):
+        assert rejected(raw(external_ips=ips)).field == field, ips
+
+    rec = ServiceRecord(
+        name="web",
+        namespace="",
+        id=1,
+        rev_nat_id=1,
+        frontend=Frontend("10.96.0.10", 80, Protocol.TCP),
+        type=ServiceType.CLUSTER_IP,
+        node_port=0,
+        backends=(),
+        algorithm=Algorithm.RANDOM,
+        maglev_table_size=16381,
+        affinity=None,
+        source_ranges=(),
+        source=Source.API,
+        external_traffic_policy=TrafficPolicy.LOCAL,
+        external_ips=("192.0.2.9",),
+    )
+    assert ServiceRecord.from_json(rec.to_json()) == rec
+    out = service_to_proto(rec)
+    assert out.external_traffic_policy == pb.TRAFFIC_POLICY_LOCAL
+    assert list(out.external_ips) == ["192.0.2.9"]
+    back = raw_from_proto(out)
+    assert back.external_traffic_policy is TrafficPolicy.LOCAL
+    assert list(back.external_ips) == ["192.0.2.9"]
+    # A record without them stores neither key (older records read the same).
+    plain = ServiceRecord.from_json(rec.to_json())
+    assert (
+        b"external"
+        not in replace(
+            plain, external_ips=(), external_traffic_policy=TrafficPolicy.CLUSTER
+        ).to_json()
+    )
+    with pytest.raises(InvalidArgument) as info:
+        raw_from_proto(pb.Service(name="web", external_traffic_policy=9))  # type: ignore[arg-type]
+    assert info.value.field == "service.external_traffic_policy"

@@ -19,7 +19,7 @@ from flagella.api.endpoint.v1 import endpoint_pb2
 from flagella.api.ipam.v1 import ipam_pb2
 from flagella.api.lb.v1 import lb_pb2
 from flagella.api.policy.v1 import policy_pb2
-from flagella.cli import certs, config, debug, etcdauth, fqdn, lbpool, lrp, prefilter
+from flagella.cli import bgp, certs, config, debug, etcdauth, fqdn, lbpool, lrp, prefilter
 from flagella.cli.base import PROTOCOL_NAMES, PROTOCOLS, Clients, CliError, emit, enum_name, to_dict
 from flagella.cli.observe import cmd_monitor, cmd_observe
 from flagella.cli.status import cmd_status
@@ -287,11 +287,19 @@ def backend_state(state: int) -> str:
 
 
 def external_str(s: lb_pb2.Service) -> str:
-    """A LoadBalancer service's addresses, or why it has none."""
-    if not s.HasField("load_balancer"):
-        return "-"
-    lb = s.load_balancer
-    return ",".join(lb.ingress) or f"<pending: {lb.condition.reason}>"
+    """A LoadBalancer service's addresses (or why it has none), then its
+    external IPs."""
+    parts: list[str] = []
+    if s.HasField("load_balancer"):
+        lb = s.load_balancer
+        parts.append(",".join(lb.ingress) or f"<pending: {lb.condition.reason}>")
+    parts += list(s.external_ips)
+    return ",".join(parts) or "-"
+
+
+def traffic_policy_str(s: lb_pb2.Service) -> str:
+    """externalTrafficPolicy, as Kubernetes spells it."""
+    return enum_name(lb_pb2.TrafficPolicy, s.external_traffic_policy, "TRAFFIC_POLICY_").title()
 
 
 def cmd_service(args: argparse.Namespace, clients: Clients) -> int:
@@ -305,7 +313,7 @@ def cmd_service(args: argparse.Namespace, clients: Clients) -> int:
     emit(
         args,
         [to_dict(s) for s in services],
-        ["ID", "NAME", "FRONTEND", "TYPE", "EXTERNAL", "BACKENDS"],
+        ["ID", "NAME", "FRONTEND", "TYPE", "EXTERNAL", "ETP", "BACKENDS"],
         [
             [
                 s.id,
@@ -313,6 +321,7 @@ def cmd_service(args: argparse.Namespace, clients: Clients) -> int:
                 frontend_str(s.frontend),
                 enum_name(lb_pb2.ServiceType, s.type, "SERVICE_TYPE_"),
                 external_str(s),
+                traffic_policy_str(s),
                 ", ".join(f"{b.address}:{b.port} ({backend_state(b.state)})" for b in s.backends),
             ]
             for s in services
@@ -484,6 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
     lbpool.add_parser(sub)
 
     lrp.add_parser(sub)
+    bgp.add_parser(sub)
 
     ipam = sub.add_parser("ipam", help="IP allocations")
     ipam_actions = ipam.add_subparsers(dest="action", required=True)

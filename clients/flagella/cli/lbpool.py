@@ -27,14 +27,16 @@ def cmd_lb_pool(args: argparse.Namespace, clients: Clients) -> int:
         emit(
             args,
             to_dict(resp).get("pools", []),
-            ["NAME", "BLOCKS", "SELECTOR", "DISABLED", "USED"],
+            ["NAME", "SOURCE", "BLOCKS", "SELECTOR", "DISABLED", "USED", "CONFLICT"],
             [
                 [
                     p.name,
+                    p.source,
                     ",".join(block_text(b) for b in p.blocks),
                     ",".join(f"{k}={v}" for k, v in sorted(p.service_selector.items())) or "-",
                     str(p.disabled).lower(),
                     f"{p.used}/{p.size}",
+                    p.conflict_message or "-",
                 ]
                 for p in resp.pools
             ],

@@ -192,6 +192,12 @@ TABLE: dict[str, tuple[Grant, ...]] = {
             "UpsertLbIpPool": (OPERATOR,),
             "DeleteLbIpPool": (OPERATOR,),
             "ListLbIpPools": READERS,
+            # BGP peering policies: operators write them; every node follows
+            # them (the stream carries the neighbours' passwords: nodes only).
+            "UpsertBgpPeeringPolicy": (OPERATOR,),
+            "DeleteBgpPeeringPolicy": (OPERATOR,),
+            "ListBgpPeeringPolicies": READERS,
+            "WatchBgpPeeringPolicies": (NODES,),
         },
     ),
     **_methods(
@@ -240,6 +246,10 @@ TABLE: dict[str, tuple[Grant, ...]] = {
             "GetMapEvents": (OPERATOR,),
             "GetDebuginfo": (OPERATOR,),
             "GetCgroupDumpMetadata": (OPERATOR,),
+            # The node's BGP speaker, its sessions, routes and export policies.
+            "GetBgpPeers": (OPERATOR,),
+            "GetBgpRoutes": (OPERATOR,),
+            "GetBgpRoutePolicies": (OPERATOR,),
         },
     ),
     **_methods(

@@ -102,7 +102,8 @@ ROLES: dict[str, tuple[Grant, ...]] = {
         Grant(
             "flagella/lb/v1/",
             Perm.READWRITE,
-            "services, frontends, ids, hash seed, local redirect policies, LB-IPAM",
+            "services, frontends, ids, hash seed, local redirect policies, LB-IPAM, "
+            "BGP peering policies (bgp/)",
         ),
         _REVISION,
     ),

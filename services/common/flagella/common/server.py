@@ -461,7 +461,8 @@ async def health_server(
 
 def _memory_snapshots(loop: asyncio.AbstractEventLoop) -> None:
     """A debugging aid, off unless FLAGELLA_TRACEMALLOC names a file prefix:
-    trace Python allocations from start (tracemalloc, 16 frames) and write
+    trace Python allocations from start (tracemalloc, 16 frames unless
+    FLAGELLA_TRACEMALLOC_FRAMES says) and write
     a snapshot to <prefix>.<pid>.<n> on each SIGUSR2 (docs/DEVELOPMENT.md:
     finding memory growth in a soak)."""
     prefix = os.environ.get("FLAGELLA_TRACEMALLOC", "")
@@ -470,7 +471,9 @@ def _memory_snapshots(loop: asyncio.AbstractEventLoop) -> None:
     import gc
     import tracemalloc
 
-    tracemalloc.start(16)
+    # Fewer frames cost less (FLAGELLA_TRACEMALLOC_FRAMES=1 keeps a soak's
+    # pace while showing the allocating lines).
+    tracemalloc.start(int(os.environ.get("FLAGELLA_TRACEMALLOC_FRAMES", "16")))
     taken = [0]
 
     def dump() -> None:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import sys
 from collections.abc import Hashable
-from typing import TypeVar
+from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
 
@@ -20,6 +22,10 @@ from flagella.common.server import main as serve_main
 from flagella.common.sync import Batch, StreamCodec, StreamSource, Table
 from flagella.common.sync.reconcile import AfterBatch, Target, reconcile_table
 from flagella.common.sync.stream import OpenStream
+from flagella.datapath.bgp import model as bgp_model
+from flagella.datapath.bgp.metrics import BgpCollector
+from flagella.datapath.bgp.speaker import Speaker
+from flagella.datapath.bgp.supervisor import Gobgpd, GobgpdError
 from flagella.datapath.cnirelay import CniRelay, UnsafeSocket
 from flagella.datapath.config import DatapathConfig
 from flagella.datapath.dnsproxy.expiry import Expiry
@@ -34,6 +40,7 @@ from flagella.datapath.handlers import (
     RemoveBackends,
     ServicesCodec,
 )
+from flagella.datapath.healthcheck import HealthCheckServers
 from flagella.datapath.hostfw import HostFirewall
 from flagella.datapath.ipcache import node_entries, policy_entries
 from flagella.datapath.lrp import LocalRedirects
@@ -66,10 +73,12 @@ class DatapathApp:
         self.hostfw: HostFirewall | None = None
         self.policy: policy_pb2_grpc.PolicyServiceAsyncStub | None = None
         self.dnsproxy: DnsProxy | None = None
+        self.speaker: Speaker | None = None
 
     def register(self, server: grpc.aio.Server) -> None:
         datapath_pb2_grpc.add_DatapathServiceServicer_to_server(
-            DatapathServicer(self.service, self.runtime.debuginfo()), server
+            DatapathServicer(self.service, self.runtime.debuginfo(), bgp=lambda: self.speaker),
+            server,
         )
 
     async def start(self) -> None:
@@ -98,7 +107,7 @@ class DatapathApp:
                 labels=cfg.labels,
             )
             self.registration = NodeRegistration(
-                ipam, request, tracer, on_registered=self.service.set_node
+                ipam, request, tracer, on_registered=self._registered
             )
             tasks.supervise("node-registration", self.registration.run)
             nodes, _ = self._stream(
@@ -176,11 +185,13 @@ class DatapathApp:
                         since_revision=since, include_maglev_tables=True, batch_events=True
                     )
                 ),
-                ServicesCodec(cfg.node_ip),
+                ServicesCodec(cfg.node_ip, cfg.node_name),
                 keep_prev=True,  # RemoveBackends: the backends a change took out
             )
             redirects = LocalRedirects(self.service.services)
             self._reconcile(services, redirects.services_target, RemoveBackends(self.service))
+            health_checks = HealthCheckServers(cfg.node_ip)
+            tasks.supervise("health-check-node-ports", lambda: health_checks.follow(services))
             lrps, _ = self._stream(
                 "lrps",
                 lambda since: lb.WatchLrps(lb_pb2.WatchLrpsRequest(since_revision=since)),
@@ -196,6 +207,7 @@ class DatapathApp:
                     self.service.endpoints_changed,
                 ),
             )
+            self._bgp(lb)
         if self.registration is not None:
             # Not ready before the node is registered: its pod CIDRs come from ipam.
             await self.registration.registered.wait()
@@ -212,6 +224,71 @@ class DatapathApp:
             except (OSError, UnsafeSocket) as exc:
                 raise FatalError(f"cannot serve the CNI socket {cfg.cni_socket}: {exc}") from exc
             self.relay = relay
+
+    async def _registered(self, node: Any) -> None:
+        """The node registry's view of this node (an ipam.v1.Node)."""
+        await self.service.set_node(node)
+        if self.speaker is not None:
+            await self.speaker.set_node(node.pod_cidrs, node.labels)
+
+    def _bgp(self, lb: Any) -> None:
+        """The BGP speaker (flagella.datapath.bgp), following the lb's peering
+        policies and services; gobgpd runs only while a policy selects the
+        node."""
+        cfg = self.runtime.config
+        policies, _ = self._stream(
+            "bgp-policies",
+            lambda since: lb.WatchBgpPeeringPolicies(
+                lb_pb2.WatchBgpPeeringPoliciesRequest(since_revision=since)
+            ),
+            bgp_model.PolicyCodec(),
+        )
+
+        def open_services(table: Table[int, Any]) -> StreamSource[int, Any]:
+            return StreamSource(
+                "bgp-services",
+                lambda since: lb.WatchServices(lb_pb2.WatchServicesRequest(since_revision=since)),
+                table,
+                bgp_model.ServiceCodec(),
+            )
+
+        ips = [ipaddress.ip_address(ip) for ip in cfg.node_ip]
+        node = bgp_model.NodeInfo(
+            name=cfg.node_name,
+            labels=tuple(sorted(cfg.labels.items())),
+            ipv4=next((str(ip) for ip in ips if ip.version == 4), ""),
+            ipv6=next((str(ip) for ip in ips if ip.version == 6), ""),
+            pod_cidrs=(),
+        )
+        try:
+            gobgpd = Gobgpd(Path(cfg.state_dir), binary=cfg.bgp_gobgpd, user=cfg.bgp_user)
+        except GobgpdError as exc:
+            raise FatalError(str(exc)) from exc
+        speaker = self.speaker = Speaker(
+            gobgpd,
+            node,
+            policies,
+            open_services,
+            listen_port=cfg.bgp_listen_port,
+            wait_for_node=self.registration is not None,
+            tasks=self.runtime.tasks,
+        )
+        self.runtime.metrics.registry.register(BgpCollector(speaker))
+        synced = self.service.streams_synced
+        self.runtime.tasks.supervise(
+            "follow-bgp-policies",
+            lambda: speaker.follow(policies, lambda: synced.__setitem__("bgp-policies", True)),
+        )
+
+        def services_synced(now: bool) -> None:
+            # Listed only while followed (a policy selects the node).
+            if now:
+                synced["bgp-services"] = True
+            else:
+                synced.pop("bgp-services", None)
+
+        speaker.on_services_synced = services_synced
+        self.runtime.tasks.supervise("bgp-speaker", speaker.run)
 
     def _local_endpoints(self) -> list[tuple[tuple[str, ...], int]]:
         """(addresses, identity) of this node's endpoints."""
@@ -336,6 +413,8 @@ class DatapathApp:
             await self.relay.close()
         if self.dnsproxy is not None:
             await self.dnsproxy.close()
+        if self.speaker is not None:
+            await self.speaker.close()
         await self.service.stop()
 
 

@@ -166,6 +166,16 @@ class DatapathConfig(ServiceConfig):
     tofqdns_min_ttl: int = option(
         0, "minimum seconds an answer's addresses stay in the FQDN cache (Cilium's tofqdns-min-ttl)"
     )
+    bgp_listen_port: int = option(
+        179, "TCP port the BGP speaker (gobgpd) listens on, on the node's addresses"
+    )
+    bgp_gobgpd: str = option("gobgpd", "the gobgpd binary (Debian's gobgpd, GoBGP 3.10)")
+    bgp_user: str = option(
+        "",
+        "user gobgpd runs as (empty: the datapath's own, uid 0); in any case with "
+        "CAP_NET_BIND_SERVICE as its only capability. Another user needs every folder above "
+        "--state-dir searchable by it (gobgpd makes its API socket under <state-dir>/bgp/run)",
+    )
 
     def tls_identity(self, service: str) -> Identity:
         # The datapath registers its node (and asks for its node's policy):
@@ -219,6 +229,8 @@ class DatapathConfig(ServiceConfig):
             raise ConfigError("--tofqdns-min-ttl", f"{self.tofqdns_min_ttl} is not in 0..604800")
         if self.health_interval_seconds <= 0:
             raise ConfigError("--health-interval-seconds", "must be positive")
+        if not 1 <= self.bgp_listen_port <= 65535:
+            raise ConfigError("--bgp-listen-port", f"{self.bgp_listen_port} is not in 1..65535")
         versions: set[int] = set()
         for ip in self.node_ip:
             version = ipaddress.ip_address(ip).version

@@ -232,24 +232,42 @@ class PolicySynced:
             await self.policy_synced(synced)
 
 
-def external_frontends(svc: lb_pb2.Service, proto: int, first_index: int) -> list[Frontend]:
-    """A LoadBalancer service's external addresses (LB-IPAM's), answered on
-    every node at the service's port and translated as a node port is
-    (SNAT to the node when the backend is elsewhere)."""
+def external_frontends(
+    svc: lb_pb2.Service, proto: int, first_index: int, local_only: bool = False
+) -> list[Frontend]:
+    """A service's external addresses (LB-IPAM's, then its external IPs),
+    answered on every node at the service's port and translated as a node
+    port is (SNAT to the node when the backend is elsewhere; under
+    externalTrafficPolicy Local, only this node's backends)."""
     family = ipaddress.ip_address(svc.frontend.address).version
+    # LB-IPAM gives at most one address per family: the external IPs'
+    # rev-NAT ids do not move when it comes or goes.
+    numbered = [
+        *((first_index + i, ip) for i, ip in enumerate(svc.load_balancer.ingress[:2])),
+        *((first_index + 2 + i, ip) for i, ip in enumerate(svc.external_ips)),
+    ]
     out: list[Frontend] = []
-    for ip in svc.load_balancer.ingress:
+    for index, ip in numbered:
         if ipaddress.ip_address(ip).version != family:
             continue  # NAT46 not offered, as for node ports
-        rev_nat = frontend_rev_nat_id(svc.rev_nat_id, first_index + len(out))
-        out.append(Frontend(ip, svc.frontend.port, proto, rev_nat, nodeport=True))
+        rev_nat = frontend_rev_nat_id(svc.rev_nat_id, index)
+        out.append(
+            Frontend(ip, svc.frontend.port, proto, rev_nat, nodeport=True, local_only=local_only)
+        )
     return out
 
 
 def bpf_service(
-    svc: lb_pb2.Service, table: lb_pb2.MaglevTable | None, node_ips: tuple[str, ...]
+    svc: lb_pb2.Service,
+    table: lb_pb2.MaglevTable | None,
+    node_ips: tuple[str, ...],
+    node_name: str = "",
 ) -> Service:
+    """What the maps need of a service. A backend is this node's when its
+    node is node_name (Cilium's test of an EndpointSlice's nodeName): what
+    externalTrafficPolicy Local balances outside traffic over."""
     proto = int(svc.frontend.protocol)
+    local_only = svc.external_traffic_policy == lb_pb2.TRAFFIC_POLICY_LOCAL
     frontends = [
         Frontend(
             svc.frontend.address, svc.frontend.port, proto, frontend_rev_nat_id(svc.rev_nat_id, 0)
@@ -264,10 +282,15 @@ def bpf_service(
                 continue
             frontends.append(
                 Frontend(
-                    ip, svc.node_port, proto, frontend_rev_nat_id(svc.rev_nat_id, i), nodeport=True
+                    ip,
+                    svc.node_port,
+                    proto,
+                    frontend_rev_nat_id(svc.rev_nat_id, i),
+                    nodeport=True,
+                    local_only=local_only,
                 )
             )
-    frontends += external_frontends(svc, proto, first_index=len(node_ips) + 1)
+    frontends += external_frontends(svc, proto, len(node_ips) + 1, local_only)
     affinity = 0
     if svc.session_affinity.type == lb_pb2.SessionAffinity.TYPE_CLIENT_IP:
         affinity = int(svc.session_affinity.timeout.ToSeconds()) or AFFINITY_DEFAULT_S
@@ -276,21 +299,31 @@ def bpf_service(
         service_id=svc.id,
         frontends=tuple(frontends),
         backends=tuple(
-            Backend(b.id, b.address, b.port, proto, int(b.state) or 1) for b in svc.backends
+            Backend(
+                b.id,
+                b.address,
+                b.port,
+                proto,
+                int(b.state) or 1,
+                local=bool(node_name) and b.node == node_name,
+            )
+            for b in svc.backends
         ),
         maglev=maglev and table is not None and bool(table.backend_ids),
         maglev_table=tuple(table.backend_ids) if maglev and table is not None else (),
         affinity_timeout=affinity,
         source_ranges=tuple(svc.source_ranges),
         name=svc.name,
+        health_check_port=svc.health_check_node_port,
     )
 
 
 class ServicesCodec:
     """WatchServices events -> service id: what the maps need of it."""
 
-    def __init__(self, node_ips: tuple[str, ...]) -> None:
+    def __init__(self, node_ips: tuple[str, ...], node_name: str = "") -> None:
         self.node_ips = node_ips
+        self.node_name = node_name
 
     def key(self, event: lb_pb2.ServiceEvent) -> int:
         return event.service.id
@@ -298,7 +331,7 @@ class ServicesCodec:
     def decode(self, event: lb_pb2.ServiceEvent) -> Service | None:
         table = event.maglev_table if event.HasField("maglev_table") else None
         try:
-            return bpf_service(event.service, table, self.node_ips)
+            return bpf_service(event.service, table, self.node_ips, self.node_name)
         except ValueError as exc:
             log.warning(
                 "service not programmable",

@@ -187,7 +187,7 @@ class LocalRedirects:
                     # would take this one).
                     used = [*self._local_backends.values(), *self.released]
                     bid = self._local_backends[k] = self._new_id(used)
-                out.append(Backend(bid, ip, port.port, port.protocol, 1))
+                out.append(Backend(bid, ip, port.port, port.protocol, 1, local=True))
         return sorted(out, key=lambda b: b.id)
 
     def _compute(self) -> set[int]:

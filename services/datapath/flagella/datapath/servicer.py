@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
 from google.protobuf.duration_pb2 import Duration
@@ -13,6 +13,8 @@ from flagella.common.debuginfo import Debuginfo, answer
 from flagella.common.errors import InvalidArgument
 from flagella.common.portnames import NamedPort, check_named_ports, protocol_name
 from flagella.common.runtimeconfig import validate_endpoint_options
+from flagella.datapath import bgpservicer
+from flagella.datapath.bgp.speaker import Speaker
 from flagella.datapath.bpf.mapevents import UPDATE
 from flagella.datapath.bpf.prefilter import MAX_ENTRIES, IPNetwork
 from flagella.datapath.flows import FlowFilter, FlowRecord
@@ -183,9 +185,17 @@ def _peer_health(p: PeerHealth) -> datapath_pb2.NodeHealth:
 
 
 class DatapathServicer(datapath_pb2_grpc.DatapathServiceServicer):
-    def __init__(self, service: DatapathService, debuginfo: Debuginfo | None = None) -> None:
+    def __init__(
+        self,
+        service: DatapathService,
+        debuginfo: Debuginfo | None = None,
+        *,
+        bgp: Callable[[], Speaker | None] = lambda: None,
+    ) -> None:
         self.service = service
         self.debuginfo = debuginfo
+        # The BGP speaker, once made (none without an lb service).
+        self.bgp = bgp
 
     async def SetupEndpoint(
         self, request: datapath_pb2.SetupEndpointRequest, context: Any
@@ -343,6 +353,7 @@ class DatapathServicer(datapath_pb2_grpc.DatapathServiceServicer):
             host_policy=_host_policy_status(svc.host_policy),
             policy_map_max_entries=svc.config.policy_map_max_entries,
             policy_overflow_endpoints=svc.overflowing(),
+            bgp=bgpservicer.speaker_to_proto(self.bgp()),
         )
 
     async def ObserveFlows(
@@ -417,6 +428,13 @@ class DatapathServicer(datapath_pb2_grpc.DatapathServiceServicer):
             "endpoints": await self.ListEndpoints(datapath_pb2.ListEndpointsRequest(), context),
             "maps": maps,
             "bpf": {"folder": str(bpf.folder), "layout": bpf.layout_version} if bpf else {},
+            # Passwords are never in it (has_password only).
+            "bgp": {
+                "peers": await self.GetBgpPeers(datapath_pb2.GetBgpPeersRequest(), context),
+                "route_policies": await self.GetBgpRoutePolicies(
+                    datapath_pb2.GetBgpRoutePoliciesRequest(), context
+                ),
+            },
         }
         return answer(self.debuginfo, datapath_pb2.Debuginfo(), state)
 
@@ -443,6 +461,23 @@ class DatapathServicer(datapath_pb2_grpc.DatapathServiceServicer):
                 for p in pods
             ],
         )
+
+    # --- BGP (flagella.datapath.bgp) ---
+
+    async def GetBgpPeers(
+        self, request: datapath_pb2.GetBgpPeersRequest, context: Any
+    ) -> datapath_pb2.GetBgpPeersResponse:
+        return await bgpservicer.get_peers(self.bgp())
+
+    async def GetBgpRoutes(
+        self, request: datapath_pb2.GetBgpRoutesRequest, context: Any
+    ) -> datapath_pb2.GetBgpRoutesResponse:
+        return await bgpservicer.get_routes(self.bgp(), request)
+
+    async def GetBgpRoutePolicies(
+        self, request: datapath_pb2.GetBgpRoutePoliciesRequest, context: Any
+    ) -> datapath_pb2.GetBgpRoutePoliciesResponse:
+        return await bgpservicer.get_route_policies(self.bgp())
 
 
 def _prefilter_cidrs(texts: Sequence[str]) -> list[IPNetwork]:

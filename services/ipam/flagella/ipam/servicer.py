@@ -277,9 +277,7 @@ def batch_node_events(events: list[ipam_pb2.NodeEvent]) -> ipam_pb2.NodeEvent:
 # WatchNodes with batch_events: node changes gather for 0.1 s (a node's
 # routes can wait that long; at 1,000 nodes, one message per registration
 # per stream was 1.5 million messages in seven minutes of nodes joining).
-NODE_BATCHING = Batching(
-    wrap=batch_node_events, size=lambda event: event.ByteSize(), linger=0.1
-)
+NODE_BATCHING = Batching(wrap=batch_node_events, size=lambda event: event.ByteSize(), linger=0.1)
 
 
 class IpamServicer(ipam_pb2_grpc.IpamServiceServicer):

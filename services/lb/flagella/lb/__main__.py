@@ -12,9 +12,12 @@ from flagella.common.errors import Unavailable
 from flagella.common.leader import Election
 from flagella.common.server import FatalError, Probes, Runtime
 from flagella.common.server import main as serve_main
+from flagella.lb.bgpk8s import BgpKubeWatcher
+from flagella.lb.bgpstore import BgpPolicyStore
 from flagella.lb.config import LbConfig
 from flagella.lb.k8s import WATCH_TIMEOUT_S, KubernetesWatcher
 from flagella.lb.lbipam_store import LbIpam
+from flagella.lb.lbpoolk8s import PoolKubeWatcher
 from flagella.lb.lrpk8s import LrpKubeWatcher
 from flagella.lb.lrpstore import LrpStore
 from flagella.lb.metrics import LbCollector
@@ -35,10 +38,12 @@ class LbApp:
         self.probes = Probes(runtime.readiness, runtime.tasks)
         self.store = LbStore(self.etcd)
         self.lrps = LrpStore(self.etcd)
+        self.bgp = BgpPolicyStore(self.etcd)
         self.service = LbService(
             self.store, cfg.limits, cfg.seed, cache_slots=cfg.table_cache_slots
         )
         runtime.metrics.registry.register(LbCollector(self.store.services))
+        self.ipam = LbIpam(self.etcd, self.service.set_external)
         self.k8s: KubernetesWatcher | None = None
 
     def register(self, server: grpc.aio.Server) -> None:
@@ -49,7 +54,8 @@ class LbApp:
                 self.lrps,
                 heartbeat=self.config.watch_heartbeat,
                 debuginfo=self.runtime.debuginfo(),
-                ipam=LbIpam(self.etcd, self.service.set_external),
+                ipam=self.ipam,
+                bgp=self.bgp,
             ),
             server,
         )
@@ -67,6 +73,7 @@ class LbApp:
         self.probes.add("etcd", self.etcd.connect)
         self.tasks.spawn("services-table", self.store.run())
         self.tasks.spawn("lrps-table", self.lrps.run())
+        self.tasks.spawn("bgp-policies-table", self.bgp.run())
         self.runtime.phase_ends_with("first_sync", self.store.services.wait_initialized())
         if self.config.kubeconfig:
             self.k8s = KubernetesWatcher(
@@ -74,6 +81,11 @@ class LbApp:
                 self.config.kubeconfig,
                 self.config.limits,
                 LrpKubeWatcher(self.lrps, watch_timeout=WATCH_TIMEOUT_S),
+                ipam=self.ipam,
+                pools=PoolKubeWatcher(self.ipam, watch_timeout=WATCH_TIMEOUT_S),
+                bgp=BgpKubeWatcher(
+                    self.bgp, self.config.bgp_secrets_namespace, watch_timeout=WATCH_TIMEOUT_S
+                ),
             )
             await self.k8s.start(self.tasks, Election.of(self.config))
 

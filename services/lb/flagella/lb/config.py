@@ -72,6 +72,13 @@ class LbConfig(KubeConfig):
         30.0, "seconds between SYNCED heartbeats on an idle WatchServices stream"
     )
 
+    bgp_secrets_namespace: str = option(
+        "kube-system",
+        "with --kubeconfig: the namespace of the Secrets CiliumBGPPeeringPolicy "
+        "neighbours name in authSecretRef (key 'password'), as Cilium's bgpSecretsNamespace "
+        "(k8s/: the lb's own, where its Role names the Secrets it may read)",
+    )
+
     def validate(self) -> None:
         super().validate()
         if self.maglev_table_size not in SUPPORTED_SIZES:

@@ -18,6 +18,17 @@ frontend per (cluster IP, port):
     ranges    loadBalancerSourceRanges
     algorithm the annotation flagella.io/lb-algorithm (random or maglev), else
               the configured default
+    external  externalTrafficPolicy (with healthCheckNodePort), and the
+              externalIPs of the frontend's family
+
+A LoadBalancer Service (loadBalancerClass unset or io.cilium/bgp-control-plane,
+as Cilium's LB-IPAM) gets an LB-IPAM claim per flagella service: the
+addresses of spec.loadBalancerIP or the annotation lbipam.cilium.io/ips of
+that family, the annotation lbipam.cilium.io/sharing-key (or, without one,
+a key of the Service's own, so that its ports share one address); the
+addresses and the condition io.cilium/lb-ipam-request-satisfied are written
+back to status.loadBalancer.ingress and status.conditions, and cleared when
+the address goes.
 
 Services written this way have source "kubernetes"; the gRPC API cannot
 change or delete them, and the watcher touches no other. Every replica
@@ -32,9 +43,11 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import ipaddress
 import logging
+import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 from flagella.common.backoff import Backoff, retry
 from flagella.common.errors import FlagellaError, InvalidArgument
@@ -45,8 +58,20 @@ from flagella.common.sync import Batch, KubeSource, Table
 from flagella.common.sync.dirty import DirtyKeys
 from flagella.common.sync.kube import Obj
 from flagella.common.tasks import TaskGroup
+from flagella.lb.bgpk8s import BgpKubeWatcher
+from flagella.lb.lbipam import CONDITION_TYPE, Claimant, LbRequest
+from flagella.lb.lbipam_store import Claim, LbIpam
+from flagella.lb.lbpoolk8s import PoolKubeWatcher
 from flagella.lb.lrpk8s import LrpKubeWatcher
-from flagella.lb.model import Algorithm, BackendState, Protocol, ServiceSpec, ServiceType, Source
+from flagella.lb.model import (
+    Algorithm,
+    BackendState,
+    Protocol,
+    ServiceSpec,
+    ServiceType,
+    Source,
+    TrafficPolicy,
+)
 from flagella.lb.service import LbService
 from flagella.lb.validation import (
     MAX_BATCH,
@@ -59,7 +84,13 @@ from flagella.lb.validation import (
 
 log = logging.getLogger(__name__)
 
+R = TypeVar("R")
+
 ALGORITHM_ANNOTATION = "flagella.io/lb-algorithm"
+IPS_ANNOTATION = "lbipam.cilium.io/ips"
+SHARING_KEY_ANNOTATION = "lbipam.cilium.io/sharing-key"
+# loadBalancerClass values LB-IPAM assigns to (unset too), as Cilium's.
+LB_CLASSES = ("io.cilium/bgp-control-plane",)
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 WATCH_TIMEOUT_S = 60  # the API server ends each watch call after this; we re-watch
 # The Lease electing the replica that writes (in --leader-election-namespace).
@@ -122,6 +153,15 @@ def translate(
         t = ((spec.get("sessionAffinityConfig") or {}).get("clientIP") or {}).get("timeoutSeconds")
         timeout = (int(t), 0) if t is not None else None
     ranges = list(spec.get("loadBalancerSourceRanges") or [])
+    policy = (
+        TrafficPolicy.LOCAL
+        if spec.get("externalTrafficPolicy") == "Local"
+        else TrafficPolicy.CLUSTER
+    )
+    external_ips = [ip for ip in spec.get("externalIPs") or [] if isinstance(ip, str)]
+    load_balancer = is_lbipam_service(svc)
+    # The API server gives one to LoadBalancer Services of eTP Local.
+    health_check = int(spec.get("healthCheckNodePort") or 0) if policy is TrafficPolicy.LOCAL else 0
     slices = list(slices)
     out: list[RawService] = []
     ports = spec.get("ports") or []
@@ -153,9 +193,78 @@ def translate(
                     source_ranges=ranges,
                     source=Source.KUBERNETES,
                     labels=dict(meta.get("labels") or {}),
+                    external_traffic_policy=policy,
+                    # Those of the frontend's family: each cluster IP's
+                    # service serves its own.
+                    external_ips=[a for a in external_ips if (":" in a) == (family == "IPv6")],
+                    load_balancer=load_balancer,
+                    health_check_node_port=health_check,
                 )
             )
     return out
+
+
+def is_lbipam_service(svc: Obj) -> bool:
+    """A LoadBalancer Service whose addresses LB-IPAM gives (its class
+    unset or Cilium's)."""
+    spec = svc.get("spec") or {}
+    lb_class = spec.get("loadBalancerClass")
+    return spec.get("type") == "LoadBalancer" and (not lb_class or lb_class in LB_CLASSES)
+
+
+def lb_request(svc: Obj, family: int) -> LbRequest:
+    """The LB-IPAM request of one family's flagella service of a
+    LoadBalancer Service: spec.loadBalancerIP and the lbipam.cilium.io/ips
+    annotation's addresses of that family (others are the other family's
+    service's; a word that is no address is logged and skipped), its
+    sharing key or, without one, the Service's own (its ports share an
+    address)."""
+    meta = svc.get("metadata") or {}
+    annotations = meta.get("annotations") or {}
+    wanted = [a.strip() for a in str(annotations.get(IPS_ANNOTATION, "")).split(",") if a.strip()]
+    lb_ip = (svc.get("spec") or {}).get("loadBalancerIP")
+    if lb_ip:
+        wanted.insert(0, str(lb_ip))
+    requested: list[str] = []
+    for text in wanted:
+        try:
+            addr = ipaddress.ip_address(text)
+        except ValueError:
+            log.warning(
+                "requested LoadBalancer address is not one, ignored",
+                extra={"service": f"{meta.get('namespace')}/{meta.get('name')}", "value": text},
+            )
+            continue
+        if addr.version == family and str(addr) not in requested:
+            requested.append(str(addr))
+    key = str(annotations.get(SHARING_KEY_ANNOTATION) or "")
+    if not key:
+        key = f"service:{meta.get('namespace', '')}/{meta.get('name', '')}"
+    return LbRequest(tuple(requested[:1]), key, (family,))
+
+
+def lb_status(claims: Iterable[Claim | None]) -> tuple[list[str], dict[str, str] | None]:
+    """status.loadBalancer.ingress addresses and the condition (type,
+    status, reason, message) of a Service from its flagella services'
+    claims: satisfied when every one is; else the first one's reason."""
+    addresses: list[str] = []
+    condition: dict[str, str] | None = None
+    for claim in claims:
+        if claim is None:
+            continue
+        for a in claim.addresses:
+            if a not in addresses:
+                addresses.append(a)
+        c = claim.condition
+        if condition is None or (condition["status"] == "True" and not c.satisfied):
+            condition = {
+                "type": CONDITION_TYPE,
+                "status": "True" if c.satisfied else "False",
+                "reason": c.reason,
+                "message": c.message,
+            }
+    addresses.sort(key=lambda a: (":" in a, ipaddress.ip_address(a)))
+    return addresses, condition
 
 
 def _backends(slices: list[Obj], family: str, port_name: str, protocol: str) -> list[RawBackend]:
@@ -201,12 +310,24 @@ class KubernetesWatcher:
         kubeconfig: str,
         limits: Limits,
         lrps: LrpKubeWatcher | None = None,
+        *,
+        ipam: LbIpam | None = None,
+        pools: PoolKubeWatcher | None = None,
+        bgp: BgpKubeWatcher | None = None,
     ) -> None:
         self.service = service
         self.kubeconfig = kubeconfig
         self.limits = limits
         # CiliumLocalRedirectPolicies, written under the same Lease.
         self.lrps = lrps
+        # LB-IPAM: LoadBalancer Services' claims and their status; and the
+        # CiliumLoadBalancerIPPools, written under the same Lease.
+        self.ipam = ipam
+        self.pools = pools
+        self._core: Any = None
+        self._claims_seen = asyncio.Event()
+        # CiliumBGPPeeringPolicies, written under the same Lease.
+        self.bgp = bgp
         self.services: Table[str, Obj] = Table("k8s-services")
         self.slices: Table[str, Obj] = Table("k8s-endpointslices")
         # EndpointSlice keys by the Service they belong to, and the reverse,
@@ -233,7 +354,7 @@ class KubernetesWatcher:
             self._api = await api_client(self.kubeconfig)
         except Exception as exc:
             raise FatalError(f"cannot use --kubeconfig {self.kubeconfig}: {exc}") from exc
-        core = client.CoreV1Api(self._api)
+        core = self._core = client.CoreV1Api(self._api)
         discovery = client.DiscoveryV1Api(self._api)
         services = KubeSource(
             "services",
@@ -250,6 +371,18 @@ class KubernetesWatcher:
         tasks.spawn("k8s-services", services.run())
         if self.lrps is not None:
             tasks.spawn("k8s-lrps", self.lrps.source(self._api).run())
+        if self.bgp is not None:
+            tasks.spawn("k8s-bgp-policies", self.bgp.source(self._api).run())
+        if self.pools is not None:
+            tasks.spawn("k8s-lbippools", self.pools.source(self._api).run())
+        if self.ipam is not None:
+            # A claim that changes (a pool came, another service let its
+            # address go; on any replica) has its Service's status written.
+            tasks.spawn("lbipam-claims", self.ipam.run_claims())
+            tasks.spawn(
+                "lbipam-claims-follow",
+                self._follow(self.ipam.claims_table, self._claims_changed, self._claims_seen),
+            )
         tasks.spawn("k8s-endpointslices", slices.run())
         tasks.spawn(
             "k8s-services-follow",
@@ -277,8 +410,8 @@ class KubernetesWatcher:
 
     async def _follow(
         self,
-        table: Table[str, Obj],
-        changed: Callable[[Batch[str, Obj]], set[str]],
+        table: Table[str, R],
+        changed: Callable[[Batch[str, R]], set[str]],
         listed: asyncio.Event,
     ) -> None:
         async for batch in table.subscribe():
@@ -315,14 +448,24 @@ class KubernetesWatcher:
                 self._slices_of.setdefault(new, set()).add(change.key)
         return affected
 
+    def _claims_changed(self, batch: Batch[str, Claim]) -> set[str]:
+        """The Services whose flagella services' claims changed (only those
+        this watcher writes: names with a colon)."""
+        return {_service_of(c.key) for c in batch.changes if ":" in c.key}
+
     # --- syncing them ---
 
     async def _lead(self) -> None:
-        """A term's jobs: the services, and the local redirect policies."""
-        if self.lrps is None:
-            await self._sync_loop()
-        else:
-            await asyncio.gather(self._sync_loop(), self.lrps.lead())
+        """A term's jobs: the services, the local redirect policies, the
+        LB-IPAM pools and the BGP peering policies."""
+        jobs = [self._sync_loop()]
+        if self.lrps is not None:
+            jobs.append(self.lrps.lead())
+        if self.pools is not None:
+            jobs.append(self.pools.lead())
+        if self.bgp is not None:
+            jobs.append(self.bgp.lead())
+        await asyncio.gather(*jobs)
 
     async def _sync_loop(self) -> None:
         """The leader's job: sync everything, then what changes."""
@@ -393,6 +536,9 @@ class KubernetesWatcher:
             specs = [spec for _, named in pending for spec in named.values()]
             try:
                 check_batch(specs)
+                if self.ipam is not None:
+                    for spec in specs:
+                        await self.ipam.check_external_ips(spec.name, spec.external_frontends())
                 await self.service.upsert_many(specs)
             except FlagellaError as exc:
                 log.info(
@@ -405,6 +551,8 @@ class KubernetesWatcher:
                 for key, named in pending:
                     if named:
                         self._written[key] = set(named)
+                    if not await self._sync_lb(key):
+                        self._failed.add(key)
 
         for key in keys:
             named = self._specs(key)
@@ -440,6 +588,8 @@ class KubernetesWatcher:
         written: set[str] = set()
         for name, spec in specs.items():
             try:
+                if self.ipam is not None:
+                    await self.ipam.check_external_ips(name, spec.external_frontends())
                 await self.service.upsert(spec)
                 written.add(name)
             except InvalidArgument as exc:
@@ -460,11 +610,126 @@ class KubernetesWatcher:
             self._written[key] = written
         else:
             self._written.pop(key, None)
-        return ok
+        return await self._sync_lb(key) and ok
+
+    async def _sync_lb(self, key: str) -> bool:
+        """LB-IPAM of one Service: a claim per flagella service while it is
+        a LoadBalancer Service of ours (released when not), and its status
+        written back. False: to be retried."""
+        if self.ipam is None:
+            return True
+        svc = self.services.get(key)
+        ours = svc is not None and is_lbipam_service(svc)
+        names = self._written.get(key, set())
+        if (
+            not ours
+            and not any(self.ipam.claims_table.get(n) is not None for n in names)
+            and (svc is None or _our_condition(svc) is None)
+        ):
+            return True  # nothing of LB-IPAM's (most Services): no work
+        specs = self._specs(key) if svc is not None else {}
+        claims: list[Claim | None] = []
+        try:
+            for name in sorted(names & set(specs)):
+                spec = specs[name]
+                if ours:
+                    assert svc is not None
+                    ports = frozenset({(spec.frontend.protocol.value, spec.frontend.port)})
+                    who = Claimant(
+                        name,
+                        spec.namespace,
+                        dict(spec.labels),
+                        ports,
+                        lb_request(svc, spec.frontend.family),
+                    )
+                    claims.append(await self.ipam.claim(who))
+                elif self.ipam.claims_table.get(name) is not None:
+                    await self.ipam.release(name)
+        except FlagellaError as exc:
+            log.warning(
+                "LB-IPAM claim of a kubernetes service not made, will retry",
+                extra={"service": key, "reason": exc.details},
+            )
+            return False
+        if svc is None:
+            return True
+        if ours:
+            return await self._write_status(svc, *lb_status(claims))
+        if _our_condition(svc) is None:
+            return True
+        if (svc.get("spec") or {}).get("type") != "LoadBalancer":
+            return await self._write_status(svc, [], None)  # no longer one: cleared
+        # Now another implementation's class: our condition goes, its
+        # addresses are its own to write.
+        return await self._write_status(svc, None, None)
+
+    async def _write_status(
+        self, svc: Obj, addresses: list[str] | None, condition: dict[str, str] | None
+    ) -> bool:
+        """Merge-patch the Service's status.loadBalancer.ingress (None: left
+        as it is) and our condition in status.conditions (others kept) when
+        they differ."""
+        meta = svc.get("metadata") or {}
+        status = svc.get("status") or {}
+        ingress = (status.get("loadBalancer") or {}).get("ingress") or []
+        have = [str(i.get("ip")) for i in ingress if isinstance(i, dict)]
+        want = have if addresses is None else addresses
+        old = _our_condition(svc)
+        same_condition = (old is None and condition is None) or (
+            old is not None
+            and condition is not None
+            and all(old.get(k) == v for k, v in condition.items())
+        )
+        if have == want and same_condition:
+            return True
+        others = [
+            c
+            for c in status.get("conditions") or []
+            if isinstance(c, dict) and c.get("type") != CONDITION_TYPE
+        ]
+        if condition is not None:
+            changed = old is None or old.get("status") != condition["status"]
+            stamp = (
+                time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+                if changed
+                else old.get("lastTransitionTime")
+                if old is not None
+                else None
+            )
+            others.append({**condition, "lastTransitionTime": stamp})
+        body: dict[str, Any] = {"status": {"conditions": others or None}}
+        if want != have:
+            body["status"]["loadBalancer"] = {"ingress": [{"ip": a} for a in want] or None}
+        try:
+            await self._core.patch_namespaced_service_status(
+                meta.get("name", ""),
+                meta.get("namespace", ""),
+                body,
+                _content_type="application/merge-patch+json",
+                _request_timeout=10,
+            )
+        except Exception as exc:
+            if getattr(exc, "status", None) == 404:
+                return True  # gone meanwhile
+            log.warning(
+                "LoadBalancer status not written, will retry",
+                extra={
+                    "service": f"{meta.get('namespace')}/{meta.get('name')}",
+                    "reason": str(exc)[:200],
+                },
+            )
+            return False
+        log.info(
+            "LoadBalancer status written",
+            extra={"service": f"{meta.get('namespace')}/{meta.get('name')}", "ingress": want},
+        )
+        return True
 
     async def _delete(self, name: str) -> bool:
         try:
             await self.service.delete(name, Source.KUBERNETES)
+            if self.ipam is not None:
+                await self.ipam.release(name)
         except FlagellaError as exc:
             log.warning(
                 "kubernetes service not deleted, will retry",
@@ -472,6 +737,13 @@ class KubernetesWatcher:
             )
             return False
         return True
+
+
+def _our_condition(svc: Obj) -> dict[str, Any] | None:
+    for c in (svc.get("status") or {}).get("conditions") or []:
+        if isinstance(c, dict) and c.get("type") == CONDITION_TYPE:
+            return c
+    return None
 
 
 def _service_of(name: str) -> str:

@@ -52,6 +52,31 @@ class Block:
         return self.family == other.family and self.first <= other.last and other.first <= self.last
 
 
+@dataclass(frozen=True, slots=True)
+class Expression:
+    """A matchExpressions requirement (In, NotIn, Exists, DoesNotExist)."""
+
+    key: str
+    operator: str
+    values: tuple[str, ...] = ()
+
+    def matches(self, have: str | None) -> bool:
+        if self.operator == "In":
+            return have is not None and have in self.values
+        if self.operator == "NotIn":
+            return have is None or have not in self.values
+        if self.operator == "Exists":
+            return have is not None
+        return have is None  # DoesNotExist
+
+
+OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist")
+SOURCE_API = "api"
+# A CiliumLoadBalancerIPPool object (flagella.lb.lbpoolk8s): the API can
+# neither change nor delete it.
+SOURCE_KUBERNETES = "kubernetes"
+
+
 @dataclass(frozen=True)
 class Pool:
     name: str
@@ -59,28 +84,52 @@ class Pool:
     # Sorted (key, value) pairs a service's labels must all have.
     selector: tuple[tuple[str, str], ...] = ()
     disabled: bool = False
+    # And the requirements they must meet (CiliumLoadBalancerIPPool's
+    # serviceSelector.matchExpressions).
+    expressions: tuple[Expression, ...] = ()
+    source: str = SOURCE_API
+    # Kubernetes pools: the object's creationTimestamp (which of two
+    # overlapping pools came first).
+    created: str = ""
 
     @property
     def size(self) -> int:
         return sum(b.size for b in self.blocks)
 
     def matches(self, namespace: str, labels: Mapping[str, str]) -> bool:
-        for key, value in self.selector:
-            have = namespace if key == NAMESPACE_LABEL else labels.get(key)
-            if have != value:
-                return False
-        return True
+        def have(key: str) -> str | None:
+            return namespace if key == NAMESPACE_LABEL else labels.get(key)
+
+        return all(have(key) == value for key, value in self.selector) and all(
+            e.matches(have(e.key)) for e in self.expressions
+        )
+
+    def overlaps(self, other: Pool) -> tuple[Block, Block] | None:
+        """A block of this pool and one of other's that share addresses."""
+        for block in self.blocks:
+            for theirs in other.blocks:
+                if block.overlaps(theirs):
+                    return block, theirs
+        return None
 
     def contains(self, addr: IPAddress) -> bool:
         return any(b.contains(addr) for b in self.blocks)
 
     def to_doc(self) -> dict[str, Any]:
-        return {
+        doc: dict[str, Any] = {
             "name": self.name,
             "blocks": [b.text for b in self.blocks],
             "selector": dict(self.selector),
             "disabled": self.disabled,
         }
+        # Absent when default: pools stored before read back the same.
+        if self.expressions:
+            doc["expressions"] = [[e.key, e.operator, list(e.values)] for e in self.expressions]
+        if self.source != SOURCE_API:
+            doc["source"] = self.source
+        if self.created:
+            doc["created"] = self.created
+        return doc
 
     @classmethod
     def from_doc(cls, doc: Mapping[str, Any]) -> Pool:
@@ -89,7 +138,39 @@ class Pool:
             blocks=tuple(_parse_block(t, "") for t in doc["blocks"]),
             selector=tuple(sorted(doc.get("selector", {}).items())),
             disabled=bool(doc.get("disabled", False)),
+            expressions=tuple(
+                Expression(k, op, tuple(v)) for k, op, v in doc.get("expressions", ())
+            ),
+            source=doc.get("source", SOURCE_API),
+            created=doc.get("created", ""),
         )
+
+
+def conflicts(pools: Sequence[Pool]) -> dict[str, str]:
+    """Pools whose addresses are not used, by name, with why: as Cilium marks
+    a CiliumLoadBalancerIPPool overlapping another one conflicting. Pools
+    of the API never overlap (refused when written), so only Kubernetes
+    pools conflict: each overlapping a pool taken before it (the API's
+    first, then Kubernetes' by creation time and name)."""
+    order = sorted(pools, key=lambda p: (p.source != SOURCE_API, p.created, p.name))
+    taken: list[Pool] = []
+    out: dict[str, str] = {}
+    for pool in order:
+        clash = next(((o, pool.overlaps(o)) for o in taken if pool.overlaps(o)), None)
+        if clash is not None and pool.source == SOURCE_KUBERNETES:
+            other, blocks = clash
+            assert blocks is not None
+            out[pool.name] = f"{blocks[0].text} overlaps pool {other.name!r} ({blocks[1].text})"
+            continue
+        taken.append(pool)
+    return out
+
+
+def usable(pools: Sequence[Pool]) -> list[Pool]:
+    """The pools LB-IPAM assigns from and honours requests in: every one but
+    the conflicting."""
+    bad = conflicts(pools)
+    return [p for p in pools if p.name not in bad]
 
 
 @dataclass(frozen=True)
@@ -311,7 +392,10 @@ def validate_pool(
 
 def overlap(pool: Pool, others: Sequence[Pool]) -> InvalidArgument | None:
     """Why pool may not be stored next to others (another pool holds one
-    of its addresses), or None."""
+    of its addresses), or None. A Kubernetes pool is never refused: the API
+    server stored it already (conflicts() marks it instead)."""
+    if pool.source == SOURCE_KUBERNETES:
+        return None
     for other in others:
         if other.name == pool.name:
             continue

@@ -24,19 +24,24 @@ from dataclasses import dataclass
 from typing import Any
 
 from flagella.common.backoff import Backoff
-from flagella.common.errors import Aborted
-from flagella.common.etcd import Etcd, delete_op, mod_revision_is, put_op
+from flagella.common.errors import Aborted, FailedPrecondition, InvalidArgument
+from flagella.common.etcd import Etcd, KeyValue, delete_op, mod_revision_is, put_op
+from flagella.common.sync import EtcdSource, Table
 from flagella.lb.lbipam import (
     SATISFIED,
+    SOURCE_API,
     AddressUse,
     Assigned,
     Claimant,
     Condition,
     LbRequest,
     Pool,
+    conflicts,
     overlap,
     plan,
+    usable,
 )
+from flagella.lb.model import Frontend
 from flagella.lb.store import PREFIX
 
 LBIPAM = PREFIX + "lbipam/"
@@ -112,6 +117,32 @@ class State:
 
 
 @dataclass(frozen=True)
+class PoolStatus:
+    """A pool as listed: its addresses in use, and why it is not used
+    (a Kubernetes pool overlapping another; empty when it is)."""
+
+    pool: Pool
+    used: int
+    conflict: str = ""
+
+
+class ClaimCodec:
+    """services/<name> -> the Claim (the claims table's Codec)."""
+
+    def key(self, key: str) -> str | None:
+        return key[len(CLAIMS) :] if key.startswith(CLAIMS) else None
+
+    def decode(self, key: str, kv: KeyValue) -> Claim | None:
+        try:
+            return Claim.from_json(kv.value)
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning(
+                "LB-IPAM claim not readable, skipped", extra={"name": key, "reason": repr(exc)}
+            )
+            return None
+
+
+@dataclass(frozen=True)
 class Contended:
     """Another writer changed a key the plan was made from."""
 
@@ -134,6 +165,13 @@ class LbIpam:
         # them (the lb service records them in the service, for the
         # datapaths).
         self.on_change = on_change
+        # Every claim as etcd has it, for the Kubernetes watcher's status
+        # write-back (whichever replica changed it); fed by run_claims().
+        self.claims_table: Table[str, Claim] = Table("lbipam-claims")
+
+    async def run_claims(self) -> None:
+        """Keep claims_table in step with etcd (until cancelled)."""
+        await EtcdSource(self.etcd, self.claims_table, ClaimCodec(), prefix=CLAIMS).run()
 
     async def read(self) -> State:
         (kvs,), _ = await self.etcd.get_prefixes([LBIPAM])
@@ -161,19 +199,25 @@ class LbIpam:
         addresses used in it)."""
         for _ in range(MAX_ATTEMPTS):
             state = await self.read()
+            _check_source(state.pools, pool.name, pool.source, "pool.name")
             refused = overlap(pool, state.pools)
             if refused is not None:
                 raise refused
             created = all(p.name != pool.name for p in state.pools)
+            if pool in state.pools:
+                # Unchanged (the Kubernetes watcher syncs every object at
+                # each term and status change): nothing to write or re-plan.
+                return False, _used(pool, state.uses)
             pools = [p for p in state.pools if p.name != pool.name] + [pool]
             if await self._put_pools(pools, state.pools_rev):
                 await self.reconcile_all()
                 return created, _used(pool, (await self.read()).uses)
         raise Aborted("pools changed too often meanwhile; retry")
 
-    async def delete_pool(self, name: str) -> bool:
+    async def delete_pool(self, name: str, source: str = SOURCE_API) -> bool:
         for _ in range(MAX_ATTEMPTS):
             state = await self.read()
+            _check_source(state.pools, name, source, "name")
             pools = [p for p in state.pools if p.name != name]
             if len(pools) == len(state.pools):
                 return False
@@ -182,9 +226,13 @@ class LbIpam:
                 return True
         raise Aborted("pools changed too often meanwhile; retry")
 
-    async def list_pools(self) -> list[tuple[Pool, int]]:
+    async def list_pools(self) -> list[PoolStatus]:
         state = await self.read()
-        return [(p, _used(p, state.uses)) for p in sorted(state.pools, key=lambda p: p.name)]
+        bad = conflicts(state.pools)
+        return [
+            PoolStatus(p, _used(p, state.uses), bad.get(p.name, ""))
+            for p in sorted(state.pools, key=lambda p: p.name)
+        ]
 
     async def _put_pools(self, pools: Sequence[Pool], rev: int) -> bool:
         result = await self.etcd.txn(
@@ -221,6 +269,35 @@ class LbIpam:
                 return True
         raise Aborted("addresses changed too often meanwhile; retry")
 
+    async def users_of(self, addresses: Sequence[str]) -> dict[str, AddressUse]:
+        """Who holds each of these addresses (those LB-IPAM gave out)."""
+        found: dict[str, AddressUse] = {}
+        for addr in dict.fromkeys(addresses):
+            kv = await self.etcd.get(ADDRS + addr)
+            if kv is not None:
+                found[addr] = AddressUse.from_json(kv.value)
+        return found
+
+    async def check_external_ips(self, name: str, frontends: Sequence[Frontend]) -> None:
+        """An external IP (as a frontend: address, port, protocol) that
+        LB-IPAM gave another service serving it on the same protocol and
+        port is refused, naming that service (the frontend index covers
+        frontends and external IPs)."""
+        if not frontends:
+            return
+        users = await self.users_of([fe.address for fe in frontends])
+        for i, fe in enumerate(frontends):
+            use = users.get(fe.address)
+            if use is None:
+                continue
+            for other, ports in sorted(use.users.items()):
+                if other != name and (fe.protocol.value, fe.port) in ports:
+                    raise InvalidArgument(
+                        f"{fe.address} port {fe.port}/{fe.protocol.value} is the LoadBalancer "
+                        f"address of service {other!r}",
+                        field=f"service.external_ips[{i}]",
+                    )
+
     async def claims(self) -> dict[str, Claim]:
         return (await self.read()).claims
 
@@ -253,7 +330,7 @@ class LbIpam:
         else:
             # Plan as if it held nothing, so its own uses do not block it.
             uses = {a: u.without(name) for a, u in state.uses.items()}
-            outcome = plan(who, state.pools, {a: u for a, u in uses.items() if u}, held)
+            outcome = plan(who, usable(state.pools), {a: u for a, u in uses.items() if u}, held)
             if isinstance(outcome, Assigned):
                 claim = Claim(who, outcome.addresses, SATISFIED)
             else:
@@ -281,6 +358,14 @@ class LbIpam:
         if self.on_change is not None and tuple(held) != new:
             await self.on_change(name, new)
         return claim
+
+
+def _check_source(pools: Sequence[Pool], name: str, source: str, field: str) -> None:
+    """A pool is changed only by its own source (the API, or the Kubernetes
+    watcher for a CiliumLoadBalancerIPPool)."""
+    for p in pools:
+        if p.name == name and p.source != source:
+            raise FailedPrecondition(f"pool {name!r} is managed by {p.source}", field=field)
 
 
 def _used(pool: Pool, uses: Mapping[str, AddressUse]) -> int:

@@ -62,13 +62,16 @@ MAX_DOCUMENT = 1 << 20
 
 
 def parse_document(text: str) -> object:
-    """CreateLrp's document: JSON, at most a MiB."""
+    """CreateLrp's (and UpsertBgpPeeringPolicy's) document: JSON, at most a
+    MiB."""
     if len(text) > MAX_DOCUMENT:
         raise InvalidArgument(f"at most {MAX_DOCUMENT} characters", field="document")
     try:
         return json.loads(text)
     except ValueError as exc:
         raise InvalidArgument(f"not JSON: {exc}", field="document") from None
+    except RecursionError:
+        raise InvalidArgument("nested too deep", field="document") from None
 
 
 def _ports_pb(ports: Sequence[LrpPort]) -> list[lb_pb2.LrpPort]:

@@ -46,6 +46,16 @@ class BackendState(enum.Enum):
     MAINTENANCE = "maintenance"
 
 
+class TrafficPolicy(enum.Enum):
+    """externalTrafficPolicy: which nodes serve node ports, LoadBalancer
+    addresses and external IPs, and over which backends."""
+
+    CLUSTER = "Cluster"
+    # Only a node's own backends, the client's address kept; a node without
+    # one drops.
+    LOCAL = "Local"
+
+
 class Source(enum.Enum):
     API = "api"
     KUBERNETES = "kubernetes"
@@ -121,6 +131,21 @@ class ServiceSpec:
     source: Source = Source.API
     # Sorted (key, value) pairs: what policy toServices selectors match.
     labels: tuple[tuple[str, str], ...] = ()
+    external_traffic_policy: TrafficPolicy = TrafficPolicy.CLUSTER
+    # spec.externalIPs (canonical text, the caller's order): served on every
+    # node at the frontend's port and protocol.
+    external_ips: tuple[str, ...] = ()
+    # spec.healthCheckNodePort (eTP Local with external traffic); 0: none.
+    health_check_node_port: int = 0
+
+    def external_frontends(self) -> tuple[Frontend, ...]:
+        return external_frontends(self.frontend, self.external_ips)
+
+
+def external_frontends(frontend: Frontend, external_ips: Sequence[str]) -> tuple[Frontend, ...]:
+    """The frontends an external IP adds: its address at the service's port
+    and protocol (each held in the frontend index as a frontend is)."""
+    return tuple(Frontend(ip, frontend.port, frontend.protocol) for ip in external_ips)
 
 
 @dataclass(frozen=True)
@@ -146,6 +171,9 @@ class ServiceRecord:
     # LB-IPAM's addresses of a LoadBalancer service (lbipam_store.py sets
     # them): extra frontends on every node, at the frontend's port.
     external: tuple[str, ...] = ()
+    external_traffic_policy: TrafficPolicy = TrafficPolicy.CLUSTER
+    external_ips: tuple[str, ...] = ()
+    health_check_node_port: int = 0
     # etcd mod revision of the record (not stored in the value).
     revision: int = field(default=0, compare=False)
 
@@ -171,7 +199,13 @@ class ServiceRecord:
             and self.source_ranges == spec.source_ranges
             and self.source == spec.source
             and self.labels == spec.labels
+            and self.external_traffic_policy == spec.external_traffic_policy
+            and self.external_ips == spec.external_ips
+            and self.health_check_node_port == spec.health_check_node_port
         )
+
+    def external_frontends(self) -> tuple[Frontend, ...]:
+        return external_frontends(self.frontend, self.external_ips)
 
     def maglev_backends(self) -> list[MaglevBackend]:
         """The backends that get new flows, as the Maglev table sees them."""
@@ -223,6 +257,13 @@ class ServiceRecord:
             doc["labels"] = dict(self.labels)
         if self.external:
             doc["external"] = list(self.external)
+        # Absent when default, as labels: older records read back the same.
+        if self.external_traffic_policy is not TrafficPolicy.CLUSTER:
+            doc["external_traffic_policy"] = self.external_traffic_policy.value
+        if self.external_ips:
+            doc["external_ips"] = list(self.external_ips)
+        if self.health_check_node_port:
+            doc["health_check_node_port"] = self.health_check_node_port
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
@@ -258,6 +299,9 @@ class ServiceRecord:
             backend_blocks=tuple(int(b) for b in doc.get("backend_blocks", ())),
             labels=tuple(sorted(doc.get("labels", {}).items())),
             external=tuple(doc.get("external", ())),
+            external_traffic_policy=TrafficPolicy(doc.get("external_traffic_policy", "Cluster")),
+            external_ips=tuple(doc.get("external_ips", ())),
+            health_check_node_port=int(doc.get("health_check_node_port", 0)),
             revision=revision,
         )
 

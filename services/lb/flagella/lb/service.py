@@ -249,7 +249,9 @@ class LbService:
                 optimistic = False
                 current: ServiceRecord | None = None
             else:
-                found = await self.store.lookup(spec.name, spec.frontend, explicit_np)
+                found = await self.store.lookup(
+                    spec.name, spec.frontend, explicit_np, spec.external_frontends()
+                )
                 current = None
                 if found.name_id is not None:
                     current = await self.store.get_by_id(found.name_id)
@@ -264,6 +266,7 @@ class LbService:
                     raise _frontend_taken(spec.frontend, found.frontend_owner)
                 if explicit_np is not None and found.node_port_owner not in (None, spec.name):
                     raise _node_port_taken(spec.node_port, found.node_port_owner)
+                _check_externals(spec, found.external_owners)
                 if current is not None and current.same_spec(spec):
                     self._known.add(spec.name)
                     return current, False
@@ -289,6 +292,9 @@ class LbService:
                 continue  # it exists: an update (the frontend may be its own)
             if result.frontend_owner not in (None, spec.name):
                 raise _frontend_taken(spec.frontend, result.frontend_owner)
+            if result.external_owner is not None:
+                fe, owner = result.external_owner
+                raise _external_taken(spec, spec.external_frontends().index(fe), owner)
             if result.node_port_owner not in (None, spec.name):
                 if explicit_np is not None:
                     raise _node_port_taken(spec.node_port, result.node_port_owner)
@@ -313,7 +319,7 @@ class LbService:
         whose transaction fails (another writer got in between) is committed
         one by one through upsert()."""
         found = await self.store.lookup_many(
-            [(s.name, s.frontend, _explicit_node_port(s)) for s in specs]
+            [(s.name, s.frontend, _explicit_node_port(s), s.external_frontends()) for s in specs]
         )
         currents = await self.store.get_many_by_id(
             [f.name_id for f in found if f.name_id is not None]
@@ -339,6 +345,7 @@ class LbService:
                     spec.name,
                 ):
                     raise _node_port_taken(spec.node_port, seen.node_port_owner)
+                _check_externals(spec, seen.external_owners)
             except FlagellaError as exc:
                 raise in_batch(exc, i) from None
             if current is not None and current.same_spec(spec):
@@ -425,6 +432,9 @@ class LbService:
             source=spec.source,
             backend_blocks=blocks,
             labels=spec.labels,
+            external_traffic_policy=spec.external_traffic_policy,
+            external_ips=spec.external_ips,
+            health_check_node_port=spec.health_check_node_port,
             # LB-IPAM's, not the spec's: an update keeps them.
             external=current.external if current is not None else (),
         )
@@ -507,9 +517,26 @@ def _fe_text(fe: Frontend) -> str:
 
 def _frontend_taken(fe: Frontend, owner: str | None) -> InvalidArgument:
     return InvalidArgument(
-        f"{_fe_text(fe)} is already the frontend of service {owner!r}",
+        f"{_fe_text(fe)} is already the frontend of service {owner!r} (or one of its external IPs)",
         field="service.frontend",
     )
+
+
+def _external_taken(spec: ServiceSpec, index: int, owner: str) -> InvalidArgument:
+    fe = spec.external_frontends()[index]
+    return InvalidArgument(
+        f"{_fe_text(fe)} is already served by service {owner!r}",
+        field=f"service.external_ips[{index}]",
+    )
+
+
+def _check_externals(spec: ServiceSpec, owners: Sequence[str | None]) -> None:
+    """An external IP at the service's port and protocol that another
+    service serves (as its frontend or an external IP of its own) is
+    refused, naming that service."""
+    for i, owner in enumerate(owners):
+        if owner not in (None, spec.name):
+            raise _external_taken(spec, i, owner)
 
 
 def _node_port_taken(port: int, owner: str | None) -> InvalidArgument:

@@ -11,6 +11,10 @@ from flagella.api.lb.v1 import lb_pb2, lb_pb2_grpc
 from flagella.common.debuginfo import Debuginfo, answer
 from flagella.common.errors import FlagellaError, InvalidArgument, NotFound
 from flagella.common.sync import Batching, Change, MessageCache, serve_watch
+from flagella.lb.bgp import build_policy, validate_name
+from flagella.lb.bgp import raw_from_cilium as raw_bgp_from_cilium
+from flagella.lb.bgpservicer import BgpPolicyEvents, policy_to_proto, raw_policy
+from flagella.lb.bgpstore import BgpPolicyStore
 from flagella.lb.lbipam import (
     CONDITION_TYPE,
     Claimant,
@@ -29,8 +33,10 @@ from flagella.lb.model import (
     Frontend,
     Protocol,
     ServiceRecord,
+    ServiceSpec,
     ServiceType,
     Source,
+    TrafficPolicy,
 )
 from flagella.lb.service import LbService, WatchItem
 from flagella.lb.validation import (
@@ -59,6 +65,11 @@ _STATES = {
     pb.BACKEND_STATE_QUARANTINED: BackendState.QUARANTINED,
     pb.BACKEND_STATE_MAINTENANCE: BackendState.MAINTENANCE,
 }
+_POLICIES = {
+    pb.TRAFFIC_POLICY_CLUSTER: TrafficPolicy.CLUSTER,
+    pb.TRAFFIC_POLICY_LOCAL: TrafficPolicy.LOCAL,
+}
+_POLICY_PB = {v: k for k, v in _POLICIES.items()}
 _PROTOCOL_PB = {v: k for k, v in _PROTOCOLS.items()}
 _TYPE_PB = {v: k for k, v in _TYPES.items()}
 _ALGORITHM_PB = {v: k for k, v in _ALGORITHMS.items()}
@@ -120,7 +131,23 @@ def raw_from_proto(svc: lb_pb2.Service) -> RawService:
         source_ranges=list(svc.source_ranges),
         source=Source.API,
         labels=dict(svc.labels),
+        external_traffic_policy=traffic_policy(svc.external_traffic_policy),
+        external_ips=list(svc.external_ips),
+        load_balancer=svc.HasField("load_balancer"),
+        health_check_node_port=svc.health_check_node_port,
     )
+
+
+def traffic_policy(value: int) -> TrafficPolicy:
+    """externalTrafficPolicy (TRAFFIC_POLICY_CLUSTER, 0, is the default)."""
+    try:
+        return _POLICIES[value]  # type: ignore[index]
+    except KeyError:
+        known = ", ".join(str(k) for k in sorted(_POLICIES))
+        raise InvalidArgument(
+            f"{value} is not a known traffic policy ({known})",
+            field="service.external_traffic_policy",
+        ) from None
 
 
 def frontend_from_proto(fe: lb_pb2.Frontend, field: str) -> Frontend:
@@ -174,6 +201,9 @@ def service_to_proto(rec: ServiceRecord, claim: Claim | None = None) -> lb_pb2.S
         source=rec.source.value,
         maglev_table_size=rec.maglev_table_size,
         labels=dict(rec.labels),
+        external_traffic_policy=_POLICY_PB[rec.external_traffic_policy],
+        external_ips=list(rec.external_ips),
+        health_check_node_port=rec.health_check_node_port,
     )
     if rec.affinity is not None:
         out.session_affinity.type = pb.SessionAffinity.TYPE_CLIENT_IP
@@ -200,7 +230,7 @@ def service_to_proto(rec: ServiceRecord, claim: Claim | None = None) -> lb_pb2.S
     return out
 
 
-def pool_to_proto(pool: Pool, used: int) -> lb_pb2.LbIpPool:
+def pool_to_proto(pool: Pool, used: int, conflict: str = "") -> lb_pb2.LbIpPool:
     blocks = []
     for b in pool.blocks:
         start, sep, stop = b.text.partition("-")
@@ -212,6 +242,9 @@ def pool_to_proto(pool: Pool, used: int) -> lb_pb2.LbIpPool:
         disabled=pool.disabled,
         size=pool.size,
         used=used,
+        source=pool.source,
+        conflicting=bool(conflict),
+        conflict_message=conflict,
     )
 
 
@@ -302,12 +335,14 @@ class LbServicer(lb_pb2_grpc.LoadBalancerServiceServicer):
         heartbeat: float = 30.0,
         debuginfo: Debuginfo | None = None,
         ipam: LbIpam,
+        bgp: BgpPolicyStore,
     ) -> None:
         self.service = service
         self.debuginfo = debuginfo
         self.limits = limits
         self.lrps = lrps
         self.ipam = ipam
+        self.bgp = bgp
         # Seconds between SYNCED heartbeats on an idle WatchServices stream.
         self.heartbeat = heartbeat
         # What the WatchServices streams share.
@@ -320,9 +355,13 @@ class LbServicer(lb_pb2_grpc.LoadBalancerServiceServicer):
             raise InvalidArgument("a service is required", field="service")
         spec = build_spec(raw_from_proto(request.service), self.limits)
         lb = lb_request_from_proto(request.service, spec.frontend.family)
+        await self._check_lb_addresses(spec)
         record, created = await self.service.upsert(spec)
         record, claim = await self._claim(record, lb)
         return pb.UpsertServiceResponse(service=service_to_proto(record, claim), created=created)
+
+    async def _check_lb_addresses(self, spec: ServiceSpec) -> None:
+        await self.ipam.check_external_ips(spec.name, spec.external_frontends())
 
     async def _claim(
         self, record: ServiceRecord, lb: LbRequest | None
@@ -357,6 +396,11 @@ class LbServicer(lb_pb2_grpc.LoadBalancerServiceServicer):
             except FlagellaError as exc:
                 raise in_batch(exc, i) from None
         check_batch(specs)
+        for i, spec in enumerate(specs):
+            try:
+                await self._check_lb_addresses(spec)
+            except FlagellaError as exc:
+                raise in_batch(exc, i) from None
         results = await self.service.upsert_many(specs)
         # One read of the claims for the batch: only LoadBalancer services
         # and former ones cost LB-IPAM a transaction.
@@ -433,7 +477,13 @@ class LbServicer(lb_pb2_grpc.LoadBalancerServiceServicer):
     async def GetDebuginfo(
         self, request: lb_pb2.GetDebuginfoRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> lb_pb2.Debuginfo:
-        state = {"services": await self.ListServices(pb.ListServicesRequest(), context)}
+        state = {
+            "services": await self.ListServices(pb.ListServicesRequest(), context),
+            # Passwords left out, as every answer but the nodes' stream.
+            "bgp_peering_policies": await self.ListBgpPeeringPolicies(
+                pb.ListBgpPeeringPoliciesRequest(), context
+            ),
+        }
         return answer(self.debuginfo, pb.Debuginfo(), state)
 
     # --- local redirect policies (flagella.lb.lrp) ---
@@ -513,4 +563,62 @@ class LbServicer(lb_pb2_grpc.LoadBalancerServiceServicer):
         self, request: lb_pb2.ListLbIpPoolsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> lb_pb2.ListLbIpPoolsResponse:
         pools = await self.ipam.list_pools()
-        return pb.ListLbIpPoolsResponse(pools=[pool_to_proto(p, used) for p, used in pools])
+        return pb.ListLbIpPoolsResponse(
+            pools=[pool_to_proto(p.pool, p.used, p.conflict) for p in pools]
+        )
+
+    # --- BGP peering policies (flagella.lb.bgp) ---
+
+    async def UpsertBgpPeeringPolicy(
+        self,
+        request: lb_pb2.UpsertBgpPeeringPolicyRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> lb_pb2.UpsertBgpPeeringPolicyResponse:
+        if request.document and request.HasField("policy"):
+            raise InvalidArgument("give policy or document, not both", field="document")
+        if request.document:
+            raw = raw_bgp_from_cilium(parse_document(request.document))
+        elif request.HasField("policy"):
+            raw = raw_policy(request.policy)
+        else:
+            raise InvalidArgument("a policy is required", field="policy")
+        for i, vr in enumerate(raw.virtual_routers):
+            for j, n in enumerate(vr.neighbors):
+                if n.auth_secret_ref:
+                    raise InvalidArgument(
+                        "a Secret reference is for Kubernetes objects; give the password",
+                        field=f"policy.virtual_routers[{i}].neighbors[{j}].auth_secret_ref",
+                    )
+        policy, created = await self.bgp.put(build_policy(raw))
+        return pb.UpsertBgpPeeringPolicyResponse(policy=policy_to_proto(policy), created=created)
+
+    async def DeleteBgpPeeringPolicy(
+        self,
+        request: lb_pb2.DeleteBgpPeeringPolicyRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> lb_pb2.DeleteBgpPeeringPolicyResponse:
+        validate_name(request.name, field="name")
+        return pb.DeleteBgpPeeringPolicyResponse(deleted=await self.bgp.delete(request.name))
+
+    async def ListBgpPeeringPolicies(
+        self,
+        request: lb_pb2.ListBgpPeeringPoliciesRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> lb_pb2.ListBgpPeeringPoliciesResponse:
+        policies, revision = await self.bgp.list()
+        return pb.ListBgpPeeringPoliciesResponse(
+            policies=[policy_to_proto(p) for p in policies], revision=revision
+        )
+
+    async def WatchBgpPeeringPolicies(
+        self,
+        request: lb_pb2.WatchBgpPeeringPoliciesRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[lb_pb2.BgpPeeringPolicyEvent]:
+        since = request.since_revision
+        if since < 0:
+            raise InvalidArgument("must not be negative", field="since_revision")
+        async for event in serve_watch(
+            self.bgp.subscribe(since), BgpPolicyEvents(), since=since, heartbeat=self.heartbeat
+        ):
+            yield event

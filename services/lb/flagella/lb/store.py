@@ -2,7 +2,9 @@
 
     services/<id:05d>              the service record (JSON), keyed by service id
     names/<namespace/name>         -> service id (name index)
-    frontends/<PROTO>/<addr>/<port> -> service name (one service per frontend)
+    frontends/<PROTO>/<addr>/<port> -> service name (one service per frontend;
+                                   an external IP at the service's port is
+                                   one too)
     nodeports/<PROTO>/<port:05d>   -> service name (one service per node port)
     ids/revnat/<id:05d>            -> service name (rev-NAT id allocation)
     ids/backend-blocks/<b:08d>     -> service name (backend ids b*64 .. b*64+63)
@@ -120,6 +122,8 @@ class Lookup:
     frontend_owner: str | None
     node_port_owner: str | None
     revision: int
+    # Who holds each external IP's frontend (in the spec's order).
+    external_owners: tuple[str | None, ...] = ()
 
 
 @dataclass
@@ -150,6 +154,8 @@ class Conflict:
     service_id_taken: bool = False
     rev_nat_taken: bool = False
     blocks_taken: tuple[int, ...] = ()
+    # An external IP's frontend another service holds: (it, the holder).
+    external_owner: tuple[Frontend, str] | None = None
 
 
 Outcome = Committed | Conflict
@@ -234,19 +240,27 @@ class LbStore:
     # --- reads ---
 
     async def lookup(
-        self, name: str, frontend: Frontend, node_port: tuple[Protocol, int] | None
+        self,
+        name: str,
+        frontend: Frontend,
+        node_port: tuple[Protocol, int] | None,
+        externals: Sequence[Frontend] = (),
     ) -> Lookup:
         ops = [get_op(name_key(name)), get_op(frontend_key(frontend))]
         if node_port is not None:
             ops.append(get_op(node_port_key(*node_port)))
+        ops += [get_op(frontend_key(fe)) for fe in externals]
         result = await self.etcd.txn([], ops)
-        ranges = result.ranges
-        name_id = _text(ranges[0])
+        ranges = iter(result.ranges)
+        name_id = _text(next(ranges))
+        frontend_owner = _text(next(ranges))
+        node_port_owner = _text(next(ranges)) if node_port is not None else None
         return Lookup(
             name_id=None if name_id is None else int(name_id),
-            frontend_owner=_text(ranges[1]),
-            node_port_owner=_text(ranges[2]) if node_port is not None else None,
+            frontend_owner=frontend_owner,
+            node_port_owner=node_port_owner,
             revision=result.revision,
+            external_owners=tuple(_text(next(ranges)) for _ in externals),
         )
 
     async def get_by_id(self, service_id: int) -> ServiceRecord | None:
@@ -407,6 +421,8 @@ class LbStore:
         if new_np is not None:
             failure.append(get_op(node_port_key(*new_np)))
         failure += [get_op(block_key(block)) for block in plan.new_blocks]
+        taken = _new_externals(plan)
+        failure += [get_op(frontend_key(fe)) for fe in taken]
 
         result = await self.etcd.txn(compare, success, failure)
         if result.succeeded:
@@ -420,6 +436,11 @@ class LbStore:
         )
         node_port_owner = _text(next(ranges)) if new_np is not None else None
         blocks_taken = tuple(block for block in plan.new_blocks if next(ranges))
+        external_owner = None
+        for fe in taken:
+            owner = _text(next(ranges))
+            if owner not in (None, rec.name) and external_owner is None:
+                external_owner = (fe, owner)
         return Conflict(
             result.revision,
             name_id=None if name_id is None else int(name_id),
@@ -428,26 +449,24 @@ class LbStore:
             service_id_taken=service_id_taken,
             rev_nat_taken=rev_nat_taken,
             blocks_taken=blocks_taken,
+            external_owner=external_owner,
         )
 
-    async def lookup_many(
-        self, wanted: Sequence[tuple[str, Frontend, tuple[Protocol, int] | None]]
-    ) -> list[Lookup]:
+    async def lookup_many(self, wanted: Sequence[Wanted]) -> list[Lookup]:
         """lookup() of many services, in as few transactions as the etcd
         transaction limit allows, sent together."""
 
-        async def one(
-            chunk: Sequence[tuple[str, Frontend, tuple[Protocol, int] | None]],
-        ) -> list[Lookup]:
+        async def one(chunk: Sequence[Wanted]) -> list[Lookup]:
             ops: list[Any] = []
-            for name, frontend, node_port in chunk:
+            for name, frontend, node_port, externals in chunk:
                 ops += [get_op(name_key(name)), get_op(frontend_key(frontend))]
                 if node_port is not None:
                     ops.append(get_op(node_port_key(*node_port)))
+                ops += [get_op(frontend_key(fe)) for fe in externals]
             result = await self.etcd.txn([], ops)
             ranges = iter(result.ranges)
             out: list[Lookup] = []
-            for _, _, node_port in chunk:
+            for _, _, node_port, externals in chunk:
                 name_id = _text(next(ranges))
                 frontend_owner = _text(next(ranges))
                 node_port_owner = _text(next(ranges)) if node_port is not None else None
@@ -457,11 +476,12 @@ class LbStore:
                         frontend_owner=frontend_owner,
                         node_port_owner=node_port_owner,
                         revision=result.revision,
+                        external_owners=tuple(_text(next(ranges)) for _ in externals),
                     )
                 )
             return out
 
-        parts = await asyncio.gather(*(one(c) for c in _chunks(wanted, MAX_TXN_OPS // 3)))
+        parts = await asyncio.gather(*(one(c) for c in _lookup_chunks(wanted)))
         return [lookup for part in parts for lookup in part]
 
     async def get_many_by_id(self, service_ids: Sequence[int]) -> dict[int, ServiceRecord]:
@@ -500,6 +520,7 @@ class LbStore:
             delete_op(frontend_key(record.frontend)),
             delete_op(revnat_key(record.rev_nat_id)),
             *(delete_op(block_key(b)) for b in record.backend_blocks),
+            *(delete_op(frontend_key(fe)) for fe in record.external_frontends()),
         ]
         np = _node_port(record)
         if np is not None:
@@ -545,11 +566,15 @@ def commit_ops(plan: UpsertPlan, value: bytes | None = None) -> CommitOps:
     if prev is None or prev.rev_nat_id != rec.rev_nat_id:
         compare.append(absent(revnat_key(rec.rev_nat_id)))
         success.append(put_op(revnat_key(rec.rev_nat_id), owner))
-    if prev is None or prev.frontend != rec.frontend:
-        compare.append(absent(frontend_key(rec.frontend)))
-        success.append(put_op(frontend_key(rec.frontend), owner))
-        if prev is not None:
-            success.append(delete_op(frontend_key(prev.frontend)))
+    # The frontend and the external IPs' frontends: the keys newly held
+    # must be free, those no longer held go.
+    before = _held_frontends(prev)
+    after = _held_frontends(rec)
+    for fe in after:
+        if fe not in before:
+            compare.append(absent(frontend_key(fe)))
+            success.append(put_op(frontend_key(fe), owner))
+    success += [delete_op(frontend_key(fe)) for fe in before if fe not in after]
     new_np = _node_port(rec)
     old_np = _node_port(prev) if prev is not None else None
     if new_np != old_np:
@@ -563,6 +588,41 @@ def commit_ops(plan: UpsertPlan, value: bytes | None = None) -> CommitOps:
         success.append(put_op(block_key(block), owner))
     success += [delete_op(block_key(b)) for b in plan.release_blocks]
     return compare, success
+
+
+def _held_frontends(record: ServiceRecord | None) -> list[Frontend]:
+    """The frontend index keys a record holds: its frontend, then its
+    external IPs'."""
+    if record is None:
+        return []
+    return [record.frontend, *record.external_frontends()]
+
+
+def _new_externals(plan: UpsertPlan) -> list[Frontend]:
+    """The external IPs' frontends the plan takes that its previous record
+    did not hold."""
+    held = set(_held_frontends(plan.previous))
+    return [fe for fe in plan.record.external_frontends() if fe not in held]
+
+
+# What lookup_many() reads of one service: its name, frontend, explicit
+# node port and external IPs' frontends.
+Wanted = tuple[str, Frontend, tuple[Protocol, int] | None, Sequence[Frontend]]
+
+
+def _lookup_chunks(wanted: Sequence[Wanted]) -> Iterator[Sequence[Wanted]]:
+    """Services whose reads fit one transaction's operations."""
+    chunk: list[Wanted] = []
+    ops = 0
+    for item in wanted:
+        size = 3 + len(item[3])
+        if chunk and ops + size > MAX_TXN_OPS:
+            yield chunk
+            chunk, ops = [], 0
+        chunk.append(item)
+        ops += size
+    if chunk:
+        yield chunk
 
 
 async def _each(items: Iterable[T] | AsyncIterable[T]) -> AsyncIterator[T]:

@@ -26,11 +26,15 @@ from flagella.lb.model import (
     ServiceSpec,
     ServiceType,
     Source,
+    TrafficPolicy,
 )
 
 MIN_WEIGHT = 1
 MAX_WEIGHT = 100
 MAX_SOURCE_RANGES = 256
+# A node serves each external IP as a frontend of its own, numbered in the
+# datapath's rev-NAT ids (frontend index < 256, with the node addresses).
+MAX_EXTERNAL_IPS = 64
 # DNS-1123 label, as Kubernetes namespaces.
 NAMESPACE_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 # A DNS-1123 subdomain, plus ':' (the Kubernetes watcher names a service
@@ -79,6 +83,13 @@ class RawService:
     source_ranges: Sequence[str] = ()
     source: Source = Source.API
     labels: Mapping[str, str] | None = None
+    external_traffic_policy: TrafficPolicy | None = None  # None: Cluster
+    external_ips: Sequence[str] = ()
+    # Whether the request is a LoadBalancer one (load_balancer set): what
+    # makes externalTrafficPolicy Local meaningful besides a node port and
+    # external IPs.
+    load_balancer: bool = False
+    health_check_node_port: int = 0
 
 
 def check_ip(value: str, field: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
@@ -266,6 +277,39 @@ def build_spec(raw: RawService, limits: Limits) -> ServiceSpec:
     )
 
     labels = _labels(raw.labels or {})
+    external_ips = _external_ips(raw.external_ips, frontend)
+    policy = raw.external_traffic_policy or TrafficPolicy.CLUSTER
+    if (
+        policy is TrafficPolicy.LOCAL
+        and svc_type is not ServiceType.NODE_PORT
+        and not raw.load_balancer
+        and not external_ips
+    ):
+        # As the Kubernetes API server: only externally reachable services
+        # have external traffic.
+        raise InvalidArgument(
+            "Local applies to external traffic only: the service needs a node port "
+            "(type NodePort), a LoadBalancer request or external IPs",
+            field="service.external_traffic_policy",
+        )
+    health_check = raw.health_check_node_port
+    if health_check:
+        if policy is not TrafficPolicy.LOCAL:
+            raise InvalidArgument(
+                "a health check node port is for externalTrafficPolicy Local only",
+                field="service.health_check_node_port",
+            )
+        if not limits.node_port_min <= health_check <= limits.node_port_max:
+            raise InvalidArgument(
+                f"{health_check} is outside the node port range "
+                f"{limits.node_port_min}-{limits.node_port_max}",
+                field="service.health_check_node_port",
+            )
+        if svc_type is ServiceType.NODE_PORT and health_check == node_port:
+            raise InvalidArgument(
+                f"{health_check} is the service's own node port",
+                field="service.health_check_node_port",
+            )
     return ServiceSpec(
         name=name,
         namespace=namespace,
@@ -279,7 +323,37 @@ def build_spec(raw: RawService, limits: Limits) -> ServiceSpec:
         source_ranges=source_ranges,
         source=raw.source,
         labels=labels,
+        external_traffic_policy=policy,
+        external_ips=external_ips,
+        health_check_node_port=health_check,
     )
+
+
+def _external_ips(values: Sequence[str], frontend: Frontend) -> tuple[str, ...]:
+    """spec.externalIPs in canonical form, in the caller's order (so that an
+    error's index and a conflict's name the caller's item)."""
+    if len(values) > MAX_EXTERNAL_IPS:
+        raise InvalidArgument(
+            f"{len(values)} external IPs: at most {MAX_EXTERNAL_IPS}", field="service.external_ips"
+        )
+    seen: dict[str, int] = {}
+    for i, value in enumerate(values):
+        path = f"service.external_ips[{i}]"
+        ip = check_ip(value, path)
+        if ip.version != frontend.family:
+            # Served at the frontend's port by the same backends: NAT46 is
+            # not offered (as for node ports).
+            raise InvalidArgument(
+                f"{value!r} is IPv{ip.version} but the frontend is IPv{frontend.family}",
+                field=path,
+            )
+        text = str(ip)
+        if text == frontend.address:
+            raise InvalidArgument(f"{text} is the service's frontend address", field=path)
+        if text in seen:
+            raise InvalidArgument(f"{text} is also external_ips[{seen[text]}]", field=path)
+        seen[text] = i
+    return tuple(seen)
 
 
 MAX_LABELS = 64
@@ -319,16 +393,27 @@ def check_batch(specs: Sequence[ServiceSpec]) -> None:
     batch (each belongs to one service)."""
     names: dict[str, int] = {}
     frontends: dict[Frontend, int] = {}
+    external: dict[Frontend, int] = {}
     node_ports: dict[tuple[Protocol, int], int] = {}
     for i, spec in enumerate(specs):
+        for j, fe in enumerate(spec.external_frontends()):
+            other = frontends.get(fe, external.get(fe))
+            if other is not None:
+                raise InvalidArgument(
+                    f"{fe.address} port {fe.port}/{fe.protocol.value} is also served by "
+                    f"services[{other}]",
+                    field=f"services[{i}].external_ips[{j}]",
+                )
+            external[fe] = i
         if spec.name in names:
             raise InvalidArgument(
                 f"{spec.name!r} is also services[{names[spec.name]}]", field=f"services[{i}].name"
             )
         names[spec.name] = i
-        if spec.frontend in frontends:
+        if spec.frontend in frontends or spec.frontend in external:
+            other = frontends.get(spec.frontend, external.get(spec.frontend))
             raise InvalidArgument(
-                f"the frontend is also that of services[{frontends[spec.frontend]}]",
+                f"the frontend is also served by services[{other}]",
                 field=f"services[{i}].frontend",
             )
         frontends[spec.frontend] = i

@@ -584,6 +584,11 @@ def cidr_group_pb(group: CIDRGroup) -> pb.CIDRGroup:
 # --- FQDN cache ---
 
 
+# A node's clock may run ahead of the policy service's, not by this much: a
+# lookup further ahead is refused (its expiry would be too).
+MAX_LOOKUP_AHEAD_S = 3600
+
+
 def _timestamp(seconds: float) -> Timestamp:
     out = Timestamp()
     out.FromNanoseconds(int(seconds * 1e9))
@@ -594,9 +599,17 @@ def fqdn_entry_from_pb(e: pb.FQDNCacheEntry, node: str, path: str, now: float) -
     """A cache entry of node's (validated; InvalidArgument naming the field)."""
     if e.node and e.node != node:
         raise InvalidArgument(f"must be empty or the request's node {node!r}", field=f"{path}.node")
-    lookup = e.lookup.ToNanoseconds() / 1e9 if e.HasField("lookup") else now
+    try:
+        lookup = e.lookup.ToNanoseconds() / 1e9 if e.HasField("lookup") else now
+    except ValueError:  # outside what a Timestamp may hold
+        raise InvalidArgument("is not a valid timestamp", field=f"{path}.lookup") from None
     if lookup <= 0:
         raise InvalidArgument("must be after the epoch", field=f"{path}.lookup")
+    if lookup > now + MAX_LOOKUP_AHEAD_S:
+        raise InvalidArgument(
+            f"is more than {MAX_LOOKUP_AHEAD_S} s ahead of this service's clock",
+            field=f"{path}.lookup",
+        )
     ttl = check_fqdn_ttl(e.ttl, f"{path}.ttl")
     return FqdnEntry(
         node=node,

@@ -552,8 +552,17 @@ class Datapath:
             self.maglev.set_table(svc.service_id, svc.maglev_table)
         self.srcrange.set_ranges(svc.service_id, svc.source_ranges)
         active = [b.id for b in svc.backends if b.state == 1]
+        local = [b.id for b in svc.backends if b.state == 1 and b.local]
         return [
-            FrontendWrite(fe, svc.service_id, active, flags, svc.affinity_timeout, maglev_size)
+            FrontendWrite(
+                fe,
+                svc.service_id,
+                active,
+                flags,
+                svc.affinity_timeout,
+                maglev_size,
+                local if fe.local_only else None,
+            )
             for fe in svc.frontends
         ]
 

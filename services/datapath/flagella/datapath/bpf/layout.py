@@ -133,6 +133,9 @@ SVC_F_NODEPORT = 1 << 0
 SVC_F_MAGLEV = 1 << 1
 SVC_F_AFFINITY = 1 << 2
 SVC_F_SOURCE_RANGE = 1 << 3
+SVC_F_EXT_LOCAL = 1 << 4
+SVC_SCOPE_ALL = 0
+SVC_SCOPE_LOCAL = 1
 BACKEND_ACTIVE = 1  # lb.v1.BackendState.BACKEND_STATE_ACTIVE
 MAGLEV_SIZE_INDEX = 0  # index of M in a Maglev table; slot s is at 1 + s
 
@@ -561,6 +564,7 @@ _SVC_FLAGS = {
     SVC_F_MAGLEV: "maglev",
     SVC_F_AFFINITY: "affinity",
     SVC_F_SOURCE_RANGE: "source-ranges",
+    SVC_F_EXT_LOCAL: "external-local",
 }
 _CT_FLAGS = {
     CT_F_SEEN_NON_SYN: "seen-non-syn",
@@ -680,6 +684,7 @@ def decode_svc_key(k: SvcKey) -> Fields:
         "port": str(port_host(k.dport)),
         "protocol": proto_name(k.proto),
         "slot": str(k.slot),
+        "scope": "local" if k.scope == SVC_SCOPE_LOCAL else "all",
     }
 
 

@@ -37,6 +37,9 @@ class Frontend:
     protocol: int  # 6 or 17
     rev_nat_id: int  # reverse NAT of replies to this frontend
     nodeport: bool = False
+    # externalTrafficPolicy Local: traffic from outside the node reaches
+    # this node's own active backends only (none: dropped).
+    local_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,7 @@ class Backend:
     port: int
     protocol: int = L.PROTO_TCP
     state: int = BACKEND_ACTIVE  # only active backends get new connections
+    local: bool = False  # on this node (what externalTrafficPolicy Local uses)
 
 
 @dataclass(frozen=True)
@@ -60,10 +64,14 @@ class Service:
     affinity_timeout: int = 0  # seconds of ClientIP affinity; 0: none
     source_ranges: tuple[str, ...] = ()  # loadBalancerSourceRanges; empty: all
     name: str = ""  # the lb service's name (what local redirect policies match)
+    # healthCheckNodePort (not in the maps: the node answers it, healthcheck.py).
+    health_check_port: int = 0
 
 
-def svc_key(address: str, port: int, protocol: int, slot: int = 0) -> L.SvcKey:
-    k = L.SvcKey(dport=L.port_be(port), slot=slot, proto=protocol)
+def svc_key(
+    address: str, port: int, protocol: int, slot: int = 0, scope: int = L.SVC_SCOPE_ALL
+) -> L.SvcKey:
+    k = L.SvcKey(dport=L.port_be(port), slot=slot, proto=protocol, scope=scope)
     L.set_addr(k.addr, address)
     return k
 
@@ -81,6 +89,10 @@ class FrontendWrite:
     flags: int
     affinity_timeout: int
     maglev_size: int
+    # The frontend's entry for outside traffic under externalTrafficPolicy
+    # Local (scope SVC_SCOPE_LOCAL): this node's active backends; None: it
+    # has none.
+    local_backend_ids: Sequence[int] | None = None
 
 
 def _write_all(m: BpfMap[Any, Any], pairs: Sequence[tuple[Any, Any]]) -> None:
@@ -105,7 +117,7 @@ class Services(BpfMap[L.SvcKey, L.SvcValue]):
         if self._frontends is None:
             index: dict[int, set[FrontendKey]] = {}
             for k, v in self.items():
-                if k.slot == 0:
+                if k.slot == 0 and k.scope == L.SVC_SCOPE_ALL:
                     fe = (L.get_addr(k.addr), L.port_host(k.dport), k.proto)
                     index.setdefault(v.service_id, set()).add(fe)
             self._frontends = index
@@ -143,12 +155,24 @@ class Services(BpfMap[L.SvcKey, L.SvcValue]):
         on a failed write (map full): what was written is left for the
         caller to rewrite."""
         olds: list[L.SvcValue | None] = []
+        old_locals: list[L.SvcValue | None] = []
         slots: list[tuple[L.SvcKey, L.SvcValue]] = []
+        local_masters: list[tuple[L.SvcKey, L.SvcValue]] = []
         masters: list[tuple[L.SvcKey, L.SvcValue]] = []
         for w in items:
             fe = w.frontend
             key = svc_key(fe.address, fe.port, fe.protocol)
-            olds.append(self.get(key))
+            old = self.get(key)
+            olds.append(old)
+            # A node-port frontend's local entry is read even without the
+            # flag: one written just before a crash (the flag never came)
+            # goes at the next write.
+            had_local = old is not None and old.flags & L.SVC_F_EXT_LOCAL
+            old_locals.append(
+                self._local_master(fe.address, fe.port, fe.protocol)
+                if had_local or fe.nodeport or w.local_backend_ids is not None
+                else None
+            )
             slots += [
                 (
                     svc_key(fe.address, fe.port, fe.protocol, i + 1),
@@ -156,19 +180,47 @@ class Services(BpfMap[L.SvcKey, L.SvcValue]):
                 )
                 for i, bid in enumerate(w.backend_ids)
             ]
+            flags = w.flags | (L.SVC_F_NODEPORT if fe.nodeport else 0)
+            if w.local_backend_ids is not None:
+                local = L.SVC_SCOPE_LOCAL
+                slots += [
+                    (
+                        svc_key(fe.address, fe.port, fe.protocol, i + 1, local),
+                        L.SvcValue(
+                            backend_id=bid, rev_nat_id=fe.rev_nat_id, service_id=w.service_id
+                        ),
+                    )
+                    for i, bid in enumerate(w.local_backend_ids)
+                ]
+                # Random selection over the local backends: the Maglev
+                # table is the service's, over all of them.
+                local_master = L.SvcValue(
+                    count=len(w.local_backend_ids),
+                    rev_nat_id=fe.rev_nat_id,
+                    service_id=w.service_id,
+                    flags=flags & ~L.SVC_F_MAGLEV,
+                    affinity_timeout=w.affinity_timeout,
+                )
+                local_masters.append(
+                    (svc_key(fe.address, fe.port, fe.protocol, 0, local), local_master)
+                )
+                flags |= L.SVC_F_EXT_LOCAL
             master = L.SvcValue(
                 count=len(w.backend_ids),
                 rev_nat_id=fe.rev_nat_id,
                 service_id=w.service_id,
-                flags=w.flags | (L.SVC_F_NODEPORT if fe.nodeport else 0),
+                flags=flags,
                 affinity_timeout=w.affinity_timeout,
                 maglev_size=w.maglev_size,
             )
             masters.append((key, master))
+        # Slots, then the local entries, then the entries that point at
+        # them: a packet never finds a count beyond the slots written.
         _write_all(self, slots)
+        _write_all(self, local_masters)
         _write_all(self, masters)
         stale = []
-        for w, old in zip(items, olds, strict=True):
+        for w, old, old_local in zip(items, olds, old_locals, strict=True):
             fe = w.frontend
             self._indexed(
                 (L.bytes_ip(L.ip_bytes(fe.address)), fe.port, fe.protocol), w.service_id, old
@@ -178,7 +230,16 @@ class Services(BpfMap[L.SvcKey, L.SvcValue]):
                 svc_key(fe.address, fe.port, fe.protocol, i)
                 for i in range(len(w.backend_ids) + 1, old_count + 1)
             ]
+            if old_local is not None:
+                keep = len(w.local_backend_ids) if w.local_backend_ids is not None else -1
+                stale += [
+                    svc_key(fe.address, fe.port, fe.protocol, i, L.SVC_SCOPE_LOCAL)
+                    for i in range(keep + 1, old_local.count + 1)
+                ]
         self.delete_many(stale)
+
+    def _local_master(self, address: str, port: int, protocol: int) -> L.SvcValue | None:
+        return self.get(svc_key(address, port, protocol, 0, L.SVC_SCOPE_LOCAL))
 
     def remove_frontend(self, address: str, port: int, protocol: int) -> bool:
         old = self.frontend(address, port, protocol)
@@ -187,6 +248,12 @@ class Services(BpfMap[L.SvcKey, L.SvcValue]):
         self.delete(svc_key(address, port, protocol))
         self._unindexed((L.bytes_ip(L.ip_bytes(address)), port, protocol), old.service_id)
         self.delete_many(svc_key(address, port, protocol, i) for i in range(1, old.count + 1))
+        local = self._local_master(address, port, protocol)
+        if local is not None:
+            scope = L.SVC_SCOPE_LOCAL
+            self.delete_many(
+                svc_key(address, port, protocol, i, scope) for i in range(local.count + 1)
+            )
         return True
 
     def frontends_of(self, service_id: int) -> list[FrontendKey]:

@@ -1086,6 +1086,7 @@ class DatapathStatus(_message.Message):
     HOST_POLICY_FIELD_NUMBER: _builtins.int
     POLICY_MAP_MAX_ENTRIES_FIELD_NUMBER: _builtins.int
     POLICY_OVERFLOW_ENDPOINTS_FIELD_NUMBER: _builtins.int
+    BGP_FIELD_NUMBER: _builtins.int
     node: _builtins.str
     programs_loaded: _builtins.bool
     endpoints: _builtins.int
@@ -1115,6 +1116,12 @@ class DatapathStatus(_message.Message):
     def policy_overflow_endpoints(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Endpoints locked down because their policy is over budget."""
 
+    @_builtins.property
+    def bgp(self) -> Global___BgpSpeaker:
+        """The node's BGP speaker (GetBgpPeers has its sessions): disabled,
+        starting, running or restarting, with its restarts and last error.
+        """
+
     def __init__(
         self,
         *,
@@ -1129,10 +1136,11 @@ class DatapathStatus(_message.Message):
         host_policy: Global___HostPolicyStatus | None = ...,
         policy_map_max_entries: _builtins.int = ...,
         policy_overflow_endpoints: _abc.Iterable[_builtins.int] | None = ...,
+        bgp: Global___BgpSpeaker | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["host_policy", b"host_policy"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["bgp", b"bgp", "host_policy", b"host_policy"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoints", b"endpoints", "host_policy", b"host_policy", "maps", b"maps", "node", b"node", "peers", b"peers", "policy_map_max_entries", b"policy_map_max_entries", "policy_overflow_endpoints", b"policy_overflow_endpoints", "programs", b"programs", "programs_loaded", b"programs_loaded", "reconcilers", b"reconcilers", "streams_synced", b"streams_synced"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bgp", b"bgp", "endpoints", b"endpoints", "host_policy", b"host_policy", "maps", b"maps", "node", b"node", "peers", b"peers", "policy_map_max_entries", b"policy_map_max_entries", "policy_overflow_endpoints", b"policy_overflow_endpoints", "programs", b"programs", "programs_loaded", b"programs_loaded", "reconcilers", b"reconcilers", "streams_synced", b"streams_synced"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1946,3 +1954,371 @@ class CgroupDumpMetadata(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CgroupDumpMetadata: _TypeAlias = CgroupDumpMetadata  # noqa: Y015
+
+@_typing.final
+class GetBgpPeersRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetBgpPeersRequest: _TypeAlias = GetBgpPeersRequest  # noqa: Y015
+
+@_typing.final
+class BgpSpeaker(_message.Message):
+    """The speaker of this node."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATE_FIELD_NUMBER: _builtins.int
+    LOCAL_ASN_FIELD_NUMBER: _builtins.int
+    ROUTER_ID_FIELD_NUMBER: _builtins.int
+    LISTEN_PORT_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    RESTARTS_FIELD_NUMBER: _builtins.int
+    LAST_ERROR_FIELD_NUMBER: _builtins.int
+    POLICIES_FIELD_NUMBER: _builtins.int
+    NOT_APPLIED_FIELD_NUMBER: _builtins.int
+    state: _builtins.str
+    """"disabled" (no peering policy selects the node), "starting",
+    "running", "restarting" (gobgpd died or failed: started again after a
+    backoff).
+    """
+    local_asn: _builtins.int
+    router_id: _builtins.str
+    listen_port: _builtins.int
+    pid: _builtins.int
+    """gobgpd's process id (0 when none runs)."""
+    restarts: _builtins.int
+    """Times gobgpd was started again after it died or failed."""
+    last_error: _builtins.str
+    @_builtins.property
+    def policies(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The peering policies applied on this node."""
+
+    @_builtins.property
+    def not_applied(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """What the node could not apply, each with why (a virtual router of a
+        second policy with an ASN already used, a neighbour listed twice, ...).
+        """
+
+    def __init__(
+        self,
+        *,
+        state: _builtins.str = ...,
+        local_asn: _builtins.int = ...,
+        router_id: _builtins.str = ...,
+        listen_port: _builtins.int = ...,
+        pid: _builtins.int = ...,
+        restarts: _builtins.int = ...,
+        last_error: _builtins.str = ...,
+        policies: _abc.Iterable[_builtins.str] | None = ...,
+        not_applied: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["last_error", b"last_error", "listen_port", b"listen_port", "local_asn", b"local_asn", "not_applied", b"not_applied", "pid", b"pid", "policies", b"policies", "restarts", b"restarts", "router_id", b"router_id", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BgpSpeaker: _TypeAlias = BgpSpeaker  # noqa: Y015
+
+@_typing.final
+class BgpPeer(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PEER_ADDRESS_FIELD_NUMBER: _builtins.int
+    PEER_PORT_FIELD_NUMBER: _builtins.int
+    PEER_ASN_FIELD_NUMBER: _builtins.int
+    LOCAL_ASN_FIELD_NUMBER: _builtins.int
+    SESSION_STATE_FIELD_NUMBER: _builtins.int
+    UPTIME_FIELD_NUMBER: _builtins.int
+    PREFIXES_RECEIVED_FIELD_NUMBER: _builtins.int
+    PREFIXES_ACCEPTED_FIELD_NUMBER: _builtins.int
+    PREFIXES_ADVERTISED_FIELD_NUMBER: _builtins.int
+    LAST_ERROR_FIELD_NUMBER: _builtins.int
+    POLICY_FIELD_NUMBER: _builtins.int
+    HOLD_TIME_SECONDS_FIELD_NUMBER: _builtins.int
+    KEEP_ALIVE_TIME_SECONDS_FIELD_NUMBER: _builtins.int
+    PEER_ROUTER_ID_FIELD_NUMBER: _builtins.int
+    FAMILIES_FIELD_NUMBER: _builtins.int
+    HAS_PASSWORD_FIELD_NUMBER: _builtins.int
+    peer_address: _builtins.str
+    peer_port: _builtins.int
+    peer_asn: _builtins.int
+    local_asn: _builtins.int
+    session_state: _builtins.str
+    """idle, connect, active, opensent, openconfirm, established; unknown
+    when the speaker does not answer.
+    """
+    prefixes_received: _builtins.int
+    prefixes_accepted: _builtins.int
+    prefixes_advertised: _builtins.int
+    last_error: _builtins.str
+    """Why the session is not established, as last seen (a refused
+    connection, a hold timer that expired, ...); empty when it is.
+    """
+    policy: _builtins.str
+    """The peering policy it comes from."""
+    hold_time_seconds: _builtins.int
+    """Hold time agreed with the peer (seconds; 0 until established)."""
+    keep_alive_time_seconds: _builtins.int
+    peer_router_id: _builtins.str
+    """The peer's BGP identifier."""
+    has_password: _builtins.bool
+    @_builtins.property
+    def uptime(self) -> _duration_pb2.Duration:
+        """Since the session was established (unset when it is not)."""
+
+    @_builtins.property
+    def families(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """"ipv4-unicast", "ipv6-unicast"."""
+
+    def __init__(
+        self,
+        *,
+        peer_address: _builtins.str = ...,
+        peer_port: _builtins.int = ...,
+        peer_asn: _builtins.int = ...,
+        local_asn: _builtins.int = ...,
+        session_state: _builtins.str = ...,
+        uptime: _duration_pb2.Duration | None = ...,
+        prefixes_received: _builtins.int = ...,
+        prefixes_accepted: _builtins.int = ...,
+        prefixes_advertised: _builtins.int = ...,
+        last_error: _builtins.str = ...,
+        policy: _builtins.str = ...,
+        hold_time_seconds: _builtins.int = ...,
+        keep_alive_time_seconds: _builtins.int = ...,
+        peer_router_id: _builtins.str = ...,
+        families: _abc.Iterable[_builtins.str] | None = ...,
+        has_password: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["uptime", b"uptime"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["families", b"families", "has_password", b"has_password", "hold_time_seconds", b"hold_time_seconds", "keep_alive_time_seconds", b"keep_alive_time_seconds", "last_error", b"last_error", "local_asn", b"local_asn", "peer_address", b"peer_address", "peer_asn", b"peer_asn", "peer_port", b"peer_port", "peer_router_id", b"peer_router_id", "policy", b"policy", "prefixes_accepted", b"prefixes_accepted", "prefixes_advertised", b"prefixes_advertised", "prefixes_received", b"prefixes_received", "session_state", b"session_state", "uptime", b"uptime"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BgpPeer: _TypeAlias = BgpPeer  # noqa: Y015
+
+@_typing.final
+class GetBgpPeersResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SPEAKER_FIELD_NUMBER: _builtins.int
+    PEERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def speaker(self) -> Global___BgpSpeaker: ...
+    @_builtins.property
+    def peers(self) -> _containers.RepeatedCompositeFieldContainer[Global___BgpPeer]: ...
+    def __init__(
+        self,
+        *,
+        speaker: Global___BgpSpeaker | None = ...,
+        peers: _abc.Iterable[Global___BgpPeer] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["speaker", b"speaker"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["peers", b"peers", "speaker", b"speaker"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetBgpPeersResponse: _TypeAlias = GetBgpPeersResponse  # noqa: Y015
+
+@_typing.final
+class GetBgpRoutesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    class _Table:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _TableEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[GetBgpRoutesRequest._Table.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        TABLE_UNSPECIFIED: GetBgpRoutesRequest._Table.ValueType  # 0
+        """Advertised and received."""
+        TABLE_ADVERTISED: GetBgpRoutesRequest._Table.ValueType  # 1
+        """What the speaker sends each peer (its adj-RIB-out)."""
+        TABLE_RECEIVED: GetBgpRoutesRequest._Table.ValueType  # 2
+        """What each peer sent (its adj-RIB-in)."""
+        TABLE_LOCAL: GetBgpRoutesRequest._Table.ValueType  # 3
+        """The speaker's own table (loc-RIB): its paths and the best received."""
+
+    class Table(_Table, metaclass=_TableEnumTypeWrapper): ...
+    TABLE_UNSPECIFIED: GetBgpRoutesRequest.Table.ValueType  # 0
+    """Advertised and received."""
+    TABLE_ADVERTISED: GetBgpRoutesRequest.Table.ValueType  # 1
+    """What the speaker sends each peer (its adj-RIB-out)."""
+    TABLE_RECEIVED: GetBgpRoutesRequest.Table.ValueType  # 2
+    """What each peer sent (its adj-RIB-in)."""
+    TABLE_LOCAL: GetBgpRoutesRequest.Table.ValueType  # 3
+    """The speaker's own table (loc-RIB): its paths and the best received."""
+
+    TABLE_FIELD_NUMBER: _builtins.int
+    FAMILY_FIELD_NUMBER: _builtins.int
+    PEER_ADDRESS_FIELD_NUMBER: _builtins.int
+    table: Global___GetBgpRoutesRequest.Table.ValueType
+    family: _builtins.str
+    """"ipv4", "ipv6"; empty: both."""
+    peer_address: _builtins.str
+    """One peer's routes (its address); empty: every peer."""
+    def __init__(
+        self,
+        *,
+        table: Global___GetBgpRoutesRequest.Table.ValueType = ...,
+        family: _builtins.str = ...,
+        peer_address: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["family", b"family", "peer_address", b"peer_address", "table", b"table"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetBgpRoutesRequest: _TypeAlias = GetBgpRoutesRequest  # noqa: Y015
+
+@_typing.final
+class BgpRoute(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PREFIX_FIELD_NUMBER: _builtins.int
+    NEXT_HOP_FIELD_NUMBER: _builtins.int
+    TABLE_FIELD_NUMBER: _builtins.int
+    PEER_ADDRESS_FIELD_NUMBER: _builtins.int
+    FAMILY_FIELD_NUMBER: _builtins.int
+    AS_PATH_FIELD_NUMBER: _builtins.int
+    BEST_FIELD_NUMBER: _builtins.int
+    AGE_FIELD_NUMBER: _builtins.int
+    prefix: _builtins.str
+    next_hop: _builtins.str
+    table: _builtins.str
+    """"advertised", "received" or "local"."""
+    peer_address: _builtins.str
+    """The peer it goes to (advertised) or came from (received); empty in the
+    local table for the node's own paths.
+    """
+    family: _builtins.str
+    """"ipv4", "ipv6"."""
+    best: _builtins.bool
+    @_builtins.property
+    def as_path(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def age(self) -> _duration_pb2.Duration: ...
+    def __init__(
+        self,
+        *,
+        prefix: _builtins.str = ...,
+        next_hop: _builtins.str = ...,
+        table: _builtins.str = ...,
+        peer_address: _builtins.str = ...,
+        family: _builtins.str = ...,
+        as_path: _abc.Iterable[_builtins.int] | None = ...,
+        best: _builtins.bool = ...,
+        age: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["age", b"age"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["age", b"age", "as_path", b"as_path", "best", b"best", "family", b"family", "next_hop", b"next_hop", "peer_address", b"peer_address", "prefix", b"prefix", "table", b"table"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BgpRoute: _TypeAlias = BgpRoute  # noqa: Y015
+
+@_typing.final
+class GetBgpRoutesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROUTES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def routes(self) -> _containers.RepeatedCompositeFieldContainer[Global___BgpRoute]: ...
+    def __init__(
+        self,
+        *,
+        routes: _abc.Iterable[Global___BgpRoute] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["routes", b"routes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetBgpRoutesResponse: _TypeAlias = GetBgpRoutesResponse  # noqa: Y015
+
+@_typing.final
+class GetBgpRoutePoliciesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetBgpRoutePoliciesRequest: _TypeAlias = GetBgpRoutePoliciesRequest  # noqa: Y015
+
+@_typing.final
+class BgpRoutePolicy(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    PEER_ADDRESS_FIELD_NUMBER: _builtins.int
+    DIRECTION_FIELD_NUMBER: _builtins.int
+    PREFIXES_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """gobgpd's name of it."""
+    peer_address: _builtins.str
+    direction: _builtins.str
+    """"export"."""
+    @_builtins.property
+    def prefixes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """What is let out to the peer (exact prefixes)."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        peer_address: _builtins.str = ...,
+        direction: _builtins.str = ...,
+        prefixes: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["direction", b"direction", "name", b"name", "peer_address", b"peer_address", "prefixes", b"prefixes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BgpRoutePolicy: _TypeAlias = BgpRoutePolicy  # noqa: Y015
+
+@_typing.final
+class GetBgpRoutePoliciesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POLICIES_FIELD_NUMBER: _builtins.int
+    DEFAULT_EXPORT_ACTION_FIELD_NUMBER: _builtins.int
+    default_export_action: _builtins.str
+    """What happens to a route no policy accepts: "reject"."""
+    @_builtins.property
+    def policies(self) -> _containers.RepeatedCompositeFieldContainer[Global___BgpRoutePolicy]: ...
+    def __init__(
+        self,
+        *,
+        policies: _abc.Iterable[Global___BgpRoutePolicy] | None = ...,
+        default_export_action: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["default_export_action", b"default_export_action", "policies", b"policies"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetBgpRoutePoliciesResponse: _TypeAlias = GetBgpRoutePoliciesResponse  # noqa: Y015

@@ -115,6 +115,21 @@ class DatapathServiceStub:
                 request_serializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.GetCgroupDumpMetadataRequest.SerializeToString,
                 response_deserializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.CgroupDumpMetadata.FromString,
                 _registered_method=True)
+        self.GetBgpPeers = channel.unary_unary(
+                '/flagella.datapath.v1.DatapathService/GetBgpPeers',
+                request_serializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.GetBgpPeersRequest.SerializeToString,
+                response_deserializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.GetBgpPeersResponse.FromString,
+                _registered_method=True)
+        self.GetBgpRoutes = channel.unary_unary(
+                '/flagella.datapath.v1.DatapathService/GetBgpRoutes',
+                request_serializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.GetBgpRoutesRequest.SerializeToString,
+                response_deserializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.GetBgpRoutesResponse.FromString,
+                _registered_method=True)
+        self.GetBgpRoutePolicies = channel.unary_unary(
+                '/flagella.datapath.v1.DatapathService/GetBgpRoutePolicies',
+                request_serializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.GetBgpRoutePoliciesRequest.SerializeToString,
+                response_deserializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.GetBgpRoutePoliciesResponse.FromString,
+                _registered_method=True)
 
 
 class DatapathServiceServicer:
@@ -236,6 +251,30 @@ class DatapathServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetBgpPeers(self, request, context):
+        """This node's BGP speaker (gobgpd, run by the datapath while a peering
+        policy selects the node): its state and each neighbour's session.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetBgpRoutes(self, request, context):
+        """Routes the speaker advertises (per peer), received (per peer) or holds
+        in its own table.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetBgpRoutePolicies(self, request, context):
+        """The export policy flagella configured per peer: the prefixes it lets
+        out to that peer; anything else is refused.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DatapathServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -318,6 +357,21 @@ def add_DatapathServiceServicer_to_server(servicer, server):
                     servicer.GetCgroupDumpMetadata,
                     request_deserializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.GetCgroupDumpMetadataRequest.FromString,
                     response_serializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.CgroupDumpMetadata.SerializeToString,
+            ),
+            'GetBgpPeers': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetBgpPeers,
+                    request_deserializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.GetBgpPeersRequest.FromString,
+                    response_serializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.GetBgpPeersResponse.SerializeToString,
+            ),
+            'GetBgpRoutes': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetBgpRoutes,
+                    request_deserializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.GetBgpRoutesRequest.FromString,
+                    response_serializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.GetBgpRoutesResponse.SerializeToString,
+            ),
+            'GetBgpRoutePolicies': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetBgpRoutePolicies,
+                    request_deserializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.GetBgpRoutePoliciesRequest.FromString,
+                    response_serializer=flagella_dot_datapath_dot_v1_dot_datapath__pb2.GetBgpRoutePoliciesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -752,6 +806,87 @@ class DatapathService:
             '/flagella.datapath.v1.DatapathService/GetCgroupDumpMetadata',
             flagella_dot_datapath_dot_v1_dot_datapath__pb2.GetCgroupDumpMetadataRequest.SerializeToString,
             flagella_dot_datapath_dot_v1_dot_datapath__pb2.CgroupDumpMetadata.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetBgpPeers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagella.datapath.v1.DatapathService/GetBgpPeers',
+            flagella_dot_datapath_dot_v1_dot_datapath__pb2.GetBgpPeersRequest.SerializeToString,
+            flagella_dot_datapath_dot_v1_dot_datapath__pb2.GetBgpPeersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetBgpRoutes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagella.datapath.v1.DatapathService/GetBgpRoutes',
+            flagella_dot_datapath_dot_v1_dot_datapath__pb2.GetBgpRoutesRequest.SerializeToString,
+            flagella_dot_datapath_dot_v1_dot_datapath__pb2.GetBgpRoutesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetBgpRoutePolicies(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagella.datapath.v1.DatapathService/GetBgpRoutePolicies',
+            flagella_dot_datapath_dot_v1_dot_datapath__pb2.GetBgpRoutePoliciesRequest.SerializeToString,
+            flagella_dot_datapath_dot_v1_dot_datapath__pb2.GetBgpRoutePoliciesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -76,6 +76,18 @@ class DatapathServiceStub:
     """The pods of this node with their cgroup (v2) ids and paths, found
     through the processes that hold each pod's network namespace.
     """
+    GetBgpPeers: _grpc.UnaryUnaryMultiCallable[_datapath_pb2.GetBgpPeersRequest, _datapath_pb2.GetBgpPeersResponse]
+    """This node's BGP speaker (gobgpd, run by the datapath while a peering
+    policy selects the node): its state and each neighbour's session.
+    """
+    GetBgpRoutes: _grpc.UnaryUnaryMultiCallable[_datapath_pb2.GetBgpRoutesRequest, _datapath_pb2.GetBgpRoutesResponse]
+    """Routes the speaker advertises (per peer), received (per peer) or holds
+    in its own table.
+    """
+    GetBgpRoutePolicies: _grpc.UnaryUnaryMultiCallable[_datapath_pb2.GetBgpRoutePoliciesRequest, _datapath_pb2.GetBgpRoutePoliciesResponse]
+    """The export policy flagella configured per peer: the prefixes it lets
+    out to that peer; anything else is refused.
+    """
 
 @_typing.type_check_only
 class DatapathServiceAsyncStub(DatapathServiceStub):
@@ -121,6 +133,18 @@ class DatapathServiceAsyncStub(DatapathServiceStub):
     GetCgroupDumpMetadata: _aio.UnaryUnaryMultiCallable[_datapath_pb2.GetCgroupDumpMetadataRequest, _datapath_pb2.CgroupDumpMetadata]  # type: ignore[assignment]
     """The pods of this node with their cgroup (v2) ids and paths, found
     through the processes that hold each pod's network namespace.
+    """
+    GetBgpPeers: _aio.UnaryUnaryMultiCallable[_datapath_pb2.GetBgpPeersRequest, _datapath_pb2.GetBgpPeersResponse]  # type: ignore[assignment]
+    """This node's BGP speaker (gobgpd, run by the datapath while a peering
+    policy selects the node): its state and each neighbour's session.
+    """
+    GetBgpRoutes: _aio.UnaryUnaryMultiCallable[_datapath_pb2.GetBgpRoutesRequest, _datapath_pb2.GetBgpRoutesResponse]  # type: ignore[assignment]
+    """Routes the speaker advertises (per peer), received (per peer) or holds
+    in its own table.
+    """
+    GetBgpRoutePolicies: _aio.UnaryUnaryMultiCallable[_datapath_pb2.GetBgpRoutePoliciesRequest, _datapath_pb2.GetBgpRoutePoliciesResponse]  # type: ignore[assignment]
+    """The export policy flagella configured per peer: the prefixes it lets
+    out to that peer; anything else is refused.
     """
 
 class DatapathServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -260,6 +284,36 @@ class DatapathServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_datapath_pb2.CgroupDumpMetadata, _abc.Awaitable[_datapath_pb2.CgroupDumpMetadata]]:
         """The pods of this node with their cgroup (v2) ids and paths, found
         through the processes that hold each pod's network namespace.
+        """
+
+    @_abc_1.abstractmethod
+    def GetBgpPeers(
+        self,
+        request: _datapath_pb2.GetBgpPeersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_datapath_pb2.GetBgpPeersResponse, _abc.Awaitable[_datapath_pb2.GetBgpPeersResponse]]:
+        """This node's BGP speaker (gobgpd, run by the datapath while a peering
+        policy selects the node): its state and each neighbour's session.
+        """
+
+    @_abc_1.abstractmethod
+    def GetBgpRoutes(
+        self,
+        request: _datapath_pb2.GetBgpRoutesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_datapath_pb2.GetBgpRoutesResponse, _abc.Awaitable[_datapath_pb2.GetBgpRoutesResponse]]:
+        """Routes the speaker advertises (per peer), received (per peer) or holds
+        in its own table.
+        """
+
+    @_abc_1.abstractmethod
+    def GetBgpRoutePolicies(
+        self,
+        request: _datapath_pb2.GetBgpRoutePoliciesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_datapath_pb2.GetBgpRoutePoliciesResponse, _abc.Awaitable[_datapath_pb2.GetBgpRoutePoliciesResponse]]:
+        """The export policy flagella configured per peer: the prefixes it lets
+        out to that peer; anything else is refused.
         """
 
 def add_DatapathServiceServicer_to_server(servicer: DatapathServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

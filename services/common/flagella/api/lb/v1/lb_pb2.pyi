@@ -273,6 +273,7 @@ class Service(_message.Message):
     LOAD_BALANCER_FIELD_NUMBER: _builtins.int
     EXTERNAL_TRAFFIC_POLICY_FIELD_NUMBER: _builtins.int
     EXTERNAL_IPS_FIELD_NUMBER: _builtins.int
+    HEALTH_CHECK_NODE_PORT_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """"namespace/name" or "name"; the key of the service."""
     namespace: _builtins.str
@@ -295,6 +296,14 @@ class Service(_message.Message):
     external_traffic_policy: Global___TrafficPolicy.ValueType
     """externalTrafficPolicy for node ports, LoadBalancer addresses and
     external IPs (ClusterIP traffic is always balanced over all backends).
+    """
+    health_check_node_port: _builtins.int
+    """spec.healthCheckNodePort, of an externalTrafficPolicy Local service with
+    external traffic: every node answers HTTP on this TCP port (of the node
+    port range) with its local endpoint count, 200 when it has an active
+    local backend, 503 otherwise (kube-proxy's and Cilium's health check).
+    0: none. Services that name the same port share it (the ports of one
+    Kubernetes Service).
     """
     @_builtins.property
     def frontend(self) -> Global___Frontend: ...
@@ -345,10 +354,11 @@ class Service(_message.Message):
         load_balancer: Global___LoadBalancer | None = ...,
         external_traffic_policy: Global___TrafficPolicy.ValueType = ...,
         external_ips: _abc.Iterable[_builtins.str] | None = ...,
+        health_check_node_port: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["frontend", b"frontend", "load_balancer", b"load_balancer", "session_affinity", b"session_affinity"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "backends", b"backends", "external_ips", b"external_ips", "external_traffic_policy", b"external_traffic_policy", "frontend", b"frontend", "id", b"id", "labels", b"labels", "load_balancer", b"load_balancer", "maglev_table_size", b"maglev_table_size", "name", b"name", "namespace", b"namespace", "node_port", b"node_port", "rev_nat_id", b"rev_nat_id", "revision", b"revision", "session_affinity", b"session_affinity", "source", b"source", "source_ranges", b"source_ranges", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "backends", b"backends", "external_ips", b"external_ips", "external_traffic_policy", b"external_traffic_policy", "frontend", b"frontend", "health_check_node_port", b"health_check_node_port", "id", b"id", "labels", b"labels", "load_balancer", b"load_balancer", "maglev_table_size", b"maglev_table_size", "name", b"name", "namespace", b"namespace", "node_port", b"node_port", "rev_nat_id", b"rev_nat_id", "revision", b"revision", "session_affinity", b"session_affinity", "source", b"source", "source_ranges", b"source_ranges", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1431,12 +1441,24 @@ class LbIpPool(_message.Message):
     DISABLED_FIELD_NUMBER: _builtins.int
     SIZE_FIELD_NUMBER: _builtins.int
     USED_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    CONFLICTING_FIELD_NUMBER: _builtins.int
+    CONFLICT_MESSAGE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     disabled: _builtins.bool
     """Assigns no more addresses (those assigned stay)."""
     size: _builtins.int
     """Output only: addresses in the blocks, and assigned."""
     used: _builtins.int
+    source: _builtins.str
+    """Output only: "api", or "kubernetes" (a CiliumLoadBalancerIPPool object,
+    which the API can neither change nor delete).
+    """
+    conflicting: _builtins.bool
+    """Output only: a Kubernetes pool overlapping another pool (Cilium's
+    cilium.io/PoolConflict): its addresses are not used.
+    """
+    conflict_message: _builtins.str
     @_builtins.property
     def blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___LbIpBlock]: ...
     @_builtins.property
@@ -1455,10 +1477,13 @@ class LbIpPool(_message.Message):
         disabled: _builtins.bool = ...,
         size: _builtins.int = ...,
         used: _builtins.int = ...,
+        source: _builtins.str = ...,
+        conflicting: _builtins.bool = ...,
+        conflict_message: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "disabled", b"disabled", "name", b"name", "service_selector", b"service_selector", "size", b"size", "used", b"used"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "conflict_message", b"conflict_message", "conflicting", b"conflicting", "disabled", b"disabled", "name", b"name", "service_selector", b"service_selector", "size", b"size", "source", b"source", "used", b"used"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1579,3 +1604,421 @@ class ListLbIpPoolsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListLbIpPoolsResponse: _TypeAlias = ListLbIpPoolsResponse  # noqa: Y015
+
+@_typing.final
+class LabelSelectorRequirement(_message.Message):
+    """A Kubernetes label selector."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    OPERATOR_FIELD_NUMBER: _builtins.int
+    VALUES_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    operator: _builtins.str
+    """In, NotIn, Exists, DoesNotExist."""
+    @_builtins.property
+    def values(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        operator: _builtins.str = ...,
+        values: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "operator", b"operator", "values", b"values"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LabelSelectorRequirement: _TypeAlias = LabelSelectorRequirement  # noqa: Y015
+
+@_typing.final
+class LabelSelector(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class MatchLabelsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    MATCH_LABELS_FIELD_NUMBER: _builtins.int
+    MATCH_EXPRESSIONS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def match_labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    @_builtins.property
+    def match_expressions(self) -> _containers.RepeatedCompositeFieldContainer[Global___LabelSelectorRequirement]: ...
+    def __init__(
+        self,
+        *,
+        match_labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        match_expressions: _abc.Iterable[Global___LabelSelectorRequirement] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["match_expressions", b"match_expressions", "match_labels", b"match_labels"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LabelSelector: _TypeAlias = LabelSelector  # noqa: Y015
+
+@_typing.final
+class BgpNeighbor(_message.Message):
+    """A BGP neighbour of a virtual router (Cilium's CiliumBGPNeighbor)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PEER_ADDRESS_FIELD_NUMBER: _builtins.int
+    PEER_ASN_FIELD_NUMBER: _builtins.int
+    PEER_PORT_FIELD_NUMBER: _builtins.int
+    HOLD_TIME_SECONDS_FIELD_NUMBER: _builtins.int
+    KEEP_ALIVE_TIME_SECONDS_FIELD_NUMBER: _builtins.int
+    CONNECT_RETRY_TIME_SECONDS_FIELD_NUMBER: _builtins.int
+    EBGP_MULTIHOP_TTL_FIELD_NUMBER: _builtins.int
+    PASSWORD_FIELD_NUMBER: _builtins.int
+    AUTH_SECRET_REF_FIELD_NUMBER: _builtins.int
+    HAS_PASSWORD_FIELD_NUMBER: _builtins.int
+    peer_address: _builtins.str
+    """The peer's IPv4 or IPv6 address ("10.0.0.1" or, as Cilium writes it,
+    "10.0.0.1/32").
+    """
+    peer_asn: _builtins.int
+    """1..4294967295."""
+    peer_port: _builtins.int
+    """0: 179."""
+    hold_time_seconds: _builtins.int
+    """0: 90 s; else 3..65535."""
+    keep_alive_time_seconds: _builtins.int
+    """0: 30 s; else 1..hold time."""
+    connect_retry_time_seconds: _builtins.int
+    """0: 120 s; else 1..65535."""
+    ebgp_multihop_ttl: _builtins.int
+    """eBGP multihop TTL, 0: 1 (directly connected); else 1..255."""
+    password: _builtins.str
+    """Input only: the TCP MD5 password (at most 80 characters). Never
+    returned; a policy replaced without it has none.
+    """
+    auth_secret_ref: _builtins.str
+    """Kubernetes (authSecretRef): the Secret, in the lb's
+    --bgp-secrets-namespace, whose key "password" holds it.
+    """
+    has_password: _builtins.bool
+    """Output only: a password is set."""
+    def __init__(
+        self,
+        *,
+        peer_address: _builtins.str = ...,
+        peer_asn: _builtins.int = ...,
+        peer_port: _builtins.int = ...,
+        hold_time_seconds: _builtins.int = ...,
+        keep_alive_time_seconds: _builtins.int = ...,
+        connect_retry_time_seconds: _builtins.int = ...,
+        ebgp_multihop_ttl: _builtins.int = ...,
+        password: _builtins.str = ...,
+        auth_secret_ref: _builtins.str = ...,
+        has_password: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["auth_secret_ref", b"auth_secret_ref", "connect_retry_time_seconds", b"connect_retry_time_seconds", "ebgp_multihop_ttl", b"ebgp_multihop_ttl", "has_password", b"has_password", "hold_time_seconds", b"hold_time_seconds", "keep_alive_time_seconds", b"keep_alive_time_seconds", "password", b"password", "peer_address", b"peer_address", "peer_asn", b"peer_asn", "peer_port", b"peer_port"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BgpNeighbor: _TypeAlias = BgpNeighbor  # noqa: Y015
+
+@_typing.final
+class BgpVirtualRouter(_message.Message):
+    """One BGP speaker instance's configuration (Cilium's
+    CiliumBGPVirtualRouter).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LOCAL_ASN_FIELD_NUMBER: _builtins.int
+    EXPORT_POD_CIDR_FIELD_NUMBER: _builtins.int
+    SERVICE_SELECTOR_FIELD_NUMBER: _builtins.int
+    NEIGHBORS_FIELD_NUMBER: _builtins.int
+    ROUTER_ID_FIELD_NUMBER: _builtins.int
+    local_asn: _builtins.int
+    """1..4294967295; two virtual routers of a policy never share one."""
+    export_pod_cidr: _builtins.bool
+    """Advertise the node's pod CIDRs, the node as next hop."""
+    router_id: _builtins.str
+    """The BGP identifier (an IPv4 address); empty: the node's IPv4 address."""
+    @_builtins.property
+    def service_selector(self) -> Global___LabelSelector:
+        """Advertise the LoadBalancer addresses and external IPs of the services
+        it selects (their labels; io.kubernetes.service.namespace and
+        io.kubernetes.service.name match namespace and name), from the nodes
+        that may serve them. Unset: no service; empty: every service.
+        """
+
+    @_builtins.property
+    def neighbors(self) -> _containers.RepeatedCompositeFieldContainer[Global___BgpNeighbor]: ...
+    def __init__(
+        self,
+        *,
+        local_asn: _builtins.int = ...,
+        export_pod_cidr: _builtins.bool = ...,
+        service_selector: Global___LabelSelector | None = ...,
+        neighbors: _abc.Iterable[Global___BgpNeighbor] | None = ...,
+        router_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["service_selector", b"service_selector"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["export_pod_cidr", b"export_pod_cidr", "local_asn", b"local_asn", "neighbors", b"neighbors", "router_id", b"router_id", "service_selector", b"service_selector"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BgpVirtualRouter: _TypeAlias = BgpVirtualRouter  # noqa: Y015
+
+@_typing.final
+class BgpPeeringPolicy(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    NODE_SELECTOR_FIELD_NUMBER: _builtins.int
+    VIRTUAL_ROUTERS_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Cluster-scoped, as Cilium's."""
+    revision: _builtins.int
+    """Output only."""
+    source: _builtins.str
+    """Output only: "api", or "kubernetes" (a CiliumBGPPeeringPolicy object,
+    which the API can neither replace nor delete).
+    """
+    @_builtins.property
+    def node_selector(self) -> Global___LabelSelector:
+        """The nodes it applies to (their registered labels). Unset: every node."""
+
+    @_builtins.property
+    def virtual_routers(self) -> _containers.RepeatedCompositeFieldContainer[Global___BgpVirtualRouter]: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        node_selector: Global___LabelSelector | None = ...,
+        virtual_routers: _abc.Iterable[Global___BgpVirtualRouter] | None = ...,
+        revision: _builtins.int = ...,
+        source: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["node_selector", b"node_selector"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "node_selector", b"node_selector", "revision", b"revision", "source", b"source", "virtual_routers", b"virtual_routers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BgpPeeringPolicy: _TypeAlias = BgpPeeringPolicy  # noqa: Y015
+
+@_typing.final
+class UpsertBgpPeeringPolicyRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POLICY_FIELD_NUMBER: _builtins.int
+    DOCUMENT_FIELD_NUMBER: _builtins.int
+    document: _builtins.str
+    """A CiliumBGPPeeringPolicy (cilium.io/v2alpha1) object as JSON (its
+    neighbours' authSecretRef is for Kubernetes only: refused here).
+    """
+    @_builtins.property
+    def policy(self) -> Global___BgpPeeringPolicy:
+        """The policy; or, instead, document."""
+
+    def __init__(
+        self,
+        *,
+        policy: Global___BgpPeeringPolicy | None = ...,
+        document: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["policy", b"policy"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["document", b"document", "policy", b"policy"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpsertBgpPeeringPolicyRequest: _TypeAlias = UpsertBgpPeeringPolicyRequest  # noqa: Y015
+
+@_typing.final
+class UpsertBgpPeeringPolicyResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POLICY_FIELD_NUMBER: _builtins.int
+    CREATED_FIELD_NUMBER: _builtins.int
+    created: _builtins.bool
+    @_builtins.property
+    def policy(self) -> Global___BgpPeeringPolicy: ...
+    def __init__(
+        self,
+        *,
+        policy: Global___BgpPeeringPolicy | None = ...,
+        created: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["policy", b"policy"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "policy", b"policy"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpsertBgpPeeringPolicyResponse: _TypeAlias = UpsertBgpPeeringPolicyResponse  # noqa: Y015
+
+@_typing.final
+class DeleteBgpPeeringPolicyRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteBgpPeeringPolicyRequest: _TypeAlias = DeleteBgpPeeringPolicyRequest  # noqa: Y015
+
+@_typing.final
+class DeleteBgpPeeringPolicyResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DELETED_FIELD_NUMBER: _builtins.int
+    deleted: _builtins.bool
+    def __init__(
+        self,
+        *,
+        deleted: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deleted", b"deleted"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteBgpPeeringPolicyResponse: _TypeAlias = DeleteBgpPeeringPolicyResponse  # noqa: Y015
+
+@_typing.final
+class ListBgpPeeringPoliciesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListBgpPeeringPoliciesRequest: _TypeAlias = ListBgpPeeringPoliciesRequest  # noqa: Y015
+
+@_typing.final
+class ListBgpPeeringPoliciesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POLICIES_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    revision: _builtins.int
+    @_builtins.property
+    def policies(self) -> _containers.RepeatedCompositeFieldContainer[Global___BgpPeeringPolicy]: ...
+    def __init__(
+        self,
+        *,
+        policies: _abc.Iterable[Global___BgpPeeringPolicy] | None = ...,
+        revision: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["policies", b"policies", "revision", b"revision"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListBgpPeeringPoliciesResponse: _TypeAlias = ListBgpPeeringPoliciesResponse  # noqa: Y015
+
+@_typing.final
+class WatchBgpPeeringPoliciesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SINCE_REVISION_FIELD_NUMBER: _builtins.int
+    since_revision: _builtins.int
+    def __init__(
+        self,
+        *,
+        since_revision: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["since_revision", b"since_revision"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchBgpPeeringPoliciesRequest: _TypeAlias = WatchBgpPeeringPoliciesRequest  # noqa: Y015
+
+@_typing.final
+class BgpPeeringPolicyEvent(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    class _Kind:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _KindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[BgpPeeringPolicyEvent._Kind.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        KIND_UNSPECIFIED: BgpPeeringPolicyEvent._Kind.ValueType  # 0
+        KIND_RESET: BgpPeeringPolicyEvent._Kind.ValueType  # 1
+        KIND_UPSERT: BgpPeeringPolicyEvent._Kind.ValueType  # 2
+        """policy carries the neighbours' passwords."""
+        KIND_DELETE: BgpPeeringPolicyEvent._Kind.ValueType  # 3
+        """policy carries its name only."""
+        KIND_SYNCED: BgpPeeringPolicyEvent._Kind.ValueType  # 4
+
+    class Kind(_Kind, metaclass=_KindEnumTypeWrapper): ...
+    KIND_UNSPECIFIED: BgpPeeringPolicyEvent.Kind.ValueType  # 0
+    KIND_RESET: BgpPeeringPolicyEvent.Kind.ValueType  # 1
+    KIND_UPSERT: BgpPeeringPolicyEvent.Kind.ValueType  # 2
+    """policy carries the neighbours' passwords."""
+    KIND_DELETE: BgpPeeringPolicyEvent.Kind.ValueType  # 3
+    """policy carries its name only."""
+    KIND_SYNCED: BgpPeeringPolicyEvent.Kind.ValueType  # 4
+
+    KIND_FIELD_NUMBER: _builtins.int
+    POLICY_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    kind: Global___BgpPeeringPolicyEvent.Kind.ValueType
+    revision: _builtins.int
+    @_builtins.property
+    def policy(self) -> Global___BgpPeeringPolicy: ...
+    def __init__(
+        self,
+        *,
+        kind: Global___BgpPeeringPolicyEvent.Kind.ValueType = ...,
+        policy: Global___BgpPeeringPolicy | None = ...,
+        revision: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["policy", b"policy"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "policy", b"policy", "revision", b"revision"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BgpPeeringPolicyEvent: _TypeAlias = BgpPeeringPolicyEvent  # noqa: Y015

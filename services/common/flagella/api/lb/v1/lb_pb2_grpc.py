@@ -110,6 +110,26 @@ class LoadBalancerServiceStub:
                 request_serializer=flagella_dot_lb_dot_v1_dot_lb__pb2.ListLbIpPoolsRequest.SerializeToString,
                 response_deserializer=flagella_dot_lb_dot_v1_dot_lb__pb2.ListLbIpPoolsResponse.FromString,
                 _registered_method=True)
+        self.UpsertBgpPeeringPolicy = channel.unary_unary(
+                '/flagella.lb.v1.LoadBalancerService/UpsertBgpPeeringPolicy',
+                request_serializer=flagella_dot_lb_dot_v1_dot_lb__pb2.UpsertBgpPeeringPolicyRequest.SerializeToString,
+                response_deserializer=flagella_dot_lb_dot_v1_dot_lb__pb2.UpsertBgpPeeringPolicyResponse.FromString,
+                _registered_method=True)
+        self.DeleteBgpPeeringPolicy = channel.unary_unary(
+                '/flagella.lb.v1.LoadBalancerService/DeleteBgpPeeringPolicy',
+                request_serializer=flagella_dot_lb_dot_v1_dot_lb__pb2.DeleteBgpPeeringPolicyRequest.SerializeToString,
+                response_deserializer=flagella_dot_lb_dot_v1_dot_lb__pb2.DeleteBgpPeeringPolicyResponse.FromString,
+                _registered_method=True)
+        self.ListBgpPeeringPolicies = channel.unary_unary(
+                '/flagella.lb.v1.LoadBalancerService/ListBgpPeeringPolicies',
+                request_serializer=flagella_dot_lb_dot_v1_dot_lb__pb2.ListBgpPeeringPoliciesRequest.SerializeToString,
+                response_deserializer=flagella_dot_lb_dot_v1_dot_lb__pb2.ListBgpPeeringPoliciesResponse.FromString,
+                _registered_method=True)
+        self.WatchBgpPeeringPolicies = channel.unary_stream(
+                '/flagella.lb.v1.LoadBalancerService/WatchBgpPeeringPolicies',
+                request_serializer=flagella_dot_lb_dot_v1_dot_lb__pb2.WatchBgpPeeringPoliciesRequest.SerializeToString,
+                response_deserializer=flagella_dot_lb_dot_v1_dot_lb__pb2.BgpPeeringPolicyEvent.FromString,
+                _registered_method=True)
 
 
 class LoadBalancerServiceServicer:
@@ -223,6 +243,36 @@ class LoadBalancerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpsertBgpPeeringPolicy(self, request, context):
+        """BGP peering policies (as Cilium's CiliumBGPPeeringPolicy): which nodes
+        run a BGP speaker, with which neighbours, advertising what. Creates
+        the policy or replaces the one of that name. Passwords are taken, never
+        returned (has_password says one is set).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteBgpPeeringPolicy(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListBgpPeeringPolicies(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchBgpPeeringPolicies(self, request, context):
+        """Snapshot (RESET, UPSERT..., SYNCED), then deltas; resumable by revision.
+        Every datapath follows it (nodes only: it carries the passwords).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LoadBalancerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -300,6 +350,26 @@ def add_LoadBalancerServiceServicer_to_server(servicer, server):
                     servicer.ListLbIpPools,
                     request_deserializer=flagella_dot_lb_dot_v1_dot_lb__pb2.ListLbIpPoolsRequest.FromString,
                     response_serializer=flagella_dot_lb_dot_v1_dot_lb__pb2.ListLbIpPoolsResponse.SerializeToString,
+            ),
+            'UpsertBgpPeeringPolicy': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpsertBgpPeeringPolicy,
+                    request_deserializer=flagella_dot_lb_dot_v1_dot_lb__pb2.UpsertBgpPeeringPolicyRequest.FromString,
+                    response_serializer=flagella_dot_lb_dot_v1_dot_lb__pb2.UpsertBgpPeeringPolicyResponse.SerializeToString,
+            ),
+            'DeleteBgpPeeringPolicy': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteBgpPeeringPolicy,
+                    request_deserializer=flagella_dot_lb_dot_v1_dot_lb__pb2.DeleteBgpPeeringPolicyRequest.FromString,
+                    response_serializer=flagella_dot_lb_dot_v1_dot_lb__pb2.DeleteBgpPeeringPolicyResponse.SerializeToString,
+            ),
+            'ListBgpPeeringPolicies': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListBgpPeeringPolicies,
+                    request_deserializer=flagella_dot_lb_dot_v1_dot_lb__pb2.ListBgpPeeringPoliciesRequest.FromString,
+                    response_serializer=flagella_dot_lb_dot_v1_dot_lb__pb2.ListBgpPeeringPoliciesResponse.SerializeToString,
+            ),
+            'WatchBgpPeeringPolicies': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchBgpPeeringPolicies,
+                    request_deserializer=flagella_dot_lb_dot_v1_dot_lb__pb2.WatchBgpPeeringPoliciesRequest.FromString,
+                    response_serializer=flagella_dot_lb_dot_v1_dot_lb__pb2.BgpPeeringPolicyEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -707,6 +777,114 @@ class LoadBalancerService:
             '/flagella.lb.v1.LoadBalancerService/ListLbIpPools',
             flagella_dot_lb_dot_v1_dot_lb__pb2.ListLbIpPoolsRequest.SerializeToString,
             flagella_dot_lb_dot_v1_dot_lb__pb2.ListLbIpPoolsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpsertBgpPeeringPolicy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagella.lb.v1.LoadBalancerService/UpsertBgpPeeringPolicy',
+            flagella_dot_lb_dot_v1_dot_lb__pb2.UpsertBgpPeeringPolicyRequest.SerializeToString,
+            flagella_dot_lb_dot_v1_dot_lb__pb2.UpsertBgpPeeringPolicyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteBgpPeeringPolicy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagella.lb.v1.LoadBalancerService/DeleteBgpPeeringPolicy',
+            flagella_dot_lb_dot_v1_dot_lb__pb2.DeleteBgpPeeringPolicyRequest.SerializeToString,
+            flagella_dot_lb_dot_v1_dot_lb__pb2.DeleteBgpPeeringPolicyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListBgpPeeringPolicies(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagella.lb.v1.LoadBalancerService/ListBgpPeeringPolicies',
+            flagella_dot_lb_dot_v1_dot_lb__pb2.ListBgpPeeringPoliciesRequest.SerializeToString,
+            flagella_dot_lb_dot_v1_dot_lb__pb2.ListBgpPeeringPoliciesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchBgpPeeringPolicies(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/flagella.lb.v1.LoadBalancerService/WatchBgpPeeringPolicies',
+            flagella_dot_lb_dot_v1_dot_lb__pb2.WatchBgpPeeringPoliciesRequest.SerializeToString,
+            flagella_dot_lb_dot_v1_dot_lb__pb2.BgpPeeringPolicyEvent.FromString,
             options,
             channel_credentials,
             insecure,

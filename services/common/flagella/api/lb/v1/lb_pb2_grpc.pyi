@@ -73,6 +73,18 @@ class LoadBalancerServiceStub:
     """
     DeleteLbIpPool: _grpc.UnaryUnaryMultiCallable[_lb_pb2.DeleteLbIpPoolRequest, _lb_pb2.DeleteLbIpPoolResponse]
     ListLbIpPools: _grpc.UnaryUnaryMultiCallable[_lb_pb2.ListLbIpPoolsRequest, _lb_pb2.ListLbIpPoolsResponse]
+    UpsertBgpPeeringPolicy: _grpc.UnaryUnaryMultiCallable[_lb_pb2.UpsertBgpPeeringPolicyRequest, _lb_pb2.UpsertBgpPeeringPolicyResponse]
+    """BGP peering policies (as Cilium's CiliumBGPPeeringPolicy): which nodes
+    run a BGP speaker, with which neighbours, advertising what. Creates
+    the policy or replaces the one of that name. Passwords are taken, never
+    returned (has_password says one is set).
+    """
+    DeleteBgpPeeringPolicy: _grpc.UnaryUnaryMultiCallable[_lb_pb2.DeleteBgpPeeringPolicyRequest, _lb_pb2.DeleteBgpPeeringPolicyResponse]
+    ListBgpPeeringPolicies: _grpc.UnaryUnaryMultiCallable[_lb_pb2.ListBgpPeeringPoliciesRequest, _lb_pb2.ListBgpPeeringPoliciesResponse]
+    WatchBgpPeeringPolicies: _grpc.UnaryStreamMultiCallable[_lb_pb2.WatchBgpPeeringPoliciesRequest, _lb_pb2.BgpPeeringPolicyEvent]
+    """Snapshot (RESET, UPSERT..., SYNCED), then deltas; resumable by revision.
+    Every datapath follows it (nodes only: it carries the passwords).
+    """
 
 @_typing.type_check_only
 class LoadBalancerServiceAsyncStub(LoadBalancerServiceStub):
@@ -115,6 +127,18 @@ class LoadBalancerServiceAsyncStub(LoadBalancerServiceStub):
     """
     DeleteLbIpPool: _aio.UnaryUnaryMultiCallable[_lb_pb2.DeleteLbIpPoolRequest, _lb_pb2.DeleteLbIpPoolResponse]  # type: ignore[assignment]
     ListLbIpPools: _aio.UnaryUnaryMultiCallable[_lb_pb2.ListLbIpPoolsRequest, _lb_pb2.ListLbIpPoolsResponse]  # type: ignore[assignment]
+    UpsertBgpPeeringPolicy: _aio.UnaryUnaryMultiCallable[_lb_pb2.UpsertBgpPeeringPolicyRequest, _lb_pb2.UpsertBgpPeeringPolicyResponse]  # type: ignore[assignment]
+    """BGP peering policies (as Cilium's CiliumBGPPeeringPolicy): which nodes
+    run a BGP speaker, with which neighbours, advertising what. Creates
+    the policy or replaces the one of that name. Passwords are taken, never
+    returned (has_password says one is set).
+    """
+    DeleteBgpPeeringPolicy: _aio.UnaryUnaryMultiCallable[_lb_pb2.DeleteBgpPeeringPolicyRequest, _lb_pb2.DeleteBgpPeeringPolicyResponse]  # type: ignore[assignment]
+    ListBgpPeeringPolicies: _aio.UnaryUnaryMultiCallable[_lb_pb2.ListBgpPeeringPoliciesRequest, _lb_pb2.ListBgpPeeringPoliciesResponse]  # type: ignore[assignment]
+    WatchBgpPeeringPolicies: _aio.UnaryStreamMultiCallable[_lb_pb2.WatchBgpPeeringPoliciesRequest, _lb_pb2.BgpPeeringPolicyEvent]  # type: ignore[assignment]
+    """Snapshot (RESET, UPSERT..., SYNCED), then deltas; resumable by revision.
+    Every datapath follows it (nodes only: it carries the passwords).
+    """
 
 class LoadBalancerServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -244,5 +268,41 @@ class LoadBalancerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _lb_pb2.ListLbIpPoolsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_lb_pb2.ListLbIpPoolsResponse, _abc.Awaitable[_lb_pb2.ListLbIpPoolsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def UpsertBgpPeeringPolicy(
+        self,
+        request: _lb_pb2.UpsertBgpPeeringPolicyRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_lb_pb2.UpsertBgpPeeringPolicyResponse, _abc.Awaitable[_lb_pb2.UpsertBgpPeeringPolicyResponse]]:
+        """BGP peering policies (as Cilium's CiliumBGPPeeringPolicy): which nodes
+        run a BGP speaker, with which neighbours, advertising what. Creates
+        the policy or replaces the one of that name. Passwords are taken, never
+        returned (has_password says one is set).
+        """
+
+    @_abc_1.abstractmethod
+    def DeleteBgpPeeringPolicy(
+        self,
+        request: _lb_pb2.DeleteBgpPeeringPolicyRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_lb_pb2.DeleteBgpPeeringPolicyResponse, _abc.Awaitable[_lb_pb2.DeleteBgpPeeringPolicyResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ListBgpPeeringPolicies(
+        self,
+        request: _lb_pb2.ListBgpPeeringPoliciesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_lb_pb2.ListBgpPeeringPoliciesResponse, _abc.Awaitable[_lb_pb2.ListBgpPeeringPoliciesResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def WatchBgpPeeringPolicies(
+        self,
+        request: _lb_pb2.WatchBgpPeeringPoliciesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_lb_pb2.BgpPeeringPolicyEvent], _abc.AsyncIterator[_lb_pb2.BgpPeeringPolicyEvent]]:
+        """Snapshot (RESET, UPSERT..., SYNCED), then deltas; resumable by revision.
+        Every datapath follows it (nodes only: it carries the passwords).
+        """
 
 def add_LoadBalancerServiceServicer_to_server(servicer: LoadBalancerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
