@@ -18,7 +18,8 @@
 
 It starts its own etcd (Debian's) and lb process on free loopback ports and
 removes them at the end. The datapath part also reports the services/s
-rate and the CPU per service of the lb, etcd and the datapath over the
+rate and the CPU per service of the lb, policy (which follows the services
+for toServices), etcd and the datapath over the
 interval (/proc/<pid>/stat); with BENCH_LB_PY_SPY=<dir>, py-spy profiles of
 the lb and the datapath over it. Usage:
 python bench/lb.py [--quick] [--json] [--services N] [--no-datapath | --datapath-only]
@@ -334,6 +335,8 @@ def bench_datapath(tmp: Path, quick: bool, n: int) -> dict[str, Any]:
         base = service_entries()
         pids = {
             "lb": cluster.services["lb"].pid,
+            # policy follows lb's services too (toServices).
+            "policy": cluster.services["policy"].pid,
             "etcd": cluster.etcd.proc.pid if cluster.etcd.proc else 0,
             "datapath": node.process.pid if node.process else 0,
         }

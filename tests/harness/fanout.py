@@ -23,15 +23,20 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+import grpc
 
 from flagella.api.lb.v1 import lb_pb2
 from flagella.api.policy.v1 import policy_pb2
 from flagella.common import pki
+from flagella.common.backoff import Backoff
 from harness import tls
 from harness.cluster import Cluster
 from harness.metrics import samples
 from harness.svcbench import cpu_seconds
+
+T = TypeVar("T")
 
 TESTS = Path(__file__).resolve().parents[1]
 KINDS = ("rule", "service", "ipcache")
@@ -82,6 +87,23 @@ class Round:
     # Per counter: its increase per node per minute at rest.
     etcd_rest: dict[str, float] = field(default_factory=dict)
     load: tuple[str, str] = ("", "")
+
+
+def retried(call: Callable[[], T], *, attempts: int = 8) -> T:
+    """call() again while it fails with UNAVAILABLE (a busy replica's
+    answer: "retry"), with jittered backoff, as the services' own clients
+    retry; every call retried here is idempotent (a rule document put
+    again, a service upserted again, an owner's reference taken again, an
+    ipcache entry written again)."""
+    backoff = Backoff(0.2, 5.0)
+    for attempt in range(attempts):
+        try:
+            return call()
+        except grpc.RpcError as exc:
+            if exc.code() is not grpc.StatusCode.UNAVAILABLE or attempt == attempts - 1:
+                raise
+        time.sleep(backoff.next())
+    raise AssertionError("unreachable")
 
 
 def loadavg() -> str:
@@ -227,9 +249,11 @@ class Fanout:
 
     def _reference(self, node: str) -> int:
         labels = [policy_pb2.Label(source="k8s", key=k, value=v) for k, v in LABELS.items()]
-        resp = self.endpoint_policy.AllocateIdentity(
-            policy_pb2.AllocateIdentityRequest(labels=labels, node=node, owner="fanout"),
-            timeout=30,
+        resp = retried(
+            lambda: self.endpoint_policy.AllocateIdentity(
+                policy_pb2.AllocateIdentityRequest(labels=labels, node=node, owner="fanout"),
+                timeout=30,
+            )
         )
         self.identity = resp.identity.id
         return self.identity
@@ -243,7 +267,7 @@ class Fanout:
     def _put_rule(self) -> None:
         self.rule_port = self.port
         doc = RULE.format(port=self.port)
-        self.policy.PutRules(policy_pb2.PutRulesRequest(document=doc), timeout=30)
+        retried(lambda: self.policy.PutRules(policy_pb2.PutRulesRequest(document=doc), timeout=30))
 
     def _put_service(self) -> None:
         svc = lb_pb2.Service(
@@ -252,13 +276,17 @@ class Fanout:
             frontend=lb_pb2.Frontend(address=VIP, port=80, protocol=lb_pb2.PROTOCOL_TCP),
             backends=[lb_pb2.Backend(address="10.200.0.10", port=self.port)],
         )
-        self.lb.UpsertService(lb_pb2.UpsertServiceRequest(service=svc), timeout=30)
+        retried(lambda: self.lb.UpsertService(lb_pb2.UpsertServiceRequest(service=svc), timeout=30))
 
     def _put_ipcache(self, prefix: str) -> None:
         entry = policy_pb2.IPCacheEntry(
             prefix=prefix, identity=self.identity, node=self.nodes[0], source="endpoint"
         )
-        self.endpoint_policy.UpsertIPCache(policy_pb2.UpsertIPCacheRequest(entry=entry), timeout=30)
+        retried(
+            lambda: self.endpoint_policy.UpsertIPCache(
+                policy_pb2.UpsertIPCacheRequest(entry=entry), timeout=30
+            )
+        )
 
     def _expecting(
         self, kind: str, what: dict[str, Any], write: Callable[[], None], timeout: float

@@ -183,7 +183,9 @@ class Node:
         self._stream(
             tasks,
             "nodes",
-            lambda since: ipam.WatchNodes(ipam_pb2.WatchNodesRequest(since_revision=since)),
+            lambda since: ipam.WatchNodes(
+                ipam_pb2.WatchNodesRequest(since_revision=since, batch_events=True)
+            ),
             NodeRoutesCodec(),
         )
         self._stream(
@@ -206,7 +208,9 @@ class Node:
             tasks,
             "services",
             lambda since: lb.WatchServices(
-                lb_pb2.WatchServicesRequest(since_revision=since, include_maglev_tables=True)
+                lb_pb2.WatchServicesRequest(
+                    since_revision=since, include_maglev_tables=True, batch_events=True
+                )
             ),
             ServicesCodec((self.ip,)),
         )

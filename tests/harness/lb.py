@@ -62,9 +62,13 @@ class LbClient:
     def table(self, name: str) -> pb.MaglevTable:
         return self.stub.GetMaglevTable(pb.GetMaglevTableRequest(name=name), timeout=20)
 
-    def watch(self, since: int = 0, tables: bool = False, timeout: float = 60) -> Any:
+    def watch(
+        self, since: int = 0, tables: bool = False, timeout: float = 60, batch: bool = False
+    ) -> Any:
         return self.stub.WatchServices(
-            pb.WatchServicesRequest(since_revision=since, include_maglev_tables=tables),
+            pb.WatchServicesRequest(
+                since_revision=since, include_maglev_tables=tables, batch_events=batch
+            ),
             timeout=timeout,
         )
 
@@ -101,10 +105,20 @@ class WatchState:
         self.synced = False
         self.removed_backend_ids: list[int] = []
         self.events: list[pb.ServiceEvent] = []
+        self.batches = 0  # KIND_BATCH messages received
 
     def apply(self, ev: pb.ServiceEvent) -> None:
-        self.events.append(ev)
         kind = ev.kind
+        if kind == pb.ServiceEvent.KIND_BATCH:
+            # Listed as its events, one by one.
+            self.batches += 1
+            assert len(ev.events) > 1, "a lone event goes as itself"
+            assert ev.revision == ev.events[-1].revision
+            for inner in ev.events:
+                assert inner.kind in (pb.ServiceEvent.KIND_UPSERT, pb.ServiceEvent.KIND_DELETE)
+                self.apply(inner)
+            return
+        self.events.append(ev)
         if kind == pb.ServiceEvent.KIND_RESET:
             self.services.clear()
             self.tables.clear()

@@ -245,6 +245,8 @@ class FlagellaMode:
         self.services: list[Svc] = []
         self.pids = {
             "lb": cluster.services["lb"].pid,
+            # policy follows lb's services too (toServices).
+            "policy": cluster.services["policy"].pid,
             "etcd": cluster.etcd.proc.pid if cluster.etcd.proc else 0,
             "datapath": node.process.pid if node.process else 0,
         }

@@ -126,6 +126,72 @@ def test_resumed_stream_equals_a_fresh_snapshot(
     other.close()
 
 
+def test_batched_stream_says_what_the_unbatched_one_says(
+    etcd: EtcdServer, spawn: Callable[..., ServiceProcess]
+) -> None:
+    """batch_events: the snapshot and the deltas of a batch come several to
+    a KIND_BATCH message (256 at most, fewer when Maglev tables make them
+    large), and a watcher ends with exactly what one-by-one events give,
+    removed backends and tables included, also after a resume."""
+    lb = spawn("lb", "--etcd-endpoints", etcd.endpoint)
+    c = LbClient(lb.address)
+
+    def svc(i: int, backend: int) -> pb.Service:
+        algorithm = pb.ALGORITHM_MAGLEV if i % 10 == 0 else pb.ALGORITHM_RANDOM
+        return service(
+            f"b/s{i}",
+            f"10.101.{i // 250}.{i % 250 + 1}",
+            80,
+            [(f"10.9.{backend}.{i % 250 + 1}", 80), ("10.9.200.1", 80)],
+            algorithm=algorithm,
+        )
+
+    def upsert_all(services: list[pb.Service]) -> None:
+        for i in range(0, len(services), 500):
+            c.stub.UpsertServices(pb.UpsertServicesRequest(services=services[i : i + 500]))
+
+    upsert_all([svc(i, 1) for i in range(600)])
+    batched, plain = c.watch(tables=True, batch=True), c.watch(tables=True)
+    got, want = WatchState().follow(batched), WatchState().follow(plain)
+    assert [e.kind for e in got.events] == [e.kind for e in want.events]
+    assert got.services == want.services
+    assert got.tables == want.tables
+    assert len(got.services) == 600
+    assert len(got.tables) == 60
+    # 256 a message: the 60 Maglev tables (16,381 slots each) cut them short.
+    assert 3 <= got.batches < 20
+    assert want.batches == 0
+
+    # One UpsertServices is one etcd batch to the watchers: 400 changed
+    # services (their first backend replaced) and then 100 deleted.
+    upsert_all([svc(i, 2) for i in range(400)])
+    for i in range(500, 600):
+        c.delete(f"b/s{i}")
+    head = c.list().revision
+    got.follow(batched, until_revision=head)
+    want.follow(plain, until_revision=head)
+    assert got.services == want.services
+    assert got.tables == want.tables
+    assert sorted(got.removed_backend_ids) == sorted(want.removed_backend_ids)
+    assert len(got.removed_backend_ids) == 400 + 2 * 100
+    batched.cancel()
+    plain.cancel()
+
+    # A resumed batched stream ends where a fresh snapshot starts.
+    seen_at = got.revision
+    upsert_all([svc(i, 3) for i in range(100, 300)])
+    c.delete("b/s0")
+    head = c.list().revision
+    resumed = c.watch(since=seen_at, tables=True, batch=True)
+    got.follow(resumed, until_revision=head)
+    resumed.cancel()
+    fresh = WatchState().follow(c.watch(tables=True))
+    assert got.services == fresh.services
+    assert got.tables == fresh.tables
+    assert len(fresh.services) == 499
+    c.close()
+
+
 async def test_snapshot_pages_are_one_consistent_revision(etcd: EtcdServer) -> None:
     """The snapshot is read in pages (a single range of 10,000 services would
     not fit in a gRPC message), all at the first page's revision, so writes

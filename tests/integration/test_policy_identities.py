@@ -233,3 +233,45 @@ async def test_node_lease_expiry_and_garbage_collection(etcd: EtcdServer, spawn:
         stream.cancel()
     finally:
         await ch.close()
+
+
+async def test_gc_deletes_many_identities_per_transaction_and_spares_a_referenced_one(
+    etcd: EtcdServer,
+) -> None:
+    """The GC frees a round's identities several per transaction; when one
+    of them was referenced again meanwhile, the transaction fails and they
+    go one by one: that one is kept, the others freed."""
+    from flagella.policy import keys
+    from flagella.policy.store import IdentityToDelete, PolicyStore
+
+    client = etcd.client()
+    store = PolicyStore(client)
+    try:
+        lease = await store.grant_node_lease("gc-node", 60, "test")
+        due = []
+        for i in range(5):
+            labels = f"k8s:app=gc-batch-{i}"
+            created = await store.create_identity(70_000 + i, labels, [labels], lease)
+            assert created.__class__.__name__ == "IdentityCreated"
+            ref = await store.get_reference(labels, "gc-node")
+            assert ref is not None
+            await store.drop_reference(labels, 70_000 + i, "gc-node", held=ref)
+            stored = await store.get_identity(70_000 + i)
+            entry = await store.get_labels(labels)
+            assert stored is not None
+            assert entry is not None
+            due.append(IdentityToDelete(70_000 + i, labels, stored.revision, entry.revision))
+        # Unreferenced and unchanged: together, in one transaction.
+        assert await store.delete_identities(due[:2]) == [True, True]
+        # One referenced again after it was seen unreferenced.
+        again = await store.add_reference(
+            due[3].labels, due[3].id, lease, held=None, labels_revision=due[3].labels_revision
+        )
+        assert again.__class__.__name__ == "ReferenceTaken"
+        assert await store.delete_identities(due[2:]) == [True, False, True]
+        left, _ = await client.get_prefix(keys.ID_PREFIX)
+        assert [kv.key for kv in left if kv.key.endswith(tuple(str(d.id) for d in due))] == [
+            keys.id_key(due[3].id)
+        ]
+    finally:
+        await client.close()

@@ -310,6 +310,55 @@ def test_every_write_is_a_map_event_in_order_with_its_outcome(bpf_programs: Prog
         assert len(dp.backends.events or ()) == 4
 
 
+def test_endpoint_entries_are_found_without_a_walk_and_follow_every_write(
+    require_root: None, bpf_programs: Programs
+) -> None:
+    """Endpoints indexes each endpoint's keys (built by one walk, then kept
+    by its writes): by_id and the policy state it sets agree with a walk of
+    the map through address changes, removals, another endpoint taking an
+    address, and a new load of the same pins (index rebuilt from the map)."""
+
+    def walked(dp: Datapath, endpoint_id: int) -> list[str]:
+        return sorted(s.ip for s in dp.endpoints.all() if s.endpoint_id == endpoint_id)
+
+    def indexed(dp: Datapath, endpoint_id: int) -> list[str]:
+        return sorted(s.ip for s in dp.endpoints.by_id(endpoint_id))
+
+    macs = {"mac": "02:00:00:00:00:01", "node_mac": "02:00:00:00:00:02", "ifindex": 1}
+    root = new_pin_root()
+    try:
+        first = Datapath.load(root, programs=bpf_programs)
+        eps = first.endpoints
+        eps.upsert(1, ["10.9.1.1", "fd00::1"], identity=100, **macs)
+        eps.upsert(2, ["10.9.1.2"], identity=200, **macs)
+        assert indexed(first, 1) == walked(first, 1) == ["10.9.1.1", "fd00::1"]
+        eps.upsert(1, ["10.9.1.3"], identity=100, **macs)  # its addresses replaced
+        eps.upsert(2, ["10.9.1.2", "10.9.1.1"], identity=200, **macs)  # takes a freed one
+        for ep in (1, 2, 3):
+            assert indexed(first, ep) == walked(first, ep)
+        assert first.policy.apply(2, [PolicyEntry(100, Direction.INGRESS)], 5) == 1  # keys
+        assert {s.ip: s.policy_revision for s in eps.all()} == {
+            "10.9.1.3": 0,
+            "10.9.1.2": 5,
+            "10.9.1.1": 5,
+        }
+        assert eps.set_not_ready(2) == 2
+        assert eps.remove(1) == 1
+        assert indexed(first, 1) == walked(first, 1) == []
+        first.close()
+
+        second = Datapath.load(root, programs=bpf_programs)
+        try:
+            assert indexed(second, 2) == walked(second, 2) == ["10.9.1.1", "10.9.1.2"]
+            assert second.endpoints.realized_revision(2) is None  # not ready, as left
+            second.policy.apply(2, [], 6, ingress_enforced=False, egress_enforced=False)
+            assert second.endpoints.realized_revision(2) == 6
+        finally:
+            second.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def test_local_traffic_policy_entries_come_and_go(dp: Datapath) -> None:
     """An externalTrafficPolicy Local frontend: its own entry (all backends)
     flagged external-local, and a scope-local entry with this node's active

@@ -12,7 +12,14 @@ from hypothesis import strategies as st
 
 from flagella.datapath.bpf import layout as L
 from flagella.datapath.bpf import packets as P
-from flagella.datapath.bpf.policy import PolicyEntry, expand, policy_key, port_prefixes
+from flagella.datapath.bpf.policy import (
+    PolicyEntry,
+    expand,
+    policy_key,
+    policy_key_bytes,
+    policy_value_bytes,
+    port_prefixes,
+)
 
 EG = L.Direction.EGRESS
 IN = L.Direction.INGRESS
@@ -135,3 +142,25 @@ def test_packet_builder_checksums(proto: int, src: str, dst: str) -> None:
     bad = bytearray(P.build(src, dst, proto=proto, payload=b"abc"))
     bad[-1] ^= 0xFF
     assert not P.parse(bytes(bad)).l4_csum_ok
+
+
+@given(
+    st.integers(0, 0xFFFFFFFF),
+    st.integers(0, 0xFFFF),
+    st.sampled_from([0, 1]),
+    st.sampled_from([0, 6, 17, 132]),
+    st.integers(0, 65535),
+    st.integers(0, 64),
+    st.sampled_from(list(L.Verdict)),
+    st.integers(0, 0xFFFFFFFF),
+)
+def test_packed_policy_entries_are_the_ctypes_ones(
+    ident: int, ep: int, d: int, proto: int, base: int, plen: int, verdict: int, cookie: int
+) -> None:
+    """Policy._write packs keys and values with struct: byte for byte what
+    the ctypes layout (the C side's) holds."""
+    key = (ident, d, proto, base, plen)
+    assert ctypes.sizeof(L.PolicyKey) == len(policy_key_bytes(ep, key))
+    assert bytes(policy_key(ep, key)) == policy_key_bytes(ep, key)
+    value = L.PolicyValue(verdict=verdict, cookie=cookie)
+    assert bytes(value) == policy_value_bytes(verdict, cookie)

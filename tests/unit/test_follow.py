@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import pytest
 
 from flagella.common.backoff import Backoff
-from flagella.common.sync import StreamSource
+from flagella.common.sync import Batching, Change, StreamSource, serve_watch
 from flagella.common.sync import Table as SyncTable
-from flagella.common.sync.stream import DELETE, RESET, SYNCED, UPSERT
+from flagella.common.sync.stream import BATCH, DELETE, RESET, SYNCED, UPSERT
+from flagella.common.sync.table import Batch
 from flagella.common.tasks import TaskGroup
 
 
@@ -23,6 +24,7 @@ class Ev:
     revision: int
     key: str = ""
     value: str = ""
+    events: tuple[Ev, ...] = field(default=())
 
 
 class Codec:
@@ -39,6 +41,7 @@ class Table:
     def __init__(self) -> None:
         self.data: dict[str, str] = {}
         self.synced_at: list[int] = []
+        self.commits = 0
 
     def get(self, key: str) -> str | None:
         return self.data.get(key)
@@ -48,6 +51,7 @@ class Table:
         self.synced_at.append(revision)
 
     def commit(self, updates: Iterable[tuple[str, str | None, int]], revision: int) -> None:
+        self.commits += 1
         for key, record, _ in updates:
             if record is None:
                 self.data.pop(key, None)
@@ -203,3 +207,135 @@ def test_kinds_match_every_watch_enum(kinds: tuple[int, int, int, int]) -> None:
         policy_pb2.EVENT_KIND_DELETE,
         policy_pb2.EVENT_KIND_SYNCED,
     )
+
+    assert BATCH == lb_pb2.ServiceEvent.KIND_BATCH == ipam_pb2.NodeEvent.KIND_BATCH
+
+
+def batched(*events: Ev) -> Ev:
+    return Ev(BATCH, events[-1].revision, events=events)
+
+
+async def test_batches_are_their_events_in_order_and_resume_the_same() -> None:
+    """A BATCH is its events one after the other, in a snapshot and as
+    deltas; its deltas reach the sink in one commit; a break after a
+    batch resumes from the last SYNCED, restoring what the server does
+    not name again."""
+    calls: list[int] = []
+    done = asyncio.Event()
+
+    async def open_stream(since: int) -> AsyncIterator[Ev]:
+        calls.append(since)
+        if len(calls) == 1:
+            for ev in [
+                Ev(RESET, 10),
+                batched(Ev(UPSERT, 3, "a", "1"), Ev(UPSERT, 7, "b", "2"), Ev(UPSERT, 8, "z", "0")),
+                Ev(UPSERT, 9, "y", "9"),
+                batched(Ev(DELETE, 10, "z")),
+                Ev(SYNCED, 10),
+                batched(Ev(UPSERT, 11, "c", "3"), Ev(DELETE, 11, "a"), Ev(UPSERT, 12, "b", "5")),
+            ]:
+                yield ev
+            assert table.commits == 1  # the three deltas together
+            raise broken()
+        for ev in [Ev(SYNCED, since), batched(Ev(UPSERT, 13, "b", "22"), Ev(DELETE, 13, "y"))]:
+            yield ev
+        yield Ev(SYNCED, 13)
+        done.set()
+        await asyncio.Event().wait()
+
+    table = Table()
+    source = source_of(open_stream, table)
+    await run_until(source, done)
+    assert calls == [0, 10]
+    # "a" came back (the server did not name it again after 10), "c" went
+    # (it was not there at 10), "b" and "y" as the resumed deltas say.
+    assert table.data == {"a": "1", "b": "22"}
+    assert table.synced_at == [10]
+    assert source.revision == 13
+
+
+class EvMessages:
+    def reset(self, revision: int) -> Ev:
+        return Ev(RESET, revision)
+
+    async def upsert(self, change: Change[str, str]) -> Ev:
+        return Ev(UPSERT, change.revision, change.key, change.record or "")
+
+    async def delete(self, change: Change[str, str]) -> Ev:
+        return Ev(DELETE, change.revision, change.key)
+
+    def synced(self, revision: int) -> Ev:
+        return Ev(SYNCED, revision)
+
+
+class ListFeed:
+    def __init__(self, batches: list[Batch[str, str]]) -> None:
+        self.batches = batches
+
+    async def next(self, timeout: float | None = None) -> Batch[str, str] | None:
+        return self.batches.pop(0) if self.batches else None
+
+
+async def test_serve_watch_packs_a_batch_by_count_and_by_size() -> None:
+    """Up to max_events a message, closed early at max_bytes; a lone event
+    goes as itself; RESET and SYNCED stay apart."""
+    snapshot = Batch(
+        revision=20,
+        changes=tuple(Change(f"k{i}", f"v{i}", None, i + 1) for i in range(7)),
+        snapshot=True,
+    )
+    deltas = Batch(
+        revision=23,
+        changes=(
+            Change("big", "x" * 50, None, 21),
+            Change("k0", None, "v0", 22),
+            Change("k1", "w", "v1", 23),
+        ),
+    )
+    lone = Batch(revision=24, changes=(Change("k2", None, "v2", 24),))
+    batching = Batching(
+        wrap=lambda evs: Ev(BATCH, evs[-1].revision, events=tuple(evs)),
+        size=lambda ev: len(ev.value) + 1,
+        max_events=3,
+        max_bytes=40,
+    )
+    stream = serve_watch(
+        ListFeed([snapshot, deltas, lone]), EvMessages(), heartbeat=0.01, batching=batching
+    )
+    got = [await anext(stream) for _ in range(9)]
+    shape = [(e.kind, e.revision, [x.key for x in e.events] or e.key) for e in got]
+    assert shape == [
+        (RESET, 20, ""),
+        (BATCH, 3, ["k0", "k1", "k2"]),
+        (BATCH, 6, ["k3", "k4", "k5"]),
+        (UPSERT, 7, "k6"),  # the last of the snapshot, alone
+        (SYNCED, 20, ""),
+        (UPSERT, 21, "big"),  # over max_bytes at once: alone
+        (BATCH, 23, ["k0", "k1"]),
+        (DELETE, 24, "k2"),
+        (SYNCED, 24, ""),  # heartbeat
+    ]
+    assert [e.kind for e in got[6].events] == [DELETE, UPSERT]
+
+
+async def test_serve_watch_lingers_so_a_burst_goes_as_one_message() -> None:
+    """With Batching.linger, the first change after a quiet spell goes at
+    once; the ones that follow within the linger gather into one BATCH."""
+    table: SyncTable[str, str] = SyncTable("t")
+    table.replace([("a", "1", 1)], 1)
+    batching = Batching(
+        wrap=lambda evs: Ev(BATCH, evs[-1].revision, events=tuple(evs)),
+        size=lambda ev: 1,
+        linger=0.2,
+    )
+    stream = serve_watch(table.subscribe(), EvMessages(), heartbeat=None, batching=batching)
+    assert [(await anext(stream)).kind for _ in range(3)] == [RESET, UPSERT, SYNCED]
+    table.commit([("b", "2", 2)], 2)
+    first = await asyncio.wait_for(anext(stream), 1)
+    assert (first.kind, first.key) == (UPSERT, "b")  # at once
+    for i, key in enumerate("cde"):
+        table.commit([(key, "3", 3 + i)], 3 + i)
+        await asyncio.sleep(0.01)
+    burst = await asyncio.wait_for(anext(stream), 1)
+    assert burst.kind == BATCH
+    assert [e.key for e in burst.events] == ["c", "d", "e"]

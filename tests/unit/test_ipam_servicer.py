@@ -165,3 +165,33 @@ def test_config_defaults_and_errors() -> None:
         load("--cluster-cidr", "10.0.0.0/8,10.1.0.0/16")
     # host-scope ignores the cluster CIDRs
     assert load("--mode", "host-scope", "--cluster-cidr", "10.0.0.0/30").mode == "host-scope"
+
+
+async def test_watch_nodes_messages_are_built_once_for_every_stream() -> None:
+    """Every WatchNodes stream gets the same UPSERT message of a node at a
+    revision (1,000 nodes joining each got every node's built anew); a new
+    revision is a new message."""
+    from flagella.common.sync import Change, MessageCache
+    from flagella.ipam.model import Node, NodeAddress
+    from flagella.ipam.servicer import NodeEvents, node_pb
+
+    cache: MessageCache[tuple[str, int], pb.NodeEvent] = MessageCache()
+    one, two = NodeEvents(cache), NodeEvents(cache)
+    node = Node(
+        name="n1",
+        addresses=(NodeAddress(AddressType.INTERNAL_IP, "192.0.2.1"),),
+        datapath_address="",
+        pod_cidrs=(),
+        labels={},
+        lease_ttl=30,
+        registered_at=1.0,
+        id=3,
+        revision=7,
+    )
+    first = await one.upsert(Change("n1", node, None, 7))
+    assert await two.upsert(Change("n1", node, None, 7)) is first
+    assert first.node == node_pb(node)
+    assert first.revision == 7
+    later = await two.upsert(Change("n1", node, None, 9))
+    assert later is not first
+    assert later.revision == 9

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -21,7 +22,14 @@ from flagella.lb.model import (
     TrafficPolicy,
 )
 from flagella.lb.servicer import raw_from_proto, service_to_proto
-from flagella.lb.validation import Limits, RawBackend, RawService, build_spec
+from flagella.lb.validation import (
+    Limits,
+    RawBackend,
+    RawService,
+    build_spec,
+    canonical_ip,
+    check_ip,
+)
 
 LIMITS = Limits(node_port_min=30000, node_port_max=32767, max_backends=8)
 
@@ -221,6 +229,54 @@ def test_record_round_trips_through_json_and_proto_output_fields_are_ignored() -
     # A service read back (ids, revision, source set) upserts as the same spec.
     again = raw_from_proto(out)
     assert again.source is Source.API
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "1.2.3.4",
+        "10.96.0.10",
+        "255.255.255.255",
+        "240.0.0.1",
+        "223.255.255.255",
+        "224.0.0.1",
+        "239.255.255.255",
+        "0.0.0.0",
+        "0.0.0.1",
+        "01.2.3.4",
+        "1.2.3.04",
+        "1.2.3",
+        "1.2.3.4.5",
+        "1.2.3.256",
+        " 1.2.3.4",
+        "1.2.3.4 ",
+        "1.2.3.4\x00",
+        "0x1.2.3.4",
+        "",
+        "::",
+        "::1",
+        "fe80::1",
+        "FE80::0001",
+        "ff02::1",
+        "::ffff:1.2.3.4",
+        "2001:db8::1.2.3.4",
+    ],
+)
+def test_canonical_ip_is_check_ip_faster(value: str) -> None:
+    """The inet_pton fast path answers as ipaddress does: the same
+    canonical text, family and value, or the same refusal."""
+
+    def outcome(fn: Callable[[], object]) -> object:
+        try:
+            return fn()
+        except InvalidArgument as exc:
+            return ("refused", exc.field, exc.message)
+
+    def slow() -> object:
+        ip = check_ip(value, "f")
+        return (str(ip), ip.version, int(ip))
+
+    assert outcome(lambda: canonical_ip(value, "f")) == outcome(slow)
 
 
 def test_external_ips_and_traffic_policy() -> None:

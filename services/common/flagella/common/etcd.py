@@ -155,12 +155,10 @@ def prefix_end(prefix: str | bytes) -> bytes:
 
 def absent(key: str) -> Any:
     """Compare: key does not exist."""
-    return etcd_rpc.Compare(
-        key=_b(key),
-        result=etcd_rpc.Compare.EQUAL,
-        target=etcd_rpc.Compare.CREATE,
-        create_revision=0,
-    )
+    compare = etcd_rpc.Compare(key=_b(key), target=etcd_rpc.Compare.CREATE)
+    # Set although 0 (the default): it selects the oneof etcd compares.
+    compare.create_revision = 0
+    return compare
 
 
 def mod_revision_is(key: str, revision: int) -> Any:
@@ -192,13 +190,21 @@ def value_is(key: str, value: bytes) -> Any:
 
 
 def put_op(key: str, value: bytes, lease: int = 0) -> Any:
-    return etcd_rpc.RequestOp(
-        request_put=etcd_rpc.PutRequest(key=_b(key), value=value, lease=lease)
-    )
+    # Fields set in place: a PutRequest made apart and copied in costs
+    # about three times as much (a bulk of services makes five per service).
+    op = etcd_rpc.RequestOp()
+    put = op.request_put
+    put.key = _b(key)
+    put.value = value
+    if lease:
+        put.lease = lease
+    return op
 
 
 def delete_op(key: str) -> Any:
-    return etcd_rpc.RequestOp(request_delete_range=etcd_rpc.DeleteRangeRequest(key=_b(key)))
+    op = etcd_rpc.RequestOp()
+    op.request_delete_range.key = _b(key)
+    return op
 
 
 def delete_prefix_op(prefix: str) -> Any:
@@ -210,7 +216,9 @@ def delete_prefix_op(prefix: str) -> Any:
 
 
 def get_op(key: str) -> Any:
-    return etcd_rpc.RequestOp(request_range=etcd_rpc.RangeRequest(key=_b(key)))
+    op = etcd_rpc.RequestOp()
+    op.request_range.key = _b(key)
+    return op
 
 
 def get_prefix_op(prefix: str, *, limit: int = 0, keys_only: bool = False) -> Any:

@@ -112,7 +112,9 @@ class DatapathApp:
             tasks.supervise("node-registration", self.registration.run)
             nodes, _ = self._stream(
                 "nodes",
-                lambda since: ipam.WatchNodes(ipam_pb2.WatchNodesRequest(since_revision=since)),
+                lambda since: ipam.WatchNodes(
+                    ipam_pb2.WatchNodesRequest(since_revision=since, batch_events=True)
+                ),
                 NodeRoutesCodec(),
             )
             device = TUNNEL_DEVICE if cfg.tunnel else ""
@@ -179,7 +181,9 @@ class DatapathApp:
             services, _ = self._stream(
                 "services",
                 lambda since: lb.WatchServices(
-                    lb_pb2.WatchServicesRequest(since_revision=since, include_maglev_tables=True)
+                    lb_pb2.WatchServicesRequest(
+                        since_revision=since, include_maglev_tables=True, batch_events=True
+                    )
                 ),
                 ServicesCodec(cfg.node_ip, cfg.node_name),
                 keep_prev=True,  # RemoveBackends: the backends a change took out

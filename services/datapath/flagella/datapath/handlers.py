@@ -107,20 +107,34 @@ DIRECTIONS = {
 VERDICTS = {policy_pb2.VERDICT_ALLOW: Verdict.ALLOW, policy_pb2.VERDICT_DENY: Verdict.DENY}
 
 
-def identity_policy(p: policy_pb2.ResolvedPolicy) -> IdentityPolicy:
-    entries = tuple(
-        PolicyEntry(
-            identity=e.identity,
-            direction=DIRECTIONS[e.direction],
-            verdict=VERDICTS[e.verdict],
-            protocol=int(e.protocol),
-            port=e.port,
-            end_port=e.end_port,
-            port_name=e.port_name,
-        )
-        for e in p.entries
-        if e.direction in DIRECTIONS and e.verdict in VERDICTS
-    )
+EntryKey = tuple[int, int, int, int, int, int, str]
+
+
+def identity_policy(
+    p: policy_pb2.ResolvedPolicy, interned: dict[EntryKey, PolicyEntry] | None = None
+) -> IdentityPolicy:
+    """interned: entries already made, by their fields (the policies of a
+    node's identities share most entries: a rule over 250 peers is the same
+    250 entries in each of 250 policies), reused and added to."""
+    made = {} if interned is None else interned
+    out: list[PolicyEntry] = []
+    for e in p.entries:
+        key = (e.identity, e.direction, e.verdict, e.protocol, e.port, e.end_port, e.port_name)
+        entry = made.get(key)
+        if entry is None:
+            if e.direction not in DIRECTIONS or e.verdict not in VERDICTS:
+                continue
+            entry = made[key] = PolicyEntry(
+                identity=e.identity,
+                direction=DIRECTIONS[e.direction],
+                verdict=VERDICTS[e.verdict],
+                protocol=int(e.protocol),
+                port=e.port,
+                end_port=e.end_port,
+                port_name=e.port_name,
+            )
+        out.append(entry)
+    entries = tuple(out)
     return IdentityPolicy(
         identity=p.identity,
         revision=p.revision,
@@ -150,11 +164,19 @@ def identity_policy(p: policy_pb2.ResolvedPolicy) -> IdentityPolicy:
 class PolicyCodec:
     """WatchPolicy events -> identity: its resolved policy."""
 
+    # Interned entries beyond this many are dropped (all at once): ~4 MiB.
+    INTERNED_MAX = 1 << 14
+
+    def __init__(self) -> None:
+        self.interned: dict[EntryKey, PolicyEntry] = {}
+
     def key(self, event: policy_pb2.PolicyEvent) -> int:
         return event.identity or event.policy.identity
 
     def decode(self, event: policy_pb2.PolicyEvent) -> IdentityPolicy:
-        pol = identity_policy(event.policy)
+        if len(self.interned) > self.INTERNED_MAX:
+            self.interned.clear()
+        pol = identity_policy(event.policy, self.interned)
         if event.policy.error:
             log.warning(
                 "policy over budget: enforcing it fail-closed",

@@ -27,13 +27,17 @@ class NodeRegistration:
         tracer: trace.Tracer,
         *,
         on_registered: OnRegistered,
-        call_timeout: float = 5.0,
+        call_timeout: float = 20.0,
         backoff: Backoff | None = None,
     ) -> None:
         self.stub = stub
         self.request = request
         self.tracer = tracer
         self.on_registered = on_registered
+        # RegisterNode's deadline: long, because a registration the client
+        # gives up on may still complete on a busy ipam, and the retry is
+        # another registration sent to every node's WatchNodes (with 1,000
+        # nodes at 5 s, a storm that fed itself).
         self.call_timeout = call_timeout
         self.backoff = backoff or Backoff(0.2, 5.0)
         self.node: ipam_pb2.Node | None = None
@@ -71,8 +75,11 @@ class NodeRegistration:
         while True:
             await asyncio.sleep(interval)
             try:
+                # Until the next renewal is due: one ipam answers late still
+                # keeps the lease (at 5 s, renewals a busy ipam would have
+                # answered were cancelled, and leases ran out).
                 await self.stub.RenewNode(
-                    ipam_pb2.RenewNodeRequest(name=self.request.name), timeout=self.call_timeout
+                    ipam_pb2.RenewNodeRequest(name=self.request.name), timeout=max(interval, 5.0)
                 )
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.NOT_FOUND:

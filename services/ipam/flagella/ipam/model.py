@@ -104,6 +104,8 @@ class Node:
     # Its node id (1..65535), cluster-wide, kept while its CIDRs are.
     id: int = 0
     revision: int = 0
+    # The etcd lease its entry is on (not stored in the value: the key's).
+    lease: int = 0
 
 
 @dataclass(frozen=True, slots=True)

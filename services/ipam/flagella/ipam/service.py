@@ -143,6 +143,17 @@ class IpamService:
         self.clock = clock
         # Blocks other replicas took that our cache has not seen yet.
         self._learned_blocks: dict[IPNetwork, int] = {}
+        # Blocks and node ids that registrations in flight here are trying:
+        # concurrent registrations pick others instead of all picking the
+        # lowest free one and all but one failing (800 nodes joining at
+        # once conflicted on every carve).
+        self._claimed_blocks: set[IPNetwork] = set()
+        self._claimed_ids: set[int] = set()
+        # Node ids known taken (id -> node): read from etcd once, then kept
+        # by this replica's registrations and what their transactions found
+        # taken, instead of a read of every id per registration. None until
+        # first needed.
+        self._node_ids: dict[int, str] | None = None
         # (operation, outcome) of allocations and releases, for the metrics.
         self.outcomes = Outcomes()
         # Node -> the annotations last written back to its Kubernetes Node,
@@ -173,13 +184,22 @@ class IpamService:
         ttl = reg.lease_ttl or self.settings.default_lease_ttl
         want = await self._wanted_cidrs(reg)
         lease = await self.store.grant_lease(ttl)
+        claimed_blocks: list[IPNetwork] = []
+        claimed_id: int | None = None
         try:
             for _ in range(MAX_ATTEMPTS):
                 current, cidrs, ident = await self.store.get_registration_state(reg.name)
                 have = cidrs.cidrs if cidrs is not None else ()
-                node_id = ident.id if ident is not None else await self._free_node_id()
+                self._unclaim(claimed_blocks, claimed_id)
+                claimed_blocks, claimed_id = [], None
+                if ident is not None:
+                    node_id = ident.id
+                else:
+                    node_id = claimed_id = await self._free_node_id()
+                    self._claimed_ids.add(node_id)
                 if self.settings.mode is Mode.CLUSTER_POOL:
-                    new_blocks = self._carve(have)
+                    new_blocks = claimed_blocks = self._carve(have)
+                    self._claimed_blocks.update(new_blocks)
                 else:
                     new_blocks = self._host_scope_blocks(reg.name, have, want)
                 node = Node(
@@ -206,6 +226,8 @@ class IpamService:
                             await self.store.revoke_lease(current[1])
                     if new_blocks:
                         self.cache.set_node(reg.name, NodeCidrs(node.pod_cidrs, out.revision))
+                    if self._node_ids is not None:
+                        self._node_ids[node_id] = reg.name
                     self._annotate_later(node)
                     log.info(
                         "node registered",
@@ -215,7 +237,7 @@ class IpamService:
                             "lease_ttl_s": ttl,
                         },
                     )
-                    return replace(node, revision=out.revision)
+                    return replace(node, revision=out.revision, lease=lease)
                 for block, (holder, rev) in out.conflicts.items():
                     if self.settings.mode is Mode.HOST_SCOPE and holder != reg.name:
                         i = list(want).index(block)
@@ -223,11 +245,20 @@ class IpamService:
                             f"{block} is the pod CIDR of node {holder}", field=f"pod_cidrs[{i}]"
                         )
                     self._learned_blocks[block] = rev
+                if out.id_holder is not None and self._node_ids is not None:
+                    self._node_ids[node_id] = out.id_holder
             raise Aborted("too many concurrent registrations; retry", field="name")
         except BaseException:
             with contextlib.suppress(Unavailable):
                 await self.store.revoke_lease(lease)
             raise
+        finally:
+            self._unclaim(claimed_blocks, claimed_id)
+
+    def _unclaim(self, blocks: Sequence[IPNetwork], node_id: int | None) -> None:
+        self._claimed_blocks.difference_update(blocks)
+        if node_id is not None:
+            self._claimed_ids.discard(node_id)
 
     # --- AnnotateNode: the write-back to Kubernetes ---
 
@@ -278,12 +309,18 @@ class IpamService:
         log.info("Kubernetes Node annotated", extra={"node": name, "annotations": annotations})
 
     async def _free_node_id(self) -> int:
-        """The lowest node id no node holds (the registration's transaction
-        checks it is still free)."""
-        taken, _ = await self.store.node_ids()
-        for ident in range(1, MAX_NODE_ID + 1):
-            if ident not in taken:
-                return ident
+        """The lowest node id no node holds as far as this replica knows,
+        and no registration in flight here tries (the registration's
+        transaction checks it is still free, and tells who holds it when it
+        is not). When every id looks taken, etcd is read again: ids freed
+        by other replicas are then seen."""
+        for fresh in (False, True):
+            if fresh or self._node_ids is None:
+                self._node_ids, _ = await self.store.node_ids()
+            taken, claimed = self._node_ids, self._claimed_ids
+            for ident in range(1, MAX_NODE_ID + 1):
+                if ident not in taken and ident not in claimed:
+                    return ident
         raise ResourceExhausted(f"all {MAX_NODE_ID} node ids are taken", field="name")
 
     async def node_ids(self) -> list[tuple[int, str, tuple[str, ...]]]:
@@ -358,7 +395,9 @@ class IpamService:
         self._learned_blocks = {
             b: rev for b, rev in self._learned_blocks.items() if rev > self.cache.revision
         }
-        assigned = set(self.cache.assigned_cidrs()) | set(self._learned_blocks)
+        assigned = (
+            set(self.cache.assigned_cidrs()) | set(self._learned_blocks) | self._claimed_blocks
+        )
         have_families = {Family.of(c) for c in have}
         new: list[IPNetwork] = []
         for family in (Family.IPV4, Family.IPV6):
@@ -380,9 +419,18 @@ class IpamService:
         return new
 
     async def renew_node(self, name: str) -> int:
-        """Refresh the node's lease; returns its TTL in seconds."""
+        """Refresh the node's lease; returns its TTL in seconds. The lease
+        is the one this replica's node table has (every renewal read it
+        from etcd before: a read per node every 10 s); etcd is read only
+        when that lease is gone (the table may not have seen a newer
+        registration yet)."""
+        known = self.store.nodes.get(name)
+        if known is not None and known.lease:
+            ttl = await self.store.keepalive(known.lease)
+            if ttl > 0:
+                return ttl
         got = await self.store.get_node(name)
-        if got is not None:
+        if got is not None and (known is None or got[1] != known.lease):
             ttl = await self.store.keepalive(got[1])
             if ttl > 0:
                 return ttl
@@ -410,6 +458,8 @@ class IpamService:
                         await self.store.revoke_lease(current[1])
                 if release is not None:
                     self.cache.set_node(name, None)
+                    if ident is not None and self._node_ids is not None:
+                        self._node_ids.pop(ident.id, None)
                 log.info("node deregistered", extra={"node": name, "released_cidrs": release_cidrs})
                 return
             if left:

@@ -19,7 +19,7 @@ from flagella.api.ipam.v1 import ipam_pb2, ipam_pb2_grpc
 from flagella.common.config import parse_host_port
 from flagella.common.debuginfo import Debuginfo, answer
 from flagella.common.errors import InvalidArgument
-from flagella.common.sync import Change, serve_watch
+from flagella.common.sync import Batching, Change, MessageCache, serve_watch
 from flagella.ipam.model import (
     AddressType,
     Allocation,
@@ -238,14 +238,25 @@ def _node_event(
 
 
 class NodeEvents:
-    """The messages of WatchNodes (serve_watch streams them)."""
+    """The messages of WatchNodes (serve_watch streams them); an UPSERT is
+    built once for every stream (cache: by node and revision)."""
+
+    def __init__(self, cache: MessageCache[tuple[str, int], ipam_pb2.NodeEvent]) -> None:
+        self.cache = cache
 
     def reset(self, revision: int) -> ipam_pb2.NodeEvent:
         return _node_event(ipam_pb2.NodeEvent.KIND_RESET, revision)
 
     async def upsert(self, change: Change[str, Node]) -> ipam_pb2.NodeEvent:
         assert change.record is not None
-        return _node_event(ipam_pb2.NodeEvent.KIND_UPSERT, change.revision, node_pb(change.record))
+        key = (change.key, change.revision)
+        event = self.cache.get(key)
+        if event is None:
+            event = _node_event(
+                ipam_pb2.NodeEvent.KIND_UPSERT, change.revision, node_pb(change.record)
+            )
+            self.cache.put(key, event)
+        return event
 
     async def delete(self, change: Change[str, Node]) -> ipam_pb2.NodeEvent:
         # A DELETE names the node only.
@@ -256,10 +267,25 @@ class NodeEvents:
         return _node_event(ipam_pb2.NodeEvent.KIND_SYNCED, revision)
 
 
+def batch_node_events(events: list[ipam_pb2.NodeEvent]) -> ipam_pb2.NodeEvent:
+    """A KIND_BATCH message of events, at the revision of the last."""
+    return ipam_pb2.NodeEvent(
+        kind=ipam_pb2.NodeEvent.KIND_BATCH, revision=events[-1].revision, events=events
+    )
+
+
+# WatchNodes with batch_events: node changes gather for 0.1 s (a node's
+# routes can wait that long; at 1,000 nodes, one message per registration
+# per stream was 1.5 million messages in seven minutes of nodes joining).
+NODE_BATCHING = Batching(wrap=batch_node_events, size=lambda event: event.ByteSize(), linger=0.1)
+
+
 class IpamServicer(ipam_pb2_grpc.IpamServiceServicer):
     def __init__(self, service: IpamService, debuginfo: Debuginfo | None = None) -> None:
         self.debuginfo = debuginfo
         self.service = service
+        # WatchNodes' UPSERT messages, shared by every stream.
+        self.node_events: MessageCache[tuple[str, int], ipam_pb2.NodeEvent] = MessageCache(4 << 20)
 
     # --- node registry ---
 
@@ -300,7 +326,13 @@ class IpamServicer(ipam_pb2_grpc.IpamServiceServicer):
             raise InvalidArgument("must not be negative", field="since_revision")
         feed = await self.service.watch_nodes(since)
         heartbeat = self.service.settings.watch_heartbeat
-        async for msg in serve_watch(feed, NodeEvents(), since=since, heartbeat=heartbeat):
+        async for msg in serve_watch(
+            feed,
+            NodeEvents(self.node_events),
+            since=since,
+            heartbeat=heartbeat,
+            batching=NODE_BATCHING if request.batch_events else None,
+        ):
             yield msg
 
     # --- allocation ---

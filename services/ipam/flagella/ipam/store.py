@@ -174,6 +174,7 @@ def decode_node(kv: KeyValue) -> Node:
         registered_at=float(d["registered_at"]),
         id=int(d.get("id", 0)),
         revision=kv.mod_revision,
+        lease=kv.lease,
     )
 
 
@@ -272,6 +273,8 @@ class RegisterOutcome:
     revision: int
     # Blocks another node holds: CIDR -> (node, mod revision).
     conflicts: dict[IPNetwork, tuple[str, int]] = field(default_factory=dict)
+    # The node holding the id the registration wanted, when one does.
+    id_holder: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -551,15 +554,21 @@ class IpamStore:
             success.append(put_op(cidrs_key(node.name), encode_cidrs(node.pod_cidrs)))
             success.extend(put_op(block_key(b), node.name.encode()) for b in new_blocks)
         failure = [get_op(block_key(b)) for b in new_blocks]
+        if not id_revision:
+            failure.append(get_op(node_id_key(node.id)))
         result = await self.etcd.txn(compare, success, failure)
         if result.succeeded:
             return RegisterOutcome(True, result.revision)
         conflicts = {
             b: (kvs[0].value.decode(), kvs[0].mod_revision)
-            for b, kvs in zip(new_blocks, result.ranges, strict=True)
+            for b, kvs in zip(new_blocks, result.ranges, strict=False)
             if kvs
         }
-        return RegisterOutcome(False, result.revision, conflicts)
+        id_holder = None
+        if not id_revision and result.ranges[len(new_blocks)]:
+            with contextlib.suppress(ValueError, KeyError):
+                id_holder = str(json.loads(result.ranges[len(new_blocks)][0].value)["node"])
+        return RegisterOutcome(False, result.revision, conflicts, id_holder)
 
     async def delete_node(
         self,

@@ -162,7 +162,22 @@ Outcome = Committed | Conflict
 
 
 class ServiceCodec:
-    """services/<id> -> the ServiceRecord (a table's Codec)."""
+    """services/<id> -> the ServiceRecord (a table's Codec). A record this
+    replica is writing is expected: when its value comes back on the watch,
+    the record is taken as it is instead of being parsed again (the same
+    bytes are the same record; a bulk of 10,000 services spent a tenth of
+    the lb's CPU parsing its own writes). At most `expected_max` are held:
+    the oldest, and any whose write failed, go."""
+
+    def __init__(self, expected_max: int = 8192) -> None:
+        self.expected_max = expected_max
+        self._expected: dict[bytes, ServiceRecord] = {}
+
+    def expect(self, value: bytes, record: ServiceRecord) -> None:
+        expected = self._expected
+        expected[value] = record
+        if len(expected) > self.expected_max:
+            del expected[next(iter(expected))]
 
     def key(self, key: str) -> int | None:
         if not key.startswith(SERVICES):
@@ -174,6 +189,9 @@ class ServiceCodec:
             return None
 
     def decode(self, key: int, kv: KeyValue) -> ServiceRecord | None:
+        record = self._expected.pop(kv.value, None)
+        if record is not None and record.id == key:
+            return record.with_revision(kv.mod_revision)
         try:
             return ServiceRecord.from_json(kv.value, kv.mod_revision)
         except (ValueError, KeyError, TypeError) as exc:
@@ -210,8 +228,9 @@ class LbStore:
         # the records before each change: a watch's DELETE names the service
         # and a change the backends it lost.
         self.services: Table[int, ServiceRecord] = Table("lb-services", keep_prev=True)
+        self.codec = ServiceCodec()
         self.source = EtcdSource(
-            etcd, self.services, ServiceCodec(), prefix=SERVICES, page_size=PAGE_SIZE
+            etcd, self.services, self.codec, prefix=SERVICES, page_size=PAGE_SIZE
         )
 
     async def run(self) -> None:
@@ -343,7 +362,9 @@ class LbStore:
         ops = 0
         try:
             async for plan in _each(plans):
-                plan_ops = commit_ops(plan)
+                value = plan.record.to_json()
+                self.codec.expect(value, plan.record)
+                plan_ops = commit_ops(plan, value)
                 size = max(len(plan_ops[0]), len(plan_ops[1]))
                 if chunk and ops + size > MAX_TXN_OPS:
                     send(chunk)
@@ -529,13 +550,14 @@ class LbStore:
 CommitOps = tuple[list[Any], list[Any]]
 
 
-def commit_ops(plan: UpsertPlan) -> CommitOps:
-    """The compares and writes that store a plan: ids and keys it newly
-    takes must be absent, the record it replaces unchanged."""
+def commit_ops(plan: UpsertPlan, value: bytes | None = None) -> CommitOps:
+    """The compares and writes that store a plan (value: the record's JSON,
+    when made already): ids and keys it newly takes must be absent, the
+    record it replaces unchanged."""
     rec, prev = plan.record, plan.previous
     owner = rec.name.encode()
     compare: list[Any] = []
-    success: list[Any] = [put_op(service_key(rec.id), rec.to_json())]
+    success: list[Any] = [put_op(service_key(rec.id), value or rec.to_json())]
     if prev is None:
         compare += [absent(name_key(rec.name)), absent(service_key(rec.id))]
         success.append(put_op(name_key(rec.name), str(rec.id).encode()))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -106,6 +107,24 @@ def check_ip(value: str, field: str) -> ipaddress.IPv4Address | ipaddress.IPv6Ad
     return ip
 
 
+def canonical_ip(value: str, field: str) -> tuple[str, int, int]:
+    """check_ip's address as (canonical text, family, integer value). An
+    IPv4 address is read by inet_pton, which takes only the canonical
+    dotted quad (no leading zeros, four parts), about five times faster than
+    ipaddress: a bulk of 10,000 services has ~40,000 addresses."""
+    try:
+        packed = socket.inet_pton(socket.AF_INET, value)
+    except (OSError, ValueError):
+        ip = check_ip(value, field)
+        return str(ip), ip.version, int(ip)
+    number = int.from_bytes(packed, "big")
+    if number == 0:
+        raise InvalidArgument(f"{value!r} is a unspecified address", field=field)
+    if 224 <= packed[0] <= 239:
+        raise InvalidArgument(f"{value!r} is a multicast address", field=field)
+    return value, 4, number
+
+
 def check_port(value: int, field: str) -> int:
     if not 1 <= value <= 65535:
         raise InvalidArgument(f"{value} is not a port (1-65535)", field=field)
@@ -116,8 +135,8 @@ def validate_frontend(
     address: str, port: int, protocol: Protocol | None, field: str = "service.frontend"
 ) -> Frontend:
     """A frontend in canonical form (protocol unspecified: TCP)."""
-    ip = check_ip(address, f"{field}.address")
-    return Frontend(str(ip), check_port(port, f"{field}.port"), protocol or Protocol.TCP)
+    text, _, _ = canonical_ip(address, f"{field}.address")
+    return Frontend(text, check_port(port, f"{field}.port"), protocol or Protocol.TCP)
 
 
 def lookup_name(name: str, field: str = "name") -> str:
@@ -162,7 +181,7 @@ def build_spec(raw: RawService, limits: Limits) -> ServiceSpec:
     name, namespace = validate_name(raw.name, raw.namespace)
 
     frontend = validate_frontend(raw.frontend_address, raw.frontend_port, raw.protocol)
-    fe_ip = ipaddress.ip_address(frontend.address)
+    fe_version = frontend.family
 
     svc_type = raw.type or ServiceType.CLUSTER_IP
     node_port = raw.node_port
@@ -182,13 +201,13 @@ def build_spec(raw: RawService, limits: Limits) -> ServiceSpec:
             field="service.backends",
         )
     seen: dict[tuple[str, int], int] = {}
-    ordered: list[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, BackendSpec]] = []
+    ordered: list[tuple[int, BackendSpec]] = []
     for i, rb in enumerate(raw.backends):
         path = f"service.backends[{i}]"
-        ip = check_ip(rb.address, f"{path}.address")
-        if ip.version != fe_ip.version:
+        address, version, number = canonical_ip(rb.address, f"{path}.address")
+        if version != fe_version:
             raise InvalidArgument(
-                f"{rb.address!r} is IPv{ip.version} but the frontend is IPv{fe_ip.version}",
+                f"{rb.address!r} is IPv{version} but the frontend is IPv{fe_version}",
                 field=f"{path}.address",
             )
         port = check_port(rb.port, f"{path}.port")
@@ -198,17 +217,17 @@ def build_spec(raw: RawService, limits: Limits) -> ServiceSpec:
                 f"{rb.weight} is not a weight ({MIN_WEIGHT}-{MAX_WEIGHT}; 0 means 1)",
                 field=f"{path}.weight",
             )
-        key = (str(ip), port)
+        key = (address, port)
         if key in seen:
             raise InvalidArgument(f"{key[0]}:{port} is already backend {seen[key]}", field=path)
         seen[key] = i
         if len(rb.node) > 253:
             raise InvalidArgument("node name longer than 253", field=f"{path}.node")
-        spec = BackendSpec(str(ip), port, weight, rb.state or BackendState.ACTIVE, rb.node)
-        ordered.append((ip, spec))
+        spec = BackendSpec(address, port, weight, rb.state or BackendState.ACTIVE, rb.node)
+        ordered.append((number, spec))
     # Canonical order: the same set of backends is the same service, whatever
     # order a caller lists them in.
-    ordered.sort(key=lambda t: (int(t[0]), t[1].port))
+    ordered.sort(key=lambda t: (t[0], t[1].port))
 
     algorithm = raw.algorithm or limits.default_algorithm
     table_size = raw.maglev_table_size or limits.default_table_size
@@ -247,9 +266,9 @@ def build_spec(raw: RawService, limits: Limits) -> ServiceSpec:
             net = ipaddress.ip_network(cidr.strip(), strict=False)
         except ValueError:
             raise InvalidArgument(f"{cidr!r} is not a CIDR", field=path) from None
-        if net.version != fe_ip.version:
+        if net.version != fe_version:
             raise InvalidArgument(
-                f"{cidr!r} is IPv{net.version} but the frontend is IPv{fe_ip.version}",
+                f"{cidr!r} is IPv{net.version} but the frontend is IPv{fe_version}",
                 field=path,
             )
         ranges[str(net)] = net

@@ -11,7 +11,7 @@ from flagella.common.errors import Unavailable
 from flagella.policy.leases import NodeLeases
 from flagella.policy.mirror import Mirror
 from flagella.policy.state import GlobalIdentity, PolicyState
-from flagella.policy.store import PolicyStore
+from flagella.policy.store import DELETES_PER_TXN, IdentityToDelete, PolicyStore
 
 log = logging.getLogger(__name__)
 
@@ -67,31 +67,32 @@ class GarbageCollector:
             if index is None or index[0] != gid.id:
                 continue
             due.append((gid, index[1]))
-        # Several deletes in flight: under churn a round has thousands, and
-        # one round trip each in turn is what made GC fall behind.
+        # Several transactions in flight, each of several identities: under
+        # churn a round has thousands, and one round trip each in turn is
+        # what made GC fall behind.
         slots = asyncio.Semaphore(DELETES_IN_FLIGHT)
 
-        async def delete(gid: GlobalIdentity, labels_revision: int) -> bool:
+        async def delete(chunk: list[IdentityToDelete]) -> list[bool]:
             async with slots:
-                deleted = await self.store.delete_identity(
-                    gid.id,
-                    gid.label_string,
-                    id_revision=gid.mod_revision,
-                    labels_revision=labels_revision,
-                )
-            if deleted:
-                log.info(
-                    "identity garbage-collected",
-                    extra={"identity": gid.id, "labels": gid.label_string},
-                )
+                deleted = await self.store.delete_identities(chunk)
+            for d, ok in zip(chunk, deleted, strict=True):
+                if ok:
+                    log.info(
+                        "identity garbage-collected",
+                        extra={"identity": d.id, "labels": d.labels},
+                    )
             return deleted
 
-        outcomes = await asyncio.gather(
-            *(delete(gid, rev) for gid, rev in due), return_exceptions=True
-        )
-        for outcome in outcomes:
-            if isinstance(outcome, BaseException):
-                raise outcome  # (etcd unavailable: the round ends, as before)
+        todo = [
+            IdentityToDelete(gid.id, gid.label_string, gid.mod_revision, rev) for gid, rev in due
+        ]
+        chunks = [todo[i : i + DELETES_PER_TXN] for i in range(0, len(todo), DELETES_PER_TXN)]
+        results = await asyncio.gather(*(delete(c) for c in chunks), return_exceptions=True)
+        outcomes: list[bool] = []
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result  # (etcd unavailable: the round ends, as before)
+            outcomes += result
         freed = sum(1 for outcome in outcomes if outcome is True)
         self._unreferenced = marks
         revoked = await self.leases.revoke_idle()

@@ -55,7 +55,9 @@ class LbServices:
         stub = lb_pb2_grpc.LoadBalancerServiceStub(channel)
 
         def open_stream(since: int) -> AsyncIterable[lb_pb2.ServiceEvent]:
-            return stub.WatchServices(lb_pb2.WatchServicesRequest(since_revision=since))
+            return stub.WatchServices(
+                lb_pb2.WatchServicesRequest(since_revision=since, batch_events=True)
+            )
 
         self.table: Table[str, ServiceInfo] = Table("lb-services")
         self.source = StreamSource("lb-services", open_stream, self.table, ServiceCodec())

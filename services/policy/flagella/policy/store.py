@@ -10,6 +10,8 @@ key-values of snapshot and watch)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from flagella.common.etcd import (
     Etcd,
@@ -331,15 +333,31 @@ class PolicyStore:
         """Garbage-collects an identity: only if no node references it
         (no anonymous count, no owner's reference) and neither key changed
         since it was seen unreferenced."""
-        result = await self.etcd.txn(
-            [
-                prefix_absent(keys.ref_prefix(labels)),
-                mod_revision_is(keys.id_key(ident), id_revision),
-                mod_revision_is(keys.labels_key(labels), labels_revision),
-            ],
-            [delete_op(keys.id_key(ident)), delete_op(keys.labels_key(labels))],
-        )
+        compare, ops = _delete_identity_ops(ident, labels, id_revision, labels_revision)
+        result = await self.etcd.txn(compare, ops)
         return result.succeeded
+
+    async def delete_identities(self, due: Sequence[IdentityToDelete]) -> list[bool]:
+        """delete_identity() of each, in one transaction when none changed
+        (under churn a GC round frees thousands: one transaction each was
+        a third of the transactions per churned pod); when the transaction
+        fails (one was referenced or changed meanwhile), one by one, so
+        that each gets its own outcome."""
+        if len(due) > 1:
+            compare: list[Any] = []
+            ops: list[Any] = []
+            for d in due:
+                c, o = _delete_identity_ops(d.id, d.labels, d.id_revision, d.labels_revision)
+                compare += c
+                ops += o
+            if (await self.etcd.txn(compare, ops)).succeeded:
+                return [True] * len(due)
+        return [
+            await self.delete_identity(
+                d.id, d.labels, id_revision=d.id_revision, labels_revision=d.labels_revision
+            )
+            for d in due
+        ]
 
     # --- ipcache ---
 
@@ -454,3 +472,31 @@ class PolicyStore:
         """(whether key was there and is now deleted, the revision)."""
         result = await self.etcd.txn([absent(key)], [], [delete_op(key)])
         return (not result.succeeded), result.revision
+
+
+@dataclass(frozen=True)
+class IdentityToDelete:
+    """An identity the GC found unreferenced, with its keys' revisions then."""
+
+    id: int
+    labels: str
+    id_revision: int
+    labels_revision: int
+
+
+# Identities per GC transaction: three compares each, within etcd's 128
+# operations.
+DELETES_PER_TXN = 32
+
+
+def _delete_identity_ops(
+    ident: int, labels: str, id_revision: int, labels_revision: int
+) -> tuple[list[Any], list[Any]]:
+    return (
+        [
+            prefix_absent(keys.ref_prefix(labels)),
+            mod_revision_is(keys.id_key(ident), id_revision),
+            mod_revision_is(keys.labels_key(labels), labels_revision),
+        ],
+        [delete_op(keys.id_key(ident)), delete_op(keys.labels_key(labels))],
+    )

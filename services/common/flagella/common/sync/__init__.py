@@ -5,17 +5,25 @@ docs/ARCHITECTURE.md, "The sync layer", says what each guarantees."""
 
 from flagella.common.sync.etcd import Codec, EtcdSource
 from flagella.common.sync.kube import KubeSource
-from flagella.common.sync.serve import Feed, WatchMessages, serve_watch
+from flagella.common.sync.serve import (
+    Batching,
+    Feed,
+    MessageCache,
+    WatchMessages,
+    serve_watch,
+)
 from flagella.common.sync.stream import StreamCodec, StreamSource
 from flagella.common.sync.table import Batch, Change, Sink, Subscription, Table
 
 __all__ = [
     "Batch",
+    "Batching",
     "Change",
     "Codec",
     "EtcdSource",
     "Feed",
     "KubeSource",
+    "MessageCache",
     "Sink",
     "StreamCodec",
     "StreamSource",

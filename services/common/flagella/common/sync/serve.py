@@ -11,12 +11,22 @@
 A client that resumes from the last revision it knows complete (a SYNCED,
 or the revision of an event followed by one of a higher revision) misses
 nothing (stream.py is that client).
+
+A stream whose client asks for it sends a batch's UPSERTs and DELETEs
+several to a message (`Batching`: a BATCH message holding them in order,
+as they would have come one by one; a lone event goes as itself): a gRPC
+message costs both ends tens of microseconds whatever it holds, which at
+10,000 services was a third of the lb's and the datapath's CPU.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Hashable
-from typing import Protocol, TypeVar
+import asyncio
+from collections.abc import AsyncIterator, Callable, Hashable
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+from google.protobuf.message import Message
 
 from flagella.common.sync.table import Batch, Change
 
@@ -24,6 +34,8 @@ K = TypeVar("K", bound=Hashable)
 R = TypeVar("R")
 M = TypeVar("M")
 M_co = TypeVar("M_co", covariant=True)
+KM = TypeVar("KM", bound=Hashable)
+PM = TypeVar("PM", bound=Message)
 
 
 class Feed(Protocol[K, R]):
@@ -47,6 +59,55 @@ class WatchMessages(Protocol[K, R, M_co]):
     def synced(self, revision: int) -> M_co: ...
 
 
+class MessageCache(Generic[KM, PM]):
+    """Watch messages by what makes them, built once however many watchers
+    stream them (a change sent to 1,000 nodes was built 1,000 times; every
+    node joining got every other node's message built anew). At most
+    max_bytes of messages (their encoded size): the oldest go first.
+    Entries are shared: never changed after they are put."""
+
+    def __init__(self, max_bytes: int = 16 << 20) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._messages: dict[KM, tuple[PM, int]] = {}
+
+    def get(self, key: KM) -> PM | None:
+        got = self._messages.get(key)
+        return None if got is None else got[0]
+
+    def put(self, key: KM, message: PM) -> None:
+        messages = self._messages
+        size = message.ByteSize()
+        before = messages.pop(key, None)
+        if before is not None:
+            self.bytes -= before[1]
+        messages[key] = (message, size)
+        self.bytes += size
+        while self.bytes > self.max_bytes and messages:
+            _, gone = messages.pop(next(iter(messages)))
+            self.bytes -= gone
+
+    def __len__(self) -> int:
+        return len(self._messages)
+
+
+@dataclass(frozen=True)
+class Batching(Generic[M]):
+    """How a stream packs events into one message: wrap makes a BATCH of
+    events; size is an event's encoded size. A message holds at most
+    max_events events, and is closed once it reaches max_bytes (gRPC's
+    default limit for a message received is 4 MiB)."""
+
+    wrap: Callable[[list[M]], M]
+    size: Callable[[M], int]
+    max_events: int = 256
+    max_bytes: int = 1 << 20
+    # Seconds to let changes gather after sending some, so that a stream
+    # that keeps up still gets a burst of them (a registration storm) as a
+    # few messages, not one per change: 0 sends each as soon as it comes.
+    linger: float = 0.0
+
+
 async def serve_watch(
     feed: Feed[K, R],
     messages: WatchMessages[K, R, M],
@@ -55,6 +116,7 @@ async def serve_watch(
     heartbeat: float | None,
     sync_batches: bool = False,
     acknowledge_resume: bool = True,
+    batching: Batching[M] | None = None,
 ) -> AsyncIterator[M]:
     if since > 0 and acknowledge_resume:
         yield messages.synced(since)
@@ -66,15 +128,33 @@ async def serve_watch(
         if batch is not None:
             if batch.snapshot:
                 yield messages.reset(batch.revision)
-            for change in batch.changes:
-                if change.record is None:
-                    yield await messages.delete(change)
-                else:
-                    yield await messages.upsert(change)
+            if batching is None:
+                for change in batch.changes:
+                    if change.record is None:
+                        yield await messages.delete(change)
+                    else:
+                        yield await messages.upsert(change)
+            else:
+                pending: list[M] = []
+                size = 0
+                for change in batch.changes:
+                    if change.record is None:
+                        event = await messages.delete(change)
+                    else:
+                        event = await messages.upsert(change)
+                    pending.append(event)
+                    size += batching.size(event)
+                    if len(pending) >= batching.max_events or size >= batching.max_bytes:
+                        yield pending[0] if len(pending) == 1 else batching.wrap(pending)
+                        pending, size = [], 0
+                if pending:
+                    yield pending[0] if len(pending) == 1 else batching.wrap(pending)
             if first or sync_batches or batch.snapshot or not batch.changes:
                 yield messages.synced(batch.revision)
             revision = batch.revision
             first = False
+            if batching is not None and batching.linger and batch.changes:
+                await asyncio.sleep(batching.linger)
         else:
             yield messages.synced(revision)
         batch = await feed.next(heartbeat)

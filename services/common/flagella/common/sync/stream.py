@@ -4,7 +4,9 @@ Every flagella Watch* RPC speaks one contract (served by serve.py): RESET
 (a full snapshot follows), UPSERT..., SYNCED at a revision; then UPSERTs
 and DELETEs as they happen, SYNCED after a batch (when the stream says so)
 and as a heartbeat when idle. The source buffers a snapshot and swaps it in
-whole at its SYNCED, and applies each delta as it comes.
+whole at its SYNCED, and applies each delta as it comes. A BATCH message
+(a stream that packs events, serve.Batching) is its events one after the
+other; its deltas reach the sink in one commit.
 
 On a broken stream it reconnects with since_revision = the last SYNCED,
 where its state was exactly the server's. Deltas applied after that SYNCED
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterable, Callable, Hashable
+from collections.abc import AsyncIterable, Callable, Hashable, Iterable
 from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
@@ -37,8 +39,9 @@ K_co = TypeVar("K_co", bound=Hashable, covariant=True)
 R_co = TypeVar("R_co", covariant=True)
 
 # The kinds every watch event enum shares (NodeEvent.Kind, EventKind,
-# ServiceEvent.Kind).
-RESET, UPSERT, DELETE, SYNCED = 1, 2, 3, 4
+# ServiceEvent.Kind); BATCH (ServiceEvent.Kind) carries several UPSERTs and
+# DELETEs in its `events`.
+RESET, UPSERT, DELETE, SYNCED, BATCH = 1, 2, 3, 4, 5
 
 
 class StreamCodec(Protocol[M_contra, K_co, R_co]):
@@ -115,13 +118,12 @@ class StreamSource(Generic[K, R]):
             self.connected = True
             kind = int(event.kind)
             revision = int(event.revision)
-            if kind in (UPSERT, DELETE) and snapshot is None:
-                key = self.codec.key(event)
-                record = self.codec.decode(event) if kind == UPSERT else None
-                if key not in self._kept:
-                    self._kept[key] = self.sink.get(key)
-                named.add(key)
-                self.sink.commit([(key, record, revision)], revision)
+            if kind in (UPSERT, DELETE, BATCH):
+                events = event.events if kind == BATCH else (event,)
+                if snapshot is None:
+                    self._apply_deltas(events, named)
+                else:
+                    self._add_to_snapshot(events, snapshot)
             elif kind == RESET:
                 snapshot = {}
                 self.snapshots += 1
@@ -131,14 +133,6 @@ class StreamSource(Generic[K, R]):
                     "watch stream snapshot",
                     extra={"stream": self.name, "resume_from": self.revision},
                 )
-            elif kind == UPSERT and snapshot is not None:
-                key, record = self.codec.key(event), self.codec.decode(event)
-                if record is not None:
-                    snapshot[key] = (record, revision)
-                else:
-                    snapshot.pop(key, None)
-            elif kind == DELETE and snapshot is not None:
-                snapshot.pop(self.codec.key(event), None)
             elif kind == SYNCED:
                 if resuming and revision == self.revision and snapshot is None:
                     resuming = False  # the server takes the resume: deltas follow
@@ -164,3 +158,27 @@ class StreamSource(Generic[K, R]):
                 self.sink.set_live(True)
                 self.synced.set()
                 self.backoff.reset()
+
+    def _apply_deltas(self, events: Iterable[Any], named: set[K]) -> None:
+        """Deltas into the sink, in one commit, each key's record at the last
+        SYNCED kept first."""
+        updates: list[tuple[K, R | None, int]] = []
+        for event in events:
+            key = self.codec.key(event)
+            record = self.codec.decode(event) if int(event.kind) == UPSERT else None
+            if key not in self._kept:
+                self._kept[key] = self.sink.get(key)
+            named.add(key)
+            updates.append((key, record, int(event.revision)))
+        if updates:
+            self.sink.commit(updates, max(u[2] for u in updates))
+
+    def _add_to_snapshot(self, events: Iterable[Any], snapshot: dict[K, tuple[R, int]]) -> None:
+        for event in events:
+            key = self.codec.key(event)
+            if int(event.kind) == UPSERT:
+                record = self.codec.decode(event)
+                if record is not None:
+                    snapshot[key] = (record, int(event.revision))
+                    continue
+            snapshot.pop(key, None)

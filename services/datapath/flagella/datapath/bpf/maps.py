@@ -133,26 +133,32 @@ class BpfMap(Generic[K, V]):
         """Writes every pair, in order; one syscall per 4096 where the map
         type has batch updates (hash, LRU, array, LPM trie), else one per
         entry."""
-        if not pairs:
+        return self.update_batch_raw([bytes(k) for k, _ in pairs], [bytes(v) for _, v in pairs])
+
+    def update_batch_raw(self, keys: Sequence[bytes], values: Sequence[bytes]) -> int:
+        """update_batch() of keys and values as their bytes (the layout of
+        key_type and value_type): for callers that pack many entries
+        without a ctypes object each."""
+        if not keys:
             return 0
         if not self._batch_updates:
-            for k, v in pairs:
-                self.update(k, v)
-            return len(pairs)
+            for k, v in zip(keys, values, strict=True):
+                self.update(self.key_type.from_buffer_copy(k), self.value_type.from_buffer_copy(v))
+            return len(keys)
         done = 0
-        for start in range(0, len(pairs), _BATCH):
-            chunk = pairs[start : start + _BATCH]
-            key_bytes = [bytes(k) for k, _ in chunk]
-            value_bytes = [bytes(v) for _, v in chunk]
-            keys = (self.key_type * len(chunk)).from_buffer_copy(b"".join(key_bytes))
-            values = (self.value_type * len(chunk)).from_buffer_copy(b"".join(value_bytes))
+        for start in range(0, len(keys), _BATCH):
+            key_bytes = keys[start : start + _BATCH]
+            value_bytes = values[start : start + _BATCH]
+            count = len(key_bytes)
+            ks = (self.key_type * count).from_buffer_copy(b"".join(key_bytes))
+            vs = (self.value_type * count).from_buffer_copy(b"".join(value_bytes))
             try:
-                n = syscall.map_update_batch(self.fd, keys, values, len(chunk))
+                n = syscall.map_update_batch(self.fd, ks, vs, count)
             except syscall.BpfError as e:
                 if e.errno in _NO_BATCH and self.spec.map_type not in _BATCH_TYPES:
                     self._batch_updates = False  # this kernel's LPM trie has none
-                    return done + self.update_batch(pairs[start:])
-                self.stats.count("update", False, len(chunk))
+                    return done + self.update_batch_raw(keys[start:], values[start:])
+                self.stats.count("update", False, count)
                 if self.events is not None:  # which of the batch got in is unknown
                     self.events.record(UPDATE, key_bytes, value_bytes, ok=False, err=e.errno or 0)
                 if self.stats.keys is not None:
@@ -165,8 +171,9 @@ class BpfMap(Generic[K, V]):
             self.stats.added(key_bytes[:n])
             if self.events is not None:
                 self.events.record(UPDATE, key_bytes[:n], value_bytes[:n])
-            for k, v in chunk[n:]:  # a batch cut short: the rest, each raising its error
-                self.update(k, v)
+            # A batch cut short: the rest, each raising its error.
+            for k, v in zip(key_bytes[n:], value_bytes[n:], strict=True):
+                self.update(self.key_type.from_buffer_copy(k), self.value_type.from_buffer_copy(v))
                 done += 1
         return done
 

@@ -30,6 +30,10 @@ stays not ready: never open).
 
 from __future__ import annotations
 
+import collections
+import functools
+import socket
+import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -69,6 +73,16 @@ class PolicyEntry:
     # A named port, resolved to numbers before it reaches the map
     # (flagella.datapath.namedports).
     port_name: str = ""
+
+
+# Expansions Policy keeps: each can be up to the policy budget of keys
+# (~200 bytes a key), and applies of the same entries come together.
+EXPANDED_KEPT = 4
+
+
+@functools.lru_cache(maxsize=4096)
+def _port_prefixes(lo: int, hi: int) -> tuple[tuple[int, int], ...]:
+    return tuple(port_prefixes(lo, hi))
 
 
 def port_prefixes(lo: int, hi: int) -> list[tuple[int, int]]:
@@ -124,13 +138,14 @@ def expand(entries: Iterable[PolicyEntry]) -> dict[PolicyKeyTuple, tuple[int, in
         hi = e.end_port or e.port
         protos = _ANY_PROTO_PORTS if e.protocol == 0 else (e.protocol,)
         for proto in protos:
-            for base, bits in port_prefixes(e.port, hi):
+            for base, bits in _port_prefixes(e.port, hi):
                 put((e.identity, d, proto, base, L.POLICY_PREFIX_PROTO + bits), e.verdict, e.cookie)
 
     denies = {k for k, v in out.items() if v[0] == L.Verdict.DENY}
-    for key in [k for k, v in out.items() if v[0] == L.Verdict.ALLOW]:
-        if _covered(key, denies):
-            del out[key]
+    if denies:  # (most policies have none: no allow to look at)
+        for key in [k for k, v in out.items() if v[0] == L.Verdict.ALLOW]:
+            if _covered(key, denies):
+                del out[key]
 
     peers = {(k[0], k[1]) for k, v in out.items() if v[0] == L.Verdict.ALLOW}
     for ident, d in peers:
@@ -167,6 +182,24 @@ def policy_key(endpoint_id: int, key: PolicyKeyTuple) -> L.PolicyKey:
     )
 
 
+# L.PolicyKey and L.PolicyValue as struct layouts: a rule over 250 peers is
+# 500 keys on each of 250 endpoints, and a ctypes object per key and value
+# cost more than the rest of the write (tests/unit/test_bpf_layout.py
+# checks them against the ctypes classes).
+_POLICY_KEY = struct.Struct("<IIQBBHI")
+_POLICY_VALUE = struct.Struct("<B3xI")
+
+
+def policy_key_bytes(endpoint_id: int, key: PolicyKeyTuple) -> bytes:
+    """bytes(policy_key(endpoint_id, key)), packed directly."""
+    ident, d, proto, base, plen = key
+    return _POLICY_KEY.pack(plen, ident, endpoint_id, d, proto, socket.htons(base), 0)
+
+
+def policy_value_bytes(verdict: int, cookie: int) -> bytes:
+    return _POLICY_VALUE.pack(verdict, cookie)
+
+
 def _key_tuple(k: L.PolicyKey) -> PolicyKeyTuple:
     return (k.identity, k.dir, k.proto, L.port_host(k.dport), k.prefixlen)
 
@@ -193,6 +226,24 @@ class Policy(BpfMap[L.PolicyKey, L.PolicyValue]):
         self._index: dict[int, dict[PolicyKeyTuple, tuple[int, int]]] = {}
         for k, v in self.items():
             self._index.setdefault(k.ep_id, {})[_key_tuple(k)] = (v.verdict, v.cookie)
+        # The last expansions by their entries: the endpoints of a node
+        # often have the same entries (a namespace's rule over its pods).
+        self._expanded: collections.OrderedDict[
+            tuple[PolicyEntry, ...], dict[PolicyKeyTuple, tuple[int, int]]
+        ] = collections.OrderedDict()
+
+    def _expand(self, entries: Sequence[PolicyEntry]) -> dict[PolicyKeyTuple, tuple[int, int]]:
+        """expand(entries), the same dict for the same entries (not to be
+        changed by the caller)."""
+        key = tuple(entries)
+        desired = self._expanded.get(key)
+        if desired is None:
+            desired = self._expanded[key] = expand(key)
+            if len(self._expanded) > EXPANDED_KEPT:
+                self._expanded.popitem(last=False)
+        else:
+            self._expanded.move_to_end(key)
+        return desired
 
     def apply(
         self,
@@ -214,7 +265,7 @@ class Policy(BpfMap[L.PolicyKey, L.PolicyValue]):
         (a new address of an endpoint inherits the state of its others).
         prefixes: Kubernetes ipBlocks over peer addresses (prefixpolicy);
         audit: policy audit mode (what the policy drops passes, reported)."""
-        desired = expand(entries)
+        desired = self._expand(entries)
         try:
             desired_prefixes = expand_prefixes(prefixes)
         except PrefixPortsExceeded as exc:
@@ -240,29 +291,36 @@ class Policy(BpfMap[L.PolicyKey, L.PolicyValue]):
 
     def _write(self, endpoint_id: int, desired: dict[PolicyKeyTuple, tuple[int, int]]) -> None:
         current = self._index.setdefault(endpoint_id, {})
-        ordered = sorted(desired.items(), key=lambda kv: kv[1][0] != L.Verdict.DENY)
-        changed = [(key, value) for key, value in ordered if current.get(key) != value]
+        get = current.get
+        changed = [(key, value) for key, value in desired.items() if get(key) != value]
+        deny = L.Verdict.DENY
+        if any(value[0] == deny for _, value in changed):
+            changed.sort(key=lambda kv: kv[1][0] != deny)  # stable: denies first
         # One syscall per 4096 keys (in order: denies first): a rule over
         # 250 peers is 500 keys per endpoint, on every endpoint it selects.
-        pairs = [
-            (policy_key(endpoint_id, key), L.PolicyValue(verdict=verdict, cookie=cookie))
-            for key, (verdict, cookie) in changed
+        pack_key, pack_value = _POLICY_KEY.pack, _POLICY_VALUE.pack
+        htons = socket.htons
+        keys = [
+            pack_key(plen, ident, endpoint_id, d, proto, htons(base), 0)
+            for (ident, d, proto, base, plen), _ in changed
         ]
+        values = [pack_value(verdict, cookie) for _, (verdict, cookie) in changed]
         try:
-            self.update_batch(pairs)
+            self.update_batch_raw(keys, values)
         except OSError:
             # Part of it may be in: the index follows the map (a rare path).
-            for (key, _), (k, _) in zip(changed, pairs, strict=True):
-                v = self.get(k)
+            for key, _ in changed:
+                v = self.get(policy_key(endpoint_id, key))
                 if v is None:
                     current.pop(key, None)
                 else:
                     current[key] = (v.verdict, v.cookie)
             raise
         current.update(changed)
-        for key in [k for k in current if k not in desired]:
-            self.delete(policy_key(endpoint_id, key))
-            del current[key]
+        if len(current) > len(desired):  # (else every key is desired)
+            for key in [k for k in current if k not in desired]:
+                self.delete(policy_key(endpoint_id, key))
+                del current[key]
 
     def lockdown(self, endpoint_id: int, revision: int) -> int:
         """Deny all, both directions (an over-budget policy, as Cilium's

@@ -7,7 +7,7 @@ import ctypes
 import ipaddress
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from flagella.datapath.bpf import layout as L
@@ -63,7 +63,68 @@ def endpoint_key(ip: str) -> L.EndpointKey:
 
 class Endpoints(BpfMap[L.EndpointKey, L.EndpointInfo]):
     """cilium_lxc: local endpoint addresses. An endpoint's traffic is
-    dropped (POLICY_NOT_READY) until Policy.apply() has run for it."""
+    dropped (POLICY_NOT_READY) until Policy.apply() has run for it.
+
+    Which keys each endpoint has is indexed (one walk of the map at first
+    use, then kept by every write through this object: only this process
+    writes the map), so that an endpoint's policy state is set without a
+    walk of every endpoint's entries: on a dense node each policy apply
+    walked all 250 endpoints' entries."""
+
+    def __init__(self, spec: L.MapSpec, fd: int, pin_path: str) -> None:
+        super().__init__(spec, fd, pin_path)
+        # key bytes -> endpoint id, and endpoint id -> its key bytes; None
+        # until first used.
+        self._owner: dict[bytes, int] | None = None
+        self._keys: dict[int, set[bytes]] = {}
+
+    def _indexed(self) -> dict[int, set[bytes]]:
+        if self._owner is None:
+            self._owner, self._keys = {}, {}
+            for k, v in self.items():
+                self._own(bytes(k), v.ep_id)
+        return self._keys
+
+    def _own(self, raw: bytes, endpoint_id: int | None) -> None:
+        """raw now belongs to endpoint_id (None: gone from the map)."""
+        assert self._owner is not None
+        before = self._owner.pop(raw, None)
+        if before is not None:
+            keys = self._keys.get(before)
+            if keys is not None:
+                keys.discard(raw)
+                if not keys:
+                    del self._keys[before]
+        if endpoint_id is not None:
+            self._owner[raw] = endpoint_id
+            self._keys.setdefault(endpoint_id, set()).add(raw)
+
+    def update(self, key: L.EndpointKey, value: L.EndpointInfo, flags: int = 0) -> None:
+        super().update(key, value, flags)
+        if self._owner is not None:
+            self._own(bytes(key), value.ep_id)
+
+    def delete(self, key: L.EndpointKey) -> bool:
+        present = super().delete(key)
+        if self._owner is not None:
+            self._own(bytes(key), None)
+        return present
+
+    def update_batch_raw(self, keys: Sequence[bytes], values: Sequence[bytes]) -> int:
+        try:
+            return super().update_batch_raw(keys, values)
+        finally:
+            self._owner = None  # walked again at next use
+
+    def _entries_of(self, endpoint_id: int) -> list[tuple[L.EndpointKey, L.EndpointInfo]]:
+        """The endpoint's entries as the map has them now."""
+        out = []
+        for raw in sorted(self._indexed().get(endpoint_id, ())):
+            k = L.EndpointKey.from_buffer_copy(raw)
+            v = self.get(k)
+            if v is not None and v.ep_id == endpoint_id:
+                out.append((k, v))
+        return out
 
     def upsert(
         self,
@@ -114,7 +175,7 @@ class Endpoints(BpfMap[L.EndpointKey, L.EndpointInfo]):
         return [_endpoint_state(k, v) for k, v in self.items()]
 
     def by_id(self, endpoint_id: int) -> list[EndpointState]:
-        return [s for s in self.all() if s.endpoint_id == endpoint_id]
+        return [_endpoint_state(k, v) for k, v in self._entries_of(endpoint_id)]
 
     def realized_revision(self, endpoint_id: int) -> int | None:
         """Policy revision realized for the endpoint; None if not ready."""
@@ -139,9 +200,7 @@ class Endpoints(BpfMap[L.EndpointKey, L.EndpointInfo]):
         again against the new policy: audit switched off drops at once the
         connections only audit let through). Returns the entries updated."""
         n = 0
-        for k, v in list(self.items()):
-            if v.ep_id != endpoint_id:
-                continue
+        for k, v in self._entries_of(endpoint_id):
             flags = L.EP_F_POLICY_READY
             if ingress_enforced:
                 flags |= L.EP_F_INGRESS_ENFORCED
@@ -163,12 +222,11 @@ class Endpoints(BpfMap[L.EndpointKey, L.EndpointInfo]):
     def set_not_ready(self, endpoint_id: int) -> int:
         """Drops the endpoint's traffic again until its policy is applied."""
         n = 0
-        for k, v in list(self.items()):
-            if v.ep_id == endpoint_id:
-                v.flags &= ~L.EP_F_POLICY_READY
-                v.policy_gen = (v.policy_gen + 1) & 0xFFFFFFFF
-                self.update(k, v)
-                n += 1
+        for k, v in self._entries_of(endpoint_id):
+            v.flags &= ~L.EP_F_POLICY_READY
+            v.policy_gen = (v.policy_gen + 1) & 0xFFFFFFFF
+            self.update(k, v)
+            n += 1
         return n
 
 

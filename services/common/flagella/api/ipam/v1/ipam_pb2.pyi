@@ -391,16 +391,23 @@ class WatchNodesRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SINCE_REVISION_FIELD_NUMBER: _builtins.int
+    BATCH_EVENTS_FIELD_NUMBER: _builtins.int
     since_revision: _builtins.int
     """0: start with a full snapshot."""
+    batch_events: _builtins.bool
+    """Send the UPSERTs and DELETEs together: each KIND_BATCH message carries
+    up to 256 of them in events, in order, as the stream would have sent
+    them one by one. Unset: one message per event, as before.
+    """
     def __init__(
         self,
         *,
         since_revision: _builtins.int = ...,
+        batch_events: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["since_revision", b"since_revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_events", b"batch_events", "since_revision", b"since_revision"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -423,6 +430,10 @@ class NodeEvent(_message.Message):
         KIND_DELETE: NodeEvent._Kind.ValueType  # 3
         KIND_SYNCED: NodeEvent._Kind.ValueType  # 4
         """The snapshot is complete; revision is the snapshot's revision."""
+        KIND_BATCH: NodeEvent._Kind.ValueType  # 5
+        """Several UPSERTs and DELETEs in events (only to a watcher that asked
+        for batch_events).
+        """
 
     class Kind(_Kind, metaclass=_KindEnumTypeWrapper): ...
     KIND_UNSPECIFIED: NodeEvent.Kind.ValueType  # 0
@@ -432,15 +443,26 @@ class NodeEvent(_message.Message):
     KIND_DELETE: NodeEvent.Kind.ValueType  # 3
     KIND_SYNCED: NodeEvent.Kind.ValueType  # 4
     """The snapshot is complete; revision is the snapshot's revision."""
+    KIND_BATCH: NodeEvent.Kind.ValueType  # 5
+    """Several UPSERTs and DELETEs in events (only to a watcher that asked
+    for batch_events).
+    """
 
     KIND_FIELD_NUMBER: _builtins.int
     NODE_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
     kind: Global___NodeEvent.Kind.ValueType
     revision: _builtins.int
     @_builtins.property
     def node(self) -> Global___Node:
         """For DELETE only name is set."""
+
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___NodeEvent]:
+        """KIND_BATCH: the events, each an UPSERT or a DELETE with its own
+        revision (never a batch itself).
+        """
 
     def __init__(
         self,
@@ -448,10 +470,11 @@ class NodeEvent(_message.Message):
         kind: Global___NodeEvent.Kind.ValueType = ...,
         node: Global___Node | None = ...,
         revision: _builtins.int = ...,
+        events: _abc.Iterable[Global___NodeEvent] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["node", b"node"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "node", b"node", "revision", b"revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "kind", b"kind", "node", b"node", "revision", b"revision"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

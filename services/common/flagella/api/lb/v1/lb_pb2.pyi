@@ -565,18 +565,26 @@ class WatchServicesRequest(_message.Message):
 
     SINCE_REVISION_FIELD_NUMBER: _builtins.int
     INCLUDE_MAGLEV_TABLES_FIELD_NUMBER: _builtins.int
+    BATCH_EVENTS_FIELD_NUMBER: _builtins.int
     since_revision: _builtins.int
     include_maglev_tables: _builtins.bool
     """Send each service's Maglev table with it."""
+    batch_events: _builtins.bool
+    """Send the UPSERTs and DELETEs together: each KIND_BATCH message carries
+    up to 256 of them (about 1 MiB at most) in events, in order, as the
+    stream would have sent them one by one. Unset: one message per event,
+    as before.
+    """
     def __init__(
         self,
         *,
         since_revision: _builtins.int = ...,
         include_maglev_tables: _builtins.bool = ...,
+        batch_events: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_maglev_tables", b"include_maglev_tables", "since_revision", b"since_revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_events", b"batch_events", "include_maglev_tables", b"include_maglev_tables", "since_revision", b"since_revision"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -599,6 +607,10 @@ class ServiceEvent(_message.Message):
         KIND_DELETE: ServiceEvent._Kind.ValueType  # 3
         KIND_SYNCED: ServiceEvent._Kind.ValueType  # 4
         """The snapshot is complete at revision."""
+        KIND_BATCH: ServiceEvent._Kind.ValueType  # 5
+        """Several UPSERTs and DELETEs in events (only to a watcher that asked
+        for batch_events).
+        """
 
     class Kind(_Kind, metaclass=_KindEnumTypeWrapper): ...
     KIND_UNSPECIFIED: ServiceEvent.Kind.ValueType  # 0
@@ -608,12 +620,17 @@ class ServiceEvent(_message.Message):
     KIND_DELETE: ServiceEvent.Kind.ValueType  # 3
     KIND_SYNCED: ServiceEvent.Kind.ValueType  # 4
     """The snapshot is complete at revision."""
+    KIND_BATCH: ServiceEvent.Kind.ValueType  # 5
+    """Several UPSERTs and DELETEs in events (only to a watcher that asked
+    for batch_events).
+    """
 
     KIND_FIELD_NUMBER: _builtins.int
     SERVICE_FIELD_NUMBER: _builtins.int
     MAGLEV_TABLE_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
     REMOVED_BACKEND_IDS_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
     kind: Global___ServiceEvent.Kind.ValueType
     revision: _builtins.int
     @_builtins.property
@@ -628,6 +645,12 @@ class ServiceEvent(_message.Message):
         conntrack entries).
         """
 
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___ServiceEvent]:
+        """KIND_BATCH: the events, each an UPSERT or a DELETE with its own
+        revision (never a batch itself).
+        """
+
     def __init__(
         self,
         *,
@@ -636,10 +659,11 @@ class ServiceEvent(_message.Message):
         maglev_table: Global___MaglevTable | None = ...,
         revision: _builtins.int = ...,
         removed_backend_ids: _abc.Iterable[_builtins.int] | None = ...,
+        events: _abc.Iterable[Global___ServiceEvent] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["maglev_table", b"maglev_table", "service", b"service"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "maglev_table", b"maglev_table", "removed_backend_ids", b"removed_backend_ids", "revision", b"revision", "service", b"service"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "kind", b"kind", "maglev_table", b"maglev_table", "removed_backend_ids", b"removed_backend_ids", "revision", b"revision", "service", b"service"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
