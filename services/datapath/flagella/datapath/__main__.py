@@ -60,6 +60,9 @@ K = TypeVar("K", bound=Hashable)
 R = TypeVar("R")
 M = TypeVar("M")
 
+# Changes each mirrored control-plane table keeps for its local readers.
+MIRROR_LOG_SIZE = 1_024
+
 
 class DatapathApp:
     service_names = (datapath_pb2.DESCRIPTOR.services_by_name["DatapathService"].full_name,)
@@ -366,7 +369,10 @@ class DatapathApp:
         keep_prev: bool = False,
     ) -> tuple[Table[K, R], StreamSource[K, R]]:
         """A control-plane stream mirrored into a table of its own."""
-        table: Table[K, R] = Table(name, keep_prev=keep_prev)
+        # Only this process's reconcilers and followers read the mirror's
+        # log, and they keep up (one that falls behind gets a snapshot): a
+        # short log stops memory growing for hours until 16,384 changes.
+        table: Table[K, R] = Table(name, keep_prev=keep_prev, log_size=MIRROR_LOG_SIZE)
         source = StreamSource(
             name, open_stream, table, codec, acknowledges_resume=acknowledges_resume
         )

@@ -207,7 +207,7 @@ class Speaker:
         """Start or stop following the services (a policy selects the node,
         or none does any more)."""
         if on and self.services is None:
-            table: Table[int, AdvertisedService] = Table("bgp-services")
+            table: Table[int, AdvertisedService] = Table("bgp-services", log_size=1_024)
             source = self.open_services(table)
             self.services = table
             self._services_tasks = [
