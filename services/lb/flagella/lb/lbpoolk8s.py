@@ -30,21 +30,14 @@ from flagella.common.backoff import Backoff
 from flagella.common.errors import FailedPrecondition, FlagellaError, InvalidArgument
 from flagella.common.sync import KubeSource, Table
 from flagella.common.sync.kube import Obj
-from flagella.lb.lbipam import (
-    OPERATORS,
-    SOURCE_KUBERNETES,
-    Expression,
-    Pool,
-    validate_pool,
-)
+from flagella.lb.lbipam import SOURCE_KUBERNETES, Pool, validate_pool
 from flagella.lb.lbipam_store import LbIpam
-from flagella.lb.validation import LABEL_KEY_RE, LABEL_VALUE_RE
+from flagella.lb.selector import build_selector, selector_from_doc
 
 log = logging.getLogger(__name__)
 
 GROUP, VERSION, PLURAL = "cilium.io", "v2alpha1", "ciliumloadbalancerippools"
 CONFLICT_CONDITION = "cilium.io/PoolConflict"
-MAX_EXPRESSIONS = 64
 
 
 def pool_from_object(obj: Obj) -> Pool:
@@ -62,25 +55,17 @@ def pool_from_object(obj: Obj) -> Pool:
         blocks.append(
             (str(b.get("cidr") or ""), str(b.get("start") or ""), str(b.get("stop") or ""))
         )
-    selector = spec.get("serviceSelector") or {}
-    if not isinstance(selector, Mapping):
-        raise InvalidArgument("not an object", field="spec.serviceSelector")
-    labels = selector.get("matchLabels") or {}
-    if not isinstance(labels, Mapping):
-        raise InvalidArgument("not an object", field="spec.serviceSelector.matchLabels")
-    for key, value in labels.items():
-        if not LABEL_KEY_RE.match(str(key)) or not LABEL_VALUE_RE.match(str(value)):
-            raise InvalidArgument(
-                f"{key!r}: {value!r} is not a label",
-                field=f"spec.serviceSelector.matchLabels[{key}]",
-            )
-    expressions = _expressions(selector.get("matchExpressions") or [])
+    raw_labels, raw_exprs = selector_from_doc(spec.get("serviceSelector"), "spec.serviceSelector")
+    labels, expressions = build_selector(
+        raw_labels,
+        raw_exprs,
+        "spec.serviceSelector",
+        labels_field="matchLabels",
+        exprs_field="matchExpressions",
+    )
     try:
         pool = validate_pool(
-            str(meta.get("name", "")),
-            blocks,
-            {str(k): str(v) for k, v in labels.items()},
-            bool(spec.get("disabled", False)),
+            str(meta.get("name", "")), blocks, dict(labels), bool(spec.get("disabled", False))
         )
     except InvalidArgument as exc:
         # The request's field names, as the object's.
@@ -96,36 +81,6 @@ def pool_from_object(obj: Obj) -> Pool:
         source=SOURCE_KUBERNETES,
         created=str(meta.get("creationTimestamp") or ""),
     )
-
-
-def _expressions(docs: Any) -> tuple[Expression, ...]:
-    path = "spec.serviceSelector.matchExpressions"
-    if not isinstance(docs, list):
-        raise InvalidArgument("not a list", field=path)
-    if len(docs) > MAX_EXPRESSIONS:
-        raise InvalidArgument(f"at most {MAX_EXPRESSIONS}", field=path)
-    out: list[Expression] = []
-    for i, d in enumerate(docs):
-        at = f"{path}[{i}]"
-        if not isinstance(d, Mapping):
-            raise InvalidArgument("not an object", field=at)
-        key, op = str(d.get("key", "")), str(d.get("operator", ""))
-        values = d.get("values") or []
-        if not LABEL_KEY_RE.match(key):
-            raise InvalidArgument(f"{key!r} is not a label key", field=f"{at}.key")
-        if op not in OPERATORS:
-            raise InvalidArgument(
-                f"{op!r} is not an operator ({', '.join(OPERATORS)})", field=f"{at}.operator"
-            )
-        if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
-            raise InvalidArgument("not a list of strings", field=f"{at}.values")
-        if (op in ("In", "NotIn")) != bool(values):
-            raise InvalidArgument(
-                f"{op} {'needs values' if op in ('In', 'NotIn') else 'takes no values'}",
-                field=f"{at}.values",
-            )
-        out.append(Expression(key, op, tuple(sorted(set(values)))))
-    return tuple(out)
 
 
 def conflict_condition(conflict: str, refused: str) -> dict[str, str]:
