@@ -71,6 +71,19 @@ def test_pool_from_object() -> None:
         (
             {
                 "blocks": [{"cidr": "198.51.100.0/30"}],
+                "serviceSelector": {
+                    "matchExpressions": [{"key": "a", "operator": "In", "values": ["b c"]}]
+                },
+            },
+            "spec.serviceSelector.matchExpressions[0].values[0]",
+        ),
+        (
+            {"blocks": [{"cidr": "198.51.100.0/30"}], "serviceSelector": ["app"]},
+            "spec.serviceSelector",
+        ),
+        (
+            {
+                "blocks": [{"cidr": "198.51.100.0/30"}],
                 "serviceSelector": {"matchLabels": {"a b": "c"}},
             },
             "spec.serviceSelector.matchLabels[a b]",
