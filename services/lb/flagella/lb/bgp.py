@@ -19,7 +19,8 @@ from typing import Any
 
 from flagella.common.errors import InvalidArgument
 from flagella.lb import selector as sel
-from flagella.lb.selector import Requirement, doc_list, doc_object
+from flagella.lb.ciliumdoc import cilium_object, doc_list, doc_object
+from flagella.lb.selector import Requirement
 from flagella.lb.validation import SHORT_NAME_RE
 
 MAX_ASN = 4294967295
@@ -376,13 +377,7 @@ def raw_from_cilium(
     values' by the policy's (build_policy). secrets: authSecretRef -> the
     password it holds (a reference without one is refused; None: not from
     Kubernetes, every reference refused)."""
-    doc = doc_object(doc, "document")
-    if doc.get("kind") != "CiliumBGPPeeringPolicy":
-        raise InvalidArgument(
-            f"{doc.get('kind')!r} is not CiliumBGPPeeringPolicy", field="document.kind"
-        )
-    meta = doc_object(doc.get("metadata"), "document.metadata")
-    spec = doc_object(doc.get("spec"), "document.spec")
+    meta, spec = cilium_object(doc, "CiliumBGPPeeringPolicy")
     routers: list[RawVirtualRouter] = []
     vrs_path = "document.spec.virtualRouters"
     for i, item in enumerate(doc_list(spec.get("virtualRouters"), vrs_path)):

@@ -19,8 +19,9 @@ from typing import Any
 from flagella.common.errors import InvalidArgument
 from flagella.common.portnames import port_name_error
 from flagella.lb import selector as sel
+from flagella.lb.ciliumdoc import cilium_object, doc_list, doc_object
 from flagella.lb.model import Protocol
-from flagella.lb.selector import Requirement, doc_list, doc_object
+from flagella.lb.selector import Requirement
 from flagella.lb.validation import NAMESPACE_RE, SHORT_NAME_RE, check_ip, check_port
 
 MAX_PORTS = 32
@@ -271,13 +272,7 @@ def raw_from_cilium(doc: Any, *, source: str = "api") -> RawLrp:
     """A CiliumLocalRedirectPolicy object (cilium.io/v2, as YAML or JSON
     decodes it) as plain values; its structure's errors name the field by
     the document's path, the values' by the policy's (build_lrp)."""
-    doc = doc_object(doc, "document")
-    if doc.get("kind") != "CiliumLocalRedirectPolicy":
-        raise InvalidArgument(
-            f"{doc.get('kind')!r} is not CiliumLocalRedirectPolicy", field="document.kind"
-        )
-    meta = doc_object(doc.get("metadata"), "document.metadata")
-    spec = doc_object(doc.get("spec"), "document.spec")
+    meta, spec = cilium_object(doc, "CiliumLocalRedirectPolicy")
     fe = doc_object(spec.get("redirectFrontend"), "document.spec.redirectFrontend")
     given = [k for k in ("addressMatcher", "serviceMatcher") if k in fe]
     if len(given) > 1:

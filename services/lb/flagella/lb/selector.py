@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flagella.common.errors import InvalidArgument
+from flagella.lb.ciliumdoc import doc_list, doc_object
 from flagella.lb.validation import LABEL_KEY_RE, LABEL_VALUE_RE, MAX_LABELS
 
 OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist")
@@ -101,24 +102,6 @@ def requirements_from_doc(docs: Sequence[Mapping[str, Any]]) -> tuple[Requiremen
 
 
 # --- Cilium's documents ---
-
-
-def doc_object(value: Any, path: str) -> Mapping[str, Any]:
-    """A document's object (absent: empty); InvalidArgument names path."""
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise InvalidArgument("must be an object", field=path)
-    return value
-
-
-def doc_list(value: Any, path: str) -> list[Any]:
-    """A document's list (absent: empty); InvalidArgument names path."""
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise InvalidArgument("must be a list", field=path)
-    return value
 
 
 def selector_from_doc(value: Any, path: str) -> tuple[dict[str, str], list[RawRequirement]]:
