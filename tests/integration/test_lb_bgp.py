@@ -117,7 +117,7 @@ BAD = [
     (_secret_ref, f"{N0}.auth_secret_ref"),
     (_twice, f"{VR}.neighbors[2].peer_address"),
     (_bad_operator, f"{VR}.service_selector.match_expressions[0].operator"),
-    (_bad_node_key, "policy.node_selector.match_labels"),
+    (_bad_node_key, "policy.node_selector.match_labels[bad key!]"),
     (_bad_node_expression_key, "policy.node_selector.match_expressions[0].key"),
 ]  # fmt: skip
 

@@ -14,7 +14,6 @@ from flagella.lb.lbipam import (
     AddressUse,
     Assigned,
     Claimant,
-    Expression,
     LbRequest,
     Pool,
     Unsatisfied,
@@ -25,6 +24,7 @@ from flagella.lb.lbipam import (
     validate_pool,
     validate_request,
 )
+from flagella.lb.selector import Requirement
 
 
 def who(
@@ -125,10 +125,10 @@ def test_pool_selector_expressions() -> None:
     pool = replace(
         validate_pool("p", [("10.0.0.0/30", "", "")], {"app": "web"}, False),
         expressions=(
-            Expression("tier", "NotIn", ("internal",)),
-            Expression("team", "Exists"),
-            Expression("legacy", "DoesNotExist"),
-            Expression(NAMESPACE_LABEL, "In", ("a", "b")),
+            Requirement("tier", "NotIn", ("internal",)),
+            Requirement("team", "Exists"),
+            Requirement("legacy", "DoesNotExist"),
+            Requirement(NAMESPACE_LABEL, "In", ("a", "b")),
         ),
     )
     assert pool.matches("a", {"app": "web", "team": "x"})

@@ -8,8 +8,9 @@ from typing import Any
 import pytest
 
 from flagella.common.errors import InvalidArgument
-from flagella.lb.lbipam import SOURCE_KUBERNETES, Expression
+from flagella.lb.lbipam import SOURCE_KUBERNETES
 from flagella.lb.lbpoolk8s import conflict_condition, pool_from_object
+from flagella.lb.selector import Requirement
 
 
 def obj(spec: dict[str, Any], name: str = "blue") -> dict[str, Any]:
@@ -42,7 +43,7 @@ def test_pool_from_object() -> None:
         SOURCE_KUBERNETES,
     )
     assert pool.selector == (("app", "web"),)
-    assert pool.expressions == (Expression("tier", "In", ("a", "b")),)
+    assert pool.expressions == (Requirement("tier", "In", ("a", "b")),)
     assert pool.created == "2026-01-01T00:00:00Z"
 
 
@@ -66,6 +67,19 @@ def test_pool_from_object() -> None:
                 "serviceSelector": {"matchExpressions": [{"key": "a", "operator": "In"}]},
             },
             "spec.serviceSelector.matchExpressions[0].values",
+        ),
+        (
+            {
+                "blocks": [{"cidr": "198.51.100.0/30"}],
+                "serviceSelector": {
+                    "matchExpressions": [{"key": "a", "operator": "In", "values": ["b c"]}]
+                },
+            },
+            "spec.serviceSelector.matchExpressions[0].values[0]",
+        ),
+        (
+            {"blocks": [{"cidr": "198.51.100.0/30"}], "serviceSelector": ["app"]},
+            "spec.serviceSelector",
         ),
         (
             {

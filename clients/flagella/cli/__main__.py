@@ -12,7 +12,6 @@ import json
 import os
 import sys
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 
 from flagella.api.datapath.v1 import datapath_pb2
 from flagella.api.endpoint.v1 import endpoint_pb2
@@ -20,7 +19,16 @@ from flagella.api.ipam.v1 import ipam_pb2
 from flagella.api.lb.v1 import lb_pb2
 from flagella.api.policy.v1 import policy_pb2
 from flagella.cli import bgp, certs, config, debug, etcdauth, fqdn, lbpool, lrp, prefilter
-from flagella.cli.base import PROTOCOL_NAMES, PROTOCOLS, Clients, CliError, emit, enum_name, to_dict
+from flagella.cli.base import (
+    PROTOCOL_NAMES,
+    PROTOCOLS,
+    Clients,
+    CliError,
+    emit,
+    enum_name,
+    read_input,
+    to_dict,
+)
 from flagella.cli.observe import cmd_monitor, cmd_observe
 from flagella.cli.status import cmd_status
 from flagella.cli.targets import SERVICES, default_address
@@ -195,10 +203,7 @@ def cmd_policy(args: argparse.Namespace, clients: Clients) -> int:
             ],
         )
     elif args.action == "import":
-        try:
-            document = Path(args.file).read_text() if args.file != "-" else sys.stdin.read()
-        except OSError as exc:
-            raise CliError(f"cannot read {args.file}: {exc.strerror}") from None
+        document = read_input(args.file)
         resp = clients.call("policy", stub.PutRules, policy_pb2.PutRulesRequest(document=document))
         for warning in resp.warnings:  # accepted, but read differently (stderr: not the table)
             print(f"warning: {warning}", file=sys.stderr)

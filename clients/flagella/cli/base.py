@@ -7,10 +7,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import grpc
+import yaml
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
@@ -38,6 +41,25 @@ def enum_name(enum: Any, value: int, prefix: str) -> str:
     except ValueError:
         return str(value)
     return name.removeprefix(prefix).lower().replace("_", "-")
+
+
+# --- input ---
+
+
+def read_input(path: str) -> str:
+    """A file's text ("-": stdin's)."""
+    try:
+        return Path(path).read_text() if path != "-" else sys.stdin.read()
+    except OSError as exc:
+        raise CliError(f"cannot read {path}: {exc.strerror}") from None
+
+
+def yaml_documents(text: str) -> list[Any]:
+    """Each document of a YAML or JSON text (empty ones left out)."""
+    try:
+        return [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as exc:
+        raise CliError(f"not YAML or JSON: {exc}") from None
 
 
 # --- output ---

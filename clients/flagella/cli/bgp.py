@@ -10,15 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 from typing import Any
-
-import yaml
 
 from flagella.api.datapath.v1 import datapath_pb2
 from flagella.api.lb.v1 import lb_pb2
-from flagella.cli.base import Clients, CliError, emit, to_dict
+from flagella.cli.base import Clients, CliError, emit, read_input, to_dict, yaml_documents
 
 TABLES = {
     "": datapath_pb2.GetBgpRoutesRequest.TABLE_UNSPECIFIED,
@@ -122,11 +118,7 @@ def cmd_policies(args: argparse.Namespace, clients: Clients) -> int:
 def documents(text: str) -> list[str]:
     """Each CiliumBGPPeeringPolicy of a YAML or JSON text, as the JSON the
     lb takes (which checks it and names the field)."""
-    try:
-        docs = [d for d in yaml.safe_load_all(text) if d is not None]
-    except yaml.YAMLError as exc:
-        raise CliError(f"not YAML or JSON: {exc}") from None
-    return [json.dumps(d) for d in docs]
+    return [json.dumps(d) for d in yaml_documents(text)]
 
 
 def _selector(sel: Any) -> str:
@@ -155,12 +147,8 @@ def cmd_policy(args: argparse.Namespace, clients: Clients) -> int:
         headers = ["NAME", "NODES", "ASN", "POD CIDR", "SERVICES", "NEIGHBORS", "SOURCE"]
         emit(args, to_dict(resp).get("policies", []), headers, rows)
     elif args.action == "put":
-        try:
-            text = Path(args.file).read_text() if args.file != "-" else sys.stdin.read()
-        except OSError as exc:
-            raise CliError(f"cannot read {args.file}: {exc.strerror}") from None
         put = []
-        for doc in documents(text):
+        for doc in documents(read_input(args.file)):
             request = lb_pb2.UpsertBgpPeeringPolicyRequest(document=doc)
             put.append(clients.call("lb", stub.UpsertBgpPeeringPolicy, request))
         emit(

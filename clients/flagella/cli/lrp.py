@@ -6,26 +6,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 from typing import Any
 
-import yaml
-
 from flagella.api.lb.v1 import lb_pb2
-from flagella.cli.base import PROTOCOL_NAMES, Clients, CliError, emit, to_dict
+from flagella.cli.base import (
+    PROTOCOL_NAMES,
+    Clients,
+    CliError,
+    emit,
+    read_input,
+    to_dict,
+    yaml_documents,
+)
 
 
 def documents(text: str, namespace: str) -> list[str]:
     """Each CiliumLocalRedirectPolicy of a YAML or JSON text, as the JSON
     the lb takes (which checks it and names the field); one that names no
     namespace gets namespace."""
-    try:
-        docs = [d for d in yaml.safe_load_all(text) if d is not None]
-    except yaml.YAMLError as exc:
-        raise CliError(f"not YAML or JSON: {exc}") from None
     out = []
-    for doc in docs:
+    for doc in yaml_documents(text):
         if isinstance(doc, dict) and isinstance(doc.get("metadata"), dict):
             doc["metadata"].setdefault("namespace", namespace)
         out.append(json.dumps(doc))
@@ -67,11 +67,7 @@ def cmd_lrp(args: argparse.Namespace, clients: Clients) -> int:
         header = ["NAME", "FRONTEND", "SELECTOR", "TO", "SOURCE"]
         emit(args, to_dict(resp).get("lrps", []), header, rows)
     elif args.action == "create":
-        try:
-            text = Path(args.file).read_text() if args.file != "-" else sys.stdin.read()
-        except OSError as exc:
-            raise CliError(f"cannot read {args.file}: {exc.strerror}") from None
-        policies = documents(text, args.namespace or "default")
+        policies = documents(read_input(args.file), args.namespace or "default")
         created = []
         for p in policies:
             resp = clients.call("lb", stub.CreateLrp, lb_pb2.CreateLrpRequest(document=p))

@@ -18,11 +18,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flagella.common.errors import InvalidArgument
-from flagella.lb.validation import LABEL_KEY_RE, LABEL_VALUE_RE, MAX_LABELS, SHORT_NAME_RE
+from flagella.lb import selector as sel
+from flagella.lb.ciliumdoc import cilium_object, doc_list, doc_object
+from flagella.lb.selector import Requirement
+from flagella.lb.validation import SHORT_NAME_RE
 
-OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist")
 MAX_ASN = 4294967295
-MAX_VALUES = 64
 MAX_VIRTUAL_ROUTERS = 16
 MAX_NEIGHBORS = 64
 # TCP MD5 signatures take keys of at most 80 bytes (TCP_MD5SIG_MAXKEYLEN).
@@ -35,13 +36,6 @@ DEFAULT_CONNECT_RETRY = 120
 
 
 @dataclass(frozen=True, slots=True)
-class Requirement:
-    key: str
-    operator: str
-    values: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
 class Selector:
     """A Kubernetes label selector (empty: everything)."""
 
@@ -51,20 +45,14 @@ class Selector:
     def to_doc(self) -> dict[str, Any]:
         return {
             "match_labels": dict(self.match_labels),
-            "match_expressions": [
-                {"key": r.key, "operator": r.operator, "values": list(r.values)}
-                for r in self.match_expressions
-            ],
+            "match_expressions": sel.requirements_to_doc(self.match_expressions),
         }
 
     @classmethod
     def from_doc(cls, doc: Mapping[str, Any]) -> Selector:
         return cls(
             tuple(sorted(doc.get("match_labels", {}).items())),
-            tuple(
-                Requirement(r["key"], r["operator"], tuple(r.get("values", ())))
-                for r in doc.get("match_expressions", ())
-            ),
+            sel.requirements_from_doc(doc.get("match_expressions", ())),
         )
 
 
@@ -222,35 +210,9 @@ def validate_name(name: str, field: str = "policy.name") -> None:
 
 
 def build_selector(raw: RawSelector, path: str) -> Selector:
-    if len(raw.match_labels) + len(raw.match_expressions) > MAX_LABELS:
-        raise InvalidArgument(f"at most {MAX_LABELS} labels and expressions", field=path)
-    for key, value in raw.match_labels.items():
-        if not LABEL_KEY_RE.match(key):
-            raise InvalidArgument(f"{key!r} is not a label key", field=f"{path}.match_labels")
-        if not LABEL_VALUE_RE.match(value):
-            raise InvalidArgument(
-                f"{value!r} is not a label value", field=f"{path}.match_labels[{key}]"
-            )
-    reqs: list[Requirement] = []
-    for i, (key, op, values) in enumerate(raw.match_expressions):
-        at = f"{path}.match_expressions[{i}]"
-        if not LABEL_KEY_RE.match(key):
-            raise InvalidArgument(f"{key!r} is not a label key", field=f"{at}.key")
-        if op not in OPERATORS:
-            raise InvalidArgument(
-                f"{op!r} is not an operator ({', '.join(OPERATORS)})", field=f"{at}.operator"
-            )
-        if op in ("In", "NotIn") and not values:
-            raise InvalidArgument(f"{op} needs at least one value", field=f"{at}.values")
-        if op in ("Exists", "DoesNotExist") and values:
-            raise InvalidArgument(f"{op} takes no values", field=f"{at}.values")
-        if len(values) > MAX_VALUES:
-            raise InvalidArgument(f"at most {MAX_VALUES} values", field=f"{at}.values")
-        for j, v in enumerate(values):
-            if not LABEL_VALUE_RE.match(v):
-                raise InvalidArgument(f"{v!r} is not a label value", field=f"{at}.values[{j}]")
-        reqs.append(Requirement(key, op, tuple(sorted(set(values)))))
-    return Selector(tuple(sorted(raw.match_labels.items())), tuple(reqs))
+    """Empty: every node (or service)."""
+    labels, reqs = sel.build_selector(raw.match_labels, raw.match_expressions, path)
+    return Selector(labels, reqs)
 
 
 def _asn(value: int, field: str) -> int:
@@ -387,22 +349,6 @@ def build_policy(raw: RawPolicy) -> PeeringPolicy:
 # --- Cilium's document ---
 
 
-def _obj(value: Any, path: str) -> Mapping[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise InvalidArgument("must be an object", field=path)
-    return value
-
-
-def _list(value: Any, path: str) -> list[Any]:
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise InvalidArgument("must be a list", field=path)
-    return value
-
-
 def _int(value: Any, path: str) -> int:
     if value is None:
         return 0
@@ -419,14 +365,8 @@ def _duration(value: Any, path: str) -> int:
 def _raw_selector(value: Any, path: str) -> RawSelector | None:
     if value is None:
         return None
-    doc = _obj(value, path)
-    labels = _obj(doc.get("matchLabels"), f"{path}.matchLabels")
-    exprs = []
-    for i, item in enumerate(_list(doc.get("matchExpressions"), f"{path}.matchExpressions")):
-        e = _obj(item, f"{path}.matchExpressions[{i}]")
-        values = _list(e.get("values"), f"{path}.matchExpressions[{i}].values")
-        exprs.append((str(e.get("key", "")), str(e.get("operator", "")), [str(v) for v in values]))
-    return RawSelector({str(k): str(v) for k, v in labels.items()}, exprs)
+    labels, exprs = sel.selector_from_doc(value, path)
+    return RawSelector(labels, exprs)
 
 
 def raw_from_cilium(
@@ -437,22 +377,16 @@ def raw_from_cilium(
     values' by the policy's (build_policy). secrets: authSecretRef -> the
     password it holds (a reference without one is refused; None: not from
     Kubernetes, every reference refused)."""
-    doc = _obj(doc, "document")
-    if doc.get("kind") != "CiliumBGPPeeringPolicy":
-        raise InvalidArgument(
-            f"{doc.get('kind')!r} is not CiliumBGPPeeringPolicy", field="document.kind"
-        )
-    meta = _obj(doc.get("metadata"), "document.metadata")
-    spec = _obj(doc.get("spec"), "document.spec")
+    meta, spec = cilium_object(doc, "CiliumBGPPeeringPolicy")
     routers: list[RawVirtualRouter] = []
     vrs_path = "document.spec.virtualRouters"
-    for i, item in enumerate(_list(spec.get("virtualRouters"), vrs_path)):
+    for i, item in enumerate(doc_list(spec.get("virtualRouters"), vrs_path)):
         path = f"{vrs_path}[{i}]"
-        vr = _obj(item, path)
+        vr = doc_object(item, path)
         neighbors: list[RawNeighbor] = []
-        for j, n_item in enumerate(_list(vr.get("neighbors"), f"{path}.neighbors")):
+        for j, n_item in enumerate(doc_list(vr.get("neighbors"), f"{path}.neighbors")):
             at = f"{path}.neighbors[{j}]"
-            n = _obj(n_item, at)
+            n = doc_object(n_item, at)
             ref = str(n.get("authSecretRef") or "")
             password = ""
             if ref and secrets is None:

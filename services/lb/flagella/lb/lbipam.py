@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flagella.common.errors import InvalidArgument
+from flagella.lb.selector import Requirement
 
 NAMESPACE_LABEL = "io.kubernetes.service.namespace"
 CONDITION_TYPE = "io.cilium/lb-ipam-request-satisfied"
@@ -52,25 +53,6 @@ class Block:
         return self.family == other.family and self.first <= other.last and other.first <= self.last
 
 
-@dataclass(frozen=True, slots=True)
-class Expression:
-    """A matchExpressions requirement (In, NotIn, Exists, DoesNotExist)."""
-
-    key: str
-    operator: str
-    values: tuple[str, ...] = ()
-
-    def matches(self, have: str | None) -> bool:
-        if self.operator == "In":
-            return have is not None and have in self.values
-        if self.operator == "NotIn":
-            return have is None or have not in self.values
-        if self.operator == "Exists":
-            return have is not None
-        return have is None  # DoesNotExist
-
-
-OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist")
 SOURCE_API = "api"
 # A CiliumLoadBalancerIPPool object (flagella.lb.lbpoolk8s): the API can
 # neither change nor delete it.
@@ -86,7 +68,7 @@ class Pool:
     disabled: bool = False
     # And the requirements they must meet (CiliumLoadBalancerIPPool's
     # serviceSelector.matchExpressions).
-    expressions: tuple[Expression, ...] = ()
+    expressions: tuple[Requirement, ...] = ()
     source: str = SOURCE_API
     # Kubernetes pools: the object's creationTimestamp (which of two
     # overlapping pools came first).
@@ -139,7 +121,7 @@ class Pool:
             selector=tuple(sorted(doc.get("selector", {}).items())),
             disabled=bool(doc.get("disabled", False)),
             expressions=tuple(
-                Expression(k, op, tuple(v)) for k, op, v in doc.get("expressions", ())
+                Requirement(k, op, tuple(v)) for k, op, v in doc.get("expressions", ())
             ),
             source=doc.get("source", SOURCE_API),
             created=doc.get("created", ""),

@@ -1,12 +1,8 @@
-"""CiliumLoadBalancerIPPool objects (cilium.io/v2alpha1) into LB-IPAM pools,
-when the lb reads Kubernetes (--kubeconfig).
-
-Every replica mirrors the objects into a table (a KubeSource); the replica
-holding the lb's Lease (flagella.lb.k8s) writes them as pools of source
-"kubernetes": each term starts with every object, and deletes the
-kubernetes pools that have none any more; then each change. The API can
-neither replace nor delete these pools, and the watcher touches no pool of
-the API's (one of the same name is logged and left).
+"""CiliumLoadBalancerIPPool objects (cilium.io/v2alpha1) into LB-IPAM pools
+of source "kubernetes", when the lb reads Kubernetes (--kubeconfig):
+followed as crdwatch.py says (written by the replica holding the lb's
+Lease; the API's pools are never touched, one of the same name is logged
+and left).
 
 A pool overlapping another is not refused (the API server stored it
 already): as Cilium does, it is marked conflicting (the condition
@@ -18,33 +14,21 @@ its pool removed, and its status says why.
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import importlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from flagella.common.backoff import Backoff
-from flagella.common.errors import FailedPrecondition, FlagellaError, InvalidArgument
-from flagella.common.sync import KubeSource, Table
+from flagella.common.errors import InvalidArgument
 from flagella.common.sync.kube import Obj
-from flagella.lb.lbipam import (
-    OPERATORS,
-    SOURCE_KUBERNETES,
-    Expression,
-    Pool,
-    validate_pool,
-)
+from flagella.lb.crdwatch import CustomResourceWatcher
+from flagella.lb.lbipam import SOURCE_KUBERNETES, Pool, validate_pool
 from flagella.lb.lbipam_store import LbIpam
-from flagella.lb.validation import LABEL_KEY_RE, LABEL_VALUE_RE
+from flagella.lb.selector import build_selector, selector_from_doc
 
 log = logging.getLogger(__name__)
 
-GROUP, VERSION, PLURAL = "cilium.io", "v2alpha1", "ciliumloadbalancerippools"
 CONFLICT_CONDITION = "cilium.io/PoolConflict"
-MAX_EXPRESSIONS = 64
 
 
 def pool_from_object(obj: Obj) -> Pool:
@@ -62,25 +46,17 @@ def pool_from_object(obj: Obj) -> Pool:
         blocks.append(
             (str(b.get("cidr") or ""), str(b.get("start") or ""), str(b.get("stop") or ""))
         )
-    selector = spec.get("serviceSelector") or {}
-    if not isinstance(selector, Mapping):
-        raise InvalidArgument("not an object", field="spec.serviceSelector")
-    labels = selector.get("matchLabels") or {}
-    if not isinstance(labels, Mapping):
-        raise InvalidArgument("not an object", field="spec.serviceSelector.matchLabels")
-    for key, value in labels.items():
-        if not LABEL_KEY_RE.match(str(key)) or not LABEL_VALUE_RE.match(str(value)):
-            raise InvalidArgument(
-                f"{key!r}: {value!r} is not a label",
-                field=f"spec.serviceSelector.matchLabels[{key}]",
-            )
-    expressions = _expressions(selector.get("matchExpressions") or [])
+    raw_labels, raw_exprs = selector_from_doc(spec.get("serviceSelector"), "spec.serviceSelector")
+    labels, expressions = build_selector(
+        raw_labels,
+        raw_exprs,
+        "spec.serviceSelector",
+        labels_field="matchLabels",
+        exprs_field="matchExpressions",
+    )
     try:
         pool = validate_pool(
-            str(meta.get("name", "")),
-            blocks,
-            {str(k): str(v) for k, v in labels.items()},
-            bool(spec.get("disabled", False)),
+            str(meta.get("name", "")), blocks, dict(labels), bool(spec.get("disabled", False))
         )
     except InvalidArgument as exc:
         # The request's field names, as the object's.
@@ -96,36 +72,6 @@ def pool_from_object(obj: Obj) -> Pool:
         source=SOURCE_KUBERNETES,
         created=str(meta.get("creationTimestamp") or ""),
     )
-
-
-def _expressions(docs: Any) -> tuple[Expression, ...]:
-    path = "spec.serviceSelector.matchExpressions"
-    if not isinstance(docs, list):
-        raise InvalidArgument("not a list", field=path)
-    if len(docs) > MAX_EXPRESSIONS:
-        raise InvalidArgument(f"at most {MAX_EXPRESSIONS}", field=path)
-    out: list[Expression] = []
-    for i, d in enumerate(docs):
-        at = f"{path}[{i}]"
-        if not isinstance(d, Mapping):
-            raise InvalidArgument("not an object", field=at)
-        key, op = str(d.get("key", "")), str(d.get("operator", ""))
-        values = d.get("values") or []
-        if not LABEL_KEY_RE.match(key):
-            raise InvalidArgument(f"{key!r} is not a label key", field=f"{at}.key")
-        if op not in OPERATORS:
-            raise InvalidArgument(
-                f"{op!r} is not an operator ({', '.join(OPERATORS)})", field=f"{at}.operator"
-            )
-        if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
-            raise InvalidArgument("not a list of strings", field=f"{at}.values")
-        if (op in ("In", "NotIn")) != bool(values):
-            raise InvalidArgument(
-                f"{op} {'needs values' if op in ('In', 'NotIn') else 'takes no values'}",
-                field=f"{at}.values",
-            )
-        out.append(Expression(key, op, tuple(sorted(set(values)))))
-    return tuple(out)
 
 
 def conflict_condition(conflict: str, refused: str) -> dict[str, str]:
@@ -148,84 +94,47 @@ def conflict_condition(conflict: str, refused: str) -> dict[str, str]:
     return {"type": CONFLICT_CONDITION, "status": "False", "reason": "no_conflict", "message": ""}
 
 
-class PoolKubeWatcher:
+class PoolKubeWatcher(CustomResourceWatcher):
+    """The objects into LB-IPAM, then their status."""
+
+    GROUP, VERSION, PLURAL = "cilium.io", "v2alpha1", "ciliumloadbalancerippools"
+    KIND = "CiliumLoadBalancerIPPool"
+    NOUN, NOUNS, LOG_KEY = "pool", "LB-IPAM pools", "pool"
+
     def __init__(self, ipam: LbIpam, *, watch_timeout: int = 60) -> None:
+        super().__init__("k8s-lbippools", watch_timeout=watch_timeout)
         self.ipam = ipam
-        self.watch_timeout = watch_timeout
-        self.objects: Table[str, Obj] = Table("k8s-lbippools")
-        self.backoff = Backoff(1.0, 30.0)
-        self._custom: Any = None
         # Why each object was refused (its status says so).
-        self._refused: dict[str, str] = {}
+        self._why: dict[str, str] = {}
 
-    def source(self, api: Any) -> KubeSource[Obj]:
-        """The list/watch of the (cluster-scoped) objects into self.objects."""
-        client: Any = importlib.import_module("kubernetes.aio.client")
-        custom = self._custom = client.CustomObjectsApi(api)
-        return KubeSource(
-            PLURAL,
-            functools.partial(
-                custom.list_cluster_custom_object_without_preload_content, GROUP, VERSION, PLURAL
-            ),
-            self.objects,
-            watch_timeout=self.watch_timeout,
-        )
-
-    async def lead(self) -> None:
-        """While this replica leads (cancelled when its term ends): the
-        objects into LB-IPAM, then their status; again from a full sync
-        after any failure."""
-        while True:
-            try:
-                async for batch in self.objects.subscribe():
-                    keys = {c.key for c in batch.changes}
-                    if batch.snapshot:
-                        listed = await self.ipam.list_pools()
-                        keys |= {
-                            f"/{p.pool.name}" for p in listed if p.pool.source == SOURCE_KUBERNETES
-                        }
-                    for key in sorted(keys):
-                        await self._sync(key)
-                    await self._write_statuses()
-                    self.backoff.reset()
-            except FlagellaError as exc:
-                log.warning(
-                    "LB-IPAM pools from kubernetes not synced, will retry",
-                    extra={"reason": exc.details},
-                )
-                await self.backoff.wait()
+    async def _stored_keys(self) -> set[str]:
+        listed = await self.ipam.list_pools()
+        # Cluster-scoped: the objects' keys are "/<name>".
+        return {f"/{p.pool.name}" for p in listed if p.pool.source == SOURCE_KUBERNETES}
 
     async def _sync(self, key: str) -> None:
-        """One object's pool (key "/<name>": cluster-scoped)."""
-        name = key.rpartition("/")[2]
-        obj = self.objects.get(key)
-        self._refused.pop(name, None)
-        try:
-            if obj is not None:
-                await self.ipam.upsert_pool(pool_from_object(obj))
-                return
-        except InvalidArgument as exc:
-            self._refused[name] = exc.details
-            log.warning(
-                "CiliumLoadBalancerIPPool refused, its pool removed",
-                extra={"pool": key, "reason": exc.details},
-            )
-        except FailedPrecondition as exc:  # the API's pool of that name
-            self._refused[name] = exc.details
-            log.warning(
-                "CiliumLoadBalancerIPPool skipped", extra={"pool": key, "reason": exc.details}
-            )
-            return
-        with contextlib.suppress(FailedPrecondition):  # the API's: not ours to delete
-            await self.ipam.delete_pool(name, SOURCE_KUBERNETES)
+        self._why.pop(_name(key), None)
+        await super()._sync(key)
+
+    async def _put(self, obj: Obj) -> None:
+        await self.ipam.upsert_pool(pool_from_object(obj))
+
+    async def _delete(self, key: str) -> None:
+        await self.ipam.delete_pool(_name(key), SOURCE_KUBERNETES)
+
+    def _refused(self, key: str, reason: str) -> None:
+        self._why[_name(key)] = reason
+
+    async def _synced(self) -> None:
+        await self._write_statuses()
 
     async def _write_statuses(self) -> None:
         """Each object's cilium.io/PoolConflict condition, where it differs
         from what the object says."""
         conflicts = {p.pool.name: p.conflict for p in await self.ipam.list_pools()}
         for key, obj in sorted(self.objects.items()):
-            name = key.rpartition("/")[2]
-            want = conflict_condition(conflicts.get(name, ""), self._refused.get(name, ""))
+            name = _name(key)
+            want = conflict_condition(conflicts.get(name, ""), self._why.get(name, ""))
             await self._write_status(name, obj, want)
 
     async def _write_status(self, name: str, obj: Obj, want: Mapping[str, str]) -> None:
@@ -247,9 +156,9 @@ class PoolKubeWatcher:
         body = {"status": {"conditions": [*others, {**want, "lastTransitionTime": stamp}]}}
         try:
             await self._custom.patch_cluster_custom_object_status(
-                GROUP,
-                VERSION,
-                PLURAL,
+                self.GROUP,
+                self.VERSION,
+                self.PLURAL,
                 name,
                 body,
                 _content_type="application/merge-patch+json",
@@ -263,3 +172,8 @@ class PoolKubeWatcher:
                 "CiliumLoadBalancerIPPool status not written",
                 extra={"pool": name, "reason": str(exc)[:200]},
             )
+
+
+def _name(key: str) -> str:
+    """An object's name from its key ("/<name>": cluster-scoped)."""
+    return key.rpartition("/")[2]

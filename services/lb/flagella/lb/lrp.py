@@ -18,20 +18,13 @@ from typing import Any
 
 from flagella.common.errors import InvalidArgument
 from flagella.common.portnames import port_name_error
+from flagella.lb import selector as sel
+from flagella.lb.ciliumdoc import cilium_object, doc_list, doc_object
 from flagella.lb.model import Protocol
-from flagella.lb.validation import (
-    LABEL_KEY_RE,
-    LABEL_VALUE_RE,
-    MAX_LABELS,
-    NAMESPACE_RE,
-    SHORT_NAME_RE,
-    check_ip,
-    check_port,
-)
+from flagella.lb.selector import Requirement
+from flagella.lb.validation import NAMESPACE_RE, SHORT_NAME_RE, check_ip, check_port
 
-OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist")
 MAX_PORTS = 32
-MAX_VALUES = 64
 MAX_DESCRIPTION = 1024
 
 
@@ -40,13 +33,6 @@ class LrpPort:
     name: str
     port: int
     protocol: Protocol
-
-
-@dataclass(frozen=True, slots=True)
-class Requirement:
-    key: str
-    operator: str
-    values: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -83,10 +69,7 @@ class Lrp:
             "service": self.service,
             "frontend_ports": ports(self.frontend_ports),
             "match_labels": dict(self.match_labels),
-            "match_expressions": [
-                {"key": r.key, "operator": r.operator, "values": list(r.values)}
-                for r in self.match_expressions
-            ],
+            "match_expressions": sel.requirements_to_doc(self.match_expressions),
             "backend_ports": ports(self.backend_ports),
             "description": self.description,
         }
@@ -108,10 +91,7 @@ class Lrp:
             service=doc.get("service", ""),
             frontend_ports=ports(doc.get("frontend_ports", ())),
             match_labels=tuple(sorted(doc.get("match_labels", {}).items())),
-            match_expressions=tuple(
-                Requirement(r["key"], r["operator"], tuple(r.get("values", ())))
-                for r in doc.get("match_expressions", ())
-            ),
+            match_expressions=sel.requirements_from_doc(doc.get("match_expressions", ())),
             backend_ports=ports(doc.get("backend_ports", ())),
             description=doc.get("description", ""),
             source=doc.get("source", "api"),
@@ -193,47 +173,6 @@ def backend_port_for(fe: LrpPort, backends: Sequence[LrpPort]) -> LrpPort | None
     return backends[0] if len(backends) == 1 else None
 
 
-def _selector(
-    labels: Mapping[str, str], exprs: Sequence[tuple[str, str, Sequence[str]]], path: str
-) -> tuple[tuple[tuple[str, str], ...], tuple[Requirement, ...]]:
-    if not labels and not exprs:
-        # An empty selector would take every pod of the namespace: say which.
-        raise InvalidArgument(
-            "a selector with at least one label or expression is required", field=path
-        )
-    if len(labels) + len(exprs) > MAX_LABELS:
-        raise InvalidArgument(f"at most {MAX_LABELS} labels and expressions", field=path)
-    for key, value in labels.items():
-        if not LABEL_KEY_RE.match(key):
-            raise InvalidArgument(
-                f"{key!r} is not a label key", field=f"{path}.match_labels[{key}]"
-            )
-        if not LABEL_VALUE_RE.match(value):
-            raise InvalidArgument(
-                f"{value!r} is not a label value", field=f"{path}.match_labels[{key}]"
-            )
-    reqs: list[Requirement] = []
-    for i, (key, op, values) in enumerate(exprs):
-        at = f"{path}.match_expressions[{i}]"
-        if not LABEL_KEY_RE.match(key):
-            raise InvalidArgument(f"{key!r} is not a label key", field=f"{at}.key")
-        if op not in OPERATORS:
-            raise InvalidArgument(
-                f"{op!r} is not an operator ({', '.join(OPERATORS)})", field=f"{at}.operator"
-            )
-        if op in ("In", "NotIn") and not values:
-            raise InvalidArgument(f"{op} needs at least one value", field=f"{at}.values")
-        if op in ("Exists", "DoesNotExist") and values:
-            raise InvalidArgument(f"{op} takes no values", field=f"{at}.values")
-        if len(values) > MAX_VALUES:
-            raise InvalidArgument(f"at most {MAX_VALUES} values", field=f"{at}.values")
-        for j, v in enumerate(values):
-            if not LABEL_VALUE_RE.match(v):
-                raise InvalidArgument(f"{v!r} is not a label value", field=f"{at}.values[{j}]")
-        reqs.append(Requirement(key, op, tuple(sorted(set(values)))))
-    return tuple(sorted(labels.items())), tuple(reqs)
-
-
 def build_lrp(raw: RawLrp) -> Lrp:
     """Validate raw into a canonical Lrp. Raises InvalidArgument naming the
     field."""
@@ -270,8 +209,12 @@ def build_lrp(raw: RawLrp) -> Lrp:
         raise InvalidArgument("a backend is required", field=be_path)
     if not raw.has_selector:
         raise InvalidArgument("a selector is required", field=f"{be_path}.local_endpoint_selector")
-    labels, exprs = _selector(
-        raw.match_labels, raw.match_expressions, f"{be_path}.local_endpoint_selector"
+    # An empty selector would take every pod of the namespace.
+    labels, exprs = sel.build_selector(
+        raw.match_labels,
+        raw.match_expressions,
+        f"{be_path}.local_endpoint_selector",
+        required=True,
     )
     be_ports = _ports(raw.backend_ports, f"{be_path}.to_ports", required=True)
     for i, fe in enumerate(fe_ports):
@@ -306,26 +249,10 @@ def build_lrp(raw: RawLrp) -> Lrp:
 _PROTOCOL_NAMES = {"TCP": Protocol.TCP, "UDP": Protocol.UDP}
 
 
-def _obj(value: Any, path: str) -> Mapping[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise InvalidArgument("must be an object", field=path)
-    return value
-
-
-def _list(value: Any, path: str) -> list[Any]:
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise InvalidArgument("must be a list", field=path)
-    return value
-
-
 def _doc_ports(value: Any, path: str) -> list[tuple[str, int, Protocol | None]]:
     out: list[tuple[str, int, Protocol | None]] = []
-    for i, item in enumerate(_list(value, path)):
-        p = _obj(item, f"{path}[{i}]")
+    for i, item in enumerate(doc_list(value, path)):
+        p = doc_object(item, f"{path}[{i}]")
         try:
             port = int(p.get("port", 0))  # a string in Cilium's schema
         except (TypeError, ValueError, OverflowError):
@@ -345,37 +272,24 @@ def raw_from_cilium(doc: Any, *, source: str = "api") -> RawLrp:
     """A CiliumLocalRedirectPolicy object (cilium.io/v2, as YAML or JSON
     decodes it) as plain values; its structure's errors name the field by
     the document's path, the values' by the policy's (build_lrp)."""
-    doc = _obj(doc, "document")
-    if doc.get("kind") != "CiliumLocalRedirectPolicy":
-        raise InvalidArgument(
-            f"{doc.get('kind')!r} is not CiliumLocalRedirectPolicy", field="document.kind"
-        )
-    meta = _obj(doc.get("metadata"), "document.metadata")
-    spec = _obj(doc.get("spec"), "document.spec")
-    fe = _obj(spec.get("redirectFrontend"), "document.spec.redirectFrontend")
+    meta, spec = cilium_object(doc, "CiliumLocalRedirectPolicy")
+    fe = doc_object(spec.get("redirectFrontend"), "document.spec.redirectFrontend")
     given = [k for k in ("addressMatcher", "serviceMatcher") if k in fe]
     if len(given) > 1:
         raise InvalidArgument(
             "give exactly one of addressMatcher, serviceMatcher",
             field="document.spec.redirectFrontend",
         )
-    matcher = _obj(
+    matcher = doc_object(
         fe.get(given[0]) if given else None,
         f"document.spec.redirectFrontend.{given[0] if given else ''}",
     )
     be_doc = spec.get("redirectBackend")
-    be = _obj(be_doc, "document.spec.redirectBackend")
+    be = doc_object(be_doc, "document.spec.redirectBackend")
     sel_doc = be.get("localEndpointSelector")
-    sel = _obj(sel_doc, "document.spec.redirectBackend.localEndpointSelector")
-    labels = _obj(
-        sel.get("matchLabels"), "document.spec.redirectBackend.localEndpointSelector.matchLabels"
+    labels, exprs = sel.selector_from_doc(
+        sel_doc, "document.spec.redirectBackend.localEndpointSelector"
     )
-    exprs = []
-    path = "document.spec.redirectBackend.localEndpointSelector.matchExpressions"
-    for i, item in enumerate(_list(sel.get("matchExpressions"), path)):
-        e = _obj(item, f"{path}[{i}]")
-        values = _list(e.get("values"), f"{path}[{i}].values")
-        exprs.append((str(e.get("key", "")), str(e.get("operator", "")), [str(v) for v in values]))
     fe_path = f"document.spec.redirectFrontend.{given[0] if given else ''}.toPorts"
     return RawLrp(
         namespace=str(meta.get("namespace") or ""),
@@ -387,7 +301,7 @@ def raw_from_cilium(doc: Any, *, source: str = "api") -> RawLrp:
         service=str(matcher.get("serviceName") or ""),
         service_namespace=str(matcher.get("namespace") or ""),
         frontend_ports=_doc_ports(matcher.get("toPorts"), fe_path),
-        match_labels={str(k): str(v) for k, v in labels.items()},
+        match_labels=labels,
         match_expressions=exprs,
         backend_ports=_doc_ports(be.get("toPorts"), "document.spec.redirectBackend.toPorts"),
         skip_redirect_from_backend=bool(spec.get("skipRedirectFromBackend", False)),
