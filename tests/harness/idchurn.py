@@ -13,8 +13,10 @@ that owner): the path a pod's ADD uses, without the rest of the ADD.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import statistics
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,12 +27,13 @@ from flagella.api.policy.v1 import policy_pb2_grpc as pbg
 from flagella.common import pki
 from flagella.policy.keys import ID_PREFIX, IDENT_PREFIX, VALUE_PREFIX
 from harness.etcd import EtcdServer
-from harness.metrics import value
+from harness.metrics import histogram_quantile, value
 from harness.procs import ServiceProcess
 from harness.svcbench import cpu_seconds
 
 #: Seconds between the signs of life of every node (its lease TTL: 900 s).
 KEEPALIVE_S = 120.0
+SLOW_MS = 50.0  # the allocation p99 target
 #: Endpoints per node (the dense node's count): held identities are spread so.
 PODS_PER_NODE = 250
 
@@ -73,6 +76,11 @@ class ChurnResult:
     cpu_s: dict[str, float] = field(default_factory=dict)
     rss_kib: dict[str, int] = field(default_factory=dict)
     drained_s: float | None = None
+    # The churn's allocations (start on the churn's clock, ms), to tell
+    # whether the slow ones wait on a GC round.
+    alloc_at: list[tuple[float, float]] = field(default_factory=list)
+    # Quantiles of what etcd and the policy's etcd client saw in the churn.
+    etcd_ms: dict[str, float] = field(default_factory=dict)
     churn_s: float = 0.0  # from the first pod to the last one's release
 
     def figures(self) -> dict[str, Any]:
@@ -116,6 +124,15 @@ class ChurnResult:
                 out[f"{process}_cpu_per_pod_ms"] = round(cpu / self.created * 1e3, 2)
         for name, rss in self.rss_kib.items():
             out[f"policy_rss_{name}_mib"] = round(rss / 1024, 1)
+        out.update(self.etcd_ms)
+        slow = [at for at, ms in self.alloc_at if ms > SLOW_MS]
+        # A round ended within the second before the sample that counted it
+        # first (the sampler's clock starts with the churn's): its window is
+        # its duration before that, plus the second.
+        rounds = [(s.t, s.gc_last_s) for p, s in itertools.pairwise(churn) if s.gc_runs > p.gc_runs]
+        in_gc = [at for at in slow if any(end - took - 1.0 <= at <= end for end, took in rounds)]
+        out["allocations_over_50ms_count"] = len(slow)
+        out["allocations_over_50ms_during_gc_count"] = len(in_gc)
         return out
 
 
@@ -134,6 +151,7 @@ class IdentityChurn:
         self.result = ChurnResult()
         # label key (kind, i) -> identity, for everything this engine holds.
         self.in_use: dict[tuple[str, int], int] = {}
+        self._churn_t0: float | None = None  # the churn's clock (monotonic)
 
     def _node(self, i: int) -> str:
         return f"churn-node-{i // PODS_PER_NODE}"
@@ -155,10 +173,12 @@ class IdentityChurn:
             assert self.etcd.proc is not None
             etcd_pid = self.etcd.proc.pid
             cpu0, etcd_cpu0 = cpu_seconds(self.proc.pid), cpu_seconds(etcd_pid)
+            scrapes0 = await asyncio.to_thread(self._scrapes)
             self.result.rss_kib["after_hold"] = rss_kib(self.proc.pid)
             await self._churn(rate, seconds, lifetime)
             self.result.cpu_s["policy"] = cpu_seconds(self.proc.pid) - cpu0
             self.result.cpu_s["etcd"] = cpu_seconds(etcd_pid) - etcd_cpu0
+            self._etcd_quantiles(scrapes0, await asyncio.to_thread(self._scrapes))
             self.result.rss_kib["after_churn"] = rss_kib(self.proc.pid)
             self.result.lost = await self._check_in_use()
             self.result.etcd_keys["end_of_churn"] = await self._identity_keys()
@@ -167,6 +187,32 @@ class IdentityChurn:
                 keepalive.cancel()
             await channel.close()
         return self.result
+
+    def _scrapes(self) -> tuple[str, str]:
+        """The policy's and etcd's metrics now."""
+        with urllib.request.urlopen(self.etcd.metrics_url, timeout=10) as got:
+            etcd = got.read().decode()
+        return self.proc.scrape(), etcd
+
+    def _etcd_quantiles(self, before: tuple[str, str], after: tuple[str, str]) -> None:
+        """p99 of the policy's etcd calls (by RPC) and of etcd's own disk
+        writes over the churn: is a slow allocation etcd's time or ours?"""
+        figures = self.result.etcd_ms
+        for action in ("Txn", "Range"):
+            figures[f"policy_etcd_{action.lower()}_p99_ms"] = 1e3 * histogram_quantile(
+                before[0],
+                after[0],
+                "flagella_kvstore_operations_duration_seconds",
+                0.99,
+                action=action,
+            )
+        for name, metric in (
+            ("wal_fsync", "etcd_disk_wal_fsync_duration_seconds"),
+            ("backend_commit", "etcd_disk_backend_commit_duration_seconds"),
+        ):
+            figures[f"etcd_{name}_p99_ms"] = 1e3 * histogram_quantile(
+                before[1], after[1], metric, 0.99
+            )
 
     async def drain(self, timeout: float) -> None:
         """Waits until the GC has freed every churned identity (the held ones
@@ -186,7 +232,7 @@ class IdentityChurn:
         return count
 
     async def _allocate(self, kind: str, i: int) -> int | None:
-        t0 = time.perf_counter()
+        t0, started = time.perf_counter(), time.monotonic()
         try:
             resp = await self.stub.AllocateIdentity(
                 pb.AllocateIdentityRequest(
@@ -198,7 +244,10 @@ class IdentityChurn:
             self.result.errors.append(f"allocate {kind}-{i}: {exc!r}"[:300])
             return None
         if kind == "pod":
-            self.result.alloc_ms.append((time.perf_counter() - t0) * 1e3)
+            took_ms = (time.perf_counter() - t0) * 1e3
+            self.result.alloc_ms.append(took_ms)
+            if self._churn_t0 is not None:
+                self.result.alloc_at.append((started - self._churn_t0, took_ms))
         ident = int(resp.identity.id)
         self.in_use[(kind, i)] = ident
         return ident
@@ -250,7 +299,7 @@ class IdentityChurn:
         its identity came back; then waits for the last ones."""
         sampler = asyncio.create_task(self._sample())
         pods: set[asyncio.Task[None]] = set()
-        start = time.monotonic()
+        start = self._churn_t0 = time.monotonic()
         i = 0
         try:
             while (now := time.monotonic()) - start < seconds:

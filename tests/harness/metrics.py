@@ -50,3 +50,25 @@ def value(scrape: str, name: str, **labels: str) -> float:
     """The sum of name's samples whose labels include labels (0 if none)."""
     want = set(labels.items())
     return sum(v for (n, ls), v in samples(scrape).items() if n == name and want <= ls)
+
+
+def histogram_quantile(before: str, after: str, name: str, q: float, **labels: str) -> float:
+    """The q-quantile (seconds: the bucket's upper bound, as Prometheus
+    bounds it) of what histogram name observed between two scrapes, over
+    the series whose labels include labels; 0.0 when it observed nothing."""
+
+    def buckets(scrape: str) -> dict[float, float]:
+        want = set(labels.items())
+        out: dict[float, float] = {}
+        for (n, ls), v in samples(scrape).items():
+            if n == f"{name}_bucket" and want <= ls:
+                le = float(dict(ls)["le"])
+                out[le] = out.get(le, 0.0) + v
+        return out
+
+    b0, b1 = buckets(before), buckets(after)
+    delta = sorted((le, b1[le] - b0.get(le, 0.0)) for le in b1)
+    total = delta[-1][1] if delta else 0.0
+    if total <= 0:
+        return 0.0
+    return next(le for le, count in delta if count >= q * total)
