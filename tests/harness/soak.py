@@ -40,8 +40,16 @@ VIP = "10.96.77.1"
 VICTIMS = ("ipam", "policy", "lb", "endpoint", "datapath")
 # Service flags for a soak: identities no pod references are freed within
 # seconds (two GC rounds), so that the end state can be compared with the
-# start.
-SOAK_EXTRA = {"policy": ["--identity-gc-interval", "2"]}
+# start; the tables served to watches keep 1,024 changes, not 16,384, so that
+# their logs are full within the warm-up (at the default a 10-minute churn is
+# still filling them: ~1.2 MiB a table, docs/ARCHITECTURE.md), as the
+# datapath's histories below.
+WATCH_HISTORY = ("--watch-history", "1024")
+SOAK_EXTRA = {
+    "policy": ["--identity-gc-interval", "2", *WATCH_HISTORY],
+    "ipam": [*WATCH_HISTORY],
+    "lb": [*WATCH_HISTORY],
+}
 # The datapath's bounded histories (flows for `flagella observe`, writes per
 # map for `flagella map events`) made small, so they are full within the
 # warm-up: at their defaults they take more than ten minutes of this churn to

@@ -85,6 +85,7 @@ def test_tuples_repeat_or_comma_separate_and_bools_switch() -> None:
         ),
         (["--nope"], {}, "invalid arguments: unrecognized arguments: --nope"),
         (["--etcd-timeout", "0"], {}, "invalid --etcd-timeout: must be positive"),
+        (["--watch-history", "100"], {}, "invalid --watch-history: must be within 256..1048576"),
     ],
 )
 def test_errors_name_the_option(argv: list[str], env: dict[str, str], message: str) -> None:
@@ -100,3 +101,16 @@ def test_host_port_forms() -> None:
     assert parse_host_port("ipam:50051") == "ipam:50051"
     with pytest.raises(ValueError, match="empty host"):
         parse_host_port("[]:1")
+
+
+def test_watch_history_sizes_the_served_tables_logs() -> None:
+    # The option reaches the tables that other processes' watches resume
+    # from (here the lb's services); process-local mirrors keep their own.
+    from flagella.common.sync import LOCAL_LOG_SIZE, WATCH_LOG_SIZE
+    from flagella.lb.store import LbStore
+
+    assert load([]).watch_history == WATCH_LOG_SIZE
+    assert load(["--watch-history", "1024"]).watch_history == 1024
+    store = LbStore(etcd=None, watch_history=1024)  # type: ignore[arg-type]
+    assert store.services.log_size == 1024
+    assert LOCAL_LOG_SIZE < WATCH_LOG_SIZE

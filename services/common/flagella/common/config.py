@@ -21,6 +21,7 @@ from typing import Any, ClassVar, NoReturn, TypeVar
 
 from flagella.common.errors import ConfigError
 from flagella.common.pki import Identity
+from flagella.common.sync.table import WATCH_LOG_SIZE
 
 T = TypeVar("T", bound="ServiceConfig")
 Parser = Callable[[str], Any]
@@ -107,6 +108,11 @@ class ServiceConfig:
         "seconds a gRPC connection to a peer may be silent before a ping; servers accept "
         "pings at half this: set it cluster-wide (FLAGELLA_GRPC_KEEPALIVE_TIME)",
     )
+    watch_history: int = option(
+        WATCH_LOG_SIZE,
+        "changes each table served to watches keeps: a watch that reconnects resumes from "
+        "its revision while they reach back, else it gets a full snapshot",
+    )
     log_level: str = option("info", "log level", choices=("debug", "info", "warning", "error"))
     shutdown_grace: float = option(5.0, "seconds in-flight calls get to finish on SIGTERM")
     tls_cert: str = option(
@@ -141,6 +147,8 @@ class ServiceConfig:
             raise ConfigError("--etcd-timeout", "must be positive")
         if self.grpc_keepalive_time <= 0:
             raise ConfigError("--grpc-keepalive-time", "must be positive")
+        if not 256 <= self.watch_history <= 1 << 20:
+            raise ConfigError("--watch-history", "must be within 256..1048576")
         if self.shutdown_grace < 0:
             raise ConfigError("--shutdown-grace", "must not be negative")
         if self.metrics_listen.startswith("unix:"):

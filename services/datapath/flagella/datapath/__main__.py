@@ -22,6 +22,7 @@ from flagella.common.server import main as serve_main
 from flagella.common.sync import Batch, StreamCodec, StreamSource, Table
 from flagella.common.sync.reconcile import AfterBatch, Target, reconcile_table
 from flagella.common.sync.stream import OpenStream
+from flagella.common.sync.table import LOCAL_LOG_SIZE
 from flagella.datapath.bgp import model as bgp_model
 from flagella.datapath.bgp.metrics import BgpCollector
 from flagella.datapath.bgp.speaker import Speaker
@@ -59,9 +60,6 @@ log = logging.getLogger(__name__)
 K = TypeVar("K", bound=Hashable)
 R = TypeVar("R")
 M = TypeVar("M")
-
-# Changes each mirrored control-plane table keeps for its local readers.
-MIRROR_LOG_SIZE = 1_024
 
 
 class DatapathApp:
@@ -369,10 +367,8 @@ class DatapathApp:
         keep_prev: bool = False,
     ) -> tuple[Table[K, R], StreamSource[K, R]]:
         """A control-plane stream mirrored into a table of its own."""
-        # Only this process's reconcilers and followers read the mirror's
-        # log, and they keep up (one that falls behind gets a snapshot): a
-        # short log stops memory growing for hours until 16,384 changes.
-        table: Table[K, R] = Table(name, keep_prev=keep_prev, log_size=MIRROR_LOG_SIZE)
+        # (Read only by this process's reconcilers and followers.)
+        table: Table[K, R] = Table(name, keep_prev=keep_prev, log_size=LOCAL_LOG_SIZE)
         source = StreamSource(
             name, open_stream, table, codec, acknowledges_resume=acknowledges_resume
         )

@@ -17,6 +17,7 @@ from flagella.common.leader import Election
 from flagella.common.server import FatalError, Probes, Runtime
 from flagella.common.server import main as serve_main
 from flagella.common.sync import EtcdSource, Table
+from flagella.common.sync.table import LOCAL_LOG_SIZE
 from flagella.common.tasks import TaskGroup
 from flagella.endpoint.cnirun import CniRunner
 from flagella.endpoint.config import EndpointConfig
@@ -86,7 +87,7 @@ class EndpointApp:
             {"ipam": PeerHealth(ipam_channel), "policy": PeerHealth(policy_channel)},
         )
         # etcd's endpoints, for the metrics and the Kubernetes watchers.
-        self.endpoints: Table[str, Endpoint] = Table("endpoints")
+        self.endpoints: Table[str, Endpoint] = Table("endpoints", log_size=LOCAL_LOG_SIZE)
         runtime.metrics.registry.register(EndpointCollector(self.endpoints))
         latency = CniLatency(runtime.metrics.registry)
         self.servicer = EndpointServicer(

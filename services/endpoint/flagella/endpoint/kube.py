@@ -49,6 +49,7 @@ from flagella.common.portnames import NamedPort
 from flagella.common.sync import KubeSource, Table
 from flagella.common.sync.dirty import DirtyKeys
 from flagella.common.sync.kube import Obj
+from flagella.common.sync.table import LOCAL_LOG_SIZE
 from flagella.common.tasks import TaskGroup
 from flagella.endpoint import flagellaendpoint as fe
 from flagella.endpoint.labels import (
@@ -123,9 +124,11 @@ class EndpointWatchers:
         self.kubeconfig = kubeconfig
         # The service's, for CNI ADD: it shares the client made by connect().
         self.reader = reader or KubeReader()
-        self.pods: Table[str, PodInfo] = Table("k8s-pods")
-        self.namespaces: Table[str, NamespaceInfo] = Table("k8s-namespaces")
-        self.objects: Table[str, Obj] = Table("k8s-flagellaendpoints")
+        self.pods: Table[str, PodInfo] = Table("k8s-pods", log_size=LOCAL_LOG_SIZE)
+        self.namespaces: Table[str, NamespaceInfo] = Table(
+            "k8s-namespaces", log_size=LOCAL_LOG_SIZE
+        )
+        self.objects: Table[str, Obj] = Table("k8s-flagellaendpoints", log_size=LOCAL_LOG_SIZE)
         # etcd's endpoints: the app's table (fed on every replica, with or
         # without Kubernetes).
         self.endpoints = endpoints

@@ -15,12 +15,13 @@ moved or whose CIDRs changed is seen as soon as ipam's event is.
 from __future__ import annotations
 
 from flagella.common.sync import Table
+from flagella.common.sync.table import LOCAL_LOG_SIZE
 from flagella.endpoint.service import NodeInfo
 
 
 class NodeMirror:
     def __init__(self) -> None:
-        self.table: Table[str, NodeInfo] = Table("ipam nodes")
+        self.table: Table[str, NodeInfo] = Table("ipam nodes", log_size=LOCAL_LOG_SIZE)
         # Counters, for health and tests.
         self.hits = 0
         self.misses = 0

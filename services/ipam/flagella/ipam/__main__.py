@@ -37,7 +37,7 @@ class IpamApp:
         self.runtime = runtime
         self.etcd = runtime.etcd()
         self.probes = Probes(runtime.readiness, runtime.tasks)
-        store = IpamStore(self.etcd, runtime.tasks)
+        store = IpamStore(self.etcd, runtime.tasks, watch_history=runtime.config.watch_history)
         self.service = IpamService(store, settings_of(self.config), tasks=runtime.tasks)
         runtime.metrics.registry.register(IpamCollector(self.service))
 

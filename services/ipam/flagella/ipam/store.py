@@ -48,6 +48,7 @@ from flagella.common.etcd import (
     put_op,
 )
 from flagella.common.sync import EtcdSource, Subscription, Table
+from flagella.common.sync.table import WATCH_LOG_SIZE
 from flagella.common.tasks import TaskGroup
 from flagella.ipam.model import (
     AddressType,
@@ -464,11 +465,14 @@ class TxnBatcher:
 
 
 class IpamStore:
-    def __init__(self, etcd: Etcd, tasks: TaskGroup) -> None:
+    def __init__(
+        self, etcd: Etcd, tasks: TaskGroup, *, watch_history: int = WATCH_LOG_SIZE
+    ) -> None:
         self.etcd = etcd
         self.tasks = tasks
         self.batcher = TxnBatcher(etcd, tasks=tasks)
-        self.nodes: Table[str, Node] = Table("ipam nodes")
+        # (What WatchNodes streams.)
+        self.nodes: Table[str, Node] = Table("ipam nodes", log_size=watch_history)
         self.cache = PoolCache(self)
         self._node_source = EtcdSource(etcd, self.nodes, NodeCodec(), prefix=NODES)
         self._pool_source: EtcdSource[PoolKey, PoolRecord] = EtcdSource(

@@ -36,9 +36,10 @@ class LbApp:
         self.tasks = runtime.tasks
         self.etcd = runtime.etcd()
         self.probes = Probes(runtime.readiness, runtime.tasks)
-        self.store = LbStore(self.etcd)
-        self.lrps = LrpStore(self.etcd)
-        self.bgp = BgpPolicyStore(self.etcd)
+        history = cfg.watch_history
+        self.store = LbStore(self.etcd, watch_history=history)
+        self.lrps = LrpStore(self.etcd, watch_history=history)
+        self.bgp = BgpPolicyStore(self.etcd, watch_history=history)
         self.service = LbService(
             self.store, cfg.limits, cfg.seed, cache_slots=cfg.table_cache_slots
         )

@@ -10,6 +10,7 @@ WatchBgpPeeringPolicies stream of this replica follows)."""
 from __future__ import annotations
 
 from flagella.common.etcd import Etcd
+from flagella.common.sync.table import WATCH_LOG_SIZE
 from flagella.lb.bgp import PeeringPolicy
 from flagella.lb.ownedstore import OwnedStore
 from flagella.lb.store import PREFIX
@@ -22,9 +23,10 @@ def policy_key(name: str) -> str:
 
 
 class BgpPolicyStore(OwnedStore[PeeringPolicy]):
-    def __init__(self, etcd: Etcd) -> None:
+    def __init__(self, etcd: Etcd, *, watch_history: int = WATCH_LOG_SIZE) -> None:
         super().__init__(
             etcd,
+            watch_history=watch_history,
             prefix=POLICIES,
             table="lb-bgp-policies",
             decode=PeeringPolicy.from_json,

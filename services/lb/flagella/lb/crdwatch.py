@@ -28,6 +28,7 @@ from flagella.common.backoff import Backoff
 from flagella.common.errors import FailedPrecondition, FlagellaError, InvalidArgument
 from flagella.common.sync import KubeSource, Table
 from flagella.common.sync.kube import Obj
+from flagella.common.sync.table import LOCAL_LOG_SIZE
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class CustomResourceWatcher(ABC):
         self.watch_timeout = watch_timeout
         # Every object by its key ("<namespace>/<name>", "/<name>" when
         # cluster-scoped).
-        self.objects: Table[str, Obj] = Table(table)
+        self.objects: Table[str, Obj] = Table(table, log_size=LOCAL_LOG_SIZE)
         self.backoff = Backoff(1.0, 30.0)
         self._custom: Any = None
 

@@ -57,6 +57,7 @@ from flagella.common.server import FatalError
 from flagella.common.sync import Batch, KubeSource, Table
 from flagella.common.sync.dirty import DirtyKeys
 from flagella.common.sync.kube import Obj
+from flagella.common.sync.table import LOCAL_LOG_SIZE
 from flagella.common.tasks import TaskGroup
 from flagella.lb.bgpk8s import BgpKubeWatcher
 from flagella.lb.lbipam import CONDITION_TYPE, Claimant, LbRequest
@@ -328,8 +329,8 @@ class KubernetesWatcher:
         self._claims_seen = asyncio.Event()
         # CiliumBGPPeeringPolicies, written under the same Lease.
         self.bgp = bgp
-        self.services: Table[str, Obj] = Table("k8s-services")
-        self.slices: Table[str, Obj] = Table("k8s-endpointslices")
+        self.services: Table[str, Obj] = Table("k8s-services", log_size=LOCAL_LOG_SIZE)
+        self.slices: Table[str, Obj] = Table("k8s-endpointslices", log_size=LOCAL_LOG_SIZE)
         # EndpointSlice keys by the Service they belong to, and the reverse,
         # as of the last batch of the slices' subscription.
         self._slices_of: dict[str, set[str]] = {}

@@ -27,6 +27,7 @@ from flagella.common.backoff import Backoff
 from flagella.common.errors import Aborted, FailedPrecondition, InvalidArgument
 from flagella.common.etcd import Etcd, KeyValue, delete_op, mod_revision_is, put_op
 from flagella.common.sync import EtcdSource, Table
+from flagella.common.sync.table import LOCAL_LOG_SIZE
 from flagella.lb.lbipam import (
     SATISFIED,
     SOURCE_API,
@@ -167,7 +168,7 @@ class LbIpam:
         self.on_change = on_change
         # Every claim as etcd has it, for the Kubernetes watcher's status
         # write-back (whichever replica changed it); fed by run_claims().
-        self.claims_table: Table[str, Claim] = Table("lbipam-claims")
+        self.claims_table: Table[str, Claim] = Table("lbipam-claims", log_size=LOCAL_LOG_SIZE)
 
     async def run_claims(self) -> None:
         """Keep claims_table in step with etcd (until cancelled)."""

@@ -9,6 +9,7 @@ replica follows)."""
 from __future__ import annotations
 
 from flagella.common.etcd import Etcd
+from flagella.common.sync.table import WATCH_LOG_SIZE
 from flagella.lb.lrp import Lrp
 from flagella.lb.ownedstore import OwnedStore
 from flagella.lb.store import PREFIX
@@ -23,9 +24,10 @@ def lrp_key(namespace: str, name: str) -> str:
 class LrpStore(OwnedStore[Lrp]):
     """Every policy by namespace/name (what WatchLrps streams)."""
 
-    def __init__(self, etcd: Etcd) -> None:
+    def __init__(self, etcd: Etcd, *, watch_history: int = WATCH_LOG_SIZE) -> None:
         super().__init__(
             etcd,
+            watch_history=watch_history,
             prefix=LRPS,
             table="lb-lrps",
             decode=Lrp.from_json,

@@ -25,7 +25,7 @@ from flagella.common.etcd import (
     mod_revision_is,
     put_op,
 )
-from flagella.common.sync import EtcdSource, Subscription, Table
+from flagella.common.sync import WATCH_LOG_SIZE, EtcdSource, Subscription, Table
 
 MAX_ATTEMPTS = 16
 # How long a write waits to show in this replica's own table.
@@ -87,6 +87,7 @@ class OwnedStore(Generic[R]):
         noun: str,
         name_field: str,
         log_key: str,
+        watch_history: int = WATCH_LOG_SIZE,
     ) -> None:
         self.etcd = etcd
         self.prefix = prefix
@@ -94,7 +95,7 @@ class OwnedStore(Generic[R]):
         self.name_field = name_field
         self._decode = decode
         self._id = record_id
-        self.table: Table[str, R] = Table(table)
+        self.table: Table[str, R] = Table(table, log_size=watch_history)
         self.source = EtcdSource(
             etcd, self.table, RecordCodec(prefix, decode, noun, log_key), prefix=prefix
         )

@@ -39,6 +39,7 @@ from flagella.common.etcd import (
     put_op,
 )
 from flagella.common.sync import EtcdSource, Table
+from flagella.common.sync.table import WATCH_LOG_SIZE
 from flagella.lb.ids import IdSpace
 from flagella.lb.model import Frontend, Protocol, ServiceRecord
 
@@ -221,13 +222,15 @@ def _text(kvs: Sequence[KeyValue]) -> str | None:
 
 
 class LbStore:
-    def __init__(self, etcd: Etcd) -> None:
+    def __init__(self, etcd: Etcd, *, watch_history: int = WATCH_LOG_SIZE) -> None:
         self.etcd = etcd
         # Every service by id, as etcd has it (what WatchServices streams):
         # one etcd watch per replica, however many watchers. Its log keeps
         # the records before each change: a watch's DELETE names the service
         # and a change the backends it lost.
-        self.services: Table[int, ServiceRecord] = Table("lb-services", keep_prev=True)
+        self.services: Table[int, ServiceRecord] = Table(
+            "lb-services", keep_prev=True, log_size=watch_history
+        )
         self.codec = ServiceCodec()
         self.source = EtcdSource(
             etcd, self.services, self.codec, prefix=SERVICES, page_size=PAGE_SIZE

@@ -32,6 +32,7 @@ def settings_of(cfg: PolicyConfig) -> Settings:
         label_filter=cfg.identity_label_filter,
         watch_heartbeat=cfg.watch_heartbeat,
         wait_timeout=max(cfg.etcd_timeout * 2, 5.0),
+        watch_history=cfg.watch_history,
     )
 
 

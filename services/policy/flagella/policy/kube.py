@@ -50,6 +50,7 @@ from flagella.common.outcomes import outcome_of
 from flagella.common.sync import KubeSource, Table
 from flagella.common.sync.dirty import DirtyKeys
 from flagella.common.sync.kube import ListFunction, Obj, object_key, resource_version
+from flagella.common.sync.table import LOCAL_LOG_SIZE
 from flagella.common.tasks import TaskGroup
 from flagella.policy.repository import RuleRepository
 from flagella.policy.rules import CIDRGroup, Rule, RuleSource, compile_rule, parse_object
@@ -178,7 +179,7 @@ class ObjectWatcher(abc.ABC, Generic[T]):
         self.kind = kind
         self.rules = rules
         self.events = events
-        self.table: Table[str, Obj] = Table(f"k8s-{kind.plural}")
+        self.table: Table[str, Obj] = Table(f"k8s-{kind.plural}", log_size=LOCAL_LOG_SIZE)
         self.dirty = DirtyKeys()
         self.retry_backoff = Backoff(0.2, 10.0)
         self.elector: LeaderElector | None = None

@@ -17,6 +17,7 @@ import grpc
 
 from flagella.api.lb.v1 import lb_pb2, lb_pb2_grpc
 from flagella.common.sync import StreamSource, Table
+from flagella.common.sync.table import LOCAL_LOG_SIZE
 from flagella.common.tasks import TaskGroup
 from flagella.policy.identities import IPNetwork, parse_prefix
 from flagella.policy.rules import ServiceInfo, service_name
@@ -59,7 +60,7 @@ class LbServices:
                 lb_pb2.WatchServicesRequest(since_revision=since, batch_events=True)
             )
 
-        self.table: Table[str, ServiceInfo] = Table("lb-services")
+        self.table: Table[str, ServiceInfo] = Table("lb-services", log_size=LOCAL_LOG_SIZE)
         self.source = StreamSource("lb-services", open_stream, self.table, ServiceCodec())
 
     def infos(self) -> tuple[ServiceInfo, ...]:

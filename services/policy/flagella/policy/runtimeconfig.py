@@ -22,6 +22,7 @@ from flagella.common import runtimeconfig as rc
 from flagella.common.errors import Aborted, Unavailable
 from flagella.common.etcd import Etcd, KeyValue, delete_op, mod_revision_is, put_op
 from flagella.common.sync import Batch, Change, EtcdSource, Subscription, Table, serve_watch
+from flagella.common.sync.table import WATCH_LOG_SIZE
 from flagella.common.tasks import TaskGroup
 from flagella.policy import keys
 from flagella.policy.streams import EventKind
@@ -77,9 +78,17 @@ class ConfigView:
 
 
 class RuntimeConfig:
-    def __init__(self, etcd: Etcd, *, wait_timeout: float, heartbeat: float) -> None:
+    def __init__(
+        self,
+        etcd: Etcd,
+        *,
+        wait_timeout: float,
+        heartbeat: float,
+        watch_history: int = WATCH_LOG_SIZE,
+    ) -> None:
         self.etcd = etcd
-        self.table: Table[str, Values] = Table("runtime-config")
+        # (What WatchConfig streams.)
+        self.table: Table[str, Values] = Table("runtime-config", log_size=watch_history)
         self.source = EtcdSource(
             etcd, self.table, ConfigCodec(), prefix=PREFIX, name="runtime-config"
         )

@@ -79,7 +79,10 @@ class PolicyService:
         self.streams = Streams(self.mirror, self.leases, s)
         self.gc = GarbageCollector(store, self.mirror, self.leases, interval=s.gc_interval)
         self.runtime_config = RuntimeConfig(
-            store.etcd, wait_timeout=s.wait_timeout, heartbeat=s.watch_heartbeat
+            store.etcd,
+            wait_timeout=s.wait_timeout,
+            heartbeat=s.watch_heartbeat,
+            watch_history=s.watch_history,
         )
 
     @property

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from flagella.common.sync.table import WATCH_LOG_SIZE
 from flagella.policy.resolve import DEFAULT_BUDGET
 
 
@@ -20,3 +21,5 @@ class Settings:
     label_filter: tuple[str, ...] | None = None
     watch_heartbeat: float = 30.0
     wait_timeout: float = 10.0
+    # Changes each table served to watches keeps (--watch-history).
+    watch_history: int = WATCH_LOG_SIZE

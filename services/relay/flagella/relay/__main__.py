@@ -10,6 +10,7 @@ from flagella.api.relay.v1 import relay_pb2, relay_pb2_grpc
 from flagella.common.server import FatalError, Runtime
 from flagella.common.server import main as serve_main
 from flagella.common.sync import Table
+from flagella.common.sync.table import LOCAL_LOG_SIZE
 from flagella.relay.config import RelayConfig
 from flagella.relay.metrics import RelayCollector
 from flagella.relay.peers import Datapaths, Names, node_source
@@ -24,7 +25,7 @@ class RelayApp:
     def __init__(self, runtime: Runtime[RelayConfig]) -> None:
         self.runtime = runtime
         self.config = runtime.config
-        self.nodes: Table[str, NodeInfo] = Table("ipam nodes")
+        self.nodes: Table[str, NodeInfo] = Table("ipam nodes", log_size=LOCAL_LOG_SIZE)
         self.datapaths = Datapaths(runtime.channel)
         self.relay = Relay(self.nodes, self.datapaths, self.config.settings)
         self.page: FlowsPage | None = None

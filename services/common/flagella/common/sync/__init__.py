@@ -13,9 +13,19 @@ from flagella.common.sync.serve import (
     serve_watch,
 )
 from flagella.common.sync.stream import StreamCodec, StreamSource
-from flagella.common.sync.table import Batch, Change, Sink, Subscription, Table
+from flagella.common.sync.table import (
+    LOCAL_LOG_SIZE,
+    WATCH_LOG_SIZE,
+    Batch,
+    Change,
+    Sink,
+    Subscription,
+    Table,
+)
 
 __all__ = [
+    "LOCAL_LOG_SIZE",
+    "WATCH_LOG_SIZE",
     "Batch",
     "Batching",
     "Change",

@@ -99,8 +99,19 @@ class Sink(Protocol[K_contra, R]):
 History = Callable[[int], Awaitable[Mapping[K, tuple[R, int]] | None]]
 
 
+# How many changes a table keeps: one served to watches in other processes
+# (a watch that reconnects resumes from its revision while its log reaches
+# back; services take it as --watch-history), and one read only by this
+# process's own consumers, which keep up (one that falls behind gets a
+# snapshot): a long log there only grows memory for hours until it is full.
+WATCH_LOG_SIZE = 16_384
+LOCAL_LOG_SIZE = 1_024
+
+
 class Table(Generic[K, R]):
-    def __init__(self, name: str, *, log_size: int = 16_384, keep_prev: bool = False) -> None:
+    def __init__(
+        self, name: str, *, log_size: int = WATCH_LOG_SIZE, keep_prev: bool = False
+    ) -> None:
         self.name = name
         self.log_size = log_size
         self.keep_prev = keep_prev

@@ -31,6 +31,7 @@ import grpc
 from flagella.api.gobgp.v3 import gobgp_pb2 as g
 from flagella.common.backoff import Backoff
 from flagella.common.sync import StreamSource, Table
+from flagella.common.sync.table import LOCAL_LOG_SIZE
 from flagella.common.tasks import TaskGroup
 from flagella.datapath.bgp.gobgp import (
     READ_TIMEOUT,
@@ -207,7 +208,7 @@ class Speaker:
         """Start or stop following the services (a policy selects the node,
         or none does any more)."""
         if on and self.services is None:
-            table: Table[int, AdvertisedService] = Table("bgp-services", log_size=1_024)
+            table: Table[int, AdvertisedService] = Table("bgp-services", log_size=LOCAL_LOG_SIZE)
             source = self.open_services(table)
             self.services = table
             self._services_tasks = [
