@@ -284,8 +284,10 @@ class IpamServicer(ipam_pb2_grpc.IpamServiceServicer):
     def __init__(self, service: IpamService, debuginfo: Debuginfo | None = None) -> None:
         self.debuginfo = debuginfo
         self.service = service
-        # WatchNodes' UPSERT messages, shared by every stream.
-        self.node_events: MessageCache[tuple[str, int], ipam_pb2.NodeEvent] = MessageCache(4 << 20)
+        # WatchNodes' UPSERT messages, shared by every stream: each node's newest.
+        self.node_events: MessageCache[tuple[str, int], ipam_pb2.NodeEvent] = MessageCache(
+            4 << 20, slot=lambda key: key[0]
+        )
 
     # --- node registry ---
 

@@ -345,8 +345,9 @@ class LbServicer(lb_pb2_grpc.LoadBalancerServiceServicer):
         self.bgp = bgp
         # Seconds between SYNCED heartbeats on an idle WatchServices stream.
         self.heartbeat = heartbeat
-        # What the WatchServices streams share.
-        self.events = EventCache()
+        # What the WatchServices streams share: the newest message of each
+        # service, with and without its Maglev table.
+        self.events = EventCache(slot=lambda key: (key[0], key[3]))
 
     async def UpsertService(
         self, request: lb_pb2.UpsertServiceRequest, context: grpc.aio.ServicerContext[Any, Any]

@@ -63,13 +63,22 @@ class MessageCache(Generic[KM, PM]):
     """Watch messages by what makes them, built once however many watchers
     stream them (a change sent to 1,000 nodes was built 1,000 times; every
     node joining got every other node's message built anew). At most
-    max_bytes of messages (their encoded size): the oldest go first.
-    Entries are shared: never changed after they are put."""
+    max_bytes of messages (their encoded size): the oldest go first. With
+    slot (what a key is the message of: a service, a node), only the newest
+    message of each slot is kept: once a record changed, its older messages
+    are never asked for again, and keeping them until max_bytes (whose
+    decoded objects take several times their encoded size) grew a process
+    by every change for hours. Entries are shared: never changed after they
+    are put."""
 
-    def __init__(self, max_bytes: int = 16 << 20) -> None:
+    def __init__(
+        self, max_bytes: int = 16 << 20, *, slot: Callable[[KM], Hashable] | None = None
+    ) -> None:
         self.max_bytes = max_bytes
         self.bytes = 0
         self._messages: dict[KM, tuple[PM, int]] = {}
+        self._slot = slot
+        self._by_slot: dict[Hashable, KM] = {}
 
     def get(self, key: KM) -> PM | None:
         got = self._messages.get(key)
@@ -77,15 +86,28 @@ class MessageCache(Generic[KM, PM]):
 
     def put(self, key: KM, message: PM) -> None:
         messages = self._messages
+        if self._slot is not None:
+            slot = self._slot(key)
+            older = self._by_slot.get(slot)
+            if older is not None and older != key:
+                self._drop(older)
+            self._by_slot[slot] = key
         size = message.ByteSize()
-        before = messages.pop(key, None)
-        if before is not None:
-            self.bytes -= before[1]
+        self._drop(key)
         messages[key] = (message, size)
         self.bytes += size
         while self.bytes > self.max_bytes and messages:
-            _, gone = messages.pop(next(iter(messages)))
-            self.bytes -= gone
+            self._drop(next(iter(messages)))
+
+    def _drop(self, key: KM) -> None:
+        gone = self._messages.pop(key, None)
+        if gone is None:
+            return
+        self.bytes -= gone[1]
+        if self._slot is not None:
+            slot = self._slot(key)
+            if self._by_slot.get(slot) == key:
+                del self._by_slot[slot]
 
     def __len__(self) -> int:
         return len(self._messages)
