@@ -16,7 +16,7 @@ from flagella.policy.store import DELETES_PER_TXN, IdentityToDelete, PolicyStore
 log = logging.getLogger(__name__)
 
 #: Identity deletes a GC round has in flight at once.
-DELETES_IN_FLIGHT = 16
+DELETES_IN_FLIGHT = 2
 
 
 class GarbageCollector:
