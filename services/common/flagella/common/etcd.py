@@ -600,13 +600,23 @@ class Etcd:
     def watch(self, prefix: str, start_revision: int, *, prev_kv: bool = False) -> RangeWatch:
         """A watch of every key under prefix from start_revision on, by whole
         etcd responses (see RangeWatch)."""
-        return RangeWatch(self, prefix, prefix_end(prefix), start_revision, prev_kv)
+        return RangeWatch(self, prefix, prefix_end(prefix), start_revision, prev_kv=prev_kv)
 
     def watch_keys(
-        self, key: str, range_end: bytes, start_revision: int, *, prev_kv: bool = False
+        self,
+        key: str,
+        range_end: bytes,
+        start_revision: int,
+        *,
+        prev_kv: bool = False,
+        on_created: Callable[[], None] | None = None,
     ) -> RangeWatch:
-        """As watch(), over the keys in [key, range_end)."""
-        return RangeWatch(self, key, range_end, start_revision, prev_kv)
+        """As watch(), over the keys in [key, range_end); on_created is
+        called when etcd confirms the watch (opening the stream confirms
+        nothing: gRPC connects lazily)."""
+        return RangeWatch(
+            self, key, range_end, start_revision, prev_kv=prev_kv, on_created=on_created
+        )
 
     async def range_pages(
         self, key: str, range_end: bytes, *, revision: int = 0, page_size: int = 1000
@@ -737,9 +747,17 @@ class RangeWatch:
     stream breaks."""
 
     def __init__(
-        self, etcd: Etcd, key: str, range_end: bytes, start_revision: int, prev_kv: bool
+        self,
+        etcd: Etcd,
+        key: str,
+        range_end: bytes,
+        start_revision: int,
+        *,
+        prev_kv: bool,
+        on_created: Callable[[], None] | None = None,
     ) -> None:
         self.etcd = etcd
+        self._on_created = on_created
         self._create = etcd_rpc.WatchRequest(
             create_request=etcd_rpc.WatchCreateRequest(
                 key=_b(key), range_end=range_end, start_revision=start_revision, prev_kv=prev_kv
@@ -782,6 +800,8 @@ class RangeWatch:
                     raise Compacted(int(resp.compact_revision))
                 if resp.canceled:
                     raise Unavailable(f"etcd cancelled the watch: {resp.cancel_reason}")
+                if resp.created and self._on_created is not None:
+                    self._on_created()
                 if not resp.events:
                     continue  # created, or a progress report
                 events = [

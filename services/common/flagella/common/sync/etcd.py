@@ -161,8 +161,12 @@ class EtcdSource(Generic[K, R]):
                     await asyncio.sleep(self.backoff.initial * self.backoff.rng.random())
 
     async def _watch(self) -> None:
-        async with self.etcd.watch_keys(self.start, self.range_end, self.revision + 1) as watch:
-            self.sink.set_live(True)
+        async with self.etcd.watch_keys(
+            self.start,
+            self.range_end,
+            self.revision + 1,
+            on_created=lambda: self.sink.set_live(True),
+        ) as watch:
             async for batch in watch:
                 self.backoff.reset()
                 self.sink.commit(self._updates(batch.events), batch.revision)
