@@ -116,6 +116,7 @@ class Mirror:
         self._node_subscribers: dict[str, set[Subscription]] = {}
         self._host_subscribers: set[Subscription] = set()
         self._revision_waiters: set[Subscription] = set()
+        self._node_stream_count = 0
         # Counts the changes that may touch a node's host policy.
         self.host_epoch = 0
         # The ipcache as the datapaths load it (PolicyState.ipcache), kept
@@ -290,6 +291,7 @@ class Mirror:
         """The changes that may touch the node's resolved policies."""
         sub = Subscription(self, node)
         self._node_subscribers.setdefault(node, set()).add(sub)
+        self._node_stream_count += 1
         return sub
 
     def subscribe_host(self) -> Subscription:
@@ -304,19 +306,16 @@ class Mirror:
         self._revision_waiters.discard(sub)
         if sub.node is not None:
             subs = self._node_subscribers.get(sub.node)
-            if subs is not None:
+            if subs is not None and sub in subs:
                 subs.discard(sub)
+                self._node_stream_count -= 1
                 if not subs:
                     del self._node_subscribers[sub.node]
 
     @property
-    def stream_count(self) -> int:
-        """Subscriptions open (the watch streams following the mirror)."""
-        return (
-            len(self._subscribers)
-            + len(self._host_subscribers)
-            + sum(len(s) for s in self._node_subscribers.values())
-        )
+    def node_stream_count(self) -> int:
+        """The node subscriptions open (WatchPolicy streams)."""
+        return self._node_stream_count
 
     async def wait_for(self, revision: int, *, timeout: float | None = None) -> None:
         """Returns once the local state includes revision (a write to the

@@ -12,9 +12,11 @@ The mirror wakes a node's stream only for a change that may touch them
 (Mirror.subscribe_node); the stream diffs what it sent (one content object
 per identity, shared) against the state. A revision that touches nothing of
 the node is still announced (SYNCED: a datapath waiting for it learns that
-it has all of it), at once when the stream was quiet, and otherwise at most
-once every sync_interval for all the revisions since: at 1,000 nodes, a
-SYNCED per revision per stream was most of what policy did."""
+it has all of it), at once when the stream was quiet, and otherwise once
+for all the revisions of the stream's quiet interval, which grows with the
+number of streams (so that the replica sends at most --watch-quiet-sync-rate
+such SYNCEDs a second): at 1,000 nodes, a SYNCED per revision per stream was
+most of what policy did."""
 
 from __future__ import annotations
 
@@ -62,9 +64,10 @@ class WatchCounters:
         self.built: dict[str, int] = {"ipcache": 0, "policy": 0}
 
 
-# Seconds between two SYNCEDs of a WatchPolicy stream for revisions that
-# touched nothing of its node (a revision that touches it is sent at once).
-SYNC_INTERVAL = 0.5
+# The least time between two SYNCEDs of a WatchPolicy stream for revisions
+# that touched nothing of its node (a revision that touches it is sent at
+# once): the rate across streams (--watch-quiet-sync-rate) lengthens it.
+MIN_QUIET_INTERVAL = 0.02
 
 
 def _differs(before: R | None, after: R, *, resumed: bool = False) -> bool:
@@ -144,13 +147,11 @@ class NodePolicyFeed:
     """WatchPolicy's Feed: the resolved policies of the identities the node
     references; what the client holds (sent), and the changes since."""
 
-    def __init__(
-        self, mirror: Mirror, node: str, since: int, *, sync_interval: float = SYNC_INTERVAL
-    ) -> None:
+    def __init__(self, mirror: Mirror, node: str, since: int, *, quiet_sync_rate: float) -> None:
         self.mirror = mirror
         self.node = node
         self.since = since
-        self.sync_interval = sync_interval
+        self.quiet_sync_rate = quiet_sync_rate
         self.sub = mirror.subscribe_node(node)
         self.sent: dict[int, PolicyContent] | None = None
         self.revision = 0
@@ -183,6 +184,11 @@ class NodePolicyFeed:
         else:
             candidates |= {i for i in (*sent, *on_node) if i in dirty}
         return candidates
+
+    def _quiet_interval(self) -> float:
+        """Seconds until this stream announces untouched revisions again."""
+        streams = self.mirror.node_stream_count
+        return max(MIN_QUIET_INTERVAL, streams / self.quiet_sync_rate)
 
     async def _baseline(self) -> PolicyState | None:
         """The state a client resuming from since holds, or None when it
@@ -250,7 +256,7 @@ class NodePolicyFeed:
                 # Revisions that touched nothing of the node: one SYNCED
                 # for all of them.
                 self.revision = state.revision
-                self._quiet_until = now + self.sync_interval
+                self._quiet_until = now + self._quiet_interval()
                 return Batch(state.revision, ())
             wait = None if deadline is None else max(deadline - now, 0.0)
             if now < self._quiet_until:
@@ -302,7 +308,9 @@ class Streams:
     async def watch_policy(
         self, node: str, since: int, messages: WatchMessages[int, PolicyContent, M]
     ) -> AsyncIterator[M]:
-        feed = NodePolicyFeed(self.mirror, node, since)
+        feed = NodePolicyFeed(
+            self.mirror, node, since, quiet_sync_rate=self.settings.watch_quiet_sync_rate
+        )
         try:
             # While the stream is open the node's leases stay alive.
             async with TaskGroup(f"watch-policy {node}") as tasks:
