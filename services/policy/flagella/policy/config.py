@@ -76,7 +76,7 @@ class PolicyConfig(KubeConfig):
         30.0, "seconds between SYNCED heartbeats on an idle watch stream"
     )
     watch_quiet_sync_rate: float = option(
-        2000.0,
+        1000.0,
         "SYNCEDs per second, all WatchPolicy streams together, announcing revisions that "
         "touch nothing of a stream's node (a quiet stream still announces one at once; "
         "a revision touching the node is always sent at once)",
