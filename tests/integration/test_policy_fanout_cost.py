@@ -85,6 +85,32 @@ async def test_one_change_is_built_once_for_every_stream(etcd: EtcdServer, spawn
         assert all(st.state["10.0.0.9"][0] == web for st in ipcaches)
         assert built(proc, "ipcache") - before == 1
 
+        # A burst of entries to a stream that batches: a few messages, in
+        # which each entry is built once (shared with the other streams).
+        batching = watch_ipcache(s, batch_events=True)
+        streams.append(batching)
+        await batching.until_synced()
+        events = batching.events
+        before = built(proc, "ipcache")
+        upserts = await asyncio.gather(
+            *(
+                s.UpsertIPCache(
+                    pb.UpsertIPCacheRequest(
+                        entry=pb.IPCacheEntry(
+                            prefix=f"10.0.1.{i}", identity=web, node="n1", host_ip="192.0.2.2"
+                        )
+                    )
+                )
+                for i in range(NODES)
+            )
+        )
+        rev = max(u.entry.revision for u in upserts)
+        await asyncio.gather(batching.until_synced(rev), *(st.until_synced(rev) for st in ipcaches))
+        assert all(f"10.0.1.{i}" in st.state for st in (batching, *ipcaches) for i in range(NODES))
+        assert batching.events - events < NODES, batching.kinds[-NODES:]
+        assert pb.EVENT_KIND_BATCH in batching.kinds
+        assert built(proc, "ipcache") - before == NODES
+
         # web's policy changes: one message for the 30 nodes holding web;
         # the node that holds only db is sent no policy.
         before = built(proc, "policy")

@@ -11,7 +11,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from flagella.api.policy.v1 import policy_pb2 as pb
 from flagella.common.errors import InvalidArgument
-from flagella.common.sync import Change, MessageCache
+from flagella.common.sync import Batching, Change, MessageCache
 from flagella.policy.allocator import IdentityView
 from flagella.policy.fqdncache import Selection
 from flagella.policy.hostpolicy import HOST_IDENTITY, HostPolicy
@@ -589,6 +589,19 @@ class IPCacheMessages:
 
     def synced(self, revision: int) -> pb.IPCacheEvent:
         return pb.IPCacheEvent(kind=pb.EVENT_KIND_SYNCED, revision=revision)
+
+
+def batch_ipcache_events(events: list[pb.IPCacheEvent]) -> pb.IPCacheEvent:
+    """A BATCH message of events, at the revision of the last."""
+    return pb.IPCacheEvent(kind=pb.EVENT_KIND_BATCH, revision=events[-1].revision, events=events)
+
+
+# WatchIPCache with batch_events: changes gather for 50 ms after some were
+# sent (a burst of pod starts is a few messages per stream, not one each; a
+# lone change still goes at once).
+IPCACHE_BATCHING = Batching(
+    wrap=batch_ipcache_events, size=lambda event: event.ByteSize(), linger=0.05
+)
 
 
 def ipcache_slot(key: IPCacheKey) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import TypeVar
 
-from flagella.common.sync import WatchMessages
+from flagella.common.sync import Batching, WatchMessages
 from flagella.common.tasks import TaskGroup
 from flagella.policy.allocator import Allocation, IdentityAllocator, IdentityView
 from flagella.policy.fqdncache import CacheFilter, FqdnCache, Selection
@@ -206,9 +206,12 @@ class PolicyService:
     # --- watch streams ---
 
     def watch_ipcache(
-        self, since: int, messages: WatchMessages[str, IPEntry, M]
+        self,
+        since: int,
+        messages: WatchMessages[str, IPEntry, M],
+        batching: Batching[M] | None = None,
     ) -> AsyncIterator[M]:
-        return self.streams.watch_ipcache(since, messages)
+        return self.streams.watch_ipcache(since, messages, batching)
 
     def watch_policy(
         self, node: str, since: int, messages: WatchMessages[int, PolicyContent, M]

@@ -16,6 +16,7 @@ from flagella.common.errors import InvalidArgument
 from flagella.common.portnames import protocol_name
 from flagella.common.sync import MessageCache
 from flagella.policy.convert import (
+    IPCACHE_BATCHING,
     PROTOCOLS,
     ContentCache,
     IPCacheMessages,
@@ -179,7 +180,8 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         if request.since_revision < 0:
             raise InvalidArgument("must not be negative", field="since_revision")
         messages = IPCacheMessages(self.ipcache_events, self.service.watch_counters)
-        async for event in self.service.watch_ipcache(request.since_revision, messages):
+        batching = IPCACHE_BATCHING if request.batch_events else None
+        async for event in self.service.watch_ipcache(request.since_revision, messages, batching):
             yield event
 
     # --- FQDN cache ---

@@ -29,6 +29,7 @@ from flagella.common.errors import Unavailable
 from flagella.common.etcd import Compacted, FutureRevision
 from flagella.common.sync import (
     Batch,
+    Batching,
     Change,
     Feed,
     Subscription,
@@ -299,11 +300,13 @@ class Streams:
         self.leases = leases
         self.settings = settings
 
-    async def watch_ipcache(
-        self, since: int, messages: WatchMessages[str, IPEntry, M]
+    def watch_ipcache(
+        self,
+        since: int,
+        messages: WatchMessages[str, IPEntry, M],
+        batching: Batching[M] | None = None,
     ) -> AsyncIterator[M]:
-        async for event in self._serve(IPCacheFeed(self.mirror, since), messages, since):
-            yield event
+        return self._serve(IPCacheFeed(self.mirror, since), messages, since, batching)
 
     async def watch_policy(
         self, node: str, since: int, messages: WatchMessages[int, PolicyContent, M]
@@ -321,7 +324,11 @@ class Streams:
             feed.close()
 
     def _serve(
-        self, feed: Feed[K, R], messages: WatchMessages[K, R, M], since: int
+        self,
+        feed: Feed[K, R],
+        messages: WatchMessages[K, R, M],
+        since: int,
+        batching: Batching[M] | None = None,
     ) -> AsyncIterator[M]:
         return serve_watch(
             feed,
@@ -330,4 +337,5 @@ class Streams:
             heartbeat=self.settings.watch_heartbeat,
             sync_batches=True,
             acknowledge_resume=False,
+            batching=batching,
         )
