@@ -14,14 +14,13 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from harness import probe
-from harness.cluster import Cluster, Node
 from harness.cni import check_result, cni, netconf
 from harness.kube_api import POLICY_KINDS, KubeListWatchServer, k8s_policy
+from harness.kube_cluster import KubeEnv, kube_cluster
 from harness.netns import wait_until
 from harness.probe import Pod, Probe
 
@@ -33,29 +32,61 @@ PORT = 8080
 WITHIN_S = 1.0
 
 
-@pytest.fixture
-def kube_api() -> Iterator[KubeListWatchServer]:
-    with KubeListWatchServer() as server:
-        yield server
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeEnv]:
+    """One cluster for the module (its set-up is most of a test's time);
+    each test leaves it with no policy (the `pods` fixture)."""
+    with kube_cluster(tmp_path_factory.mktemp("k8s-policy"), {"shop": {}}) as env:
+        yield env
 
 
-@pytest.fixture
-def node(cluster: Cluster, kube_api: KubeListWatchServer, tmp_path: Path) -> Node:
-    kubeconfig = kube_api.write_kubeconfig(tmp_path / "kubeconfig")
-    policy = ["--kubeconfig", str(kubeconfig), "--leader-lease-duration", "2",
-              "--leader-renew-deadline", "1.5", "--leader-retry-period", "0.25"]  # fmt: skip
-    cluster.start(services=("ipam", "policy", "lb", "endpoint"), extra={"policy": policy})
-    return cluster.add_node("n1")
-
-
-def add_pod(cluster: Cluster, node: Node, name: str) -> Pod:
-    ns = cluster.pod(node, name)
-    conf = netconf(node.cni_socket, {"app": name})
+def add_pod(env: KubeEnv, name: str) -> Pod:
+    """The Pod in the API server, then its CNI ADD (labels read from there)."""
+    env.kube_api.apply(
+        "pods",
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"namespace": "shop", "name": name, "labels": {"app": name}},
+            "spec": {"nodeName": env.node.name, "serviceAccountName": "default"},
+        },
+    )
+    ns = env.cluster.pod(env.node, name)
+    conf = netconf(env.node.cni_socket, kubernetes=True)
     rc, result = cni("ADD", conf, container_id=f"ctr-{name}", netns=ns.path, pod=("shop", name))
     assert rc == 0, result
-    cidrs = cluster.ipam().GetNode(ipam_pb2.GetNodeRequest(name=node.name), timeout=10).pod_cidrs
+    cidrs = env.cluster.ipam().GetNode(ipam_pb2.GetNodeRequest(name=env.node.name)).pod_cidrs
     cidr = next(c for c in cidrs if ":" not in c)
     return Pod(name, ns, check_result(result, netns=ns.path, ifname="eth0", pod_cidr=cidr))
+
+
+@pytest.fixture(scope="module")
+def module_pods(env: KubeEnv) -> tuple[Pod, Pod, Pod]:
+    frontend, backend, other = (add_pod(env, n) for n in ("frontend", "backend", "other"))
+    backend.ns.serve("tcp", PORT, "backend")
+    assert wait_until(lambda: other.ns.request("tcp", backend.ip, PORT, timeout=1) is not None)
+    return frontend, backend, other
+
+
+@pytest.fixture
+def kube_api(env: KubeEnv) -> KubeListWatchServer:
+    return env.kube_api
+
+
+@pytest.fixture
+def pods(env: KubeEnv, module_pods: tuple[Pod, Pod, Pod]) -> Iterator[tuple[Pod, Pod, Pod]]:
+    """The module's pods; after the test, every policy object it left is
+    deleted and both clients reach backend again."""
+    yield module_pods
+    frontend, backend, other = module_pods
+    for resource, _ in POLICY_KINDS.values():
+        for obj in env.kube_api.list(resource):
+            meta = obj["metadata"]
+            env.kube_api.delete(resource, meta.get("namespace", ""), meta["name"])
+    for client in (frontend, other):
+        assert wait_until(
+            lambda c=client: c.ns.request("tcp", backend.ip, PORT, timeout=1) is not None, 10
+        ), f"{client.name} still cut off from backend after the test's policies were deleted"
 
 
 def spec(kind: str, allowed: str) -> dict[str, Any]:
@@ -79,14 +110,6 @@ def spec(kind: str, allowed: str) -> dict[str, Any]:
             }
         ],
     }
-
-
-@pytest.fixture
-def pods(cluster: Cluster, node: Node) -> tuple[Pod, Pod, Pod]:
-    frontend, backend, other = (add_pod(cluster, node, n) for n in ("frontend", "backend", "other"))
-    backend.ns.serve("tcp", PORT, "backend")
-    assert wait_until(lambda: other.ns.request("tcp", backend.ip, PORT, timeout=1) is not None)
-    return frontend, backend, other
 
 
 def probing(
