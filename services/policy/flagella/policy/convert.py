@@ -596,11 +596,11 @@ def batch_ipcache_events(events: list[pb.IPCacheEvent]) -> pb.IPCacheEvent:
     return pb.IPCacheEvent(kind=pb.EVENT_KIND_BATCH, revision=events[-1].revision, events=events)
 
 
-# WatchIPCache with batch_events: changes gather for 50 ms after some were
+# WatchIPCache with batch_events: changes gather for 0.1 s after some were
 # sent (a burst of pod starts is a few messages per stream, not one each; a
 # lone change still goes at once).
 IPCACHE_BATCHING = Batching(
-    wrap=batch_ipcache_events, size=lambda event: event.ByteSize(), linger=0.05
+    wrap=batch_ipcache_events, size=lambda event: event.ByteSize(), linger=0.1
 )
 
 

@@ -642,7 +642,7 @@ class WatchIPCacheRequest(_message.Message):
     since_revision: _builtins.int
     batch_events: _builtins.bool
     """Send a batch's UPSERTs and DELETEs several to a message (kind BATCH,
-    in `events`), and let changes gather for 50 ms after sending some: a
+    in `events`), and let changes gather for 0.1 s after sending some: a
     burst of pod starts reaches each node as a few messages, not one each.
     """
     def __init__(
