@@ -220,9 +220,18 @@ class IdentityChurn:
         figures["policy_gc_pause_p99_ms"] = 1e3 * histogram_quantile(
             before[0], after[0], gc_name, 0.99
         )
+        # etcd's database at the end, and where a slow commit of its
+        # backend went (bbolt's rebalance, spill and write phases).
+        figures["etcd_db_mib"] = round(
+            value(after[1], "etcd_mvcc_db_total_size_in_bytes") / 2**20, 1
+        )
         for name, metric in (
             ("wal_fsync", "etcd_disk_wal_fsync_duration_seconds"),
             ("backend_commit", "etcd_disk_backend_commit_duration_seconds"),
+            ("commit_rebalance", "etcd_debugging_disk_backend_commit_rebalance_duration_seconds"),
+            ("commit_spill", "etcd_debugging_disk_backend_commit_spill_duration_seconds"),
+            ("commit_write", "etcd_debugging_disk_backend_commit_write_duration_seconds"),
+            ("apply", "etcd_server_apply_duration_seconds"),
         ):
             figures[f"etcd_{name}_p99_ms"] = 1e3 * histogram_quantile(
                 before[1], after[1], metric, 0.99
