@@ -21,7 +21,7 @@ from harness.cluster import Cluster
 
 from flagella.api.datapath.v1 import datapath_pb2, datapath_pb2_grpc
 
-pytestmark = [pytest.mark.integration, pytest.mark.privileged]
+pytestmark = [pytest.mark.integration, pytest.mark.privileged, pytest.mark.beside_kernel]
 
 #: Maps whose entries move without a call: packet counters (any packet on
 #: the node's uplink, a neighbour solicitation, counts).

@@ -206,9 +206,32 @@ class IdentityChurn:
                 0.99,
                 action=action,
             )
+        # The policy process's own stalls: its full garbage collections.
+        gc_name, full = "flagella_python_gc_pause_seconds", {"generation": "2"}
+
+        def delta(sample: str, **labels: str) -> float:
+            return value(after[0], sample, **labels) - value(before[0], sample, **labels)
+
+        figures["policy_full_gc_count"] = delta(f"{gc_name}_count", **full)
+        figures["policy_full_gc_over_50ms_count"] = delta(f"{gc_name}_count", **full) - delta(
+            f"{gc_name}_bucket", le="0.05", **full
+        )
+        figures["policy_full_gc_total_ms"] = round(1e3 * delta(f"{gc_name}_sum", **full), 1)
+        figures["policy_gc_pause_p99_ms"] = 1e3 * histogram_quantile(
+            before[0], after[0], gc_name, 0.99
+        )
+        # etcd's database at the end, and where a slow commit of its
+        # backend went (bbolt's rebalance, spill and write phases).
+        figures["etcd_db_mib"] = round(
+            value(after[1], "etcd_mvcc_db_total_size_in_bytes") / 2**20, 1
+        )
         for name, metric in (
             ("wal_fsync", "etcd_disk_wal_fsync_duration_seconds"),
             ("backend_commit", "etcd_disk_backend_commit_duration_seconds"),
+            ("commit_rebalance", "etcd_debugging_disk_backend_commit_rebalance_duration_seconds"),
+            ("commit_spill", "etcd_debugging_disk_backend_commit_spill_duration_seconds"),
+            ("commit_write", "etcd_debugging_disk_backend_commit_write_duration_seconds"),
+            ("apply", "etcd_server_apply_duration_seconds"),
         ):
             figures[f"etcd_{name}_p99_ms"] = 1e3 * histogram_quantile(
                 before[1], after[1], metric, 0.99

@@ -33,7 +33,7 @@ from flagella.api.lb.v1 import lb_pb2
 from flagella.api.policy.v1 import policy_pb2
 from flagella.api.relay.v1 import relay_pb2, relay_pb2_grpc
 
-pytestmark = [pytest.mark.privileged, pytest.mark.integration]
+pytestmark = [pytest.mark.privileged, pytest.mark.integration, pytest.mark.beside_kernel]
 
 CLI = str(Path(sys.executable).parent / "flagella")
 HUBBLE_FLOW = jsonschema.Draft202012Validator(

@@ -34,7 +34,7 @@ from flagella.api.lb.v1 import lb_pb2
 from flagella.api.policy.v1 import policy_pb2
 from flagella.datapath.cgroups import cgroup2_root
 
-pytestmark = [pytest.mark.privileged, pytest.mark.integration]
+pytestmark = [pytest.mark.privileged, pytest.mark.integration, pytest.mark.beside_kernel]
 
 CLI = str(Path(sys.executable).parent / "flagella")
 HISTORY = 4

@@ -69,6 +69,12 @@ def test_pools_and_assignment(replicas: tuple[EtcdServer, LbClient, LbClient]) -
     invalid(a, "UpsertLbIpPool", pool("bad", "198.51.100.1/30"), "pool.blocks[0].cidr")
     invalid(a, "UpsertLbIpPool", pool("bad", "198.51.100.9-198.51.100.1"), "pool.blocks[0]")
     invalid(a, "UpsertLbIpPool", pool("bad name!", "198.51.100.0/30"), "pool.name")
+    invalid(
+        a,
+        "UpsertLbIpPool",
+        pool("bad", "198.51.100.0/30", service_selector={"not a key": "x"}),
+        "pool.service_selector[not a key]",
+    )
     assert etcd_dump(etcd) == before
     assert a.stub.UpsertLbIpPool(pool("small", "198.51.100.0/30"), timeout=10).created
     invalid(b, "UpsertLbIpPool", pool("over", "198.51.100.2-198.51.100.9"), "pool.blocks[0]")

@@ -81,6 +81,10 @@ def test_a_service_counts_its_grpc_calls_by_method_and_code_on_its_metrics_port(
     assert value(text, "process_cpu_seconds_total") > 0
     assert value(text, "process_resident_memory_bytes") > 0
     assert value(text, "python_info") == 1
+    # The interpreter's collections, timed (a service that started has
+    # collected its youngest generation many times).
+    assert value(text, "flagella_python_gc_pause_seconds_count", generation="0") > 0
+    assert value(text, "flagella_python_gc_pause_seconds_sum", generation="0") > 0
     check_documented(text)
     # No label carries anything unbounded (addresses, names from requests).
     for (_name, labels), _v in samples(text).items():

@@ -45,6 +45,9 @@ def test_pool_validation_names_the_field() -> None:
         (("p", [("224.0.0.0/30", "", "")], {}), "pool.blocks[0].cidr"),
         (("p", [], {}), "pool.blocks"),
         (("", [("10.0.0.0/30", "", "")], {}), "pool.name"),
+        (("p", [("10.0.0.0/30", "", "")], {"no spaces": "x"}), "pool.service_selector[no spaces]"),
+        (("p", [("10.0.0.0/30", "", "")], {"a/b/c": "x"}), "pool.service_selector[a/b/c]"),
+        (("p", [("10.0.0.0/30", "", "")], {"app": "not a value"}), "pool.service_selector[app]"),
     ]
     for (name, blocks, sel), field in cases:
         with pytest.raises(InvalidArgument) as err:

@@ -4,6 +4,7 @@ logic, the bounded CNI labels, start-up phases (flagella.common.metrics)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import pytest
 
@@ -64,3 +65,43 @@ def test_a_start_up_phase_is_timed_with_its_outcome_and_named_in_snake_case() ->
     assert count("serving", "success") == 1
     with pytest.raises(ValueError, match="lower case"), m.bootstrap.phase("Maps Loaded"):
         pass
+
+
+def test_each_garbage_collection_is_timed_by_generation_while_installed() -> None:
+    m = Metrics("test")
+    m.gc_pauses.install()
+    try:
+        before = m.registry.get_sample_value(
+            "flagella_python_gc_pause_seconds_count", {"generation": "2"}
+        )
+        # A heap with many tracked objects: the full collection takes time.
+        heap = [[i] for i in range(200_000)]
+        gc.collect()
+        gc.collect(0)
+        del heap
+    finally:
+        m.gc_pauses.uninstall()
+
+    def sample(name: str, generation: str) -> float:
+        got = m.registry.get_sample_value(name, {"generation": generation})
+        assert got is not None
+        return got
+
+    assert before is not None
+    assert sample("flagella_python_gc_pause_seconds_count", "2") >= before + 1
+    assert sample("flagella_python_gc_pause_seconds_count", "0") >= 1
+    assert sample("flagella_python_gc_pause_seconds_sum", "2") > 0.0
+    full = sample("flagella_python_gc_pause_seconds_count", "2")
+    gc.collect()  # uninstalled: no longer counted
+    assert sample("flagella_python_gc_pause_seconds_count", "2") == full
+    # Buckets are cumulative and end with every collection.
+    bounds = [
+        sample_value
+        for metric in m.registry.collect()
+        if metric.name == "flagella_python_gc_pause_seconds"
+        for s in metric.samples
+        if s.name.endswith("_bucket") and s.labels["generation"] == "2"
+        for sample_value in [s.value]
+    ]
+    assert bounds == sorted(bounds)
+    assert bounds[-1] == full

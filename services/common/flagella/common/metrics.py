@@ -13,7 +13,9 @@ Label values are method names and codes only: bounded, whatever the traffic.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
+import gc
 import logging
 import re
 import time
@@ -30,7 +32,7 @@ from prometheus_client import (
     ProcessCollector,
     disable_created_metrics,
 )
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import choose_encoder
 
 from flagella.common.handlers import WrappingInterceptor, rewrap
@@ -226,6 +228,57 @@ def outcome_family(
     return family
 
 
+# A young collection takes microseconds; a full one over a large heap
+# (a policy replica holding 50,000 identities) can stall the event loop.
+GC_PAUSE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class GcPauses:
+    """How long each of the interpreter's garbage collections held the
+    process, by generation: a stalled event loop shows up here, not in
+    prometheus_client's collection counts. The callback only adds to plain
+    lists (it runs inside an allocation: no lock may be taken there); the
+    histogram is built at scrape time."""
+
+    def __init__(self) -> None:
+        self._started = 0.0
+        size = len(GC_PAUSE_BUCKETS) + 1
+        self._counts = [[0] * size for _ in range(3)]
+        self._sums = [0.0, 0.0, 0.0]
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        took = time.perf_counter() - self._started
+        generation = min(info.get("generation", 2), 2)
+        self._counts[generation][bisect.bisect_left(GC_PAUSE_BUCKETS, took)] += 1
+        self._sums[generation] += took
+
+    def install(self) -> None:
+        if self._callback not in gc.callbacks:
+            gc.callbacks.append(self._callback)
+
+    def uninstall(self) -> None:
+        with contextlib.suppress(ValueError):
+            gc.callbacks.remove(self._callback)
+
+    def collect(self) -> list[HistogramMetricFamily]:
+        family = HistogramMetricFamily(
+            "flagella_python_gc_pause_seconds",
+            "Time each garbage collection of the interpreter held the process, by generation.",
+            labels=["generation"],
+        )
+        for generation in range(3):
+            counts, total = list(self._counts[generation]), 0
+            buckets = []
+            for bound, count in zip((*map(str, GC_PAUSE_BUCKETS), "+Inf"), counts, strict=True):
+                total += count
+                buckets.append((bound, total))
+            family.add_metric([str(generation)], buckets, self._sums[generation])
+        return [family]
+
+
 class Metrics:
     """The metrics of one process (held by its Runtime)."""
 
@@ -238,6 +291,10 @@ class Metrics:
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         self.registry.register(GC_COLLECTOR)
+        # Installed by the process's entry point (gc.callbacks is the
+        # interpreter's, not this object's).
+        self.gc_pauses = GcPauses()
+        self.registry.register(self.gc_pauses)
         self.server = GrpcMetrics("server", self.registry)
         self.client = GrpcMetrics("client", self.registry)
         self.kvstore = KvstoreMetrics(self.registry)

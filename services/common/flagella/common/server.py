@@ -671,10 +671,13 @@ def main(
         )
         await serve(runtime, make_service(runtime))
 
+    metrics.gc_pauses.install()
     try:
         asyncio.run(run())
     except FatalError as exc:
         log.error("start-up failed", extra={"reason": str(exc)})
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 1
+    finally:
+        metrics.gc_pauses.uninstall()
     return 0

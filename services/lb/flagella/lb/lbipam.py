@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flagella.common.errors import InvalidArgument
-from flagella.lb.selector import Requirement
+from flagella.lb.selector import Requirement, build_selector
 
 NAMESPACE_LABEL = "io.kubernetes.service.namespace"
 CONDITION_TYPE = "io.cilium/lb-ipam-request-satisfied"
@@ -366,10 +366,9 @@ def validate_pool(
             if block.overlaps(earlier):
                 raise InvalidArgument(f"overlaps pool.blocks[{j}]", field=where)
         parsed.append(block)
-    for key in selector:
-        if not key or len(key) > 317:
-            raise InvalidArgument(f"{key!r} is not a label key", field="pool.service_selector")
-    return Pool(name, tuple(parsed), tuple(sorted(selector.items())), disabled)
+    # Keys and values as Kubernetes labels (the field names the key).
+    labels, _ = build_selector(selector, (), "pool", labels_field="service_selector")
+    return Pool(name, tuple(parsed), labels, disabled)
 
 
 def overlap(pool: Pool, others: Sequence[Pool]) -> InvalidArgument | None:
