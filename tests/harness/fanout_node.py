@@ -191,7 +191,9 @@ class Node:
         self._stream(
             tasks,
             "ipcache",
-            lambda since: policy.WatchIPCache(policy_pb2.WatchIPCacheRequest(since_revision=since)),
+            lambda since: policy.WatchIPCache(
+                policy_pb2.WatchIPCacheRequest(since_revision=since, batch_events=True)
+            ),
             IPCacheEntryCodec(),
             acknowledges_resume=False,
         )

@@ -100,6 +100,9 @@ class StreamReader:
                     self.synced = ev.revision
                     if ev.revision >= revision:
                         return
+                elif ev.kind == pb.EVENT_KIND_BATCH:
+                    for inner in ev.events:
+                        self.apply(inner)
                 else:
                     self.apply(ev)
 
@@ -152,5 +155,9 @@ def watch_policy(s: pbg.PolicyServiceStub, node: str, since: int = 0) -> PolicyS
     return PolicyStream(s.WatchPolicy(pb.WatchPolicyRequest(node=node, since_revision=since)))
 
 
-def watch_ipcache(s: pbg.PolicyServiceStub, since: int = 0) -> IPCacheStream:
-    return IPCacheStream(s.WatchIPCache(pb.WatchIPCacheRequest(since_revision=since)))
+def watch_ipcache(
+    s: pbg.PolicyServiceStub, since: int = 0, *, batch_events: bool = False
+) -> IPCacheStream:
+    return IPCacheStream(
+        s.WatchIPCache(pb.WatchIPCacheRequest(since_revision=since, batch_events=batch_events))
+    )

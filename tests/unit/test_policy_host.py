@@ -179,3 +179,31 @@ def test_host_labels_are_the_nodes_labels_and_reserved_host() -> None:
     }
     with pytest.raises(LabelError):
         host_info({"bad key": "x"})
+
+
+def test_a_change_says_whether_it_may_touch_a_host_policy() -> None:
+    """Host policy streams wake only on Change.host: a host rule, or a peer
+    a host rule selects; not a pod rule, nor an identity no host rule names."""
+    w = world()
+    assert w.last_change.host  # the host rule came
+    w.pod("db", "shop", app="db")
+    assert not w.last_change.host
+    w.pod("monitor-2", "ops", app="monitor")
+    assert w.last_change.host  # a peer of the host rule
+    w.rules(
+        """---
+apiVersion: flagella.io/v1
+kind: FlagellaNetworkPolicy
+metadata: {name: web, namespace: shop}
+spec:
+  endpointSelector: {matchLabels: {app: web}}
+  ingress: [{fromEndpoints: [{matchLabels: {app: db}}]}]
+"""
+    )
+    assert not w.last_change.host
+    w.reference(w.names["web"], "n1")
+    assert not w.last_change.host
+    w.delete_rule("ssh-from-admins")
+    assert w.last_change.host
+    w.pod("monitor-3", "ops", app="monitor")
+    assert not w.last_change.host  # no host rule selects it any more

@@ -128,7 +128,7 @@ class DatapathApp:
             ipcache, ipcache_source = self._stream(
                 "ipcache",
                 lambda since: policy.WatchIPCache(
-                    policy_pb2.WatchIPCacheRequest(since_revision=since)
+                    policy_pb2.WatchIPCacheRequest(since_revision=since, batch_events=True)
                 ),
                 IPCacheEntryCodec(),
                 acknowledges_resume=False,  # policy's streams answer with the changes alone

@@ -31,6 +31,7 @@ def settings_of(cfg: PolicyConfig) -> Settings:
         k8s_ipblocks=cfg.k8s_ipblock_mode == "kubernetes",
         label_filter=cfg.identity_label_filter,
         watch_heartbeat=cfg.watch_heartbeat,
+        watch_quiet_sync_rate=cfg.watch_quiet_sync_rate,
         wait_timeout=max(cfg.etcd_timeout * 2, 5.0),
         watch_history=cfg.watch_history,
     )

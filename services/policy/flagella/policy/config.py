@@ -75,6 +75,12 @@ class PolicyConfig(KubeConfig):
     watch_heartbeat: float = option(
         30.0, "seconds between SYNCED heartbeats on an idle watch stream"
     )
+    watch_quiet_sync_rate: float = option(
+        1000.0,
+        "SYNCEDs per second, all WatchPolicy streams together, announcing revisions that "
+        "touch nothing of a stream's node (a quiet stream still announces one at once; "
+        "a revision touching the node is always sent at once)",
+    )
     kubernetes_policy_kinds: tuple[str, ...] = option(
         POLICY_KIND_NAMES,
         "with --kubeconfig: the policy kinds to follow (leave out a kind whose CRD the "
@@ -94,6 +100,8 @@ class PolicyConfig(KubeConfig):
             raise ConfigError("--policy-map-max-entries", "must be positive")
         if self.watch_heartbeat <= 0:
             raise ConfigError("--watch-heartbeat", "must be positive")
+        if self.watch_quiet_sync_rate <= 0:
+            raise ConfigError("--watch-quiet-sync-rate", "must be positive")
         if self.kubeconfig and not self.kubernetes_policy_kinds:
             raise ConfigError("--kubernetes-policy-kinds", "name at least one kind")
         try:

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from flagella.api.policy.v1 import policy_pb2 as pb
 from flagella.common.errors import InvalidArgument
+from flagella.common.sync import Batching, Change, MessageCache
 from flagella.policy.allocator import IdentityView
 from flagella.policy.fqdncache import Selection
 from flagella.policy.hostpolicy import HOST_IDENTITY, HostPolicy
@@ -54,7 +55,7 @@ from flagella.policy.rules.model import (
 from flagella.policy.runtimeconfig import ConfigEvent, ConfigView
 from flagella.policy.selector import Entity
 from flagella.policy.state import FqdnEntry, IPEntry
-from flagella.policy.streams import EventKind, IPCacheEvent, PolicyEvent
+from flagella.policy.streams import EventKind, WatchCounters
 from flagella.policy.validation import check_fqdn_endpoint, check_fqdn_ips, check_fqdn_ttl
 
 _EVENT_KINDS = {
@@ -531,24 +532,147 @@ def ip_entry_pb(e: IPEntry) -> pb.IPCacheEntry:
     )
 
 
-def ip_event_pb(ev: IPCacheEvent) -> pb.IPCacheEvent:
-    out = pb.IPCacheEvent(kind=_EVENT_KINDS[ev.kind], revision=ev.revision)
-    if ev.entry is not None:
-        out.entry.CopyFrom(ip_entry_pb(ev.entry))
-    elif ev.prefix:
-        out.entry.prefix = ev.prefix
-    return out
+class Same:
+    """A key part that is one object (compared by identity, hashed by id:
+    a resolved content's own hash walks all of it). It keeps the object
+    alive while the key is cached, so the id cannot be reused meanwhile."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: object) -> None:
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Same) and other.obj is self.obj
 
 
-def policy_event_pb(ev: PolicyEvent, cache: ContentCache | None = None) -> pb.PolicyEvent:
-    out = pb.PolicyEvent(kind=_EVENT_KINDS[ev.kind], identity=ev.identity, revision=ev.revision)
-    if ev.policy is not None:
-        c = ev.policy.content
-        out.policy.MergeFromString(cache.get(c) if cache is not None else content_bytes(c))
-        out.policy.identity = ev.policy.identity
-        out.policy.revision = ev.policy.revision
-        if ev.revision_time:
-            out.policy.revision_time.FromNanoseconds(int(ev.revision_time * 1e9))
+IPCacheKey = tuple[IPEntry, int]
+PolicyKey = tuple[int, int, Hashable]
+
+
+class IPCacheMessages:
+    """WatchIPCache's messages (serve_watch's WatchMessages); an UPSERT is
+    built once for every stream (cache: the entry and the revision of its
+    change, each prefix's newest)."""
+
+    def __init__(self, cache: MessageCache[IPCacheKey, pb.IPCacheEvent], counters: WatchCounters):
+        self.cache = cache
+        self.counters = counters
+
+    def reset(self, revision: int) -> pb.IPCacheEvent:
+        return pb.IPCacheEvent(kind=pb.EVENT_KIND_RESET, revision=revision)
+
+    async def upsert(self, change: Change[str, IPEntry]) -> pb.IPCacheEvent:
+        assert change.record is not None
+        key = (change.record, change.revision)
+        event = self.cache.get(key)
+        if event is None:
+            event = pb.IPCacheEvent(
+                kind=pb.EVENT_KIND_UPSERT,
+                revision=change.revision,
+                entry=ip_entry_pb(change.record),
+            )
+            self.cache.put(key, event)
+            self.counters.built["ipcache"] += 1
+        return event
+
+    async def delete(self, change: Change[str, IPEntry]) -> pb.IPCacheEvent:
+        # A DELETE names the prefix only.
+        return pb.IPCacheEvent(
+            kind=pb.EVENT_KIND_DELETE,
+            revision=change.revision,
+            entry=pb.IPCacheEntry(prefix=change.key),
+        )
+
+    def synced(self, revision: int) -> pb.IPCacheEvent:
+        return pb.IPCacheEvent(kind=pb.EVENT_KIND_SYNCED, revision=revision)
+
+
+def batch_ipcache_events(events: list[pb.IPCacheEvent]) -> pb.IPCacheEvent:
+    """A BATCH message of events, at the revision of the last."""
+    return pb.IPCacheEvent(kind=pb.EVENT_KIND_BATCH, revision=events[-1].revision, events=events)
+
+
+# WatchIPCache with batch_events: changes gather for 0.1 s after some were
+# sent (a burst of pod starts is a few messages per stream, not one each; a
+# lone change still goes at once).
+IPCACHE_BATCHING = Batching(
+    wrap=batch_ipcache_events, size=lambda event: event.ByteSize(), linger=0.1
+)
+
+
+def ipcache_slot(key: IPCacheKey) -> str:
+    return key[0].prefix
+
+
+class PolicyMessages:
+    """WatchPolicy's messages; an UPSERT (an identity's resolved policy at
+    the revision of the change that sent it) is built once for every node
+    that holds the identity (cache: identity, revision, content object)."""
+
+    def __init__(
+        self,
+        cache: MessageCache[PolicyKey, pb.PolicyEvent],
+        contents: ContentCache,
+        commit_time: Callable[[int], float],
+        counters: WatchCounters,
+    ) -> None:
+        self.cache = cache
+        self.contents = contents
+        self.commit_time = commit_time
+        self.counters = counters
+
+    def reset(self, revision: int) -> pb.PolicyEvent:
+        return pb.PolicyEvent(kind=pb.EVENT_KIND_RESET, revision=revision)
+
+    async def upsert(self, change: Change[int, PolicyContent]) -> pb.PolicyEvent:
+        content = change.record
+        assert content is not None
+        key = (change.key, change.revision, Same(content))
+        event = self.cache.get(key)
+        if event is None:
+            event = policy_event_pb(
+                change.key,
+                change.revision,
+                content,
+                self.commit_time(change.revision),
+                self.contents,
+            )
+            self.cache.put(key, event)
+            self.counters.built["policy"] += 1
+        return event
+
+    async def delete(self, change: Change[int, PolicyContent]) -> pb.PolicyEvent:
+        return pb.PolicyEvent(
+            kind=pb.EVENT_KIND_DELETE, identity=change.key, revision=change.revision
+        )
+
+    def synced(self, revision: int) -> pb.PolicyEvent:
+        return pb.PolicyEvent(kind=pb.EVENT_KIND_SYNCED, revision=revision)
+
+
+def policy_slot(key: PolicyKey) -> int:
+    return key[0]
+
+
+def policy_event_pb(
+    identity: int,
+    revision: int,
+    content: PolicyContent,
+    revision_time: float = 0.0,
+    cache: ContentCache | None = None,
+) -> pb.PolicyEvent:
+    """An UPSERT of an identity's resolved policy; revision_time: Unix time
+    the revision was committed (0: unknown)."""
+    out = pb.PolicyEvent(kind=pb.EVENT_KIND_UPSERT, identity=identity, revision=revision)
+    out.policy.MergeFromString(cache.get(content) if cache is not None else content_bytes(content))
+    out.policy.identity = identity
+    out.policy.revision = revision
+    if revision_time:
+        out.policy.revision_time.FromNanoseconds(int(revision_time * 1e9))
     return out
 
 

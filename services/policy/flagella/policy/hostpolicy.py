@@ -68,30 +68,49 @@ class HostPolicy:
         )
 
 
-def resolve_host(mirror: Mirror, node: str, labels: Labels) -> HostPolicy:
-    state = mirror.state
-    found = state.resolver.host_content(host_info(dict(labels)))
-    if found is None:
-        return HostPolicy(node, state.revision, None, labels)
-    content, rules = found
-    return HostPolicy(node, state.revision, content, labels, tuple(sorted(rules)))
+class HostPolicies:
+    """The host policies of the nodes' label sets, each resolved once per
+    change of the host rules or of what they select (Mirror.host_epoch),
+    however many nodes share the labels; and the streams of them, woken
+    only by such a change (Mirror.subscribe_host)."""
 
+    def __init__(self, mirror: Mirror) -> None:
+        self.mirror = mirror
+        self._epoch = -1
+        self._resolved: dict[Labels, tuple[int, PolicyContent | None, tuple[str, ...]]] = {}
 
-async def watch_host_policy(
-    mirror: Mirror, node: str, labels: Labels, *, heartbeat: float = 30.0
-) -> AsyncIterator[HostPolicy]:
-    """The host policy of the node with these labels now, then again each
-    time it changes (a rule, a peer identity), and every heartbeat seconds
-    when nothing changed (a keepalive for the stream)."""
-    sub = mirror.subscribe()
-    try:
-        last: HostPolicy | None = None
-        while True:
-            current = resolve_host(mirror, node, labels)
-            if not current.same(last):
-                last = current
-                yield current
-            if await sub.next(heartbeat) is None:
-                last = None  # idle for a heartbeat: send it again
-    finally:
-        sub.close()
+    def resolve(self, node: str, labels: Labels) -> HostPolicy:
+        mirror = self.mirror
+        if mirror.host_epoch != self._epoch:
+            self._epoch = mirror.host_epoch
+            self._resolved.clear()
+        hit = self._resolved.get(labels)
+        if hit is None:
+            state = mirror.state
+            found = state.resolver.host_content(host_info(dict(labels)))
+            if found is None:
+                hit = (state.revision, None, ())
+            else:
+                hit = (state.revision, found[0], tuple(sorted(found[1])))
+            self._resolved[labels] = hit
+        revision, content, rules = hit
+        return HostPolicy(node, revision, content, labels, rules)
+
+    async def watch(
+        self, node: str, labels: Labels, *, heartbeat: float = 30.0
+    ) -> AsyncIterator[HostPolicy]:
+        """The host policy of the node with these labels now, then again
+        each time it changes (a rule, a peer identity), and every heartbeat
+        seconds when nothing changed (a keepalive for the stream)."""
+        sub = self.mirror.subscribe_host()
+        try:
+            last: HostPolicy | None = None
+            while True:
+                current = self.resolve(node, labels)
+                if not current.same(last):
+                    last = current
+                    yield current
+                if await sub.next(heartbeat) is None:
+                    last = None  # idle for a heartbeat: send it again
+        finally:
+            sub.close()

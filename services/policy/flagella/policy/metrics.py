@@ -69,7 +69,16 @@ class PolicyCollector(Collector):
             "The etcd revision of the policy state this replica serves.",
         )
         revision.add_metric((), state.revision)
+        built = CounterMetricFamily(
+            "flagella_policy_watch_messages_built",
+            "Watch messages this replica built, by stream: each once for every stream that"
+            " sends it (a change is encoded once, not once per node).",
+            labels=("stream",),
+        )
+        for stream, count in sorted(self.service.watch_counters.built.items()):
+            built.add_metric((stream,), count)
         yield identities
+        yield built
         yield unreferenced
         yield gc_runs
         yield gc_freed

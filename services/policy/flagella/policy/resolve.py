@@ -474,6 +474,10 @@ class Resolver:
         self._dirty: set[int] = set()
         # Host policies (nodeSelector rules), by key.
         self.host_rules: dict[str, CompiledRule] = {}
+        # Whether any node's host policy may have changed since the last
+        # take_host_dirty (a host rule, or what a host rule's peer selects):
+        # the host policy streams look again only then.
+        self._host_dirty = False
 
     # --- inputs ---
 
@@ -534,6 +538,7 @@ class Resolver:
         if rule.host:
             # Selects nodes' host endpoints (host_content), no identity.
             self.host_rules[rule.key] = rule
+            self._host_dirty = True
             return set()
         self.selectors.add_user(rule.subject)
         self._rules_by_subject.setdefault(rule.subject, set()).add(rule.key)
@@ -543,6 +548,7 @@ class Resolver:
         affected: set[int] = set()
         if rule.host:
             self.host_rules.pop(rule.key, None)
+            self._host_dirty = True
         else:
             affected = set(self.selectors.selections(rule.subject))
             users = self._rules_by_subject.get(rule.subject)
@@ -570,9 +576,12 @@ class Resolver:
 
     def _peers_changed(self, selectors: Iterable[Selector], idents: Iterable[int]) -> None:
         sigs: set[frozenset[str]] = set()
+        host_rules = self.host_rules
         for sel in selectors:
             for key in self._peer_users.get(sel, ()):
                 sigs.update(self._sigs_with_rule.get(key, ()))
+                if key in host_rules:
+                    self._host_dirty = True
         if not sigs:
             return
         idents = tuple(idents)
@@ -634,6 +643,11 @@ class Resolver:
     def take_dirty(self) -> set[int]:
         """Identities whose policy may have changed since the last call."""
         dirty, self._dirty = self._dirty, set()
+        return dirty
+
+    def take_host_dirty(self) -> bool:
+        """Whether a node's host policy may have changed since the last call."""
+        dirty, self._host_dirty = self._host_dirty, False
         return dirty
 
     def signature(self, ident: int) -> frozenset[str] | None:

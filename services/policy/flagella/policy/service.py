@@ -6,26 +6,30 @@ mirror of etcd (flagella.policy.mirror), the store's transactions
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import TypeVar
 
+from flagella.common.sync import Batching, WatchMessages
 from flagella.common.tasks import TaskGroup
 from flagella.policy.allocator import Allocation, IdentityAllocator, IdentityView
 from flagella.policy.fqdncache import CacheFilter, FqdnCache, Selection
 from flagella.policy.gc import GarbageCollector
-from flagella.policy.hostpolicy import HostPolicy, Labels, watch_host_policy
+from flagella.policy.hostpolicy import HostPolicies, HostPolicy, Labels
 from flagella.policy.ipcache import IPCache
 from flagella.policy.labels import Label, LabelFilter, LabelSet
 from flagella.policy.lbservices import LbServices
 from flagella.policy.leases import NodeLeases
 from flagella.policy.mirror import Mirror
 from flagella.policy.repository import RuleRepository
-from flagella.policy.resolve import ResolvedPolicy, SelectorUse
+from flagella.policy.resolve import PolicyContent, ResolvedPolicy, SelectorUse
 from flagella.policy.rules import CIDRGroup, Protocol, Rule
 from flagella.policy.runtimeconfig import ConfigEvent, ConfigView, RuntimeConfig
 from flagella.policy.settings import Settings
 from flagella.policy.state import FqdnEntry, IdentityUse, IPEntry, PolicyState
 from flagella.policy.store import PolicyStore
-from flagella.policy.streams import IPCacheEvent, PolicyEvent, Streams
+from flagella.policy.streams import Streams, WatchCounters
 from flagella.policy.trace import Trace, resolved_policy, trace_packet
+
+M = TypeVar("M")
 
 
 class PolicyService:
@@ -64,6 +68,7 @@ class PolicyService:
             ),
             tasks=self.tasks,
             wait_timeout=s.wait_timeout,
+            watch_history=s.watch_history,
         )
         self.leases = NodeLeases(
             store,
@@ -77,6 +82,9 @@ class PolicyService:
         self.fqdn = FqdnCache(store, self.mirror, self.leases)
         self.rules = RuleRepository(store, self.mirror)
         self.streams = Streams(self.mirror, self.leases, s)
+        self.host_policies = HostPolicies(self.mirror)
+        # The watch messages built (the servicer builds them: metrics).
+        self.watch_counters = WatchCounters()
         self.gc = GarbageCollector(store, self.mirror, self.leases, interval=s.gc_interval)
         self.runtime_config = RuntimeConfig(
             store.etcd,
@@ -197,14 +205,21 @@ class PolicyService:
 
     # --- watch streams ---
 
-    def watch_ipcache(self, since: int) -> AsyncIterator[IPCacheEvent]:
-        return self.streams.watch_ipcache(since)
+    def watch_ipcache(
+        self,
+        since: int,
+        messages: WatchMessages[str, IPEntry, M],
+        batching: Batching[M] | None = None,
+    ) -> AsyncIterator[M]:
+        return self.streams.watch_ipcache(since, messages, batching)
 
-    def watch_policy(self, node: str, since: int) -> AsyncIterator[PolicyEvent]:
-        return self.streams.watch_policy(node, since)
+    def watch_policy(
+        self, node: str, since: int, messages: WatchMessages[int, PolicyContent, M]
+    ) -> AsyncIterator[M]:
+        return self.streams.watch_policy(node, since, messages)
 
     def watch_host_policy(self, node: str, labels: Labels) -> AsyncIterator[HostPolicy]:
-        return watch_host_policy(self.mirror, node, labels, heartbeat=self.settings.watch_heartbeat)
+        return self.host_policies.watch(node, labels, heartbeat=self.settings.watch_heartbeat)
 
     # --- runtime configuration ---
 

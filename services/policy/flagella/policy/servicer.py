@@ -14,9 +14,13 @@ from flagella.api.policy.v1 import policy_pb2_grpc
 from flagella.common.debuginfo import Debuginfo, answer
 from flagella.common.errors import InvalidArgument
 from flagella.common.portnames import protocol_name
+from flagella.common.sync import MessageCache
 from flagella.policy.convert import (
+    IPCACHE_BATCHING,
     PROTOCOLS,
     ContentCache,
+    IPCacheMessages,
+    PolicyMessages,
     cidr_group_from_pb,
     cidr_group_pb,
     config_event_pb,
@@ -27,11 +31,11 @@ from flagella.policy.convert import (
     host_policy_event_pb,
     identity_pb,
     ip_entry_pb,
-    ip_event_pb,
+    ipcache_slot,
     label_pb,
     labels_from_pb,
-    policy_event_pb,
     policy_pb,
+    policy_slot,
     rule_from_pb,
     rule_pb,
 )
@@ -84,6 +88,14 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         self.service = service
         self.debuginfo = debuginfo
         self.contents = ContentCache()
+        # The watch streams' UPSERT messages, shared by every stream: each
+        # prefix's and each identity's newest.
+        self.ipcache_events: MessageCache[Any, pb.IPCacheEvent] = MessageCache(
+            8 << 20, slot=ipcache_slot
+        )
+        self.policy_events: MessageCache[Any, pb.PolicyEvent] = MessageCache(
+            8 << 20, slot=policy_slot
+        )
 
     # --- identities ---
 
@@ -167,8 +179,10 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
     ) -> AsyncIterator[pb.IPCacheEvent]:
         if request.since_revision < 0:
             raise InvalidArgument("must not be negative", field="since_revision")
-        async for event in self.service.watch_ipcache(request.since_revision):
-            yield ip_event_pb(event)
+        messages = IPCacheMessages(self.ipcache_events, self.service.watch_counters)
+        batching = IPCACHE_BATCHING if request.batch_events else None
+        async for event in self.service.watch_ipcache(request.since_revision, messages, batching):
+            yield event
 
     # --- FQDN cache ---
 
@@ -363,8 +377,16 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         if request.since_revision < 0:
             raise InvalidArgument("must not be negative", field="since_revision")
         check_node(request.node)
-        async for event in self.service.watch_policy(request.node, request.since_revision):
-            yield policy_event_pb(event, self.contents)
+        messages = PolicyMessages(
+            self.policy_events,
+            self.contents,
+            self.service.mirror.commit_time,
+            self.service.watch_counters,
+        )
+        async for event in self.service.watch_policy(
+            request.node, request.since_revision, messages
+        ):
+            yield event
 
     async def WatchHostPolicy(
         self, request: pb.WatchHostPolicyRequest, context: Ctx

@@ -20,6 +20,9 @@ class Settings:
     k8s_ipblocks: bool = True
     label_filter: tuple[str, ...] | None = None
     watch_heartbeat: float = 30.0
+    # SYNCEDs per second, every WatchPolicy stream together, for revisions
+    # that touch nothing of a stream's node (--watch-quiet-sync-rate).
+    watch_quiet_sync_rate: float = 1000.0
     wait_timeout: float = 10.0
     # Changes each table served to watches keeps (--watch-history).
     watch_history: int = WATCH_LOG_SIZE

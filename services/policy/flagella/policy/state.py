@@ -173,6 +173,8 @@ class Change:
     full: bool = False
     # a rule was put or deleted (whether or not any policy changed)
     rules: bool = False
+    # a node's host policy may have changed (a host rule, or what one selects)
+    host: bool = False
 
     def merge(self, other: Change) -> None:
         self.revision = max(self.revision, other.revision)
@@ -182,9 +184,12 @@ class Change:
             self.nodes.setdefault(node, set()).update(ids)
         self.full = self.full or other.full
         self.rules = self.rules or other.rules
+        self.host = self.host or other.host
 
     def __bool__(self) -> bool:
-        return bool(self.ipcache or self.dirty or self.nodes or self.full or self.rules)
+        return bool(
+            self.ipcache or self.dirty or self.nodes or self.full or self.rules or self.host
+        )
 
 
 class PolicyState:
@@ -533,6 +538,7 @@ class PolicyState:
         change.rules = rules
         change.revision = revision
         change.dirty = self.resolver.take_dirty()
+        change.host = self.resolver.take_host_dirty()
         self.revision = max(self.revision, revision)
         return change
 
@@ -612,6 +618,10 @@ class PolicyState:
             source=FQDN_SOURCE if prefix in self._fqdn_only else CIDR_POLICY_SOURCE,
             revision=created,
         )
+
+    def cidr_prefixes(self) -> list[str]:
+        """The prefixes of the CIDR identities (each has an ipcache entry)."""
+        return list(self._cidr_by_prefix)
 
     def ipcache(self) -> dict[str, IPEntry]:
         """The ipcache the datapath loads: the entries in etcd, plus one per

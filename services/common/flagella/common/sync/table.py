@@ -454,7 +454,10 @@ class Subscription(Generic[K, R]):
         if table._seq <= self.seq:
             changed = table._changed
             try:
-                await asyncio.wait_for(changed.wait(), timeout)
+                # (asyncio.timeout, not wait_for: no task per wait, which
+                # every stream of a table makes after each batch)
+                async with asyncio.timeout(timeout):
+                    await changed.wait()
             except TimeoutError:
                 return None
         batch = table._changes_after_seq(self.seq)

@@ -36,6 +36,10 @@ class _EventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventKind.V
     EVENT_KIND_DELETE: _EventKind.ValueType  # 3
     EVENT_KIND_SYNCED: _EventKind.ValueType  # 4
     """The snapshot is complete at revision."""
+    EVENT_KIND_BATCH: _EventKind.ValueType  # 5
+    """Several UPSERTs and DELETEs, in order, in `events` (WatchIPCache with
+    batch_events); revision is the last one's.
+    """
 
 class EventKind(_EventKind, metaclass=_EventKindEnumTypeWrapper): ...
 
@@ -46,6 +50,10 @@ EVENT_KIND_UPSERT: EventKind.ValueType  # 2
 EVENT_KIND_DELETE: EventKind.ValueType  # 3
 EVENT_KIND_SYNCED: EventKind.ValueType  # 4
 """The snapshot is complete at revision."""
+EVENT_KIND_BATCH: EventKind.ValueType  # 5
+"""Several UPSERTs and DELETEs, in order, in `events` (WatchIPCache with
+batch_events); revision is the last one's.
+"""
 Global___EventKind: _TypeAlias = EventKind  # noqa: Y015
 
 class _Entity:
@@ -630,15 +638,22 @@ class WatchIPCacheRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SINCE_REVISION_FIELD_NUMBER: _builtins.int
+    BATCH_EVENTS_FIELD_NUMBER: _builtins.int
     since_revision: _builtins.int
+    batch_events: _builtins.bool
+    """Send a batch's UPSERTs and DELETEs several to a message (kind BATCH,
+    in `events`), and let changes gather for 0.1 s after sending some: a
+    burst of pod starts reaches each node as a few messages, not one each.
+    """
     def __init__(
         self,
         *,
         since_revision: _builtins.int = ...,
+        batch_events: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["since_revision", b"since_revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_events", b"batch_events", "since_revision", b"since_revision"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -651,11 +666,16 @@ class IPCacheEvent(_message.Message):
     KIND_FIELD_NUMBER: _builtins.int
     ENTRY_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
     kind: Global___EventKind.ValueType
     revision: _builtins.int
     @_builtins.property
     def entry(self) -> Global___IPCacheEntry:
         """For DELETE only prefix is set."""
+
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___IPCacheEvent]:
+        """BATCH: the UPSERTs and DELETEs it carries."""
 
     def __init__(
         self,
@@ -663,10 +683,11 @@ class IPCacheEvent(_message.Message):
         kind: Global___EventKind.ValueType = ...,
         entry: Global___IPCacheEntry | None = ...,
         revision: _builtins.int = ...,
+        events: _abc.Iterable[Global___IPCacheEvent] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry", "kind", b"kind", "revision", b"revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry", "events", b"events", "kind", b"kind", "revision", b"revision"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
