@@ -16,6 +16,7 @@ import grpc
 import pytest
 
 from flagella.api.gobgp.v3 import gobgp_pb2 as g
+from flagella.common.sync import Table
 from flagella.datapath.bgp.gobgp import ExportPolicy, LocalPath, peer_description
 from flagella.datapath.bgp.model import (
     AdvertisedService,
@@ -27,7 +28,7 @@ from flagella.datapath.bgp.model import (
     VirtualRouter,
     desired,
 )
-from flagella.datapath.bgp.speaker import reconcile
+from flagella.datapath.bgp.speaker import Speaker, reconcile
 
 NODE = NodeInfo("n1", (), "192.168.100.1", "fd00:100::1", ("10.200.1.0/24",))
 ROUTERS = (
@@ -212,3 +213,27 @@ def test_new_settings_start_bgp_again() -> None:
     assert "StopBgp" in fake.calls
     assert fake.glob.asn == 65009
     assert set(fake.peers) == {"192.168.100.253", "192.168.100.254"}
+
+
+class _ExitedGobgpd:
+    """A gobgpd that exited while the speaker's pass ran: its pid is known,
+    it is not running, and its exit (already past) is never signalled
+    again."""
+
+    pid = 4242
+    running = False
+
+    async def wait_exited(self) -> None:
+        await asyncio.Event().wait()
+
+
+async def test_the_loop_wakes_for_a_gobgpd_that_exited_during_a_pass() -> None:
+    speaker = Speaker(
+        _ExitedGobgpd(),  # type: ignore[arg-type]
+        NODE,
+        Table("bgp-policies"),
+        lambda table: None,  # type: ignore[arg-type,return-value]
+    )
+    # Nothing else changed (dirty is clear): the dead gobgpd alone must
+    # wake the loop, which then starts another.
+    await asyncio.wait_for(speaker._wait(), 1.0)

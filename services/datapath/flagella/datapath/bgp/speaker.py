@@ -195,14 +195,27 @@ class Speaker:
                 await self._apply(want)
                 self.last_error = ""
                 if self.refused:
-                    await self.backoff.wait()
+                    await self._retry_pause()
                     self.dirty.set()
             except (grpc.aio.AioRpcError, GobgpdError, OSError, TimeoutError) as exc:
                 reason = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
                 self.last_error = reason or repr(exc)
                 log.warning("BGP speaker not reconciled, will retry", extra={"reason": reason})
-                await self.backoff.wait()
+                await self._retry_pause()
                 self.dirty.set()
+
+    async def _retry_pause(self) -> None:
+        """The backoff's delay before reconciling again, cut short when
+        gobgpd exits: a dead gobgpd is started again at once, not after a
+        refused item's backoff (which grows to 30 s while the item stays
+        refused)."""
+        delay = self.backoff.next()
+        if not self.gobgpd.running:
+            await asyncio.sleep(delay)
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(delay):
+                await self.gobgpd.wait_exited()
 
     def _follow_services(self, on: bool) -> None:
         """Start or stop following the services (a policy selects the node,
@@ -229,7 +242,9 @@ class Speaker:
             self.changed()
 
     async def _wait(self) -> None:
-        if self.dirty.is_set():
+        if self.dirty.is_set() or (self.gobgpd.pid and not self.gobgpd.running):
+            # (a gobgpd that exited while a pass ran: its exit is not
+            # waited for below, and nothing else would wake the loop)
             return
         waits: list[asyncio.Future[Any]] = [asyncio.ensure_future(self.dirty.wait())]
         if self.gobgpd.running:
